@@ -1,0 +1,189 @@
+"""The pure-functional Flax MoE transformer (qwen3_moe, mixtral, olmoe).
+
+Parameter names follow Hugging Face (``layers_3/self_attn/q_proj/weight`` is
+``model.layers.3.self_attn.q_proj.weight``), with ``weight`` as [out, in].
+Routed experts are *not* parameters: every call takes them explicitly, one
+``{"gate_up": [E, 2I, D], "down": [E, D, I]}`` dict per layer (None for dense
+layers), so the offload engine can hand in slot buffers instead.
+
+A decoder layer is exposed in two halves so an engine can decide between them:
+  (a) ``attend`` + ``route_logits``: attention with its residual, then the
+      pre-MoE norm and the router logits;
+  (b) ``moe_residual``: the routed experts (and residual) from given ids/gates.
+
+The KV cache is an explicit pytree: a list over layers of {"k", "v"} arrays of
+static shape [B, S, kv_heads, head_dim]; ``end_index`` is the number of
+positions already written.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from moejax import experts as experts_lib
+from moejax import routing
+from moejax.config import ModelConfig
+from moejax.layers import Linear, RMSNorm, apply_rope, rope_cos_sin
+
+Cache = list  # list over layers of {"k": [B,S,Hkv,K], "v": [B,S,Hkv,K]}
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> Cache:
+  shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+  return [{"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+          for _ in range(cfg.num_layers)]
+
+
+class Attention(nn.Module):
+  cfg: ModelConfig
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x_BxTxD, positions_BxT, cache, end_index):
+    c = self.cfg
+    b, t, _ = x_BxTxD.shape
+    hq, hk, hd = c.num_heads, c.num_kv_heads, c.head_dim
+    lin = lambda n, f: Linear(f, use_bias=c.attention_bias, dtype=self.dtype, name=n)
+    q = lin("q_proj", hq * hd)(x_BxTxD)
+    k = lin("k_proj", hk * hd)(x_BxTxD)
+    v = lin("v_proj", hk * hd)(x_BxTxD)
+    if c.qk_norm == "full":
+      q = RMSNorm(c.rms_norm_eps, self.dtype, name="q_norm")(q)
+      k = RMSNorm(c.rms_norm_eps, self.dtype, name="k_norm")(k)
+    if c.clip_qkv is not None:
+      q, k, v = (jnp.clip(a, -c.clip_qkv, c.clip_qkv) for a in (q, k, v))
+    q = q.reshape(b, t, hq, hd)
+    k = k.reshape(b, t, hk, hd)
+    v = v.reshape(b, t, hk, hd)
+    if c.qk_norm == "head":
+      q = RMSNorm(c.rms_norm_eps, self.dtype, name="q_norm")(q)
+      k = RMSNorm(c.rms_norm_eps, self.dtype, name="k_norm")(k)
+    cos, sin = rope_cos_sin(positions_BxT, hd, c.rope_theta)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+    if cache is None:
+      keys, values = k, v
+      k_pos = positions_BxT
+    else:
+      keys = jax.lax.dynamic_update_slice(cache["k"], k.astype(cache["k"].dtype), (0, end_index, 0, 0))
+      values = jax.lax.dynamic_update_slice(cache["v"], v.astype(cache["v"].dtype), (0, end_index, 0, 0))
+      cache = {"k": keys, "v": values}
+      k_pos = jnp.broadcast_to(jnp.arange(keys.shape[1]), (b, keys.shape[1]))
+    g = hq // hk
+    q = q.reshape(b, t, hk, g, hd)
+    s = jnp.einsum("btkgh,bskh->bkgts", q, keys.astype(q.dtype)).astype(jnp.float32)
+    s = s * (hd ** -0.5)
+    mask = k_pos[:, None, :] <= positions_BxT[:, :, None]            # [B,T,S]
+    s = jnp.where(mask[:, None, None], s, jnp.finfo(jnp.float32).min)
+    p = jax.nn.softmax(s, axis=-1).astype(q.dtype)
+    o = jnp.einsum("bkgts,bskh->btkgh", p, values.astype(q.dtype)).reshape(b, t, hq * hd)
+    return lin("o_proj", c.hidden_size)(o), cache
+
+
+class DenseMLP(nn.Module):
+  cfg: ModelConfig
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x):
+    c = self.cfg
+    g = Linear(c.intermediate_size, dtype=self.dtype, name="gate_proj")(x)
+    u = Linear(c.intermediate_size, dtype=self.dtype, name="up_proj")(x)
+    return Linear(c.hidden_size, dtype=self.dtype, name="down_proj")(jax.nn.silu(g) * u)
+
+
+class Router(nn.Module):
+  cfg: ModelConfig
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x):
+    return Linear(self.cfg.num_experts, dtype=self.dtype, name="gate")(x)
+
+
+class DecoderLayer(nn.Module):
+  """One decoder layer; ``sparse`` selects routed experts vs a dense MLP."""
+  cfg: ModelConfig
+  sparse: bool
+  dtype: Any = jnp.float32
+
+  def setup(self):
+    c = self.cfg
+    self.input_layernorm = RMSNorm(c.rms_norm_eps, self.dtype)
+    self.self_attn = Attention(c, self.dtype)
+    self.post_attention_layernorm = RMSNorm(c.rms_norm_eps, self.dtype)
+    self.mlp = Router(c, self.dtype) if self.sparse else DenseMLP(c, self.dtype)
+
+  def attend(self, x_BxTxD, positions_BxT, cache, end_index):
+    """(a1) h = x + attn(norm(x)); returns (h, new_cache)."""
+    a, cache = self.self_attn(self.input_layernorm(x_BxTxD), positions_BxT, cache, end_index)
+    return x_BxTxD + a, cache
+
+  def route_logits(self, h_BxTxD):
+    """(a2) the pre-MoE normed input and the router logits [B,T,E] (sparse layers)."""
+    moe_in = self.post_attention_layernorm(h_BxTxD)
+    return moe_in, self.mlp(moe_in)
+
+  def dense_residual(self, h_BxTxD):
+    return h_BxTxD + self.mlp(self.post_attention_layernorm(h_BxTxD))
+
+  def __call__(self, x_BxTxD, positions_BxT, cache, end_index, expert_weights):
+    h, cache = self.attend(x_BxTxD, positions_BxT, cache, end_index)
+    if not self.sparse:
+      return self.dense_residual(h), cache, None
+    moe_in, logits = self.route_logits(h)
+    ids, gates, _ = routing.route(self.cfg, logits)
+    return moe_residual(h, moe_in, ids, gates, expert_weights), cache, logits
+
+
+def moe_residual(h_BxTxD, moe_in_BxTxD, ids_BxTxK, gates_BxTxK, expert_weights):
+  """(b) h + sum_k g_k * expert_k(moe_in), experts addressed by index into the weights."""
+  b, t, d = h_BxTxD.shape
+  y = experts_lib.apply_experts(moe_in_BxTxD.reshape(b * t, d), ids_BxTxK.reshape(b * t, -1),
+                                gates_BxTxK.reshape(b * t, -1), expert_weights)
+  return h_BxTxD + y.reshape(b, t, d).astype(h_BxTxD.dtype)
+
+
+class Transformer(nn.Module):
+  cfg: ModelConfig
+  dtype: Any = jnp.float32
+
+  def setup(self):
+    c = self.cfg
+    self.embed_tokens = nn.Embed(c.vocab_size, c.hidden_size, param_dtype=self.dtype,
+                                 dtype=self.dtype, embedding_init=nn.initializers.normal(0.02))
+    self.layers = [DecoderLayer(c, s, self.dtype) for s in c.sparse_layers]
+    self.norm = RMSNorm(c.rms_norm_eps, self.dtype)
+    if not c.tie_word_embeddings:
+      self.lm_head = Linear(c.vocab_size, dtype=self.dtype)
+
+  def embed(self, tokens_BxT):
+    return self.embed_tokens(tokens_BxT)
+
+  def logits(self, x_BxTxD):
+    x = self.norm(x_BxTxD)
+    if self.cfg.tie_word_embeddings:
+      return self.embed_tokens.attend(x).astype(jnp.float32)
+    return self.lm_head(x).astype(jnp.float32)
+
+  def __call__(self, tokens_BxT, expert_weights, cache=None, end_index=0, positions_BxT=None):
+    """Full forward. Returns (logits [B,T,V] f32, new cache, router logits per layer)."""
+    b, t = tokens_BxT.shape
+    if positions_BxT is None:
+      positions_BxT = jnp.broadcast_to(end_index + jnp.arange(t), (b, t))
+    x = self.embed(tokens_BxT)
+    new_cache, router_logits = [], []
+    for i, layer in enumerate(self.layers):
+      x, ci, rl = layer(x, positions_BxT, None if cache is None else cache[i], end_index,
+                        expert_weights[i])
+      new_cache.append(ci)
+      router_logits.append(rl)
+    return self.logits(x), (None if cache is None else new_cache), router_logits
+
+
+def param_count(tree) -> int:
+  return sum(int(x.size) for x in jax.tree_util.tree_leaves(tree))

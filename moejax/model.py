@@ -137,15 +137,17 @@ class DecoderLayer(nn.Module):
       return self.dense_residual(h), cache, None
     moe_in, logits = self.route_logits(h)
     ids, gates, _ = routing.route(self.cfg, logits)
-    return moe_residual(h, moe_in, ids, gates, expert_weights), cache, logits
+    return self.moe_residual(h, moe_in, ids, gates, expert_weights), cache, logits
 
+  def moe_residual(self, h_BxTxD, moe_in_BxTxD, ids_BxTxK, gates_BxTxK, expert_weights):
+    """(b) h + sum_k g_k * expert_k(moe_in); ids index into `expert_weights` (table or slots).
 
-def moe_residual(h_BxTxD, moe_in_BxTxD, ids_BxTxK, gates_BxTxK, expert_weights):
-  """(b) h + sum_k g_k * expert_k(moe_in), experts addressed by index into the weights."""
-  b, t, d = h_BxTxD.shape
-  y = experts_lib.apply_experts(moe_in_BxTxD.reshape(b * t, d), ids_BxTxK.reshape(b * t, -1),
-                                gates_BxTxK.reshape(b * t, -1), expert_weights)
-  return h_BxTxD + y.reshape(b, t, d).astype(h_BxTxD.dtype)
+    Families with shared experts add them here (they are dense, resident parameters).
+    """
+    b, t, d = h_BxTxD.shape
+    y = experts_lib.apply_experts(moe_in_BxTxD.reshape(b * t, d), ids_BxTxK.reshape(b * t, -1),
+                                  gates_BxTxK.reshape(b * t, -1), expert_weights)
+    return h_BxTxD + y.reshape(b, t, d).astype(h_BxTxD.dtype)
 
 
 class Transformer(nn.Module):

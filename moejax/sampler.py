@@ -1,0 +1,119 @@
+"""Generation with every expert resident: prefill, a jitted one-token decode step, sampling.
+
+The KV cache is threaded explicitly and donated to the decode step.  Prompts are
+padded on the right to a power-of-two bucket for prefill (padding only writes
+cache rows at positions that are masked and later overwritten).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moejax.config import ModelConfig
+from moejax.model import Transformer, init_cache
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+  temperature: float = 0.0      # 0 = greedy
+  top_p: float = 1.0
+  max_new_tokens: int = 32
+  stop_ids: tuple[int, ...] = ()
+
+  def __post_init__(self):
+    if self.temperature < 0:
+      raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
+    if not 0 < self.top_p <= 1:
+      raise ValueError(f"--top_p must be in (0, 1], got {self.top_p}")
+    if self.max_new_tokens < 0:
+      raise ValueError(f"--max_new_tokens must be >= 0, got {self.max_new_tokens}")
+
+
+def sample_token(logits_BxV, key, temperature: float, top_p: float):
+  """Greedy when temperature == 0, else temperature + nucleus (top-p) sampling."""
+  if temperature == 0.0:
+    return jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
+  logits = logits_BxV.astype(jnp.float32) / temperature
+  if top_p < 1.0:
+    srt = jnp.sort(logits, axis=-1)[:, ::-1]
+    cum = jnp.cumsum(jax.nn.softmax(srt, axis=-1), axis=-1)
+    # smallest set whose mass reaches top_p: keep a token if the mass before it < top_p
+    keep = (cum - jax.nn.softmax(srt, axis=-1)) < top_p
+    cutoff = jnp.min(jnp.where(keep, srt, jnp.inf), axis=-1, keepdims=True)
+    logits = jnp.where(logits < cutoff, -jnp.inf, logits)
+  return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+def bucket(n: int, minimum: int = 16) -> int:
+  b = minimum
+  while b < n:
+    b *= 2
+  return b
+
+
+class Sampler:
+  """Fully resident generation for a loaded model (params + device expert weights)."""
+
+  def __init__(self, cfg: ModelConfig, params, experts, max_len: int = 1024,
+               dtype=jnp.float32):
+    self.cfg, self.params, self.experts = cfg, params, experts
+    self.max_len = max_len
+    self.dtype = dtype
+    self.model = Transformer(cfg, dtype)
+
+  @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(3,))
+  def _prefill(self, params, experts, cache, tokens_BxT):
+    logits, cache, _ = self.model.apply({"params": params}, tokens_BxT, experts, cache, 0)
+    return logits, cache
+
+  @functools.partial(jax.jit, static_argnums=(0, 6, 7), donate_argnums=(3,))
+  def _decode(self, params, experts, cache, token_B, end_index, temperature, top_p, key):
+    logits, cache, _ = self.model.apply({"params": params}, token_B[:, None], experts, cache,
+                                        end_index)
+    nxt = sample_token(logits[:, -1], key, temperature, top_p)
+    return nxt, logits[:, -1], cache
+
+  def prefill(self, prompt_BxT: np.ndarray):
+    """Returns (last-position logits [B, V], cache)."""
+    b, t = prompt_BxT.shape
+    if t + 1 > self.max_len:
+      raise ValueError(f"prompt of {t} tokens does not fit max_len={self.max_len}")
+    tb = min(bucket(t), self.max_len)
+    padded = np.zeros((b, tb), np.int32)
+    padded[:, :t] = prompt_BxT
+    cache = init_cache(self.cfg, b, self.max_len, self.dtype)
+    logits, cache = self._prefill(self.params, self.experts, cache, jnp.asarray(padded))
+    return logits[:, t - 1], cache
+
+  def decode_step(self, cache, token_B, end_index: int, sp: SamplingParams, key):
+    return self._decode(self.params, self.experts, cache, token_B, jnp.int32(end_index),
+                        float(sp.temperature), float(sp.top_p), key)
+
+  def generate(self, prompt_ids: list[int], sp: SamplingParams, seed: int = 0,
+               on_token=None) -> list[int]:
+    """Generates up to sp.max_new_tokens tokens after `prompt_ids` (batch 1)."""
+    prompt = np.asarray([prompt_ids], np.int32)
+    t = prompt.shape[1]
+    if t + sp.max_new_tokens > self.max_len:
+      raise ValueError(f"prompt ({t}) + max_new_tokens ({sp.max_new_tokens}) exceeds "
+                       f"max_len={self.max_len}")
+    key = jax.random.PRNGKey(seed)
+    logits, cache = self.prefill(prompt)
+    key, sub = jax.random.split(key)
+    tok = sample_token(logits, sub, float(sp.temperature), float(sp.top_p))
+    out = []
+    for i in range(sp.max_new_tokens):
+      tid = int(tok[0])
+      out.append(tid)
+      if on_token:
+        on_token(tid)
+      if tid in sp.stop_ids or i == sp.max_new_tokens - 1:
+        break
+      key, sub = jax.random.split(key)
+      tok, _, cache = self.decode_step(cache, tok, t + i, sp, sub)
+    return out

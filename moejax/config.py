@@ -11,7 +11,7 @@ import json
 import os
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("qwen3_moe", "mixtral", "olmoe")
+SUPPORTED_MODEL_TYPES = ("qwen3_moe", "mixtral", "olmoe", "qwen3_next", "glm4_moe", "glm4_moe_lite", "deepseek_v3", "gpt_oss")
 
 
 class ConfigError(ValueError):
@@ -45,6 +45,34 @@ class ModelConfig:
   router: str = "softmax"           # family routing rule, see moejax.routing
   bos_token_id: int | None = None
   eos_token_ids: tuple[int, ...] = ()
+  # qwen3_next (see moejax.families.qwen3_next)
+  layer_types: tuple[str, ...] = ()  # HF layer_types per layer; () = all full attention
+  partial_rotary_factor: float = 1.0  # RoPE on the first factor * head_dim dims
+  zero_centred_norm: bool = False   # RMSNorm weights applied as (1 + w)
+  attn_output_gate: bool = False    # q_proj gives [q | gate]; attention out * sigmoid(gate)
+  linear_conv_kernel_dim: int = 4   # Gated DeltaNet layers ("linear_attention")
+  linear_num_key_heads: int = 0
+  linear_num_value_heads: int = 0
+  linear_key_head_dim: int = 0
+  linear_value_head_dim: int = 0
+  shared_expert_intermediate_size: int = 0  # sigmoid-gated shared expert (0 = none)
+  # gpt_oss (see moejax.families.gpt_oss); layer_types "sliding_attention" use the window
+  sliding_window: int | None = None  # sliding layers see keys with position > q - window
+  rope_scaling: tuple[tuple[str, Any], ...] = ()  # sorted (name, value) pairs, e.g. YaRN
+  swiglu_alpha: float = 1.702       # clamped SwiGLU experts: gate * sigmoid(alpha * gate)
+  swiglu_limit: float = 7.0         # gate <= limit, -limit <= up <= limit
+  # glm4_moe / glm4_moe_lite / deepseek_v3 (see moejax.families.glm)
+  n_group: int = 1                  # expert groups for group-limited top-k
+  topk_group: int = 1               # groups kept per token
+  routed_scaling_factor: float = 1.0
+  n_shared_experts: int = 0         # ungated shared experts (size n * moe_intermediate_size)
+  num_mtp_layers: int = 0           # hub tensors of these extra (MTP) layers are ignored
+  q_lora_rank: int | None = None    # MLA; kv_lora_rank == 0 means not MLA
+  kv_lora_rank: int = 0
+  qk_nope_head_dim: int = 0
+  qk_rope_head_dim: int = 0
+  v_head_dim: int = 0
+  rope_interleave: bool = False
 
   @property
   def moe_layers(self) -> tuple[int, ...]:
@@ -52,7 +80,10 @@ class ModelConfig:
 
   @property
   def expert_param_count(self) -> int:
-    return 3 * self.hidden_size * self.moe_intermediate_size
+    n = 3 * self.hidden_size * self.moe_intermediate_size
+    if self.model_type == "gpt_oss":  # + gate_up and down biases
+      n += 2 * self.moe_intermediate_size + self.hidden_size
+    return n
 
   def validate(self) -> "ModelConfig":
     def need(cond: bool, field: str, msg: str):
@@ -69,6 +100,12 @@ class ModelConfig:
     need(len(self.sparse_layers) == self.num_layers, "mlp_only_layers",
          "per-layer sparsity does not cover every layer")
     need(self.qk_norm in ("none", "head", "full"), "qk_norm", self.qk_norm)
+    if self.router == "sigmoid_group":
+      from moejax.families import glm  # pylint: disable=g-import-not-at-top
+      glm.validate(self, need)
+    if self.model_type == "qwen3_next":
+      from moejax.families import qwen3_next
+      qwen3_next.validate(self, need)
     return self
 
   # ------------------------------------------------------------------ io
@@ -79,6 +116,9 @@ class ModelConfig:
       raise ConfigError(
           f"{source}: unknown or unsupported model_type {mt!r}; "
           f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    if mt in ("glm4_moe", "glm4_moe_lite", "deepseek_v3"):
+      from moejax.families import glm  # pylint: disable=g-import-not-at-top
+      return glm.config_from_hf(cls, d, source)
 
     def get(*names, default=dataclasses.MISSING):
       for n in names:
@@ -100,7 +140,7 @@ class ModelConfig:
     rope = d.get("rope_parameters") or {}
     rope_scaling = d.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope_scaling.get("rope_type", rope_scaling.get("type", "default")))
-    if rope_type not in ("default", None):
+    if rope_type not in ("default", None) and mt != "gpt_oss":  # gpt_oss: YaRN
       raise ConfigError(f"{source}: field 'rope_scaling': rope type {rope_type!r} is not supported "
                         f"for {mt}")
     rope_theta = float(rope.get("rope_theta", d.get("rope_theta", 10000.0)))
@@ -120,6 +160,15 @@ class ModelConfig:
       kw = dict(moe_intermediate_size=inter, intermediate_size=inter, norm_topk_prob=True,
                 qk_norm="none", rms_norm_eps=float(get("rms_norm_eps", default=1e-5)))
       sparse = (True,) * layers
+    elif mt == "qwen3_next":
+      from moejax.families import qwen3_next
+      kw = qwen3_next.config_kwargs(d, get, layers)
+      sparse = kw.pop("sparse_layers")
+    elif mt == "gpt_oss":
+      from moejax.families import gpt_oss
+      kw = gpt_oss.config_kwargs(d, layers, source, ConfigError)
+      rope_theta = kw.pop("rope_theta")
+      sparse = (True,) * layers
     else:  # olmoe
       inter = int(get("intermediate_size"))
       kw = dict(moe_intermediate_size=inter, intermediate_size=inter,
@@ -135,7 +184,7 @@ class ModelConfig:
               sparse_layers=sparse, rope_theta=rope_theta,
               max_position_embeddings=int(get("max_position_embeddings", default=4096)),
               tie_word_embeddings=bool(get("tie_word_embeddings", default=False)),
-              attention_bias=bool(get("attention_bias", default=False)),
+              attention_bias=bool(get("attention_bias", default=mt == "gpt_oss")),
               bos_token_id=d.get("bos_token_id"), eos_token_ids=eos_ids, **kw)
     return cfg.validate()
 

@@ -16,7 +16,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-ExpertWeights = dict  # {"gate_up": [E, 2I, D], "down": [E, D, I]}
+from moejax.families import gpt_oss
+
+ExpertWeights = dict  # {"gate_up": [E, 2I, D], "down": [E, D, I]}; gpt_oss: see families.gpt_oss
+SWIGLU = (1.702, 7.0)  # gpt_oss clamped-SwiGLU (alpha, limit) unless the caller passes cfg's
+
+
+def _num_experts(w: ExpertWeights) -> int:
+  return gpt_oss.num_experts(w) if gpt_oss.is_expert_dict(w) else w["gate_up"].shape[0]
 
 
 def _ffn(x_NxD, gate_up_Nx2IxD, down_NxDxI):
@@ -25,11 +32,15 @@ def _ffn(x_NxD, gate_up_Nx2IxD, down_NxDxI):
   return jnp.einsum("ni,ndi->nd", jax.nn.silu(g) * u, down_NxDxI)
 
 
-def experts_gather(x_NxD, ids_NxK, gates_NxK, w: ExpertWeights):
+def experts_gather(x_NxD, ids_NxK, gates_NxK, w: ExpertWeights, swiglu=SWIGLU):
   n, k = ids_NxK.shape
   flat = ids_NxK.reshape(-1)
   x_rep = jnp.repeat(x_NxD, k, axis=0)
-  y = _ffn(x_rep, w["gate_up"][flat], w["down"][flat]).reshape(n, k, -1)
+  if gpt_oss.is_expert_dict(w):  # biases, clamped SwiGLU; MXFP4 dequantised per gathered expert
+    y = gpt_oss.expert_ffn(x_rep[:, None], {kk: v[flat] for kk, v in w.items()}, *swiglu)
+    y = y.reshape(n, k, -1)
+  else:
+    y = _ffn(x_rep, w["gate_up"][flat], w["down"][flat]).reshape(n, k, -1)
   return jnp.einsum("nkd,nk->nd", y, gates_NxK.astype(y.dtype))
 
 
@@ -41,9 +52,10 @@ def block_size_for(num_assignments: int, num_experts: int) -> int:
   return b
 
 
-def experts_grouped(x_NxD, ids_NxK, gates_NxK, w: ExpertWeights, block: int | None = None):
+def experts_grouped(x_NxD, ids_NxK, gates_NxK, w: ExpertWeights, block: int | None = None,
+                    swiglu=SWIGLU):
   n, k = ids_NxK.shape
-  num_e = w["gate_up"].shape[0]
+  num_e = _num_experts(w)
   nk = n * k
   b = block or block_size_for(nk, num_e)
   num_blocks = -(-(nk + num_e * (b - 1)) // b)
@@ -68,17 +80,23 @@ def experts_grouped(x_NxD, ids_NxK, gates_NxK, w: ExpertWeights, block: int | No
   block_e = jnp.searchsorted(pad_end, jnp.arange(num_blocks) * b, side="right")
   block_e = jnp.minimum(block_e, num_e - 1)
 
-  h = jnp.einsum("nbd,nid->nbi", xb, w["gate_up"][block_e])
-  g, u = jnp.split(h, 2, axis=-1)
-  yb = jnp.einsum("nbi,ndi->nbd", jax.nn.silu(g) * u, w["down"][block_e])
+  if gpt_oss.is_expert_dict(w):
+    yb = gpt_oss.expert_ffn(xb, {kk: v[block_e] for kk, v in w.items()}, *swiglu)
+  else:
+    h = jnp.einsum("nbd,nid->nbi", xb, w["gate_up"][block_e])
+    g, u = jnp.split(h, 2, axis=-1)
+    yb = jnp.einsum("nbi,ndi->nbd", jax.nn.silu(g) * u, w["down"][block_e])
   y = yb.reshape(rows, -1)[dest].reshape(n, k, -1)
   return jnp.einsum("nkd,nk->nd", y, gates_NxK.astype(y.dtype))
 
 
-def apply_experts(x_NxD, ids_NxK, gates_NxK, w: ExpertWeights):
-  """Exact weighted sum of the selected experts' outputs, [N, D]."""
+def apply_experts(x_NxD, ids_NxK, gates_NxK, w: ExpertWeights, swiglu=SWIGLU):
+  """Exact weighted sum of the selected experts' outputs, [N, D].
+
+  ``swiglu`` = (alpha, limit) of gpt_oss expert dicts (ignored for the others).
+  """
   n, k = ids_NxK.shape
-  num_e = w["gate_up"].shape[0]
+  num_e = _num_experts(w)
   if n * k <= 2 * num_e or n <= 4:
-    return experts_gather(x_NxD, ids_NxK, gates_NxK, w)
-  return experts_grouped(x_NxD, ids_NxK, gates_NxK, w)
+    return experts_gather(x_NxD, ids_NxK, gates_NxK, w, swiglu=swiglu)
+  return experts_grouped(x_NxD, ids_NxK, gates_NxK, w, swiglu=swiglu)

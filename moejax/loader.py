@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moejax.config import ModelConfig
+from moejax.families import gpt_oss
 from moejax.model import Transformer
 from moejax.safetensors_io import CheckpointError, SafetensorsFile, save_file
 from moejax.store import ExpertStore, LayerExperts
@@ -27,6 +28,9 @@ _FLOAT_SRC = ("F32", "F16", "BF16", "F64")
 
 
 def expert_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+  """Per-expert tensor shapes of the (dequantised) expert dict, without the expert axis."""
+  if cfg.model_type == "gpt_oss":
+    return gpt_oss.expert_shapes(cfg)  # + biases; MXFP4 dicts: gpt_oss.expert_shapes(cfg, "mxfp4")
   d, i = cfg.hidden_size, cfg.moe_intermediate_size
   return {"gate_up": (2 * i, d), "down": (d, i)}
 
@@ -70,7 +74,7 @@ def _split(name: str):
   if m:
     kind = _MIXTRAL.get(m.group(3), m.group(3))
     return ("expert", int(m.group(1)), int(m.group(2)), kind)
-  m = re.fullmatch(r"layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)", n)
+  m = re.fullmatch(r"layers\.(\d+)\.mlp\.experts\.((?:gate_up|down)_proj(?:_bias|_blocks|_scales)?)", n)
   if m:
     return ("expert", int(m.group(1)), None, m.group(2))
   m = re.fullmatch(r"layers\.(\d+)\.(.+)", n)
@@ -131,12 +135,19 @@ def _check(idx: _Index, name: str, arr: np.ndarray, shape, check_finite: bool):
     raise CheckpointError(f"{where}: tensor '{name}' contains NaN or Inf")
 
 
-def load_model(model_dir: str, dtype=jnp.float32, mmap: bool = False, check_finite: bool = True):
-  """Returns (cfg, params on device, ExpertStore on host)."""
+def load_model(model_dir: str, dtype=jnp.float32, mmap: bool = False, check_finite: bool = True,
+               dequantize_mxfp4: bool = False):
+  """Returns (cfg, params on device, ExpertStore on host).
+
+  MXFP4 experts (gpt_oss ``*_blocks``/``*_scales``) stay MXFP4 in the store (a fetch
+  moves the 4-bit bytes; the device dequantises) unless ``dequantize_mxfp4``.
+  """
   cfg = ModelConfig.from_json_file(model_dir)
   idx = _Index(model_dir)
   np_dtype = np.dtype(jnp.dtype(dtype))
   expected = abstract_params(cfg, dtype)
+  leaf_dtypes = {tuple(k.key for k in path): np.dtype(leaf.dtype)
+                 for path, leaf in jax.tree_util.tree_flatten_with_path(expected)[0]}
   flat_expected = {tuple(k.key for k in path): leaf.shape
                    for path, leaf in jax.tree_util.tree_flatten_with_path(expected)[0]}
 
@@ -150,6 +161,8 @@ def load_model(model_dir: str, dtype=jnp.float32, mmap: bool = False, check_fini
         dense[kind[1]] = name
       continue  # e.g. rotary inv_freq buffers: not parameters
     _, layer, e, what = kind
+    if cfg.num_layers <= layer < cfg.num_layers + cfg.num_mtp_layers:
+      continue  # multi-token-prediction layers (glm4_moe, deepseek_v3): not part of decoding
     if layer >= cfg.num_layers or not cfg.sparse_layers[layer]:
       raise CheckpointError(f"{idx.where[name]}: tensor '{name}' is a routed expert of layer "
                             f"{layer}, which config.json does not make sparse")
@@ -174,7 +187,8 @@ def load_model(model_dir: str, dtype=jnp.float32, mmap: bool = False, check_fini
   for p, name in dense.items():
     a = idx.get(name)
     _check(idx, name, a, flat_expected[p], check_finite)
-    leaves[p] = jnp.asarray(np.asarray(a).astype(np_dtype))
+    # a module may keep a parameter in f32 whatever `dtype` (e.g. sigmoid routers, like HF)
+    leaves[p] = jnp.asarray(np.asarray(a).astype(leaf_dtypes.get(p, np_dtype)))
   params: dict[str, Any] = {}
   for p, v in leaves.items():
     d = params
@@ -186,6 +200,13 @@ def load_model(model_dir: str, dtype=jnp.float32, mmap: bool = False, check_fini
   d_, i_ = cfg.hidden_size, cfg.moe_intermediate_size
   layers = {}
   for layer in cfg.moe_layers:
+    if cfg.model_type == "gpt_oss":
+      st = gpt_oss.load_layer_experts(
+          idx, fused.get(layer, {}), cfg, layer, np_dtype, dequantize_mxfp4=dequantize_mxfp4,
+          mmap=mmap, check_finite=check_finite, check=_check, error=CheckpointError,
+          model_dir=model_dir)
+      layers[layer] = LayerExperts(cfg.num_experts, stacked=st)
+      continue
     if layer in fused:
       names = fused[layer]
       for need in ("gate_up_proj", "down_proj"):
@@ -197,6 +218,12 @@ def load_model(model_dir: str, dtype=jnp.float32, mmap: bool = False, check_fini
       _check(idx, names["down_proj"], dn, (cfg.num_experts, d_, i_), check_finite)
       if mmap and gu.dtype == np_dtype:
         st = {"gate_up": gu, "down": dn}
+      elif mmap:  # disk tier in another dtype: convert one expert at a time, on access
+        def fused_getter(e, gu=gu, dn=dn):
+          return {"gate_up": np.asarray(gu[e], dtype=np_dtype),
+                  "down": np.asarray(dn[e], dtype=np_dtype)}
+        layers[layer] = LayerExperts(cfg.num_experts, getter=fused_getter)
+        continue
       else:
         st = {"gate_up": np.array(gu, dtype=np_dtype), "down": np.array(dn, dtype=np_dtype)}
       layers[layer] = LayerExperts(cfg.num_experts, stacked=st)
@@ -212,8 +239,9 @@ def load_model(model_dir: str, dtype=jnp.float32, mmap: bool = False, check_fini
     if mmap:
       def getter(e, per=per):
         return {"gate_up": np.concatenate([idx.get(per[e]["gate_proj"]),
-                                           idx.get(per[e]["up_proj"])]).astype(np_dtype),
-                "down": np.asarray(idx.get(per[e]["down_proj"])).astype(np_dtype)}
+                                           idx.get(per[e]["up_proj"])]).astype(np_dtype,
+                                                                                copy=False),
+                "down": idx.get(per[e]["down_proj"]).astype(np_dtype, copy=False)}
       layers[layer] = LayerExperts(cfg.num_experts, getter=getter)
     else:
       gu = np.empty((cfg.num_experts, 2 * i_, d_), np_dtype)
@@ -223,7 +251,7 @@ def load_model(model_dir: str, dtype=jnp.float32, mmap: bool = False, check_fini
         gu[e, i_:] = idx.get(per[e]["up_proj"])
         dn[e] = idx.get(per[e]["down_proj"])
       layers[layer] = LayerExperts(cfg.num_experts, stacked={"gate_up": gu, "down": dn})
-  return cfg, params, ExpertStore(layers, cfg.num_layers)
+  return cfg, params, ExpertStore(layers, cfg.num_layers, backend="mmap" if mmap else "numpy")
 
 
 def save_hf(cfg: ModelConfig, params, experts: list, out_dir: str, dtype=np.float32,

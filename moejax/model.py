@@ -27,15 +27,26 @@ import jax.numpy as jnp
 from moejax import experts as experts_lib
 from moejax import routing
 from moejax.config import ModelConfig
+from moejax.families import glm
+from moejax.families import gpt_oss
+from moejax.families import qwen3_next
 from moejax.layers import Linear, RMSNorm, apply_rope, rope_cos_sin
 
 Cache = list  # list over layers of {"k": [B,S,Hkv,K], "v": [B,S,Hkv,K]}
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> Cache:
+  if cfg.router == "sigmoid_group":  # glm4_moe / MLA latent caches
+    return glm.init_cache(cfg, batch, max_len, dtype)
   shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
-  return [{"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
-          for _ in range(cfg.num_layers)]
+  return [qwen3_next.init_linear_cache(cfg, batch, dtype) if qwen3_next.is_linear_layer(cfg, i)
+          else {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+          for i in range(cfg.num_layers)]
+
+
+def _norm(c: ModelConfig, dtype):
+  """The family's RMSNorm: zero-centred (x * (1 + w)) for qwen3_next, else x * w."""
+  return (qwen3_next.ZeroCentredRMSNorm if c.zero_centred_norm else RMSNorm)(c.rms_norm_eps, dtype)
 
 
 class Attention(nn.Module):
@@ -110,17 +121,39 @@ class DecoderLayer(nn.Module):
   cfg: ModelConfig
   sparse: bool
   dtype: Any = jnp.float32
+  layer_idx: int = 0
 
   def setup(self):
     c = self.cfg
-    self.input_layernorm = RMSNorm(c.rms_norm_eps, self.dtype)
-    self.self_attn = Attention(c, self.dtype)
-    self.post_attention_layernorm = RMSNorm(c.rms_norm_eps, self.dtype)
-    self.mlp = Router(c, self.dtype) if self.sparse else DenseMLP(c, self.dtype)
+    self.input_layernorm = _norm(c, self.dtype)
+    if qwen3_next.is_linear_layer(c, self.layer_idx):
+      self.linear_attn = qwen3_next.GatedDeltaNet(c, self.dtype)
+    elif c.attn_output_gate:
+      self.self_attn = qwen3_next.GatedAttention(c, self.dtype)
+    elif c.model_type == "gpt_oss":  # sinks, biases, YaRN; "sliding_attention" layers windowed
+      self.self_attn = gpt_oss.Attention(
+          c, c.layer_types[self.layer_idx] == "sliding_attention", self.dtype)
+    elif c.router == "sigmoid_group":  # glm4_moe partial-RoPE GQA, or MLA
+      self.self_attn = glm.attention(c, self.dtype)
+    else:
+      self.self_attn = Attention(c, self.dtype)
+    self.post_attention_layernorm = _norm(c, self.dtype)
+    if not self.sparse:
+      self.mlp = DenseMLP(c, self.dtype)
+    elif c.model_type == "qwen3_next":
+      self.mlp = qwen3_next.SparseMoeBlock(c, self.dtype)
+    elif c.model_type == "gpt_oss":
+      self.mlp = gpt_oss.Router(c, self.dtype)           # mlp.router.{weight,bias}
+    elif c.router == "sigmoid_group":
+      self.mlp = glm.SigmoidMoE(c, self.dtype)           # mlp.gate + mlp.shared_experts
+    else:
+      self.mlp = Router(c, self.dtype)
 
   def attend(self, x_BxTxD, positions_BxT, cache, end_index):
     """(a1) h = x + attn(norm(x)); returns (h, new_cache)."""
-    a, cache = self.self_attn(self.input_layernorm(x_BxTxD), positions_BxT, cache, end_index)
+    mixer = (self.linear_attn if qwen3_next.is_linear_layer(self.cfg, self.layer_idx)
+             else self.self_attn)
+    a, cache = mixer(self.input_layernorm(x_BxTxD), positions_BxT, cache, end_index)
     return x_BxTxD + a, cache
 
   def route_logits(self, h_BxTxD):
@@ -146,8 +179,14 @@ class DecoderLayer(nn.Module):
     """
     b, t, d = h_BxTxD.shape
     y = experts_lib.apply_experts(moe_in_BxTxD.reshape(b * t, d), ids_BxTxK.reshape(b * t, -1),
-                                  gates_BxTxK.reshape(b * t, -1), expert_weights)
-    return h_BxTxD + y.reshape(b, t, d).astype(h_BxTxD.dtype)
+                                  gates_BxTxK.reshape(b * t, -1), expert_weights,
+                                  swiglu=(self.cfg.swiglu_alpha, self.cfg.swiglu_limit))
+    y = y.reshape(b, t, d).astype(h_BxTxD.dtype)
+    if self.cfg.shared_expert_intermediate_size and hasattr(self.mlp, "shared_output"):
+      y = y + self.mlp.shared_output(moe_in_BxTxD)        # qwen3_next: sigmoid-gated
+    if self.cfg.n_shared_experts and hasattr(self.mlp, "shared"):
+      y = y + self.mlp.shared(moe_in_BxTxD)               # glm / deepseek: ungated
+    return h_BxTxD + y
 
 
 class Transformer(nn.Module):
@@ -158,8 +197,8 @@ class Transformer(nn.Module):
     c = self.cfg
     self.embed_tokens = nn.Embed(c.vocab_size, c.hidden_size, param_dtype=self.dtype,
                                  dtype=self.dtype, embedding_init=nn.initializers.normal(0.02))
-    self.layers = [DecoderLayer(c, s, self.dtype) for s in c.sparse_layers]
-    self.norm = RMSNorm(c.rms_norm_eps, self.dtype)
+    self.layers = [DecoderLayer(c, s, self.dtype, i) for i, s in enumerate(c.sparse_layers)]
+    self.norm = _norm(c, self.dtype)
     if not c.tie_word_embeddings:
       self.lm_head = Linear(c.vocab_size, dtype=self.dtype)
 

@@ -27,4 +27,48 @@ def route(cfg: ModelConfig, logits_NxE: jax.Array):
     if cfg.norm_topk_prob or cfg.model_type == "mixtral":
       gates = top_s / jnp.sum(top_s, axis=-1, keepdims=True)
     return ids.astype(jnp.int32), gates, scores
+  if cfg.router == "topk_softmax":
+    # gpt_oss: top-k of the raw logits (router has a bias), softmax over those k values.
+    # scores = softmax over all experts: the same ranking as the logits, bounded in [0, 1].
+    top_l, ids = jax.lax.top_k(logits, cfg.top_k)
+    return ids.astype(jnp.int32), jax.nn.softmax(top_l, axis=-1), jax.nn.softmax(logits, axis=-1)
+  if cfg.router == "sigmoid_group":
+    return _sigmoid_group(cfg, logits)
   raise ValueError(f"unknown router rule {cfg.router!r} for model_type {cfg.model_type}")
+
+
+def _sigmoid_group(cfg: ModelConfig, logits):
+  """DeepSeek-V3 / GLM-4.5 routing (``cfg.router == "sigmoid_group"``).
+
+  The router output is ``[..., 2E]``: raw logits, then the layer's
+  ``e_score_correction_bias`` (a plain ``[..., E]`` means a zero bias).  Scores
+  are sigmoid(logits) + bias; the best ``topk_group`` of ``n_group`` groups
+  (ranked by the sum of their two best scores) are kept and the top-k taken
+  among them.  Gates are the *unbiased* sigmoids of the selected experts,
+  divided by their sum (+1e-20) if ``norm_topk_prob``, times
+  ``routed_scaling_factor``: they need not sum to 1.  The returned scores are
+  the biased scores over all experts (before the group mask), which is what
+  ranks substitutes.
+  """
+  e, g = cfg.num_experts, cfg.n_group
+  if logits.shape[-1] == 2 * e:
+    logits, bias = logits[..., :e], logits[..., e:]
+  elif logits.shape[-1] == e:
+    bias = jnp.zeros_like(logits)
+  else:
+    raise ValueError(f"router output has {logits.shape[-1]} columns; a sigmoid_group router "
+                     f"of {e} experts gives {2 * e} (logits, correction bias) or {e}")
+  sig = jax.nn.sigmoid(logits)
+  scores = sig + bias
+  choice = scores
+  if g > 1:
+    per = scores.reshape(scores.shape[:-1] + (g, e // g))
+    group_scores = jnp.sum(jax.lax.top_k(per, 2)[0], axis=-1)                 # [..., G]
+    _, keep = jax.lax.top_k(group_scores, cfg.topk_group)
+    group_mask = jnp.any(jax.nn.one_hot(keep, g, dtype=jnp.bool_), axis=-2)    # [..., G]
+    choice = jnp.where(jnp.repeat(group_mask, e // g, axis=-1), scores, -jnp.inf)
+  _, ids = jax.lax.top_k(choice, cfg.top_k)
+  w = jnp.take_along_axis(sig, ids, axis=-1)
+  if cfg.norm_topk_prob:
+    w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20)
+  return ids.astype(jnp.int32), w * cfg.routed_scaling_factor, scores

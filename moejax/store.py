@@ -41,9 +41,10 @@ class LayerExperts:
 class ExpertStore:
   """Host-side routed experts, addressable by (layer, expert)."""
 
-  def __init__(self, layers: dict[int, LayerExperts], num_layers: int):
+  def __init__(self, layers: dict[int, LayerExperts], num_layers: int, backend: str = "numpy"):
     self.layers = layers
     self.num_layers = num_layers
+    self.backend = backend  # "numpy" | "mmap" | "pinned_host" (moejax.offload.host_store)
 
   @property
   def moe_layers(self) -> tuple[int, ...]:
@@ -72,7 +73,9 @@ class ExpertStore:
         out.append(None)
         continue
       st = self.stacked(i)
-      out.append({k: jnp.array(np.asarray(v), dtype=dtype or _jnp_dtype(v.dtype))
+      # `dtype` casts floating tensors only: MXFP4 blocks/scales (uint8) keep their bytes.
+      out.append({k: jnp.array(np.asarray(v), dtype=(dtype if dtype and _is_float(v.dtype)
+                                                     else _jnp_dtype(v.dtype)))
                   for k, v in st.items()})
     return out
 
@@ -90,3 +93,7 @@ class ExpertStore:
 
 def _jnp_dtype(dt):
   return jnp.dtype(dt)
+
+
+def _is_float(dt) -> bool:
+  return jnp.issubdtype(jnp.dtype(dt), jnp.floating)

@@ -32,6 +32,46 @@ def build(family: str, seed: int = 0, **over):
     kw.pop("head_dim")
     cfg = transformers.OlmoeConfig(**kw)
     cls = transformers.OlmoeForCausalLM
+  elif family == "qwen3_next":
+    # 4 layers: DeltaNet x3 + gated full attention; layer 1 dense; 2 key / 4 value DeltaNet heads.
+    kw.update(num_hidden_layers=4, head_dim=16, num_experts=8, moe_intermediate_size=16,
+              shared_expert_intermediate_size=24, intermediate_size=48, norm_topk_prob=True,
+              mlp_only_layers=[1], linear_conv_kernel_dim=4, linear_key_head_dim=8,
+              linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4)
+    kw.update(over)
+    cfg = transformers.Qwen3NextConfig(**kw)
+    cls = transformers.Qwen3NextForCausalLM
+  elif family in ("glm4_moe", "glm4_moe_lite", "deepseek_v3"):
+    # sigmoid routers with correction bias; glm4_moe: 2 groups keep 1, partial RoPE, q/k/v bias;
+    # deepseek_v3: 4 groups keep 2, no q LoRA, plain RoPE; glm4_moe_lite: MLA, interleaved RoPE.
+    kw.update(n_routed_experts=8, moe_intermediate_size=16, intermediate_size=48,
+              n_shared_experts=1, norm_topk_prob=True)
+    if family == "glm4_moe":
+      kw.update(n_group=2, topk_group=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
+                attention_bias=True, use_qk_norm=False)
+      cls, ccls = transformers.Glm4MoeForCausalLM, transformers.Glm4MoeConfig
+    else:
+      kw.pop("head_dim")
+      kw.update(num_key_value_heads=4, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                v_head_dim=12)
+      if family == "deepseek_v3":
+        kw.update(q_lora_rank=None, n_group=4, topk_group=2, first_k_dense_replace=1,
+                  rope_interleave=False, routed_scaling_factor=2.5)
+        cls, ccls = transformers.DeepseekV3ForCausalLM, transformers.DeepseekV3Config
+      else:
+        kw.update(q_lora_rank=24, mlp_layer_types=["dense", "sparse", "sparse"],
+                  rope_interleave=True, routed_scaling_factor=1.8)
+        cls, ccls = transformers.Glm4MoeLiteForCausalLM, transformers.Glm4MoeLiteConfig
+    kw.update(over)
+    cfg = ccls(**kw)
+  elif family == "gpt_oss":
+    # 3 layers sliding / full / sliding with a window of 4 (prompts are longer); default YaRN;
+    # expert sizes multiples of 32 so the same weights also have an MXFP4 form.
+    kw.pop("num_experts_per_tok")
+    kw.update(num_local_experts=16, num_experts_per_tok=4, intermediate_size=32, sliding_window=4)
+    kw.update(over)
+    cfg = transformers.GptOssConfig(**kw)
+    cls = transformers.GptOssForCausalLM
   else:
     raise ValueError(family)
   cfg._attn_implementation = "eager"
@@ -47,6 +87,22 @@ def build(family: str, seed: int = 0, **over):
         p.normal_(0, 0.5)
       elif "norm" in n:
         p.uniform_(0.5, 1.5)
+        if family == "qwen3_next" and not n.endswith("linear_attn.norm.weight"):
+          p.sub_(1.0)  # zero-centred norms apply (1 + w)
+      elif n.endswith("shared_expert_gate.weight"):
+        p.normal_(0, 0.5)
+      elif family == "qwen3_next" and any(f".{m}." in n for m in (
+          "in_proj_qkvz", "in_proj_ba", "out_proj", "shared_expert", "self_attn", "experts")):
+        p.normal_(0, 0.15)  # make every mixer and expert matter in the logits
+      elif n.endswith("mlp.router.weight") or n.endswith("mlp.router.bias"):
+        p.normal_(0, 0.5)                   # gpt_oss router
+      elif n.endswith("self_attn.sinks"):
+        p.normal_(0, 1.0)                   # gpt_oss: sinks that take real attention mass
+      elif n.endswith("experts.gate_up_proj_bias"):
+        p.normal_(0, 4.0)                   # gpt_oss: drive gate/up past the +-7 clamp
+    for n, b in model.named_buffers():
+      if n.endswith("e_score_correction_bias"):  # zero at init; make it change the selection
+        b.normal_(0, 0.2)
   return model
 
 

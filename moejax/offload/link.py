@@ -1,0 +1,249 @@
+"""The host->device link an expert crosses: native, emulated, or scaled to a GPU.
+
+On a machine without an accelerator a `jax.device_put` is a memcpy and costs
+almost nothing, so offloading would look free.  An *emulated* link makes a
+transfer of n bytes complete no earlier than ``n / bandwidth + latency`` after
+it starts (see moejax.offload.transfer), while compute runs for real.
+
+The bandwidth can be given in absolute terms (``--link=16GB/s,10us``) or
+*scaled* to a hardware profile (``--link=scaled:qwen3-30b-a3b@rtx3090``): what
+decides whether offloading pays is the ratio
+
+    rho = (one expert's transfer time) / (one layer's decode compute time)
+
+so the emulated bandwidth is chosen to give the same rho on this machine:
+
+    bandwidth = expert_bytes_here / (rho_profile * layer_compute_s_here)
+
+Every reported time names its link (`Link.describe`).
+
+How the profiles' rho is derived (HARDWARE_PROFILES holds the numbers):
+
+  Qwen3-30B-A3B (REFERENCE.md): hidden 2048, 32 query / 4 kv heads x 128,
+  128 experts, top-8, expert intermediate 768, bf16 (2 bytes per parameter).
+    expert bytes    = 3 * 2048 * 768 * 2                       =   9,437,184 B
+    attention bytes = (2048*4096 [q] + 2 * 2048*512 [k, v]
+                       + 4096*2048 [o]) * 2                     =  37,748,736 B
+    router bytes    = 128 * 2048 * 2                            =     524,288 B
+    norm bytes      = (2 * 2048 + 2 * 128) * 2                  =       8,704 B
+    active bytes per layer per token = attention + router + norms + 8 experts
+                    = 37,748,736 + 524,288 + 8,704 + 8 * 9,437,184
+                                                                = 113,779,200 B
+  Decode at batch 1 is memory-bound, so one layer's compute time is taken as
+  active bytes / GPU memory bandwidth (KV-cache reads, short context, and
+  kernel launch overheads are ignored: this is the roofline), and one expert's
+  transfer time as expert bytes / effective pinned host->device bandwidth:
+
+    RTX 3090 (936 GB/s), PCIe 4.0 x16 (~25 GB/s effective):
+      compute 113,779,200 / 936e9 = 121.56 us; transfer 9,437,184 / 25e9
+      = 377.49 us; rho = 3.105
+    H100 SXM (3.35 TB/s), PCIe 5.0 x16 (~50 GB/s effective):
+      compute 33.96 us; transfer 188.74 us; rho = 5.557
+    H200 (4.8 TB/s), PCIe 5.0 x16 (~50 GB/s effective):
+      compute 23.70 us; transfer 188.74 us; rho = 7.963
+
+  Link latency (a few us per DMA) is below 3% of these transfer times and is
+  not part of rho; a scaled link has zero latency.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+
+class LinkSpecError(ValueError):
+  """A --link value that does not parse; the message names the flag."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+  """A host->device link: native (bandwidth None) or emulated (bytes/s + latency)."""
+  name: str
+  bandwidth_Bps: float | None  # None = native: only the real device_put cost
+  latency_s: float = 0.0
+  profile: str | None = None   # HARDWARE_PROFILES key of a scaled link
+
+  @property
+  def emulated(self) -> bool:
+    return self.bandwidth_Bps is not None
+
+  def transfer_time(self, nbytes: int) -> float:
+    """Seconds the emulated link needs for `nbytes` (0 for a native link)."""
+    if self.bandwidth_Bps is None:
+      return 0.0
+    return nbytes / self.bandwidth_Bps + self.latency_s
+
+  def describe(self) -> str:
+    """Human text naming the link; every printed time should carry it."""
+    if self.bandwidth_Bps is None:
+      return f"{self.name} link (real jax.device_put cost, no emulation)"
+    emu = f"emulated {format_bandwidth(self.bandwidth_Bps)} + {format_latency(self.latency_s)}"
+    return emu if self.name == emu else f"{self.name} -> {emu}"
+
+
+  def as_dict(self) -> dict:
+    """JSON-ready description (bench outputs record the link they used)."""
+    d = {"name": self.name, "describe": self.describe(), "bandwidth_Bps": self.bandwidth_Bps,
+         "latency_s": self.latency_s, "profile": self.profile}
+    if self.profile is not None:
+      p = HARDWARE_PROFILES[self.profile]
+      d["profile_ratio"] = p.ratio
+      d["profile_expert_transfer_s"] = p.expert_transfer_s
+      d["profile_layer_compute_s"] = p.layer_compute_s
+    return d
+
+
+NATIVE = Link("native", None)
+
+
+@dataclasses.dataclass(frozen=True)
+class HardwareProfile:
+  """A (model, GPU, link) triple and the expert-transfer / layer-compute ratio rho."""
+  model: str
+  gpu: str
+  link: str
+  expert_bytes: int             # one routed expert, bf16
+  layer_active_bytes: int       # attention + router + norms + top-k experts, bf16
+  gpu_memory_Bps: float
+  link_Bps: float               # effective pinned host->device bandwidth
+
+  @property
+  def expert_transfer_s(self) -> float:
+    return self.expert_bytes / self.link_Bps
+
+  @property
+  def layer_compute_s(self) -> float:
+    return self.layer_active_bytes / self.gpu_memory_Bps
+
+  @property
+  def ratio(self) -> float:
+    """rho = one expert's transfer time / one layer's decode compute time."""
+    return self.expert_transfer_s / self.layer_compute_s
+
+  @property
+  def title(self) -> str:
+    return f"{self.model} on {self.gpu} ({self.link})"
+
+
+def moe_layer_bytes(hidden: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                    num_experts: int, top_k: int, expert_inter: int,
+                    bytes_per_param: int = 2) -> tuple[int, int]:
+  """(expert bytes, active bytes per layer per token) of a qwen3_moe-style layer.
+
+  Active bytes: q/k/v/o projections + router + the two RMSNorms and the q/k
+  head norms + top_k experts (gate, up, down).
+  """
+  expert = 3 * hidden * expert_inter
+  attention = (hidden * num_heads * head_dim * 2 + hidden * num_kv_heads * head_dim * 2)
+  router = num_experts * hidden
+  norms = 2 * hidden + 2 * head_dim
+  return (expert * bytes_per_param,
+          (attention + router + norms + top_k * expert) * bytes_per_param)
+
+
+_QWEN3_30B_EXPERT, _QWEN3_30B_LAYER = moe_layer_bytes(2048, 32, 4, 128, 128, 8, 768)
+
+HARDWARE_PROFILES: dict[str, HardwareProfile] = {
+    "qwen3-30b-a3b@rtx3090": HardwareProfile(
+        "Qwen3-30B-A3B", "RTX 3090", "PCIe 4.0 x16", _QWEN3_30B_EXPERT, _QWEN3_30B_LAYER,
+        gpu_memory_Bps=936e9, link_Bps=25e9),
+    "qwen3-30b-a3b@h100": HardwareProfile(
+        "Qwen3-30B-A3B", "H100 SXM", "PCIe 5.0 x16", _QWEN3_30B_EXPERT, _QWEN3_30B_LAYER,
+        gpu_memory_Bps=3.35e12, link_Bps=50e9),
+    "qwen3-30b-a3b@h200": HardwareProfile(
+        "Qwen3-30B-A3B", "H200", "PCIe 5.0 x16", _QWEN3_30B_EXPERT, _QWEN3_30B_LAYER,
+        gpu_memory_Bps=4.8e12, link_Bps=50e9),
+}
+DEFAULT_PROFILE = "qwen3-30b-a3b@rtx3090"
+
+
+def scaled_link(profile: str, expert_bytes: int, layer_compute_s: float,
+                flag: str = "--link") -> Link:
+  """The emulated link that gives this machine the profile's ratio rho.
+
+  `expert_bytes` and `layer_compute_s` are measured on THIS machine for the
+  model being run (one expert's bytes as stored, one MoE layer's decode time).
+  """
+  key = profile.strip().lower()
+  short = [k for k in HARDWARE_PROFILES if k.endswith("@" + key)]  # "scaled:rtx3090"
+  key = short[0] if key not in HARDWARE_PROFILES and len(short) == 1 else key
+  if key not in HARDWARE_PROFILES:
+    raise LinkSpecError(f"{flag}=scaled:{profile}: unknown hardware profile; known: "
+                        f"{', '.join(sorted(HARDWARE_PROFILES))}")
+  if not expert_bytes or expert_bytes <= 0 or not layer_compute_s or layer_compute_s <= 0 \
+      or not math.isfinite(layer_compute_s):
+    raise LinkSpecError(
+        f"{flag}=scaled:{key} needs expert_bytes and layer_compute_s measured on this machine "
+        f"(got expert_bytes={expert_bytes}, layer_compute_s={layer_compute_s})")
+  p = HARDWARE_PROFILES[key]
+  bw = expert_bytes / (p.ratio * layer_compute_s)
+  return Link(f"scaled: {p.title}, rho {p.ratio:.3g}", bw, 0.0, profile=key)
+
+
+_NUM = r"(\d+(?:\.\d*)?(?:[eE][+-]?\d+)?|\.\d+(?:[eE][+-]?\d+)?)"
+_BW_UNITS = {"B/s": 1.0, "KB/s": 1e3, "kB/s": 1e3, "MB/s": 1e6, "GB/s": 1e9, "TB/s": 1e12,
+             "KiB/s": 2.0**10, "MiB/s": 2.0**20, "GiB/s": 2.0**30}
+_LAT_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ms": 1e-3, "s": 1.0}
+_TERM = re.compile(_NUM + r"\s*(" + "|".join(re.escape(u) for u in
+                                            sorted({**_BW_UNITS, **_LAT_UNITS}, key=len,
+                                                   reverse=True)) + r")")
+
+
+def _usage(flag: str) -> str:
+  return (f"expected '{flag}=native', '{flag}=scaled' or '{flag}=scaled:PROFILE' (profiles: "
+          f"{', '.join(sorted(HARDWARE_PROFILES))}), or a bandwidth with optional latency "
+          f"such as '{flag}=16GB/s,10us' or '{flag}=\"16 GB/s + 10 us\"' "
+          f"(units: GB/s, MB/s, GiB/s, ...; us, ms, ns, s)")
+
+
+def parse_link(spec: str, *, expert_bytes: int | None = None,
+               layer_compute_s: float | None = None, flag: str = "--link") -> Link:
+  """Parses a --link value into a Link (see the module docstring)."""
+  if not isinstance(spec, str) or not spec.strip():
+    raise LinkSpecError(f"{flag}={spec!r}: empty link spec; {_usage(flag)}")
+  s = spec.strip()
+  low = s.lower()
+  if low == "native":
+    return NATIVE
+  if low == "scaled" or low.startswith("scaled:"):
+    prof = s.split(":", 1)[1] if ":" in s else DEFAULT_PROFILE
+    return scaled_link(prof, expert_bytes, layer_compute_s, flag)
+  parts = [p.strip() for p in re.split(r",|(?<=[sS])\s*\+", s)]
+  bw = lat = None
+  for part in parts:
+    m = _TERM.fullmatch(part)
+    if m is None:
+      raise LinkSpecError(f"{flag}={spec!r}: cannot parse {part!r}; {_usage(flag)}")
+    value, unit = float(m.group(1)), m.group(2)
+    if unit in _BW_UNITS:
+      if bw is not None:
+        raise LinkSpecError(f"{flag}={spec!r}: two bandwidths given; {_usage(flag)}")
+      bw = value * _BW_UNITS[unit]
+    else:
+      if lat is not None:
+        raise LinkSpecError(f"{flag}={spec!r}: two latencies given; {_usage(flag)}")
+      lat = value * _LAT_UNITS[unit]
+  if bw is None:
+    raise LinkSpecError(f"{flag}={spec!r}: no bandwidth given; {_usage(flag)}")
+  if not (math.isfinite(bw) and bw > 0):
+    raise LinkSpecError(f"{flag}={spec!r}: bandwidth must be positive and finite")
+  lat = lat or 0.0
+  if not math.isfinite(lat):
+    raise LinkSpecError(f"{flag}={spec!r}: latency must be finite")
+  return Link(f"emulated {format_bandwidth(bw)} + {format_latency(lat)}", bw, lat)
+
+
+def format_bandwidth(bps: float) -> str:
+  if bps >= 1e9:
+    return f"{bps / 1e9:.1f} GB/s"
+  if bps >= 1e6:
+    return f"{bps / 1e6:.1f} MB/s"
+  return f"{bps / 1e3:.1f} KB/s"
+
+
+def format_latency(s: float) -> str:
+  if s >= 1e-3:
+    return f"{s * 1e3:.3g} ms"
+  return f"{s * 1e6:.3g} us"

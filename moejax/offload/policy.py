@@ -1,0 +1,257 @@
+"""Miss policies, eviction and background admission: one pure, jittable `decide`.
+
+The same code serves the engine (real transfers), the emulator (exact outputs,
+idealised transfers) and the simulator (recorded router logits, no model).
+
+Per token, `decide` routes with the family's own rule (`moejax.routing.route`)
+and gives every selected expert one *action*:
+
+  HIT         resident: computed from its slot.
+  FETCH       missed, the policy waits: fetched synchronously and inserted.
+  SUBSTITUTE  missed, replaced by the resident expert with the highest router
+              score that is not selected for this token and not already used as
+              a substitute; computed with the missed expert's gate weight.
+              Misses take substitutes in the order of their own router scores.
+  HOST        missed, computed on the host CPU (`host` policy).
+  DROP        missed and skipped: the `drop` substitution variant (remaining
+              weights renormalised to the selected experts' total weight), or a
+              substitution for which no unused resident expert was left (no
+              renormalisation).
+
+Which misses wait: `fetch_all` every one; `threshold(tau)` the first choice and
+every miss whose *normalised share* g / sum(selected g) is >= tau (a share equal
+to tau waits; for routers that renormalise the share is g itself);
+`first_choice` only the first choice; `substitute_all` and `host` none.
+
+Background admission(beta): every miss that is not waited for (substituted,
+dropped or computed on the host) adds its gate weight g to the missed expert's
+accumulator; when the accumulator reaches beta (>=) the expert is requested
+asynchronously (``Decision.admit``) and its accumulator is reset to 0.
+
+Eviction picks, among slots not in use by the current token, an empty slot
+first, else `lru` (oldest last use) or `lfu` (smallest decayed selection count,
+ties broken by lru, then by the lowest slot).  The LFU count of expert e is
+updated once per token and layer as ``freq[e] <- lfu_decay * freq[e] + n_e``,
+where n_e is the number of this step's tokens whose router selected e (hit,
+fetched, substituted, dropped or host alike: it tracks demand).  The default
+decay 0.98 is a half-life of about 34 tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from moejax import routing
+from moejax.config import ModelConfig
+
+HIT, FETCH, SUBSTITUTE, HOST, DROP = 0, 1, 2, 3, 4
+ACTION_NAMES = ("hit", "fetch", "substitute", "host", "drop")
+
+MISS_RULES = ("fetch_all", "threshold", "first_choice", "substitute_all", "host")
+EVICTIONS = ("lru", "lfu")
+SUBSTITUTIONS = ("next_best", "drop")
+
+
+class PolicyError(ValueError):
+  """A policy the user asked for that does not exist or has an invalid parameter."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyParams:
+  """A complete policy; hashable, so it is a static argument of jitted steps."""
+  miss: str = "fetch_all"
+  tau: float = 0.15
+  substitution: str = "next_best"
+  eviction: str = "lru"
+  admission_beta: float | None = None    # None: no background admission
+  lfu_decay: float = 0.98
+  name: str = ""
+
+  def __post_init__(self):
+    if self.miss not in MISS_RULES:
+      raise PolicyError(f"--policy: unknown miss rule {self.miss!r}; choose one of "
+                        f"{', '.join(MISS_RULES + tuple(PRESETS))}")
+    if not 0.0 < self.tau <= 1.0:
+      raise PolicyError(f"--tau must be in (0, 1], got {self.tau}")
+    if self.substitution not in SUBSTITUTIONS:
+      raise PolicyError(f"--substitution: unknown variant {self.substitution!r}; choose one "
+                        f"of {', '.join(SUBSTITUTIONS)}")
+    if self.eviction not in EVICTIONS:
+      raise PolicyError(f"--eviction: unknown policy {self.eviction!r}; choose one of "
+                        f"{', '.join(EVICTIONS)}")
+    if self.admission_beta is not None and not self.admission_beta > 0:
+      raise PolicyError(f"--admission_beta must be > 0, got {self.admission_beta}")
+    if not 0.0 < self.lfu_decay <= 1.0:
+      raise PolicyError(f"--lfu_decay must be in (0, 1], got {self.lfu_decay}")
+
+  def describe(self) -> str:
+    rule = f"threshold({self.tau:g})" if self.miss == "threshold" else self.miss
+    parts = [rule, self.eviction]
+    if self.substitution == "drop" and self.miss in ("threshold", "first_choice",
+                                                     "substitute_all"):
+      parts.append("drop")
+    if self.admission_beta is not None:
+      parts.append(f"admission({self.admission_beta:g})")
+    s = " + ".join(parts)
+    return f"{self.name} = {s}" if self.name else s
+
+
+PRESETS = {
+    "quality": dict(miss="threshold", tau=0.15, eviction="lfu", admission_beta=0.5),
+    "speed": dict(miss="first_choice", eviction="lfu", admission_beta=0.5),
+    "baseline": dict(miss="fetch_all", eviction="lru"),
+}
+
+
+def make_policy(name: str, *, tau: float | None = None, eviction: str | None = None,
+                admission_beta: float | None = None, substitution: str | None = None,
+                lfu_decay: float | None = None) -> PolicyParams:
+  """A preset (quality/speed/baseline) or a miss rule, with optional overrides.
+
+  Overrides given as None keep the preset's (or the default) value.  For a plain
+  miss rule, admission is off unless `admission_beta` is given.
+  """
+  if name in PRESETS:
+    kw = dict(PRESETS[name], name=name)
+  elif name in MISS_RULES:
+    kw = dict(miss=name)
+  else:
+    raise PolicyError(f"--policy: unknown policy or preset {name!r}; choose one of "
+                      f"{', '.join(tuple(PRESETS) + MISS_RULES)}")
+  for k, v in (("tau", tau), ("eviction", eviction), ("admission_beta", admission_beta),
+               ("substitution", substitution), ("lfu_decay", lfu_decay)):
+    if v is not None:
+      kw[k] = v
+  return PolicyParams(**kw)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Decision:
+  """The policy's decision for N tokens of one MoE layer (K selected experts each)."""
+  ids: jax.Array        # [N,K] int32 routed experts, by router score (desc)
+  gates: jax.Array      # [N,K] f32 the model's own gate weights
+  share: jax.Array      # [N,K] f32 g / sum(selected g)
+  action: jax.Array     # [N,K] int32 HIT/FETCH/SUBSTITUTE/HOST/DROP
+  sub_ids: jax.Array    # [N,K] int32 the substitute (-1 unless SUBSTITUTE)
+  exec_ids: jax.Array   # [N,K] int32 expert computed on the device (-1: none)
+  weights: jax.Array    # [N,K] f32 weight applied to the executed (or host) expert
+  admit: jax.Array      # [E] bool: request in the background now
+  acc: jax.Array        # [E] f32 admission accumulator after this step
+
+
+def decide(router_logits_NxE: jax.Array, resident, params: PolicyParams,
+           cfg: ModelConfig) -> Decision:
+  """The policy's decision for every selected expert of N tokens (pure, jittable).
+
+  `resident` is the layer's ResidentState (only `expert_slot` and `acc` are read).
+  The N tokens are decided against the same resident set (the engine decodes
+  one token at a time).
+  """
+  ids, gates, scores = routing.route(cfg, router_logits_NxE)
+  n, k = ids.shape
+  num_e = scores.shape[-1]
+  total = jnp.sum(gates, axis=-1, keepdims=True)
+  share = gates / jnp.where(total > 0, total, 1.0)
+  is_res = resident.expert_slot[ids] >= 0
+  miss = ~is_res
+  first = jnp.arange(k)[None, :] == 0
+
+  if params.miss == "fetch_all":
+    wait = miss
+  elif params.miss == "threshold":
+    wait = miss & (first | (share >= params.tau))
+  elif params.miss == "first_choice":
+    wait = miss & first
+  else:  # substitute_all, host
+    wait = jnp.zeros_like(miss)
+  served_elsewhere = miss & ~wait
+
+  action = jnp.where(is_res, HIT, FETCH)
+  sub_ids = jnp.full_like(ids, -1)
+  weights = gates
+  if params.miss == "host":
+    action = jnp.where(served_elsewhere, HOST, action)
+  elif params.substitution == "drop":
+    action = jnp.where(served_elsewhere, DROP, action)
+    kept = jnp.where(served_elsewhere, 0.0, gates)
+    kept_total = jnp.sum(kept, axis=-1, keepdims=True)
+    weights = jnp.where(kept_total > 0, kept * total / jnp.where(kept_total > 0, kept_total, 1.0),
+                        0.0)
+  else:
+    # candidates: resident and not selected for this token, best router score first
+    selected = jnp.zeros((n, num_e), bool).at[jnp.arange(n)[:, None], ids].set(True)
+    cand_ok = (resident.expert_slot[None, :] >= 0) & ~selected
+    cand_score = jnp.where(cand_ok, scores, -jnp.inf)
+    c_score, c_ids = jax.lax.top_k(cand_score, k)                  # [N,K]
+    rank = jnp.cumsum(served_elsewhere, axis=-1) - 1               # misses in score order
+    rank = jnp.clip(rank, 0, k - 1)
+    got = jnp.take_along_axis(c_score, rank, axis=-1) > -jnp.inf
+    sub = jnp.take_along_axis(c_ids, rank, axis=-1).astype(jnp.int32)
+    do_sub = served_elsewhere & got
+    action = jnp.where(do_sub, SUBSTITUTE, jnp.where(served_elsewhere, DROP, action))
+    sub_ids = jnp.where(do_sub, sub, -1)
+    weights = jnp.where(served_elsewhere & ~got, 0.0, gates)
+  action = action.astype(jnp.int32)
+  exec_ids = jnp.where((action == HIT) | (action == FETCH), ids,
+                       jnp.where(action == SUBSTITUTE, sub_ids, -1)).astype(jnp.int32)
+
+  acc = resident.acc
+  admit = jnp.zeros((num_e,), bool)
+  if params.admission_beta is not None:
+    add = jnp.zeros((num_e,), jnp.float32).at[ids.reshape(-1)].add(
+        jnp.where(served_elsewhere, gates, 0.0).reshape(-1))
+    acc = acc + add
+    admit = acc >= params.admission_beta
+    acc = jnp.where(admit, 0.0, acc)
+  return Decision(ids=ids, gates=gates, share=share, action=action, sub_ids=sub_ids,
+                  exec_ids=exec_ids, weights=weights, admit=admit, acc=acc)
+
+
+def eviction_order(resident, protected_S: jax.Array, params: PolicyParams):
+  """Slots in the order insertions overwrite them, and how many may be overwritten.
+
+  Empty slots first, then per the eviction policy (lru: oldest last use; lfu:
+  smallest decayed count, ties by oldest use), ties by the lowest slot;
+  protected slots (in use by the current token) last and never overwritten.
+  Inserting J experts one after another, each protecting the one before,
+  overwrites exactly the first J slots of this order.
+  """
+  slot_e = resident.slot_expert
+  e = jnp.maximum(slot_e, 0)
+  empty = slot_e < 0
+  last = jnp.where(empty, -2, resident.last_used[e])    # never-used resident: -1
+  if params.eviction == "lfu":
+    freq = jnp.where(empty, -jnp.inf, resident.freq[e])
+  else:
+    freq = jnp.zeros(slot_e.shape, jnp.float32)
+  idx = jnp.arange(slot_e.shape[0])
+  order = jnp.lexsort((idx, last, freq, protected_S.astype(jnp.int32)))
+  return order.astype(jnp.int32), jnp.sum(~protected_S)
+
+
+def victim_slot(resident, protected_S: jax.Array, params: PolicyParams) -> jax.Array:
+  """The slot the next insertion overwrites (see `eviction_order`); -1 if all protected."""
+  order, usable = eviction_order(resident, protected_S, params)
+  return jnp.where(usable > 0, order[0], -1)
+
+
+def update_usage(resident, decision: Decision, params: PolicyParams):
+  """Usage statistics and admission accumulator after one step (pure).
+
+  lru: experts computed on the device this step get ``last_used = step``.
+  lfu: ``freq <- lfu_decay * freq + (router selections this step)``.
+  """
+  num_e = resident.expert_slot.shape[0]
+  used = jnp.zeros((num_e + 1,), bool).at[
+      jnp.where(decision.exec_ids >= 0, decision.exec_ids, num_e).reshape(-1)].set(True)[:num_e]
+  counts = jnp.zeros((num_e,), jnp.float32).at[decision.ids.reshape(-1)].add(1.0)
+  return dataclasses.replace(
+      resident,
+      last_used=jnp.where(used, resident.step, resident.last_used),
+      freq=resident.freq * params.lfu_decay + counts,
+      acc=decision.acc,
+      step=resident.step + 1)

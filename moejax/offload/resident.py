@@ -1,0 +1,216 @@
+"""ResidentState: the device-resident expert cache of one MoE layer, as a pytree.
+
+Nothing about residency lives in Python globals: the state is threaded through
+the jitted steps and donated.  Per MoE layer:
+
+  buffers      {name: [P, ...]}  slot buffers, one per expert-dict key (generic:
+               families with biases or quantised blocks add keys); owned device
+               arrays, never aliases of host memory.
+  slot_expert  [P] int32         expert held by each slot (-1 = empty)
+  expert_slot  [E] int32         slot of each expert (-1 = not resident)
+  last_used    [E] int32         step of the last use on the device (lru); an
+                                 insertion counts as a use; -1 = never
+  freq         [E] f32           decayed router-selection count (lfu)
+  acc          [E] f32           accumulated gate weight of misses not waited
+                                 for (background admission)
+  step         [] int32          steps (token-layer decisions) so far
+
+P = S + Z physical slots: S budget slots and Z = max(0, K - S) staging slots, the
+fewest that guarantee a token's K experts can be resident at once (an expert in
+use by the current token is never evicted for another of the same token).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moejax.offload import policy as policy_lib
+
+
+class BudgetError(ValueError):
+  """A cache budget that cannot work; the message names the flag."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Budget:
+  """Slots per MoE layer and what they cost."""
+  num_experts: int
+  top_k: int
+  slots: int              # S: budget slots per layer
+  staging: int            # Z: staging slots per layer beyond the budget
+  expert_bytes: int
+  num_moe_layers: int
+  source: str             # how S was derived, for messages
+
+  @property
+  def physical(self) -> int:
+    return self.slots + self.staging
+
+  @property
+  def all_resident(self) -> bool:
+    return self.slots >= self.num_experts
+
+  @property
+  def device_bytes(self) -> int:
+    return self.physical * self.expert_bytes * self.num_moe_layers
+
+  def describe(self) -> str:
+    s = (f"{self.slots}/{self.num_experts} experts per layer resident ({self.source})"
+         f" + {self.staging} staging slot(s); {self.device_bytes / 2**20:.2f} MiB of expert "
+         f"cache over {self.num_moe_layers} MoE layers")
+    if self.all_resident:
+      s += "; the budget holds every expert: all experts are kept resident, nothing is fetched"
+    return s
+
+  def as_dict(self) -> dict:
+    return dict(slots_per_layer=self.slots, staging_slots_per_layer=self.staging,
+                num_experts=self.num_experts, expert_bytes=self.expert_bytes,
+                num_moe_layers=self.num_moe_layers, device_bytes=self.device_bytes,
+                all_resident=self.all_resident, source=self.source)
+
+
+def make_budget(num_experts: int, top_k: int, expert_bytes: int, num_moe_layers: int, *,
+                fraction: float | None = 0.25, nbytes: int | None = None) -> Budget:
+  """S = round(fraction * E), or from a device-memory budget in bytes over all MoE layers."""
+  if nbytes is not None:
+    if nbytes <= 0:
+      raise BudgetError(f"--cache_bytes must be positive, got {nbytes}")
+    slots = int(nbytes // (expert_bytes * max(1, num_moe_layers)))
+    source = f"{nbytes} bytes"
+    if slots < 1:
+      raise BudgetError(
+          f"--cache_bytes={nbytes} holds {slots} expert slots per layer; at least one slot per "
+          f"MoE layer is needed ({expert_bytes * num_moe_layers} bytes for "
+          f"{num_moe_layers} layers of {expert_bytes}-byte experts)")
+  else:
+    if fraction is None or not 0.0 < fraction <= 1.0:
+      raise BudgetError(f"--cache_fraction must be in (0, 1], got {fraction}")
+    slots = int(round(fraction * num_experts))
+    source = f"fraction {fraction:g}"
+    if slots < 1:
+      raise BudgetError(
+          f"--cache_fraction={fraction:g} of {num_experts} experts rounds to {slots} slots per "
+          f"layer; at least one slot is needed (use >= {0.5 / num_experts:.3g})")
+  slots = min(slots, num_experts)
+  staging = 0 if slots >= num_experts else max(0, top_k - slots)
+  return Budget(num_experts, top_k, slots, staging, expert_bytes, num_moe_layers, source)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ResidentState:
+  buffers: dict
+  slot_expert: jax.Array
+  expert_slot: jax.Array
+  last_used: jax.Array
+  freq: jax.Array
+  acc: jax.Array
+  step: jax.Array
+
+  @property
+  def num_slots(self) -> int:
+    return self.slot_expert.shape[0]
+
+  def resident_experts(self) -> list[int]:
+    return sorted(int(e) for e in np.asarray(self.slot_expert) if e >= 0)
+
+
+def init_state(num_experts: int, num_slots: int, expert_spec: dict,
+               buffers: bool = True) -> ResidentState:
+  """An empty cache.  expert_spec: {name: (shape without the expert axis, dtype)}.
+
+  buffers=False gives a state without slot buffers (for tools that only need
+  residency: the simulator).
+  """
+  bufs = ({k: jnp.zeros((num_slots,) + tuple(shp), dt) for k, (shp, dt) in expert_spec.items()}
+          if buffers else {})
+  return ResidentState(
+      buffers=bufs,
+      slot_expert=jnp.full((num_slots,), -1, jnp.int32),
+      expert_slot=jnp.full((num_experts,), -1, jnp.int32),
+      last_used=jnp.full((num_experts,), -1, jnp.int32),
+      freq=jnp.zeros((num_experts,), jnp.float32),
+      acc=jnp.zeros((num_experts,), jnp.float32),
+      step=jnp.zeros((), jnp.int32))
+
+
+def insert(state: ResidentState, ids_J: jax.Array, rows: tuple, in_use_E: jax.Array,
+           params: policy_lib.PolicyParams):
+  """Inserts experts ids_J[j] (with weights rows[j]) in order; pure and jittable.
+
+  The j-th insertion overwrites the j-th slot of `policy.eviction_order` (empty
+  first, else per eviction policy): never the slot of an expert marked in
+  `in_use_E` nor of one inserted earlier in this call.  Skips ids < 0, repeats
+  and experts already resident, and insertions when every slot is protected.
+  Rows are written with `lax.dynamic_update_slice` (in place when the state is
+  donated).  Returns (state, evicted_J): the expert each insertion evicted (-1:
+  none, or the insertion was skipped).
+  """
+  num_e = state.expert_slot.shape[0]
+  num_s = state.slot_expert.shape[0]
+  slot_e, exp_s = state.slot_expert, state.expert_slot
+  ids = ids_J.astype(jnp.int32)
+  ec = jnp.clip(ids, 0, num_e - 1)
+  j = jnp.arange(ids.shape[0])
+  first = jnp.all((ids[:, None] != ids[None, :]) | (j[None, :] >= j[:, None]), axis=1)
+  want = (ids >= 0) & (exp_s[ec] < 0) & first          # not resident, first occurrence
+  rank = jnp.cumsum(want) - 1
+  protected = (slot_e >= 0) & in_use_E[jnp.maximum(slot_e, 0)]
+  order, usable = policy_lib.eviction_order(state, protected, params)
+  valid = want & (rank < usable)
+  slot = order[jnp.clip(rank, 0, num_s - 1)]
+  old = jnp.where(valid, slot_e[slot], -1)
+  drop_e = lambda m, v: jnp.where(m, v, num_e)           # out of bounds: dropped
+  exp_s = exp_s.at[drop_e(old >= 0, old)].set(-1, mode="drop")
+  exp_s = exp_s.at[drop_e(valid, ec)].set(slot, mode="drop")
+  slot_e = slot_e.at[jnp.where(valid, slot, num_s)].set(ec, mode="drop")
+  last = state.last_used.at[drop_e(valid, ec)].set(state.step, mode="drop")
+  # one dynamic_update_slice per row and buffer (in place when donated); a skipped
+  # insertion rewrites slot 0 with its own contents
+  bufs = dict(state.buffers)
+  for jj, row in enumerate(rows):
+    at = jnp.where(valid[jj], slot[jj], 0)
+    for k, buf in bufs.items():
+      new = jnp.where(valid[jj], row[k].astype(buf.dtype), buf[at])
+      bufs[k] = jax.lax.dynamic_update_slice(buf, new[None], (at,) + (0,) * (buf.ndim - 1))
+  new_state = dataclasses.replace(state, buffers=bufs, slot_expert=slot_e, expert_slot=exp_s,
+                                  last_used=last)
+  return new_state, old.astype(jnp.int32)
+
+
+insert_jit = jax.jit(insert, static_argnames=("params",), donate_argnums=(0,))
+
+
+def fill(state: ResidentState, expert_ids, get_expert, params: policy_lib.PolicyParams,
+         chunk: int = 8) -> ResidentState:
+  """Loads `expert_ids` (most important first, at most num_slots) from the host.
+
+  get_expert(e) -> {name: host array}.  Used for the initial contents (e.g. the
+  most frequently routed experts of a profile run, or every expert).
+  """
+  ids = [int(e) for e in expert_ids][: state.num_slots]
+  if not ids:
+    return state
+  num_e = state.expert_slot.shape[0]
+  put = functools.partial(jax.device_put, device=next(iter(state.slot_expert.devices())))
+  zero = {k: np.zeros(v.shape[1:], v.dtype) for k, v in state.buffers.items()}
+  for i in range(0, len(ids), chunk):
+    part = ids[i:i + chunk]
+    rows = tuple(get_expert(e) for e in part) + (zero,) * (chunk - len(part))
+    jid = np.asarray(part + [-1] * (chunk - len(part)), np.int32)
+    in_use = np.zeros((num_e,), bool)
+    in_use[ids[:i]] = True
+    rows = tuple({k: np.array(r[k], dtype=zero[k].dtype) for k in zero} for r in rows)
+    state, _ = insert_jit(state, put(jid), put(rows), put(in_use), params)
+  return state
+
+
+def profile_order(counts_E) -> list[int]:
+  """Experts by routing frequency (desc, ties by id): the profile initial contents."""
+  c = np.asarray(counts_E)
+  return [int(e) for e in np.lexsort((np.arange(len(c)), -c))]

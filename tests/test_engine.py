@@ -1,0 +1,149 @@
+"""OffloadEngine invariants on a tiny random model (DESIGN.md, issue 4 part 6)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from moejax.config import ModelConfig
+from moejax.loader import expert_shapes
+from moejax.model import Transformer
+from moejax.offload import engine as engine_lib
+from moejax.offload import link as link_lib
+from moejax.offload import policy as P
+from moejax.offload import resident as R
+from moejax.offload.engine import OffloadEngine
+from moejax.store import ExpertStore
+
+PROMPT = [3, 17, 5, 60, 22]
+STREAM = [int(t) for t in np.random.default_rng(3).integers(0, 64, 14)]
+
+
+@pytest.fixture(scope="module")
+def model():
+  cfg = ModelConfig(model_type="qwen3_moe", vocab_size=64, hidden_size=32, num_layers=3,
+                    num_heads=4, num_kv_heads=2, head_dim=8, num_experts=8, top_k=2,
+                    moe_intermediate_size=16, intermediate_size=48,
+                    sparse_layers=(True, False, True), qk_norm="head",
+                    norm_topk_prob=True).validate()
+  rng = np.random.default_rng(0)
+  exps = [None if not s else
+          {k: (rng.standard_normal((8,) + shp) * 0.2).astype(np.float32)
+           for k, shp in expert_shapes(cfg).items()} for s in cfg.sparse_layers]
+  store = ExpertStore.from_stacked(exps)
+  model = Transformer(cfg)
+  seq = jnp.asarray([PROMPT + STREAM], jnp.int32)
+  # one jitted init and one jitted teacher-forced forward of the fully resident model
+  params = jax.jit(lambda k: model.init(k, seq, store.to_device())["params"])(
+      jax.random.PRNGKey(0))
+  logits, _, _ = jax.jit(lambda p, e: model.apply({"params": p}, seq, e))(params,
+                                                                         store.to_device())
+  ref = np.asarray(logits[0, len(PROMPT) - 1:])               # prefill's last, then each decode
+  return cfg, params, store, ref
+
+
+def run(model, policy, check=None, **kw):
+  cfg, params, store, _ = model
+  kw.setdefault("cache_fraction", 0.25)
+  with OffloadEngine(cfg, params, store, policy, max_len=32, **kw) as eng:
+    out = [eng.prefill(PROMPT)]
+    for tok in STREAM:
+      out.append(eng.decode_step(tok))
+      if check:
+        check(eng)
+  return eng, np.stack(out)
+
+
+def check_budget(eng):
+  for layer, st in eng.states.items():
+    se, es = np.asarray(st.slot_expert), np.asarray(st.expert_slot)
+    assert (se >= 0).sum() <= eng.budget.slots + eng.budget.staging
+    assert (es >= 0).sum() == (se >= 0).sum()
+    for s, e in enumerate(se):
+      if e >= 0:
+        assert es[e] == s
+        np.testing.assert_array_equal(np.asarray(st.buffers["down"][s]),
+                                      eng.store.get(layer, int(e))["down"])
+
+
+def test_fetch_all_matches_fully_resident_model_and_keeps_budget(model):
+  eng, out = run(model, "baseline", check=check_budget)
+  np.testing.assert_allclose(out, model[3], atol=1e-6, rtol=0)
+  st = eng.stats()
+  assert st["fetches_per_token"] > 0 and st["hit_rate"] < 1      # the cache really missed
+  assert st["substituted_call_pct"] == 0
+  for r in eng.records:
+    assert r["hits"] + r["misses"] == r["expert_calls"] == 2 * 2   # K x MoE layers
+    assert r["fetches"] == r["misses"]
+  assert eng.prefill_record["fetches"] > 0
+
+
+def test_staging_slots_when_budget_is_below_top_k(model):
+  eng, out = run(model, "baseline", cache_fraction=0.125, check=check_budget)  # S=1 < K=2
+  assert (eng.budget.slots, eng.budget.staging) == (1, 1)
+  np.testing.assert_allclose(out, model[3], atol=1e-6, rtol=0)
+
+
+def test_host_policy_computes_misses_exactly_on_the_host(model):
+  eng, out = run(model, "host")
+  np.testing.assert_allclose(out, model[3], atol=1e-5, rtol=0)
+  st = eng.stats()
+  assert st["host_calls_per_token"] > 0 and st["fetches_per_token"] == 0
+  assert st["host_ms_per_token"] > 0
+
+
+def test_full_budget_fetches_nothing_after_warm_up(model):
+  cfg, params, store, ref = model
+  with OffloadEngine(cfg, params, store, "baseline", cache_fraction=1.0, initial="empty",
+                     max_len=32) as eng:
+    out = [eng.prefill(PROMPT)] + [eng.decode_step(t) for t in STREAM]
+    np.testing.assert_allclose(np.stack(out), ref, atol=1e-6, rtol=0)
+    fetched = eng.prefill_record["fetches"] + sum(r["fetches"] for r in eng.records)
+    assert 0 < fetched <= 2 * 8                                 # each expert at most once
+    assert sum(r["evictions"] for r in eng.records) == 0
+    n = len(eng.records)
+    for t in STREAM[:10]:                                       # warm: the same tokens again
+      eng.decode_step(t)
+    assert sum(r["fetches"] for r in eng.records[n:]) == 0
+  # the default initial contents for a full budget: everything resident, said so
+  eng2, out2 = run(model, "baseline", cache_fraction=1.0)
+  assert "every expert" in eng2.describe()
+  assert eng2.prefill_record["fetches"] == 0 and sum(r["fetches"] for r in eng2.records) == 0
+  np.testing.assert_allclose(out2, model[3], atol=1e-6, rtol=0)
+
+
+def test_substituting_presets_count_consistently_and_are_deterministic(model):
+  link = link_lib.parse_link("2GB/s,20us")
+  eng, out = run(model, "quality", check=check_budget, link=link)
+  eng_b, out_b = run(model, "quality", link=link)
+  np.testing.assert_array_equal(out, out_b)
+  keys = ("hits", "misses", "fetches", "substituted", "admissions", "admitted", "evictions")
+  assert [[r[k] for k in keys] for r in eng.records] == [[r[k] for k in keys]
+                                                        for r in eng_b.records]
+  sub, _ = run(model, "substitute_all", check=check_budget)
+  s = sub.stats()
+  assert s["fetches_per_token"] == 0 and s["substituted_call_pct"] > 0
+  assert 0 < s["substituted_mass_per_token"] <= 2.0 + 1e-6
+  for r in sub.records:
+    assert r["hits"] + r["misses"] == r["expert_calls"]
+    assert r["substituted"] + r["dropped"] + r["fetches"] + r["host_calls"] == r["misses"]
+
+
+def test_emulated_link_waits_at_least_the_transfer_time(model):
+  cfg, params, store, _ = model
+  link = link_lib.parse_link("1MB/s,100us")          # one 6 KiB expert: >= 6.2 ms
+  eng, _ = run(model, "baseline", link=link)
+  s = eng.stats()
+  per_fetch = link.transfer_time(store.expert_nbytes())
+  assert s["wait_ms_per_token"] >= 0.95 * 1e3 * per_fetch * s["fetches_per_token"]
+  assert eng.link.describe() in engine_lib.format_stats(s, eng.link.describe())
+
+
+def test_bad_inputs_name_the_flag(model):
+  cfg, params, store, _ = model
+  with pytest.raises(P.PolicyError, match="--policy"):
+    OffloadEngine(cfg, params, store, "turbo")
+  with pytest.raises(R.BudgetError, match="--cache_fraction"):
+    OffloadEngine(cfg, params, store, "baseline", cache_fraction=0.01)
+  with pytest.raises(link_lib.LinkSpecError, match="--link"):
+    OffloadEngine(cfg, params, store, "baseline", link="fast please")

@@ -1,0 +1,96 @@
+"""--link parsing, link timing arithmetic and hardware-profile scaling."""
+
+import pytest
+
+from moejax.offload.link import (DEFAULT_PROFILE, HARDWARE_PROFILES, Link, LinkSpecError,
+                                 moe_layer_bytes, parse_link)
+
+
+def test_native_link_costs_nothing_and_says_so():
+  link = parse_link("native")
+  assert link.bandwidth_Bps is None and not link.emulated
+  assert link.transfer_time(10**9) == 0.0
+  assert "native" in link.describe()
+  assert parse_link(" Native ") == link
+
+
+@pytest.mark.parametrize("spec,bw,lat", [
+    ("16GB/s,10us", 16e9, 10e-6),
+    ("16 GB/s + 10 us", 16e9, 10e-6),
+    ("16GB/s+10us", 16e9, 10e-6),
+    ("10us, 16GB/s", 16e9, 10e-6),
+    ("500MB/s", 500e6, 0.0),
+    ("1.5 GiB/s, 2ms", 1.5 * 2**30, 2e-3),
+    ("2e9B/s + 100ns", 2e9, 100e-9),
+    ("25 GB/s + 5 µs", 25e9, 5e-6),
+])
+def test_absolute_specs_parse(spec, bw, lat):
+  link = parse_link(spec)
+  assert link.bandwidth_Bps == pytest.approx(bw, rel=1e-12)
+  assert link.latency_s == pytest.approx(lat, rel=1e-12, abs=1e-15)
+  assert link.emulated
+
+
+def test_transfer_time_is_bytes_over_bandwidth_plus_latency():
+  link = parse_link("16GB/s,10us")
+  # one Qwen3-30B-A3B expert: 9,437,184 B / 16e9 B/s = 589.824 us, + 10 us
+  assert link.transfer_time(9_437_184) == pytest.approx(599.824e-6, rel=1e-9)
+  assert link.transfer_time(0) == pytest.approx(10e-6)
+  assert link.describe() == "emulated 16.0 GB/s + 10 us"
+  assert Link("x", 1e6, 0.5).transfer_time(2_000_000) == pytest.approx(2.5)
+
+
+@pytest.mark.parametrize("spec", [
+    "", "fast", "16", "16GB", "16Gb/s", "10us", "0GB/s", "-5GB/s", "16GB/s,10us,3us",
+    "16GB/s,8GB/s", "16 GB/s 10us", "scaled:nosuchgpu", "inf GB/s"])
+def test_bad_specs_raise_naming_the_flag(spec):
+  with pytest.raises(LinkSpecError) as e:
+    parse_link(spec, expert_bytes=1000, layer_compute_s=1e-3)
+  assert isinstance(e.value, ValueError)
+  assert "--link" in str(e.value)
+
+
+def test_error_names_a_custom_flag():
+  with pytest.raises(LinkSpecError, match="--bench_link"):
+    parse_link("warp speed", flag="--bench_link")
+
+
+def test_qwen3_profile_numbers_match_their_derivation():
+  expert, layer = moe_layer_bytes(2048, 32, 4, 128, 128, 8, 768)
+  assert expert == 9_437_184  # REFERENCE.md, bf16
+  # attention 37,748,736 + router 524,288 + norms 8,704 + 8 experts 75,497,472
+  assert layer == 113_779_200
+  p = HARDWARE_PROFILES[DEFAULT_PROFILE]
+  assert (p.gpu, p.link) == ("RTX 3090", "PCIe 4.0 x16")
+  assert p.expert_transfer_s == pytest.approx(377.48736e-6, rel=1e-9)
+  assert p.layer_compute_s == pytest.approx(121.558974e-6, rel=1e-6)
+  assert p.ratio == pytest.approx(3.10538, rel=1e-5)
+  assert HARDWARE_PROFILES["qwen3-30b-a3b@h100"].ratio == pytest.approx(5.55718, rel=1e-5)
+  assert HARDWARE_PROFILES["qwen3-30b-a3b@h200"].ratio == pytest.approx(7.96252, rel=1e-5)
+
+
+def test_scaled_link_reproduces_the_profile_ratio_here():
+  # a local expert of 49,152 B and a 0.5 ms layer: bandwidth = 49152 / (3.10538 * 5e-4)
+  link = parse_link("scaled", expert_bytes=49_152, layer_compute_s=5e-4)
+  assert link.bandwidth_Bps == pytest.approx(31_655_983, rel=1e-6)
+  assert link.latency_s == 0.0
+  assert link.transfer_time(49_152) / 5e-4 == pytest.approx(
+      HARDWARE_PROFILES[DEFAULT_PROFILE].ratio, rel=1e-12)
+  assert "RTX 3090" in link.describe() and "emulated" in link.describe()
+  assert link.profile == DEFAULT_PROFILE
+  same = parse_link("scaled:qwen3-30b-a3b@rtx3090", expert_bytes=49_152, layer_compute_s=5e-4)
+  assert same == link
+  assert parse_link("scaled:rtx3090", expert_bytes=49_152, layer_compute_s=5e-4) == link
+  h100 = parse_link("scaled:qwen3-30b-a3b@h100", expert_bytes=49_152, layer_compute_s=5e-4)
+  assert h100.bandwidth_Bps < link.bandwidth_Bps  # a faster GPU makes the link relatively slower
+  assert "H100" in h100.describe()
+  d = link.as_dict()
+  assert d["profile_ratio"] == pytest.approx(3.10538, rel=1e-5)
+  assert d["bandwidth_Bps"] == link.bandwidth_Bps and "RTX 3090" in d["describe"]
+
+
+def test_scaled_link_needs_local_measurements():
+  with pytest.raises(LinkSpecError, match="--link=scaled.*expert_bytes and layer_compute_s"):
+    parse_link("scaled")
+  with pytest.raises(LinkSpecError, match="--link"):
+    parse_link("scaled", expert_bytes=1000, layer_compute_s=0.0)

@@ -1,0 +1,117 @@
+"""Checkpoint loading: layouts, sharding, mmap, and errors naming file and tensor."""
+
+import json
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from moejax.config import ModelConfig
+from moejax.loader import init_random, load_model, save_hf
+from moejax.safetensors_io import CheckpointError, SafetensorsFile, save_file
+
+CFG = ModelConfig(model_type="qwen3_moe", vocab_size=64, hidden_size=32, num_layers=2,
+                  num_heads=4, num_kv_heads=2, head_dim=8, num_experts=8, top_k=2,
+                  moe_intermediate_size=16, intermediate_size=48,
+                  sparse_layers=(True, False), qk_norm="head")
+
+
+@pytest.fixture(scope="module")
+def model():
+  return init_random(CFG, seed=3)
+
+
+def _save(model, d, layout="per_expert"):
+  save_hf(CFG, model[0], model[1], str(d), layout=layout)
+  return str(d)
+
+
+@pytest.mark.parametrize("layout", ["per_expert", "fused"])
+@pytest.mark.parametrize("mmap", [False, True])
+def test_roundtrip_layouts(model, tmp_path, layout, mmap):
+  cfg, params, store = load_model(_save(model, tmp_path, layout), mmap=mmap)
+  assert cfg == CFG.validate() or cfg.sparse_layers == CFG.sparse_layers
+  assert store.moe_layers == (0,)
+  for e in (0, 5):
+    got = store.get(0, e)
+    np.testing.assert_array_equal(got["gate_up"], model[1][0]["gate_up"][e])
+    np.testing.assert_array_equal(got["down"], model[1][0]["down"][e])
+  np.testing.assert_array_equal(np.asarray(params["layers_1"]["mlp"]["up_proj"]["weight"]),
+                                np.asarray(model[0]["layers_1"]["mlp"]["up_proj"]["weight"]))
+
+
+def test_sharded_index(model, tmp_path):
+  d = _save(model, tmp_path / "one")
+  f = SafetensorsFile(os.path.join(d, "model.safetensors"))
+  names = sorted(f.keys())
+  out = tmp_path / "sharded"
+  out.mkdir()
+  halves = {"model-00001-of-00002.safetensors": names[::2],
+            "model-00002-of-00002.safetensors": names[1::2]}
+  wm = {}
+  for shard, ns in halves.items():
+    save_file({n: np.array(f.get(n)) for n in ns}, str(out / shard))
+    wm.update({n: shard for n in ns})
+  (out / "model.safetensors.index.json").write_text(json.dumps({"weight_map": wm}))
+  (out / "config.json").write_text(open(os.path.join(d, "config.json")).read())
+  _, _, store = load_model(str(out))
+  np.testing.assert_array_equal(store.get(0, 7)["down"], model[1][0]["down"][7])
+
+
+def _rewrite(d, fn):
+  p = os.path.join(d, "model.safetensors")
+  f = SafetensorsFile(p)
+  t = {n: np.array(f.get(n)) for n in f.keys()}
+  fn(t)
+  save_file(t, p)
+
+
+def test_missing_tensor_is_named(model, tmp_path):
+  d = _save(model, tmp_path)
+  _rewrite(d, lambda t: t.pop("model.layers.0.mlp.experts.3.up_proj.weight"))
+  with pytest.raises(CheckpointError, match=r"model\.layers\.0\.mlp\.experts\.3\.up_proj\.weight"):
+    load_model(d)
+
+
+def test_wrong_shape_is_named(model, tmp_path):
+  d = _save(model, tmp_path)
+  _rewrite(d, lambda t: t.update({"model.layers.0.self_attn.q_proj.weight": np.zeros((3, 3), np.float32)}))
+  with pytest.raises(CheckpointError, match=r"q_proj\.weight' has shape \(3, 3\)"):
+    load_model(d)
+
+
+def test_nan_is_named(model, tmp_path):
+  d = _save(model, tmp_path)
+  def poison(t):
+    t["model.layers.0.mlp.experts.2.down_proj.weight"][0, 0] = np.nan
+  _rewrite(d, poison)
+  with pytest.raises(CheckpointError, match=r"experts\.2\.down_proj\.weight' contains NaN"):
+    load_model(d)
+
+
+def test_unsupported_dtype_is_named(model, tmp_path):
+  d = _save(model, tmp_path)
+  _rewrite(d, lambda t: t.update({"model.norm.weight": np.ones((32,), np.int32)}))
+  with pytest.raises(CheckpointError, match=r"model\.norm\.weight' has unsupported dtype I32"):
+    load_model(d)
+
+
+def test_truncated_and_missing_files(model, tmp_path):
+  d = _save(model, tmp_path)
+  p = os.path.join(d, "model.safetensors")
+  size = os.path.getsize(p)
+  with open(p, "r+b") as f:
+    f.truncate(size - 100)
+  with pytest.raises(CheckpointError, match="truncated"):
+    load_model(d)
+  os.remove(p)
+  with pytest.raises(CheckpointError, match="no model.safetensors"):
+    load_model(d)
+
+
+def test_bf16_checkpoint_loads(model, tmp_path):
+  save_hf(CFG, model[0], model[1], str(tmp_path), dtype=jnp.bfloat16)
+  _, params, store = load_model(str(tmp_path), dtype=jnp.bfloat16)
+  assert store.get(0, 0)["gate_up"].dtype == jnp.bfloat16
+  assert params["norm"]["weight"].dtype == jnp.bfloat16

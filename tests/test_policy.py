@@ -1,0 +1,192 @@
+"""The policy rules of DESIGN.md, pinned on hand-written router probabilities."""
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from moejax.config import ModelConfig
+from moejax.offload import policy as P
+from moejax.offload import resident as R
+
+
+def cfg_for(num_experts=8, top_k=2, norm=True):
+  return ModelConfig(model_type="qwen3_moe", vocab_size=16, hidden_size=8, num_layers=1,
+                     num_heads=2, num_kv_heads=1, head_dim=4, num_experts=num_experts,
+                     top_k=top_k, moe_intermediate_size=4, intermediate_size=8,
+                     sparse_layers=(True,), norm_topk_prob=norm).validate()
+
+
+def state_with(resident, num_experts=8, slots=4):
+  s = R.init_state(num_experts, slots, {}, buffers=False)
+  se = np.full(slots, -1, np.int32)
+  es = np.full(num_experts, -1, np.int32)
+  for i, e in enumerate(resident):
+    se[i], es[e] = e, i
+  return dataclasses.replace(s, slot_expert=jnp.asarray(se), expert_slot=jnp.asarray(es))
+
+
+def logits_of(probs):
+  """Router logits whose softmax is `probs` (one token)."""
+  p = np.asarray(probs, np.float64)
+  assert abs(p.sum() - 1) < 1e-9
+  return jnp.asarray(np.log(p)[None], jnp.float32)
+
+
+# e0 .40, e1 .10, the other six share .50 (each < .10): top-2 = (e0, e1)
+P_UNNORM = [0.40, 0.10] + [0.5 / 6] * 6
+
+
+def test_threshold_compares_normalised_share_and_equal_tau_waits():
+  cfg = cfg_for(norm=False)
+  st = state_with([5, 6])
+  d = P.decide(logits_of(P_UNNORM), st, P.PolicyParams("threshold", tau=0.15), cfg)
+  assert list(np.asarray(d.ids[0])) == [0, 1]
+  g = np.asarray(d.gates[0])
+  assert abs(g.sum() - 0.5) < 1e-5                          # gates do not sum to 1
+  share = float(np.asarray(d.share[0, 1]))
+  assert abs(share - 0.2) < 1e-5 and g[1] < 0.15 <= share
+  # raw g = 0.10 < tau, but the share 0.2 >= tau: it waits
+  assert list(np.asarray(d.action[0])) == [P.FETCH, P.FETCH]
+  # a share exactly equal to tau waits; just above substitutes
+  d_eq = P.decide(logits_of(P_UNNORM), st, P.PolicyParams("threshold", tau=share), cfg)
+  assert int(d_eq.action[0, 1]) == P.FETCH
+  above = float(np.nextafter(np.float32(share), np.float32(1)))
+  d_up = P.decide(logits_of(P_UNNORM), st, P.PolicyParams("threshold", tau=above), cfg)
+  assert int(d_up.action[0, 1]) == P.SUBSTITUTE
+  assert int(d_up.action[0, 0]) == P.FETCH                    # first choice always waits
+
+
+def test_normalising_router_share_equals_gate():
+  cfg = cfg_for(norm=True)
+  d = P.decide(logits_of(P_UNNORM), state_with([]), P.PolicyParams("threshold"), cfg)
+  np.testing.assert_allclose(np.asarray(d.share), np.asarray(d.gates), rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(d.gates[0]), [0.8, 0.2], rtol=1e-5)
+
+
+@pytest.mark.parametrize("miss,first_action", [("threshold", P.FETCH), ("first_choice", P.FETCH),
+                                               ("substitute_all", P.SUBSTITUTE),
+                                               ("fetch_all", P.FETCH), ("host", P.HOST)])
+def test_first_choice_protection(miss, first_action):
+  cfg = cfg_for(top_k=3)
+  probs = [0.30, 0.25, 0.20, 0.10, 0.08, 0.04, 0.02, 0.01]
+  st = state_with([3, 4])                     # all three selected experts miss
+  d = P.decide(logits_of(probs), st, P.PolicyParams(miss, tau=1.0), cfg)
+  act = list(np.asarray(d.action[0]))
+  assert act[0] == first_action
+  later = {"threshold": P.SUBSTITUTE, "first_choice": P.SUBSTITUTE,
+           "substitute_all": P.SUBSTITUTE, "fetch_all": P.FETCH, "host": P.HOST}[miss]
+  # only two unused resident experts (3, 4) for the substituted misses
+  if miss in ("threshold", "first_choice"):
+    assert act[1:] == [P.SUBSTITUTE, P.SUBSTITUTE]
+  elif miss == "substitute_all":
+    assert act == [P.SUBSTITUTE, P.SUBSTITUTE, P.DROP]       # ran out of substitutes
+  else:
+    assert act[1:] == [later, later]
+
+
+def test_substitutes_are_distinct_best_resident_and_never_selected():
+  cfg = cfg_for(top_k=3)
+  probs = [0.30, 0.25, 0.20, 0.10, 0.08, 0.04, 0.02, 0.01]
+  # e1 is resident and selected (a hit): it must not serve as a substitute
+  st = state_with([1, 3, 4, 7])
+  d = P.decide(logits_of(probs), st, P.PolicyParams("substitute_all"), cfg)
+  assert list(np.asarray(d.action[0])) == [P.SUBSTITUTE, P.HIT, P.SUBSTITUTE]
+  assert list(np.asarray(d.sub_ids[0])) == [3, -1, 4]       # misses in score order get 3 then 4
+  assert list(np.asarray(d.exec_ids[0])) == [3, 1, 4]
+  np.testing.assert_allclose(np.asarray(d.weights), np.asarray(d.gates))  # e's own gate weight
+  # the first choice is fetched (pending): e2's substitute is the best *resident* expert
+  d2 = P.decide(logits_of(probs), st, P.PolicyParams("first_choice"), cfg)
+  assert list(np.asarray(d2.action[0])) == [P.FETCH, P.HIT, P.SUBSTITUTE]
+  assert int(d2.sub_ids[0, 2]) == 3
+  used = [int(e) for e in np.asarray(d2.exec_ids[0]) if e >= 0]
+  assert len(used) == len(set(used))
+  # no unused resident expert left: the miss is dropped, with weight 0
+  d3 = P.decide(logits_of(probs), state_with([1, 3]), P.PolicyParams("substitute_all"), cfg)
+  assert list(np.asarray(d3.action[0])) == [P.SUBSTITUTE, P.HIT, P.DROP]
+  assert float(d3.weights[0, 2]) == 0.0 and int(d3.exec_ids[0, 2]) == -1
+
+
+def test_drop_variant_renormalises_remaining_weights():
+  cfg = cfg_for(top_k=3, norm=False)
+  probs = [0.30, 0.25, 0.20, 0.10, 0.08, 0.04, 0.02, 0.01]
+  d = P.decide(logits_of(probs), state_with([1, 3]),
+               P.PolicyParams("substitute_all", substitution="drop"), cfg)
+  assert list(np.asarray(d.action[0])) == [P.DROP, P.HIT, P.DROP]
+  w = np.asarray(d.weights[0])
+  assert w[0] == 0 and w[2] == 0
+  np.testing.assert_allclose(w[1], 0.75, rtol=1e-5)         # all selected mass on the hit
+  assert list(np.asarray(d.exec_ids[0])) == [-1, 1, -1]
+
+
+def test_admission_fires_exactly_at_beta_and_resets():
+  cfg = cfg_for()
+  probs = [0.30, 0.25, 0.20, 0.10, 0.08, 0.04, 0.02, 0.01]
+  st = state_with([0, 5])                      # e1 misses and is substituted
+  g1 = float(P.decide(logits_of(probs), st, P.PolicyParams("substitute_all"), cfg).gates[0, 1])
+  # beta just above g: no admission, the accumulator keeps g
+  pol = P.PolicyParams("substitute_all", admission_beta=float(np.nextafter(np.float32(g1),
+                                                                            np.float32(2))))
+  d = P.decide(logits_of(probs), st, pol, cfg)
+  assert not bool(d.admit.any())
+  assert float(d.acc[1]) == pytest.approx(g1, rel=1e-6) and float(d.acc.sum()) == float(d.acc[1])
+  st2 = P.update_usage(st, d, pol)
+  d2 = P.decide(logits_of(probs), st2, pol, cfg)         # 2 g >= beta: fires and resets
+  assert list(np.flatnonzero(np.asarray(d2.admit))) == [1]
+  assert float(d2.acc[1]) == 0.0
+  # beta exactly g: fires on the first substitution
+  d3 = P.decide(logits_of(probs), st, dataclasses.replace(pol, admission_beta=g1), cfg)
+  assert list(np.flatnonzero(np.asarray(d3.admit))) == [1] and float(d3.acc[1]) == 0.0
+  # a fetched miss adds nothing
+  d4 = P.decide(logits_of(probs), st, P.PolicyParams("fetch_all", admission_beta=0.01), cfg)
+  assert float(d4.acc.sum()) == 0.0 and not bool(d4.admit.any())
+
+
+def test_usage_update_lru_and_decayed_lfu_counts_every_selection():
+  cfg = cfg_for(top_k=3)
+  probs = [0.30, 0.25, 0.20, 0.10, 0.08, 0.04, 0.02, 0.01]
+  st = state_with([1, 3, 4, 7])
+  pol = P.PolicyParams("substitute_all", lfu_decay=0.5)
+  st = dataclasses.replace(st, freq=jnp.full((8,), 2.0), step=jnp.int32(7))
+  d = P.decide(logits_of(probs), st, pol, cfg)              # selects 0,1,2; executes 3,1,4
+  st2 = P.update_usage(st, d, pol)
+  np.testing.assert_allclose(np.asarray(st2.freq), [2, 2, 2, 1, 1, 1, 1, 1])
+  assert list(np.asarray(st2.last_used)) == [-1, 7, -1, 7, 7, -1, -1, -1]
+  assert int(st2.step) == 8
+
+
+def test_eviction_order_lru_and_lfu():
+  st = state_with([0, 1, 2, 3], slots=4)
+  st = dataclasses.replace(st, last_used=jnp.asarray([5, 2, 9, 4, 0, 0, 0, 0], jnp.int32),
+                           freq=jnp.asarray([1.0, 3.0, 0.5, 0.5, 0, 0, 0, 0], jnp.float32))
+  none = jnp.zeros((4,), bool)
+  lru, lfu = P.PolicyParams(eviction="lru"), P.PolicyParams(eviction="lfu")
+  assert int(P.victim_slot(st, none, lru)) == 1            # oldest use: e1 (t=2)
+  assert int(P.victim_slot(st, none, lfu)) == 3            # freq tie 0.5 (e2, e3): lru -> e3
+  prot = jnp.asarray([False, True, False, True])
+  assert int(P.victim_slot(st, prot, lru)) == 0            # protected slots are never chosen
+  assert int(P.victim_slot(st, prot, lfu)) == 2
+  assert int(P.victim_slot(st, jnp.ones((4,), bool), lru)) == -1
+  part = state_with([0, 1], slots=4)                        # empty slots come first
+  assert int(P.victim_slot(part, none, lru)) == 2
+  assert int(P.victim_slot(part, none, lfu)) == 2
+
+
+def test_presets_and_bad_policies():
+  q, s, b = (P.make_policy(n) for n in ("quality", "speed", "baseline"))
+  assert (q.miss, q.tau, q.eviction, q.admission_beta) == ("threshold", 0.15, "lfu", 0.5)
+  assert (s.miss, s.eviction, s.admission_beta) == ("first_choice", "lfu", 0.5)
+  assert (b.miss, b.eviction, b.admission_beta) == ("fetch_all", "lru", None)
+  assert P.make_policy("quality", tau=0.3).tau == 0.3
+  with pytest.raises(P.PolicyError, match="--policy"):
+    P.make_policy("fastest")
+  for tau in (0.0, -0.1, 1.5):
+    with pytest.raises(P.PolicyError, match="--tau"):
+      P.make_policy("threshold", tau=tau)
+  P.make_policy("threshold", tau=1.0)
+  for beta in (0.0, -1.0):
+    with pytest.raises(P.PolicyError, match="--admission_beta"):
+      P.make_policy("quality", admission_beta=beta)
+  with pytest.raises(P.PolicyError, match="--eviction"):
+    P.make_policy("baseline", eviction="fifo")

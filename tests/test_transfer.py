@@ -1,0 +1,327 @@
+"""The prefetch thread: owned copies, link timing, dedup, priorities, cancel, errors.
+
+Every wait has a timeout so a bug cannot hang CI.
+"""
+
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from moejax.offload.link import NATIVE, parse_link
+from moejax.offload.transfer import (Prefetcher, TransferCancelled, TransferError,
+                                     owned_device_put, shares_buffer)
+from moejax.store import ExpertStore
+
+D, I, E = 32, 16, 8
+EXPERT_BYTES = (2 * I * D + D * I) * 4  # 6,144 B in f32
+T = 5.0  # seconds: generous timeout for every blocking call
+
+
+def aligned(a, align=64):
+  """A copy of `a` in a buffer aligned to `align` bytes: XLA CPU's device_put wraps
+  such numpy buffers instead of copying them, the hazard the prefetcher guards."""
+  raw = np.empty(a.nbytes + align, np.uint8)
+  off = -raw.ctypes.data % align
+  out = raw[off:off + a.nbytes].view(a.dtype).reshape(a.shape)
+  out[...] = a
+  return out
+
+
+def make_store(seed=0):
+  rng = np.random.default_rng(seed)
+  layer = lambda: {"gate_up": aligned(rng.standard_normal((E, 2 * I, D), dtype=np.float32)),
+                   "down": aligned(rng.standard_normal((E, D, I), dtype=np.float32))}
+  return ExpertStore.from_stacked([None, layer(), layer()])
+
+
+class GatedStore:
+  """Records get() order; blocks `block` keys until `gate` is set; raises for `fail` keys."""
+
+  def __init__(self, store, block=(), fail=None):
+    self.store, self.block, self.fail = store, set(block), dict(fail or {})
+    self.gate = threading.Event()
+    self.calls = []
+
+  def get(self, layer, expert):
+    self.calls.append((layer, expert))
+    if (layer, expert) in self.block:
+      assert self.gate.wait(T), "test gate never opened"
+    if (layer, expert) in self.fail:
+      raise self.fail[(layer, expert)]
+    return self.store.get(layer, expert)
+
+
+def wait_for(cond, timeout=T):
+  end = time.perf_counter() + timeout
+  while not cond():
+    if time.perf_counter() > end:
+      raise AssertionError("condition not reached in time")
+    time.sleep(1e-3)
+
+
+# ---------------------------------------------------------------- owned copies
+def test_owned_device_put_never_aliases_numpy_or_memmap(tmp_path):
+  sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  x = aligned(np.arange(4096, dtype=np.float32).reshape(64, 64))
+  # the hazard on this backend: a plain device_put wraps the numpy buffer
+  assert shares_buffer(jax.device_put(x, sharding), x)
+  y = owned_device_put(x, sharding)
+  assert not shares_buffer(y, x)
+  x[0, 0] = -1.0
+  assert float(y[0, 0]) == 0.0
+  mm = np.memmap(tmp_path / "a.bin", dtype=np.float32, mode="w+", shape=(64, 64))
+  mm[:] = 3.0
+  z = owned_device_put(mm, sharding)
+  assert not shares_buffer(z, mm)
+  mm[:] = 4.0
+  assert float(z.sum()) == 3.0 * 4096
+
+
+def test_wait_returns_owned_device_copies_of_the_expert():
+  store = make_store()
+  want = {k: v.copy() for k, v in store.get(1, 3).items()}
+  with Prefetcher(store, NATIVE) as pf:
+    got = pf.request(1, 3).wait(T)
+  assert set(got) == {"gate_up", "down"}
+  for k, v in got.items():
+    assert isinstance(v, jax.Array) and v.sharding.memory_kind == "device"
+    assert not shares_buffer(v, store.get(1, 3)[k])
+    np.testing.assert_array_equal(np.asarray(v), want[k])
+  store.layers[1].stacked["gate_up"][3] += 1.0  # mutate the host source afterwards
+  np.testing.assert_array_equal(np.asarray(got["gate_up"]), want["gate_up"])
+
+
+def test_pinned_host_target_memory_kind():
+  with Prefetcher(make_store(), NATIVE, memory_kind="pinned_host") as pf:
+    got = pf.request(2, 1).wait(T)
+  assert got["down"].sharding.memory_kind == "pinned_host"
+  with pytest.raises(ValueError, match="memory kind 'hbm'"):
+    Prefetcher(make_store(), NATIVE, memory_kind="hbm")
+
+
+# ---------------------------------------------------------------- link timing
+def test_emulated_transfer_is_not_done_before_bytes_over_bandwidth_plus_latency():
+  link = parse_link("1MB/s,30ms")
+  expected = EXPERT_BYTES / 1e6 + 30e-3  # 36.1 ms
+  with Prefetcher(make_store(), link) as pf:
+    t0 = time.perf_counter()
+    t = pf.request(1, 0)
+    while not t.done():
+      time.sleep(2e-4)
+      assert time.perf_counter() - t0 < T
+    first_done = time.perf_counter() - t0
+    assert first_done >= expected
+    assert first_done <= expected + 0.25  # and done shortly after
+    assert t.nbytes == EXPERT_BYTES
+    assert t.finished_s - t.started_s >= expected - 1e-9  # float rounding only
+    t1 = time.perf_counter()
+    pf.request(1, 1).wait(T)
+    assert time.perf_counter() - t1 >= expected
+
+
+def test_transfers_serialise_on_the_link():
+  link = parse_link("1MB/s,20ms")
+  per = link.transfer_time(EXPERT_BYTES)
+  with Prefetcher(make_store(), link) as pf:
+    ts = [pf.request(1, e) for e in range(3)]
+    for t in ts:
+      t.wait(T)
+  for a, b in zip(ts, ts[1:]):
+    assert b.started_s >= a.finished_s
+  assert ts[-1].finished_s - ts[0].requested_s >= 3 * per - 1e-9  # float rounding only
+  assert pf.stats()["link_busy_s"] >= 3 * per - 1e-5  # counted in whole microseconds
+
+
+def test_compute_runs_while_the_link_is_busy():
+  link = parse_link("1MB/s,40ms")
+  expected = link.transfer_time(EXPERT_BYTES)
+  with Prefetcher(make_store(), link) as pf:
+    t = pf.request(2, 5)
+    a = np.ones((64, 64), np.float32)
+    end = time.perf_counter() + expected + 0.05
+    while time.perf_counter() < end:  # the caller's real compute
+      a = np.tanh(a @ a * 1e-3)
+    t.wait(T)
+  assert t.wait_s < 0.02  # arrived during compute: (almost) no stall
+
+
+# ------------------------------------------------------ queue: dedup, priority
+def test_duplicate_requests_share_one_ticket_and_one_transfer():
+  gs = GatedStore(make_store(), block=[(1, 0)])
+  with Prefetcher(gs, NATIVE) as pf:
+    blocker = pf.request(1, 0, "background")
+    wait_for(lambda: gs.calls == [(1, 0)])
+    a = pf.request(1, 5, "background")
+    assert pf.request(1, 5, "background") is a
+    assert pf.request(1, 5, "sync") is a and a.priority == "sync"  # upgraded
+    gs.gate.set()
+    a.wait(T)
+    blocker.wait(T)
+    s = pf.stats()
+    assert (s["requests"], s["deduplicated"], s["upgraded"]) == (4, 2, 1)
+    assert s["transfers"] == 2 and s["bytes"] == 2 * EXPERT_BYTES
+    assert gs.calls.count((1, 5)) == 1
+    assert pf.completed_background() == []  # both collected by wait()
+    b = pf.request(1, 5)  # collected: asking again is a new transfer
+    assert b is not a
+    b.wait(T)
+    assert pf.stats()["transfers"] == 3
+
+
+def test_sync_requests_are_served_before_queued_background_ones():
+  gs = GatedStore(make_store(), block=[(1, 0)])
+  with Prefetcher(gs, NATIVE) as pf:
+    first = pf.request(1, 0, "background")
+    wait_for(lambda: gs.calls == [(1, 0)])  # on the link
+    bg = [pf.request(1, 1, "background"), pf.request(1, 2, "background")]
+    sy = [pf.request(2, 3, "sync"), pf.request(2, 4, "sync")]
+    gs.gate.set()
+    for t in [first] + bg + sy:
+      t.wait(T)
+  assert gs.calls == [(1, 0), (2, 3), (2, 4), (1, 1), (1, 2)]
+  assert sy[1].finished_s <= bg[0].started_s
+
+
+def test_a_sync_request_does_not_preempt_the_transfer_on_the_link():
+  link = parse_link("1MB/s,20ms")
+  with Prefetcher(make_store(), link) as pf:
+    bg = pf.request(1, 0, "background")
+    wait_for(lambda: bg.started_s is not None)
+    s = pf.request(2, 0)
+    s.wait(T)
+    bg.wait(T)
+  assert s.started_s >= bg.finished_s
+  assert s.finished_s - bg.started_s >= 2 * link.transfer_time(EXPERT_BYTES) - 1e-9
+
+
+def test_arrived_background_request_is_deduplicated_until_collected():
+  with Prefetcher(make_store(), parse_link("1MB/s,5ms")) as pf:
+    t = pf.request(2, 2, "background")
+    assert pf.completed_background() == []  # link time not elapsed yet
+    wait_for(t.done)
+    assert pf.request(2, 2, "background") is t  # arrived, not collected: no new transfer
+    got = []
+    wait_for(lambda: got.extend(pf.completed_background()) or got)
+    assert got == [t]
+    assert pf.completed_background() == []  # handed out once
+    assert pf.stats()["transfers"] == 1
+    np.testing.assert_array_equal(np.asarray(t.wait(0.0)["down"]), make_store().get(2, 2)["down"])
+
+
+def test_sync_request_for_an_arrived_background_ticket_takes_it_over():
+  with Prefetcher(make_store(), NATIVE) as pf:
+    t = pf.request(1, 7, "background")
+    wait_for(t.done)
+    assert pf.request(1, 7, "sync") is t
+    assert pf.completed_background() == []  # the sync caller owns it now
+    t.wait(T)
+    assert pf.stats()["transfers"] == 1
+
+
+# ------------------------------------------------------------------ cancelling
+def test_cancel_queued_ticket():
+  gs = GatedStore(make_store(), block=[(1, 0)])
+  with Prefetcher(gs, NATIVE) as pf:
+    inflight = pf.request(1, 0)
+    wait_for(lambda: gs.calls == [(1, 0)])
+    a, b = pf.request(1, 1), pf.request(1, 2)
+    assert a.cancel() and a.cancelled() and a.done()
+    assert not a.cancel()
+    assert not inflight.cancel()  # already on the link
+    gs.gate.set()
+    with pytest.raises(TransferCancelled):
+      a.wait(T)
+    b.wait(T)
+    inflight.wait(T)
+    assert (1, 1) not in gs.calls
+    assert pf.stats()["cancelled"] == 1
+    again = pf.request(1, 1)
+    assert again is not a
+    again.wait(T)
+
+
+def test_wait_timeout_raises_instead_of_hanging():
+  gs = GatedStore(make_store(), block=[(1, 0)])
+  with Prefetcher(gs, NATIVE) as pf:
+    t = pf.request(1, 0)
+    t0 = time.perf_counter()
+    with pytest.raises(TimeoutError):
+      t.wait(timeout=0.05)
+    assert time.perf_counter() - t0 < 1.0
+    gs.gate.set()
+    t.wait(T)
+
+
+def test_close_cancels_pending_and_joins_the_thread():
+  gs = GatedStore(make_store(), block=[(1, 0)])
+  pf = Prefetcher(gs, NATIVE)
+  inflight = pf.request(1, 0)
+  wait_for(lambda: gs.calls == [(1, 0)])
+  queued = pf.request(1, 1)
+  threading.Timer(0.1, gs.gate.set).start()
+  pf.close()
+  assert not pf.alive
+  with pytest.raises(TransferCancelled):
+    queued.wait(T)
+  inflight.wait(T)  # the transfer on the link completes
+  with pytest.raises(RuntimeError, match="closed"):
+    pf.request(1, 2)
+  pf.close()  # idempotent
+
+
+def test_context_manager_does_not_mask_the_callers_exception():
+  with pytest.raises(KeyError):
+    with Prefetcher(make_store(), NATIVE) as pf:
+      pf.request(1, 1)
+      raise KeyError("caller bug")
+  assert not pf.alive
+
+
+def test_bad_priority():
+  with Prefetcher(make_store(), NATIVE) as pf:
+    with pytest.raises(ValueError, match="priority"):
+      pf.request(1, 1, "urgent")
+
+
+# ----------------------------------------------------------------------- errors
+def test_thread_error_surfaces_in_wait_and_stops_cleanly():
+  gs = GatedStore(make_store(), block=[(1, 2)], fail={(1, 2): OSError("disk gone")})
+  with Prefetcher(gs, NATIVE) as pf:
+    bad = pf.request(1, 2)
+    wait_for(lambda: gs.calls == [(1, 2)])
+    behind = pf.request(1, 3)  # queued behind the failing transfer
+    gs.gate.set()
+    with pytest.raises(TransferError, match="disk gone") as e:
+      bad.wait(T)
+    assert isinstance(e.value.__cause__, OSError)
+    with pytest.raises(TransferError):  # no hang for the queued ticket
+      behind.wait(T)
+    wait_for(lambda: not pf.alive)
+    with pytest.raises(TransferError):
+      pf.request(1, 4)
+    with pytest.raises(TransferError):
+      pf.completed_background()
+  # leaving the block: close() does not raise again, the error was reported
+  assert not pf.alive and (1, 3) not in gs.calls
+
+
+def test_unobserved_thread_error_is_raised_by_close():
+  pf = Prefetcher(GatedStore(make_store(), fail={(2, 6): ValueError("bad tensor")}), NATIVE)
+  pf.request(2, 6, "background")
+  wait_for(lambda: not pf.alive)
+  with pytest.raises(TransferError, match="bad tensor"):
+    pf.close()
+  assert not pf.alive
+  pf.close()  # reported once
+
+
+def test_thread_error_surfaces_at_the_next_request():
+  pf = Prefetcher(GatedStore(make_store(), fail={(1, 1): RuntimeError("boom")}), NATIVE)
+  pf.request(1, 1, "background")
+  wait_for(lambda: not pf.alive)
+  with pytest.raises(TransferError, match="boom"):
+    pf.request(1, 2)
+  pf.close()  # already reported: no second raise

@@ -38,11 +38,9 @@ import numpy as np
 
 from moejax.config import ModelConfig
 from moejax.loader import init_random, load_model
-from moejax.model import Transformer
 from moejax.offload import engine as engine_lib
 from moejax.offload.engine import OffloadEngine
 from moejax.offload.link import parse_link
-from moejax.routing import route
 from moejax.store import ExpertStore
 
 FLAGS = flags.FLAGS
@@ -62,6 +60,11 @@ flags.DEFINE_integer("warmup_tokens", 16, "Decoded tokens not timed (cache warm-
 flags.DEFINE_integer("decode_tokens", 64, "Decoded tokens timed.")
 flags.DEFINE_integer("seed", 0, "Token stream seed (random-weight model).")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute/parameter dtype.")
+flags.DEFINE_enum("scaled_compute", "model", ["model", "engine"],
+                  "Layer compute time the scaled link is sized against: 'model' = a fully "
+                  "resident jitted decode step / layers (the computation alone); 'engine' = "
+                  "this engine's all-resident time per token / layers (incl. its per-layer "
+                  "host round trips).")
 
 
 def demo_shape(layers: int) -> ModelConfig:
@@ -114,18 +117,6 @@ def token_streams(cfg, tok_path, n: int):
           [int(t) for t in rng.integers(0, cfg.vocab_size, n)])
 
 
-def profile_counts(cfg, params, store, tokens, dtype) -> dict:
-  """Per MoE layer, how often each expert is routed on `tokens` (fully resident model)."""
-  model = Transformer(cfg, dtype)
-  _, _, router = jax.jit(lambda p, e, t: model.apply({"params": p}, t, e))(
-      params, store.to_device(dtype), jnp.asarray([tokens], jnp.int32))
-  out = {}
-  for l in cfg.moe_layers:
-    ids, _, _ = route(cfg, router[l].reshape(-1, cfg.num_experts))
-    out[l] = np.bincount(np.asarray(ids).reshape(-1), minlength=cfg.num_experts)
-  return out
-
-
 def device_put_seconds(store, layer: int, reps: int = 30) -> float:
   """Median time of one expert's owned host->device copy (the native link's transfer)."""
   from moejax.offload.transfer import owned_device_put
@@ -143,6 +134,7 @@ def make_engine(cfg, params, store, policy, link, stream, counts, dtype, fractio
   eng = OffloadEngine(cfg, params, store, policy, cache_fraction=fraction, link=link,
                       max_len=len(stream) + 8, dtype=dtype, initial="profile",
                       profile_counts=counts)
+  eng.warmup()
   eng.prefill(stream[:FLAGS.prompt_len])
   return eng
 
@@ -166,7 +158,7 @@ def main(_):
   cfg, params, store, tok_path, desc = load(dtype)
   n = FLAGS.prompt_len + FLAGS.warmup_tokens + FLAGS.decode_tokens
   prof_stream, stream = token_streams(cfg, tok_path, n)
-  counts = profile_counts(cfg, params, store, prof_stream, dtype)
+  counts = engine_lib.profile_counts(cfg, params, store, prof_stream, dtype)
   ebytes = store.expert_nbytes()
   print(f"[bench_offload] {desc}: {cfg.num_layers} layers, {cfg.num_experts} experts top-"
         f"{cfg.top_k}, expert {ebytes} bytes, {jax.devices()[0].platform}; "
@@ -174,6 +166,15 @@ def main(_):
         file=sys.stderr)
 
   layer_s = engine_lib.layer_compute_seconds(cfg, params, store, dtype)
+  model_layer_s = layer_s
+  if FLAGS.scaled_compute == "engine":
+    with OffloadEngine(cfg, params, store, "baseline", cache_fraction=1.0,
+                       max_len=len(prof_stream) + 8, dtype=dtype) as e:
+      e.warmup()
+      e.prefill(prof_stream[:FLAGS.prompt_len])
+      for t in prof_stream[FLAGS.prompt_len:FLAGS.prompt_len + 48]:
+        e.decode_step(t)
+      layer_s = e.stats(skip=8)["tpot_median_ms"] * 1e-3 / cfg.num_layers
   links = {spec: (parse_link(spec, expert_bytes=ebytes, layer_compute_s=layer_s)
                   if spec.startswith("scaled") else parse_link(spec, expert_bytes=ebytes))
            for spec in FLAGS.links}
@@ -191,15 +192,16 @@ def main(_):
       "experts": cfg.num_experts, "top_k": cfg.top_k, "expert_bytes": ebytes,
       "device": str(jax.devices()[0]), "cache_fraction": FLAGS.cache_fraction,
       "decode_tokens": FLAGS.decode_tokens, "warmup_tokens": FLAGS.warmup_tokens,
-      "resident_layer_compute_ms": 1e3 * layer_s,
-      "resident_sampler_tpot_ms": 1e3 * layer_s * cfg.num_layers,
+      "scaled_compute": FLAGS.scaled_compute,
+      "scaled_link_layer_compute_ms": 1e3 * layer_s,
+      "resident_sampler_tpot_ms": 1e3 * model_layer_s * cfg.num_layers,
       "engine_all_resident_tpot_ms": compute_ms,
       "engine_all_resident_tpot_median_ms": compute["tpot_median_ms"],
       "bench_wall_s": wall,
       "links": {},
   }
   print(f"[bench_offload] all experts resident: jitted whole-model step "
-        f"{1e3 * layer_s * cfg.num_layers:.2f} ms/token; this engine (per-layer steps, no "
+        f"{1e3 * model_layer_s * cfg.num_layers:.2f} ms/token; this engine (per-layer steps, no "
         f"transfers) {compute_ms:.2f} ms/token (median {compute['tpot_median_ms']:.2f})",
         file=sys.stderr)
   native_put_s = device_put_seconds(store, cfg.moe_layers[0])

@@ -35,6 +35,11 @@ flags.DEFINE_string("policy", None, "Offload policy: a preset (quality, speed, b
                     "miss rule (fetch_all, threshold, first_choice, substitute_all, host). "
                     "Unset: every expert resident, no offloading.")
 flags.DEFINE_float("cache_fraction", 0.25, "With --policy: share of each layer's experts resident.")
+flags.DEFINE_integer("cache_bytes", None, "With --policy: expert cache budget in bytes over all "
+                     "MoE layers (instead of --cache_fraction).")
+flags.DEFINE_float("tau", None, "With --policy=threshold/quality: share at or above which a miss waits.")
+flags.DEFINE_float("admission_beta", None, "With --policy: background admission threshold (> 0).")
+flags.DEFINE_string("eviction", None, "With --policy: lru or lfu (default: the preset's).")
 flags.DEFINE_string("link", "native", "With --policy: host->device link, 'native', 'scaled[:PROFILE]' "
                     "or e.g. '16GB/s,10us' (emulated).")
 
@@ -86,10 +91,14 @@ def generate_offloaded(cfg, params, store, tok, desc, ids, sp, dtype):
   """The OffloadEngine path: generates, then prints the per-token statistics table."""
   from moejax.offload.engine import OffloadEngine, format_stats
   from moejax.offload.link import LinkSpecError
-  from moejax.offload.policy import PolicyError
+  from moejax.offload.policy import PolicyError, make_policy
   from moejax.offload.resident import BudgetError
   try:
-    eng = OffloadEngine(cfg, params, store, FLAGS.policy, cache_fraction=FLAGS.cache_fraction,
+    policy = make_policy(FLAGS.policy, tau=FLAGS.tau, admission_beta=FLAGS.admission_beta,
+                         eviction=FLAGS.eviction)
+    eng = OffloadEngine(cfg, params, store, policy,
+                        cache_fraction=None if FLAGS.cache_bytes else FLAGS.cache_fraction,
+                        cache_bytes=FLAGS.cache_bytes,
                         link=FLAGS.link, max_len=FLAGS.max_len, dtype=dtype)
   except (PolicyError, BudgetError, LinkSpecError) as e:
     raise app.UsageError(str(e))
@@ -97,16 +106,15 @@ def generate_offloaded(cfg, params, store, tok, desc, ids, sp, dtype):
     print(f"[moejax] {desc}: {cfg.model_type}, {cfg.num_layers} layers; {eng.describe()}",
           file=sys.stderr)
     t0 = time.time()
+    eng.warmup()
+    print(f"[moejax] compiled in {time.time() - t0:.2f} s", file=sys.stderr)
+    t0 = time.time()
     out = eng.generate(ids, sp, seed=FLAGS.seed)
     dt = time.time() - t0
     print(FLAGS.prompt + tok.decode(out))
-    print(f"[moejax] {len(out)} tokens in {dt:.2f} s (incl. compile); prompt: "
+    print(f"[moejax] {len(out)} tokens in {dt:.2f} s (prefill compiles); prompt: "
           f"{eng.prefill_record['fetches']:.0f} experts fetched", file=sys.stderr)
-    skip = 1 if len(eng.records) > 1 else 0
-    if skip:
-      print("[moejax] decode statistics (the first decoded token, which compiles, excluded):",
-            file=sys.stderr)
-    print(format_stats(eng.stats(skip=skip), eng.link.describe()), file=sys.stderr)
+    print(format_stats(eng.stats(), eng.link.describe()), file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ The model never owns routed experts: callers pass a dict of stacked arrays
 engine's slot buffers, in which case ``ids`` are slot indices).
 
 Two exact dispatch strategies, chosen statically from the token count:
-  * gather: gathers the K selected experts' weights per token; best for decode.
+  * sliced: one dynamic slice + matvec per (token, expert) pair; for decode.
   * grouped: sorts (token, expert) pairs by expert into blocks of B rows, each
     block owned by one expert, and runs one batched matmul over the blocks.
     Static shapes, no token is ever dropped; used for prefill and training.
@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from moejax.families import gpt_oss
 
 ExpertWeights = dict  # {"gate_up": [E, 2I, D], "down": [E, D, I]}; gpt_oss: see families.gpt_oss
+SLICED_MAX_PAIRS = 64   # up to this many (token, expert) pairs: the sliced path
 SWIGLU = (1.702, 7.0)  # gpt_oss clamped-SwiGLU (alpha, limit) unless the caller passes cfg's
 
 
@@ -32,16 +33,30 @@ def _ffn(x_NxD, gate_up_Nx2IxD, down_NxDxI):
   return jnp.einsum("ni,ndi->nd", jax.nn.silu(g) * u, down_NxDxI)
 
 
-def experts_gather(x_NxD, ids_NxK, gates_NxK, w: ExpertWeights, swiglu=SWIGLU):
+def experts_sliced(x_NxD, ids_NxK, gates_NxK, w: ExpertWeights, swiglu=SWIGLU):
+  """Unrolled over the N*K (token, expert) pairs: each expert's matvecs read its weights
+  in place through a dynamic slice (XLA CPU fuses it into the dot), instead of first
+  gathering copies of the selected experts (measured 6x faster for one decode token)."""
   n, k = ids_NxK.shape
-  flat = ids_NxK.reshape(-1)
-  x_rep = jnp.repeat(x_NxD, k, axis=0)
-  if gpt_oss.is_expert_dict(w):  # biases, clamped SwiGLU; MXFP4 dequantised per gathered expert
-    y = gpt_oss.expert_ffn(x_rep[:, None], {kk: v[flat] for kk, v in w.items()}, *swiglu)
-    y = y.reshape(n, k, -1)
-  else:
-    y = _ffn(x_rep, w["gate_up"][flat], w["down"][flat]).reshape(n, k, -1)
-  return jnp.einsum("nkd,nk->nd", y, gates_NxK.astype(y.dtype))
+  is_oss = gpt_oss.is_expert_dict(w)
+  rows = []
+  for i in range(n):
+    acc = None
+    for j in range(k):
+      e = ids_NxK[i, j]
+      if is_oss:  # biases, clamped SwiGLU; MXFP4 dequantised for this expert only
+        we = {kk: jax.lax.dynamic_index_in_dim(v, e, keepdims=True) for kk, v in w.items()}
+        y = gpt_oss.expert_ffn(x_NxD[i][None, None], we, *swiglu)[0, 0]
+      else:  # plain matvecs: XLA CPU reads the sliced weights in place
+        gu_2IxD = jax.lax.dynamic_index_in_dim(w["gate_up"], e, keepdims=False)
+        dn_DxI = jax.lax.dynamic_index_in_dim(w["down"], e, keepdims=False)
+        h = gu_2IxD @ x_NxD[i]
+        half = h.shape[0] // 2
+        y = dn_DxI @ (jax.nn.silu(h[:half]) * h[half:])
+      y = y * gates_NxK[i, j].astype(y.dtype)
+      acc = y if acc is None else acc + y
+    rows.append(acc)
+  return jnp.stack(rows)
 
 
 def block_size_for(num_assignments: int, num_experts: int) -> int:
@@ -96,7 +111,6 @@ def apply_experts(x_NxD, ids_NxK, gates_NxK, w: ExpertWeights, swiglu=SWIGLU):
   ``swiglu`` = (alpha, limit) of gpt_oss expert dicts (ignored for the others).
   """
   n, k = ids_NxK.shape
-  num_e = _num_experts(w)
-  if n * k <= 2 * num_e or n <= 4:
-    return experts_gather(x_NxD, ids_NxK, gates_NxK, w, swiglu=swiglu)
+  if n * k <= SLICED_MAX_PAIRS:
+    return experts_sliced(x_NxD, ids_NxK, gates_NxK, w, swiglu=swiglu)
   return experts_grouped(x_NxD, ids_NxK, gates_NxK, w, swiglu=swiglu)

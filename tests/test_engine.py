@@ -46,6 +46,7 @@ def run(model, policy, check=None, **kw):
   cfg, params, store, _ = model
   kw.setdefault("cache_fraction", 0.25)
   with OffloadEngine(cfg, params, store, policy, max_len=32, **kw) as eng:
+    eng.warmup()                                   # compiles on throwaway state only
     out = [eng.prefill(PROMPT)]
     for tok in STREAM:
       out.append(eng.decode_step(tok))
@@ -147,3 +148,64 @@ def test_bad_inputs_name_the_flag(model):
     OffloadEngine(cfg, params, store, "baseline", cache_fraction=0.01)
   with pytest.raises(link_lib.LinkSpecError, match="--link"):
     OffloadEngine(cfg, params, store, "baseline", link="fast please")
+
+
+def test_a_failing_transfer_stops_the_run_with_a_clear_error(model):
+  from moejax.offload.transfer import TransferError
+  cfg, params, store, _ = model
+
+  class BrokenStore:
+    def __init__(self, inner):
+      self.inner = inner
+      self.layers, self.num_layers = inner.layers, inner.num_layers
+
+    def __getattr__(self, name):
+      return getattr(self.inner, name)
+
+    def get(self, layer, expert):
+      if expert == 7:
+        raise OSError(f"cannot read expert {expert} of layer {layer}")
+      return self.inner.get(layer, expert)
+
+  with pytest.raises(TransferError, match="cannot read expert 7"):
+    with OffloadEngine(cfg, params, BrokenStore(store), "fetch_all", cache_fraction=0.25,
+                       max_len=32) as eng:
+      eng.prefill(list(range(8)) * 2)
+      for t in STREAM:
+        eng.decode_step(t)
+  assert not eng.prefetcher.alive
+
+
+def test_profile_initial_contents_and_on_arrival_admission(model):
+  cfg, params, store, ref = model
+  counts = engine_lib.profile_counts(cfg, params, store, PROMPT + STREAM)
+  with OffloadEngine(cfg, params, store, "quality", cache_fraction=0.25, max_len=32,
+                     initial="profile", profile_counts=counts,
+                     admission_timing="on_arrival") as eng:
+    for layer, experts in eng.resident_sets().items():
+      top = R.profile_order(counts[layer])[:eng.budget.slots]
+      assert experts == sorted(top)
+    eng.prefill(PROMPT)
+    for t in STREAM:
+      eng.decode_step(t)
+    check_budget(eng)
+    for r in eng.records:
+      assert r["hits"] + r["misses"] == r["expert_calls"]
+      assert r["admitted"] <= sum(x["admissions"] for x in eng.records)
+
+
+def test_decode_compiles_once_per_layer_kind(model):
+  cfg, params, store, _ = model
+  with OffloadEngine(cfg, params, store, "speed", cache_fraction=0.25, max_len=32) as eng:
+    eng.warmup()
+    sizes = lambda: {k: {n: f._cache_size() for n, f in st.items()}
+                     for k, st in eng._kind_steps.items()}
+    before = sizes()
+    eng.prefill(PROMPT)
+    after_prefill = sizes()
+    for t in STREAM:                       # two MoE layers and a dense layer per token
+      eng.decode_step(t)
+    assert sizes() == after_prefill        # no decode step compiled again
+    for (sparse, _), fns in before.items():
+      for name in (("attend_decide", "moe", "insert_moe") if sparse else ("dense_decode",)):
+        assert fns[name] == 1, (sparse, name)

@@ -175,6 +175,17 @@ def test_config_hub_spelling_and_errors(tmp_path):
            "n_shared_experts": 1, "routed_scaling_factor": 1.8, "rope_theta": 1000000}
   c = ModelConfig.from_hf_dict(flash)                       # 2048 % 20 != 0: no head_dim needed
   assert c.head_dim == 256 and c.moe_layers == tuple(range(1, 47)) and c.q_lora_rank == 768
+  v3 = dict(flash, model_type="deepseek_v3", hidden_size=7168, num_hidden_layers=61,
+            num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1536,
+            qk_nope_head_dim=128, v_head_dim=128, n_routed_experts=256, num_experts_per_tok=8,
+            moe_intermediate_size=2048, n_group=8, topk_group=4, first_k_dense_replace=3,
+            routed_scaling_factor=2.5, scoring_func="sigmoid", topk_method="noaux_tc",
+            rope_scaling={"type": "yarn", "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                          "original_max_position_embeddings": 4096, "beta_fast": 32,
+                          "beta_slow": 1})
+  c = ModelConfig.from_hf_dict(v3)
+  assert c.moe_layers[0] == 3 and (c.n_group, c.topk_group) == (8, 4)
+  assert dict(c.rope_scaling)["rope_type"] == "yarn" and c.head_dim == 192
   with pytest.raises(ConfigError, match="n_group"):
     ModelConfig.from_hf_dict(dict(air, n_group=3))
   with pytest.raises(ConfigError, match="topk_group"):
@@ -183,6 +194,8 @@ def test_config_hub_spelling_and_errors(tmp_path):
     ModelConfig.from_hf_dict(dict(flash, num_key_value_heads=4))
   with pytest.raises(ConfigError, match="rope_scaling"):
     ModelConfig.from_hf_dict(dict(flash, rope_scaling={"type": "yarn", "factor": 4.0}))
+  with pytest.raises(ConfigError, match="scoring_func"):
+    ModelConfig.from_hf_dict(dict(flash, model_type="deepseek_v3", scoring_func="softmax"))
   with pytest.raises(ConfigError, match="n_routed_experts"):
     ModelConfig.from_hf_dict({k: v for k, v in air.items() if k != "n_routed_experts"})
 
@@ -313,3 +326,16 @@ def test_deepseek_yarn_rope_matches(tmp_path):
   run = lambda c: np.asarray(_forward(c, params, store.to_device(), [tokens], positions=pos)[0][0])
   np.testing.assert_allclose(run(cfg), ref, atol=1e-4, rtol=0)
   assert np.abs(run(dataclasses.replace(cfg, rope_scaling=())) - ref).max() > 1e-2
+
+
+def test_glm4_moe_variant_qk_norm_unnormalised_gates(tmp_path):
+  """Other glm4_moe switches: use_qk_norm, norm_topk_prob=False, one group, two shared experts."""
+  model = hf_models.build("glm4_moe", use_qk_norm=True, norm_topk_prob=False, n_group=1,
+                          topk_group=1, n_shared_experts=2, attention_bias=False)
+  tokens = [int(t) for t in np.random.default_rng(5).integers(0, 96, 12)]
+  with torch.no_grad():
+    ref = model(torch.tensor([tokens])).logits[0].numpy()
+  cfg, params, store = load_model(hf_models.save(model, str(tmp_path / "v"), "per_expert"))
+  assert cfg.qk_norm == "head" and not cfg.norm_topk_prob and cfg.n_shared_experts == 2
+  logits, _, _ = _forward(cfg, params, store.to_device(), [tokens])
+  np.testing.assert_allclose(np.asarray(logits[0]), ref, atol=1e-4, rtol=0)

@@ -40,7 +40,7 @@ def check_consistent(state):
 def test_budget_slots_staging_and_bytes():
   b = R.make_budget(64, 8, 1000, 8, fraction=0.25)
   assert (b.slots, b.staging, b.physical) == (16, 0, 16)
-  assert b.device_bytes == 16 * 1000 * 8 and not b.all_resident
+  assert b.device_bytes == (16 + 1) * 1000 * 8 and not b.all_resident    # + scratch row
   b = R.make_budget(8, 4, 1000, 2, fraction=0.25)         # S = 2 < K = 4: two staging slots
   assert (b.slots, b.staging) == (2, 2)
   assert "2 staging" in b.describe()

@@ -73,6 +73,10 @@ def config_from_hf(cls, d: dict[str, Any], source: str) -> ModelConfig:
       isinstance(v, (int, float, str, bool)) or v is None))) if rope_type == "yarn" else ())
   partial = float(rope.get("partial_rotary_factor",
                            d.get("partial_rotary_factor", 0.5 if mt == "glm4_moe" else 1.0)))
+  for f, ok in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
+    if d.get(f) not in (None, ok):   # DeepSeek hub configs name the rule moejax implements
+      raise ConfigError(f"{source}: field '{f}' is {d[f]!r}; only {ok!r} routing is "
+                        f"implemented for {mt}")
   eos = d.get("eos_token_id")
   eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
 
@@ -128,7 +132,7 @@ def config_from_hf(cls, d: dict[str, Any], source: str) -> ModelConfig:
             bos_token_id=d.get("bos_token_id"), eos_token_ids=eos_ids,
             n_group=int(get("n_group", default=1)), topk_group=int(get("topk_group", default=1)),
             routed_scaling_factor=float(get("routed_scaling_factor", default=1.0)),
-            n_shared_experts=int(get("n_shared_experts", default=0)),
+            n_shared_experts=int(get("n_shared_experts", default=1)),   # HF default
             partial_rotary_factor=partial,
             num_mtp_layers=int(get("num_nextn_predict_layers", "num_mtp_layers", default=1)),
             **kw)
@@ -252,7 +256,8 @@ def _rope_interleaved(x_BxTxHxK, cos_BxTxK, sin_BxTxK):
   half = cos_BxTxK.shape[-1] // 2
   cos, sin = cos_BxTxK[:, :, None, :half], sin_BxTxK[:, :, None, :half]
   x1, x2 = x_BxTxHxK[..., 0::2], x_BxTxHxK[..., 1::2]
-  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BxTxHxK.dtype)
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x_BxTxHxK.dtype)
 
 
 class MLAttention(nn.Module):
@@ -290,7 +295,8 @@ class MLAttention(nn.Module):
     if cache is None:
       kv_all, krot_all, k_pos = kv, k_rot, positions_BxT
     else:
-      kv_all, krot_all = _write(cache["kv"], kv, end_index), _write(cache["k_rot"], k_rot, end_index)
+      kv_all = _write(cache["kv"], kv, end_index)
+      krot_all = _write(cache["k_rot"], k_rot, end_index)
       cache = {"kv": kv_all, "k_rot": krot_all}
       k_pos = _cache_positions(kv_all, positions_BxT)
     s = kv_all.shape[1]

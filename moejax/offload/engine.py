@@ -2,12 +2,13 @@
 
 Per MoE layer and decoded token:
   (a) one jitted call: `DecoderLayer.attend` + `route_logits` + `policy.decide`;
-  host: reads the decision, requests the FETCH experts from the prefetch thread
-      and waits for them, inserts them into slots (donated
-      `lax.dynamic_update_slice`, never evicting an expert the token uses),
+      the host reads the decision (one small transfer);
+  host: requests the FETCH experts from the prefetch thread and waits for them,
       computes HOST experts in numpy;
-  (b) one jitted call: `DecoderLayer.moe_residual` from slot indices, plus the
-      usage-statistics update (state donated).
+  (b) one jitted call, state donated: inserts the arrived experts into slots
+      (`resident.insert`: `lax.dynamic_update_slice`, never evicting an expert
+      the token uses), then `DecoderLayer.moe_residual` from slot indices, then
+      the usage-statistics update.
 Dense layers run whole.  Jitted functions are built per layer *kind* (sparse or
 dense, and the family's layer type), so compile count does not grow with depth.
 
@@ -75,18 +76,27 @@ def _steps(cfg: ModelConfig, dtype, layer_idx: int, policy: PolicyParams):
   on the policy fields each function reads (so policies share compiles)."""
   decide_key = dataclasses.replace(policy, name="", eviction="lru", lfu_decay=0.98)
   out = dict(_base_steps(cfg, dtype, layer_idx))
-  out.update(_policy_steps(cfg, dtype, layer_idx, decide_key, float(policy.lfu_decay)))
+  out.update(_policy_steps(cfg, dtype, layer_idx, decide_key, float(policy.lfu_decay),
+                           policy.eviction))
   return out
+
+
+def _unpack_tp(tp):
+  """The decode step's one small host input [token, position] -> (positions [1,1], end)."""
+  return tp[1].reshape(1, 1), tp[1]
 
 
 @functools.lru_cache(maxsize=None)
 def _policy_steps(cfg: ModelConfig, dtype, layer_idx: int, decide_key: PolicyParams,
-                  lfu_decay: float):
+                  lfu_decay: float, eviction: str):
   mod = _module(cfg, dtype, layer_idx)
   usage_key = PolicyParams(lfu_decay=lfu_decay)
+  evict_key = PolicyParams(eviction=eviction)
+  num_e, k = cfg.num_experts, cfg.top_k
 
   @functools.partial(jax.jit, donate_argnums=(3,))
-  def attend_decide(p, x, pos, cache, end, state):
+  def attend_decide(p, x, tp, cache, state):
+    pos, end = _unpack_tp(tp)
     h, moe_in, logits, cache = mod.apply({"params": p}, x, pos, cache, end, method=_attend_route)
     dec = policy_lib.decide(logits.reshape(-1, logits.shape[-1]), state, decide_key, cfg)
     # what the host reads, in one transfer: action, ids, exec_ids, weights, gates (K each)
@@ -96,8 +106,7 @@ def _policy_steps(cfg: ModelConfig, dtype, layer_idx: int, decide_key: PolicyPar
                             f(dec.weights[0]), f(dec.gates[0]), f(dec.admit)])
     return h, moe_in, cache, dec, host
 
-  @functools.partial(jax.jit, donate_argnums=(5,))
-  def moe(p, h, moe_in, dec, host_out, state):
+  def _moe(p, h, moe_in, dec, host_out, state):
     e = dec.exec_ids
     slot = state.expert_slot[jnp.maximum(e, 0)]
     w = jnp.where(e >= 0, dec.weights, 0.0)
@@ -106,7 +115,16 @@ def _policy_steps(cfg: ModelConfig, dtype, layer_idx: int, decide_key: PolicyPar
                   state.buffers, method="moe_residual")
     return y + host_out.astype(y.dtype), policy_lib.update_usage(state, dec, usage_key)
 
-  return dict(attend_decide=attend_decide, moe=moe)
+  moe = jax.jit(_moe, donate_argnums=(5,))
+
+  @functools.partial(jax.jit, donate_argnums=(5,))
+  def insert_moe(p, h, moe_in, dec, host_out, state, ins, rows):
+    """Inserts the fetched rows (ins = [K expert ids (-1: none) | E in-use mask]), then (b)."""
+    state, evicted = resident_lib.insert(state, ins[:k], rows, ins[k:] > 0, evict_key)
+    y, state = _moe(p, h, moe_in, dec, host_out, state)
+    return y, state, evicted
+
+  return dict(attend_decide=attend_decide, moe=moe, insert_moe=insert_moe)
 
 
 @functools.lru_cache(maxsize=None)
@@ -114,12 +132,18 @@ def _base_steps(cfg: ModelConfig, dtype, layer_idx: int):
   mod = _module(cfg, dtype, layer_idx)
   attend_route = _attend_route
 
+  def _dense(mdl, x, pos, cache, end):
+    h, cache = mdl.attend(x, pos, cache, end)
+    return mdl.dense_residual(h), cache
+
   @functools.partial(jax.jit, donate_argnums=(3,))
   def dense(p, x, pos, cache, end):
-    def f(mdl, x, pos, cache, end):
-      h, cache = mdl.attend(x, pos, cache, end)
-      return mdl.dense_residual(h), cache
-    return mod.apply({"params": p}, x, pos, cache, end, method=f)
+    return mod.apply({"params": p}, x, pos, cache, end, method=_dense)
+
+  @functools.partial(jax.jit, donate_argnums=(3,))
+  def dense_decode(p, x, tp, cache):
+    pos, end = _unpack_tp(tp)
+    return mod.apply({"params": p}, x, pos, cache, end, method=_dense)
 
   @functools.partial(jax.jit, donate_argnums=(3,))
   def prefill_attend(p, x, pos, cache, end):
@@ -134,7 +158,8 @@ def _base_steps(cfg: ModelConfig, dtype, layer_idx: int):
     return mod.apply({"params": p}, h, moe_in, idx.reshape(b, t, -1), gates.reshape(b, t, -1),
                      table, method="moe_residual")
 
-  return dict(dense=dense, prefill_attend=prefill_attend, prefill_moe=prefill_moe)
+  return dict(dense=dense, dense_decode=dense_decode, prefill_attend=prefill_attend,
+              prefill_moe=prefill_moe)
 
 
 @functools.lru_cache(maxsize=None)
@@ -153,8 +178,11 @@ def _prefill_usage(state, counts_E, decay: float):
 def _model_steps(cfg: ModelConfig, dtype):
   model = Transformer(cfg, dtype)
   embed = jax.jit(lambda p, t: model.apply({"params": p}, t, method="embed"))
+  embed_decode = jax.jit(lambda p, tp: model.apply({"params": p}, tp[:1].reshape(1, 1),
+                                                   method="embed"))
   head = jax.jit(lambda p, x: model.apply({"params": p}, x, method="logits"))
-  return embed, head
+  head_decode = jax.jit(lambda p, x: model.apply({"params": p}, x[:, -1], method="logits")[0])
+  return embed, head, embed_decode, head_decode
 
 
 def _wait_all(tickets: list) -> list:
@@ -210,6 +238,19 @@ def format_stats(s: dict, link_desc: str) -> str:
   ]
   w = max(len(a) for a, _ in rows)
   return "\n".join(f"{a.ljust(w)}  {b}" for a, b in rows)
+
+
+def profile_counts(cfg: ModelConfig, params, store, tokens, dtype=jnp.float32) -> dict:
+  """Per MoE layer, how often the fully resident model routes each expert on `tokens`:
+  the input of ``initial="profile"`` (the most frequently routed experts start resident)."""
+  model = Transformer(cfg, dtype)
+  _, _, router = jax.jit(lambda p, e, t: model.apply({"params": p}, t, e))(
+      params, store.to_device(dtype), jnp.asarray([list(tokens)], jnp.int32))
+  out = {}
+  for l in cfg.moe_layers:
+    ids, _, _ = routing.route(cfg, router[l].reshape(-1, router[l].shape[-1]))
+    out[l] = np.bincount(np.asarray(ids).reshape(-1), minlength=cfg.num_experts)
+  return out
 
 
 def layer_compute_seconds(cfg: ModelConfig, params, store, dtype=jnp.float32,
@@ -274,7 +315,7 @@ class OffloadEngine:
     if policy.miss == "host":
       host_experts.check_supported(store.get(self.moe_layers[0], 0), cfg.model_type)
     self.link = resolve_link(link, cfg, params, store, dtype)
-    self._embed, self._head = _model_steps(cfg, dtype)
+    self._embed, self._head, self._embed_decode, self._head_decode = _model_steps(cfg, dtype)
     rep = {}
     for i in range(cfg.num_layers):
       rep.setdefault(_layer_kind(cfg, i), i)
@@ -340,8 +381,14 @@ class OffloadEngine:
   def __enter__(self):
     return self
 
-  def __exit__(self, *exc):
-    self.close()
+  def __exit__(self, exc_type, exc, tb):
+    if exc_type is None:
+      self.close()
+      return
+    try:  # do not mask the exception already propagating (e.g. a TransferError)
+      self.close()
+    except Exception:  # pylint: disable=broad-except
+      pass
 
   # -------------------------------------------------------------- helpers
   def _insert(self, l: int, ids: list[int], rows: list[dict], in_use_E: np.ndarray, rec: dict):
@@ -362,8 +409,9 @@ class OffloadEngine:
     if not pend:
       return
     if self.admission_timing == "on_arrival":
-      ready = [t for t in pend if t.done()]
-      self._pending[l] = [t for t in pend if not t.done()]
+      done = [t.done() for t in pend]
+      ready = [t for t, d in zip(pend, done) if d]
+      self._pending[l] = [t for t, d in zip(pend, done) if not d]
       waited = 0.0
     else:
       ready, self._pending[l] = pend, []
@@ -371,6 +419,9 @@ class OffloadEngine:
       for t in ready:
         t.wait()
       waited = time.perf_counter() - t0
+    # a ticket that a synchronous fetch took over (same expert, upgraded to "sync")
+    # was already inserted by that fetch
+    ready = [t for t in ready if t.priority == "background"]
     if not ready:
       return
     rec["admission_wait_s"] += waited
@@ -388,6 +439,34 @@ class OffloadEngine:
     rec["wall_s"] = time.perf_counter() - t0
     rec["compute_s"] = rec["wall_s"] - rec["wait_s"] - rec["admission_wait_s"] - rec["host_s"]
     return rec
+
+  def warmup(self):
+    """Compiles every decode-path step once on throwaway inputs (state untouched), so
+    that per-token statistics measure decoding, not compilation."""
+    cfg, kk = self.cfg, self.cfg.top_k
+    tp = self._put(np.zeros(2, np.int32))
+    x = self._embed_decode(self.params, tp)
+    jax.block_until_ready(self._head_decode(self.params, x))
+    done = set()
+    for i, st in enumerate(self._layer_steps):
+      kind = _layer_kind(cfg, i)
+      if kind in done:
+        continue
+      done.add(kind)
+      p = self.params[f"layers_{i}"]
+      cache = self._put(init_cache(cfg, 1, self.max_len, self.dtype)[i])
+      if not cfg.sparse_layers[i]:
+        jax.block_until_ready(st["dense_decode"](p, x, tp, cache))
+        continue
+      copy = lambda: jax.tree_util.tree_map(jnp.copy, self.states[i])
+      h, moe_in, _, dec, _ = st["attend_decide"](p, x, tp, cache, copy())
+      jax.block_until_ready(st["moe"](p, h, moe_in, dec, self._zero_x, copy()))
+      ins = self._put(np.concatenate([np.full(kk, -1, np.int32),
+                                      np.zeros(cfg.num_experts, np.int32)]))
+      jax.block_until_ready(st["insert_moe"](p, h, moe_in, dec, self._zero_x, copy(), ins,
+                                             (self._zero_row,) * kk))
+      jax.block_until_ready(resident_lib.insert_jit(
+          copy(), ins[:kk], (self._zero_row,) * kk, ins[kk:] > 0, self._evict_key))
 
   # -------------------------------------------------------------- prefill
   def prefill(self, prompt_ids) -> np.ndarray:
@@ -437,7 +516,7 @@ class OffloadEngine:
                for k in self._zero_row}
       idx_map = exp_slot.copy()
       for j, e in enumerate(missing):
-        idx_map[e] = self.budget.physical + j
+        idx_map[e] = self.budget.physical + 1 + j          # after the slots and scratch row
       pad_ids = np.where(np.arange(tb)[:, None] < t, ids_np, ids_np[:1])   # padding: token 0's
       x = st["prefill_moe"](p, h, moe_in, self._put(idx_map[pad_ids].astype(np.int32)), gates,
                             state.buffers, self._put(extra))
@@ -463,33 +542,29 @@ class OffloadEngine:
       raise ValueError(f"max_len={self.max_len} reached")
     t0 = time.perf_counter()
     rec = self._new_record()
-    pos = self._put(np.full((1, 1), self.end_index, np.int32))
-    end = self._put(np.int32(self.end_index))
-    x = self._embed(self.params, self._put(np.asarray([[token]], np.int32)))
-    num_e = self.cfg.num_experts
+    tp = self._put(np.asarray([token, self.end_index], np.int32))   # one small transfer
+    x = self._embed_decode(self.params, tp)
+    num_e, kk = self.cfg.num_experts, self.cfg.top_k
     for i, st in enumerate(self._layer_steps):
       p = self.params[f"layers_{i}"]
       if not self.cfg.sparse_layers[i]:
-        x, self.cache[i] = st["dense"](p, x, pos, self.cache[i], end)
+        x, self.cache[i] = st["dense_decode"](p, x, tp, self.cache[i])
         continue
       self._insert_admissions(i, rec)
-      h, moe_in, self.cache[i], dec, packed = st["attend_decide"](p, x, pos, self.cache[i], end,
+      h, moe_in, self.cache[i], dec, packed = st["attend_decide"](p, x, tp, self.cache[i],
                                                                   self.states[i])
       packed = np.asarray(packed)
-      kk = self.cfg.top_k
       action, ids, exec_ids = (packed[j * kk:(j + 1) * kk].astype(np.int32) for j in range(3))
       weights, gates = packed[3 * kk:4 * kk], packed[4 * kk:5 * kk]
       admit = packed[5 * kk:] > 0
       fetch = [int(e) for e in ids[action == FETCH]]
+      rows = None
       if fetch:
         tickets = [self.prefetcher.request(i, e, priority="sync") for e in fetch]
         tw = time.perf_counter()
         rows = _wait_all(tickets)
         rec["wait_s"] += time.perf_counter() - tw
         rec["fetch_bytes"] += sum(tk.nbytes for tk in tickets)
-        in_use = np.zeros(num_e, bool)
-        in_use[exec_ids[exec_ids >= 0]] = True
-        self._insert(i, fetch, rows, in_use, rec)
       host_out = self._zero_x
       host_mask = action == HOST
       if host_mask.any():
@@ -498,7 +573,18 @@ class OffloadEngine:
                                   weights[host_mask], functools.partial(self.store.get, i))
         host_out = self._put(y.reshape(x.shape).astype(x.dtype))
         rec["host_s"] += time.perf_counter() - th
-      x, self.states[i] = st["moe"](p, h, moe_in, dec, host_out, self.states[i])
+      if fetch:
+        # insert (never evicting an expert this token uses), then (b), in one call
+        ins = np.zeros(kk + num_e, np.int32)
+        ins[:kk] = -1
+        ins[:len(fetch)] = fetch
+        ins[kk + exec_ids[exec_ids >= 0]] = 1
+        r = tuple(rows) + (self._zero_row,) * (kk - len(rows))
+        x, self.states[i], ev = st["insert_moe"](p, h, moe_in, dec, host_out, self.states[i],
+                                                 self._put(ins), r)
+        rec.setdefault("_evicted", []).append(ev)
+      else:
+        x, self.states[i] = st["moe"](p, h, moe_in, dec, host_out, self.states[i])
       sub = action == SUBSTITUTE
       drop = action == DROP
       rec["expert_calls"] += len(ids)
@@ -506,15 +592,17 @@ class OffloadEngine:
       rec["misses"] += int(np.sum(action != HIT))
       rec["fetches"] += len(fetch)
       rec["substituted"] += int(sub.sum())
-      rec["substituted_mass"] += float(gates[sub].sum())
+      # masses are normalised shares g / sum(selected g): for routers whose gates do
+      # not sum to 1 (sigmoid, OLMoE) this is the quantity the threshold rule compares
+      share = gates / max(float(gates.sum()), 1e-20)
+      rec["substituted_mass"] += float(share[sub].sum())
       rec["dropped"] += int(drop.sum())
-      rec["dropped_mass"] += float(gates[drop].sum())
+      rec["dropped_mass"] += float(share[drop].sum())
       rec["host_calls"] += int(host_mask.sum())
       for e in np.flatnonzero(admit):
         self._pending[i].append(self.prefetcher.request(i, int(e), priority="background"))
         rec["admissions"] += 1
-    logits = self._head(self.params, x[:, -1])
-    out = np.asarray(logits[0])
+    out = np.asarray(self._head_decode(self.params, x))
     self.end_index += 1
     self.records.append(self._finish_record(rec, t0))
     return out

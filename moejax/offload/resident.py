@@ -3,9 +3,11 @@
 Nothing about residency lives in Python globals: the state is threaded through
 the jitted steps and donated.  Per MoE layer:
 
-  buffers      {name: [P, ...]}  slot buffers, one per expert-dict key (generic:
+  buffers      {name: [P+1, ...]} slot buffers, one per expert-dict key (generic:
                families with biases or quantised blocks add keys); owned device
-               arrays, never aliases of host memory.
+               arrays, never aliases of host memory.  Row P is scratch: skipped
+               insertions write there, so an insertion never reads a buffer
+               (and XLA updates it in place); no slot index points at it.
   slot_expert  [P] int32         expert held by each slot (-1 = empty)
   expert_slot  [E] int32         slot of each expert (-1 = not resident)
   last_used    [E] int32         step of the last use on the device (lru); an
@@ -57,12 +59,12 @@ class Budget:
 
   @property
   def device_bytes(self) -> int:
-    return self.physical * self.expert_bytes * self.num_moe_layers
+    return (self.physical + 1) * self.expert_bytes * self.num_moe_layers   # + scratch row
 
   def describe(self) -> str:
     s = (f"{self.slots}/{self.num_experts} experts per layer resident ({self.source})"
-         f" + {self.staging} staging slot(s); {self.device_bytes / 2**20:.2f} MiB of expert "
-         f"cache over {self.num_moe_layers} MoE layers")
+         f" + {self.staging} staging slot(s) + 1 scratch row; {self.device_bytes / 2**20:.2f} "
+         f"MiB of expert cache over {self.num_moe_layers} MoE layers")
     if self.all_resident:
       s += "; the budget holds every expert: all experts are kept resident, nothing is fetched"
     return s
@@ -127,8 +129,8 @@ def init_state(num_experts: int, num_slots: int, expert_spec: dict,
   buffers=False gives a state without slot buffers (for tools that only need
   residency: the simulator).
   """
-  bufs = ({k: jnp.zeros((num_slots,) + tuple(shp), dt) for k, (shp, dt) in expert_spec.items()}
-          if buffers else {})
+  bufs = ({k: jnp.zeros((num_slots + 1,) + tuple(shp), dt)
+           for k, (shp, dt) in expert_spec.items()} if buffers else {})
   return ResidentState(
       buffers=bufs,
       slot_expert=jnp.full((num_slots,), -1, jnp.int32),
@@ -170,14 +172,14 @@ def insert(state: ResidentState, ids_J: jax.Array, rows: tuple, in_use_E: jax.Ar
   exp_s = exp_s.at[drop_e(valid, ec)].set(slot, mode="drop")
   slot_e = slot_e.at[jnp.where(valid, slot, num_s)].set(ec, mode="drop")
   last = state.last_used.at[drop_e(valid, ec)].set(state.step, mode="drop")
-  # one dynamic_update_slice per row and buffer (in place when donated); a skipped
-  # insertion rewrites slot 0 with its own contents
+  # one dynamic_update_slice per row and buffer, in place when donated; a skipped
+  # insertion goes to the scratch row (buffers never read here, so no copies)
   bufs = dict(state.buffers)
   for jj, row in enumerate(rows):
-    at = jnp.where(valid[jj], slot[jj], 0)
+    at = jnp.where(valid[jj], slot[jj], num_s)
     for k, buf in bufs.items():
-      new = jnp.where(valid[jj], row[k].astype(buf.dtype), buf[at])
-      bufs[k] = jax.lax.dynamic_update_slice(buf, new[None], (at,) + (0,) * (buf.ndim - 1))
+      bufs[k] = jax.lax.dynamic_update_slice(buf, row[k].astype(buf.dtype)[None],
+                                             (at,) + (0,) * (buf.ndim - 1))
   new_state = dataclasses.replace(state, buffers=bufs, slot_expert=slot_e, expert_slot=exp_s,
                                   last_used=last)
   return new_state, old.astype(jnp.int32)

@@ -78,22 +78,22 @@ def prepare_data(workdir: str):
   return tok, tr, manifest
 
 
-def main(_):
-  wd = os.path.abspath(FLAGS.workdir)
-  os.makedirs(wd, exist_ok=True)
-  tok, stream, manifest = prepare_data(wd)
-  cfg = demo_config(tok.get_vocab_size())
-  tc = TrainConfig(steps=FLAGS.steps, warmup=FLAGS.warmup, lr=FLAGS.lr, batch=FLAGS.batch,
-                   seq=FLAGS.seq, balance_coef=FLAGS.balance_coef)
-  logging.info("train tokens %d, config %s", stream.size, cfg)
+def run_training(cfg, tc: TrainConfig, stream: np.ndarray, ckpt_dir: str, save_every: int,
+                 max_hours: float = 0.0, log_path: str | None = None, export_only: bool = False,
+                 stop_at: int | None = None):
+  """Trains (resuming from the latest checkpoint in ckpt_dir); returns (trainable, step).
+
+  The batch of step s is a pure function of (stream, seed, s), so a run killed and
+  restarted from a checkpoint sees the same data order.  `stop_at` ends the run early
+  (as a kill would) after checkpointing that step.
+  """
   opt, sched = make_optimizer(tc)
   params, experts = init_random(cfg, seed=tc.seed, scale=0.02)
   trainable = (params, [None if e is None else {k: jnp.asarray(v) for k, v in e.items()}
                         for e in experts])
   opt_state = opt.init(trainable)
   order = data.window_order(stream.size, tc.seq, tc.seed)
-
-  mgr = ocp.CheckpointManager(os.path.join(wd, "ckpt"),
+  mgr = ocp.CheckpointManager(os.path.abspath(ckpt_dir),
                               options=ocp.CheckpointManagerOptions(max_to_keep=2))
   step = 0
   if mgr.latest_step() is not None:
@@ -102,36 +102,49 @@ def main(_):
         {"trainable": trainable, "opt_state": opt_state}))
     trainable, opt_state = state["trainable"], state["opt_state"]
     logging.info("resumed from step %d", step)
-
   t0 = time.time()
-  log_path = os.path.join(wd, "train_log.jsonl")
-  if not FLAGS.export_only and step < tc.steps:
+  end = tc.steps if stop_at is None else min(stop_at, tc.steps)
+  if not export_only and step < end:
     bar = tqdm(total=tc.steps, initial=step, desc="train", unit="step", mininterval=5)
-    tokens_done = 0
-    while step < tc.steps:
+    while step < end:
       batch = data.window_batch(stream, order, step, tc.batch, tc.seq)
       ts = time.time()
       trainable, opt_state, m = train_step(cfg, tc, opt, trainable, opt_state, jnp.asarray(batch))
       m = {k: float(v) for k, v in m.items()}
       step += 1
       dt = time.time() - ts
-      tokens_done += batch.size - batch.shape[0]
       bar.update(1)
       bar.set_postfix(loss=f"{m['ce']:.3f}", bal=f"{m['balance']:.3f}",
                       tok_s=f"{(batch.size - batch.shape[0]) / dt:.0f}")
-      with open(log_path, "a") as f:
-        f.write(json.dumps(dict(m, step=step, lr=float(sched(step)), sec=dt,
-                                elapsed=time.time() - t0)) + "\n")
-      out_of_time = FLAGS.max_hours and time.time() - t0 > FLAGS.max_hours * 3600
-      if step % FLAGS.save_every == 0 or step == tc.steps or out_of_time:
-        mgr.save(step, args=ocp.args.StandardSave({"trainable": trainable, "opt_state": opt_state}))
+      if log_path:
+        with open(log_path, "a") as f:
+          f.write(json.dumps(dict(m, step=step, lr=float(sched(step)), sec=dt,
+                                  elapsed=time.time() - t0)) + "\n")
+      out_of_time = max_hours and time.time() - t0 > max_hours * 3600
+      if step % save_every == 0 or step == end or out_of_time:
+        mgr.save(step, args=ocp.args.StandardSave({"trainable": trainable,
+                                                   "opt_state": opt_state}))
         mgr.wait_until_finished()
       if out_of_time:
         logging.warning("stopping at step %d: --max_hours reached", step)
         break
     bar.close()
   mgr.wait_until_finished()
+  mgr.close()
+  return trainable, step
 
+
+def main(_):
+  wd = os.path.abspath(FLAGS.workdir)
+  os.makedirs(wd, exist_ok=True)
+  tok, stream, manifest = prepare_data(wd)
+  cfg = demo_config(tok.get_vocab_size())
+  tc = TrainConfig(steps=FLAGS.steps, warmup=FLAGS.warmup, lr=FLAGS.lr, batch=FLAGS.batch,
+                   seq=FLAGS.seq, balance_coef=FLAGS.balance_coef)
+  logging.info("train tokens %d, config %s", stream.size, cfg)
+  trainable, step = run_training(cfg, tc, stream, os.path.join(wd, "ckpt"), FLAGS.save_every,
+                                 max_hours=FLAGS.max_hours, log_path=os.path.join(wd, "train_log.jsonl"),
+                                 export_only=FLAGS.export_only)
   params, experts = trainable
   os.makedirs(FLAGS.export_dir, exist_ok=True)
   save_hf(cfg, params, experts, FLAGS.export_dir, dtype=jnp.bfloat16,

@@ -33,6 +33,45 @@ class RMSNorm(nn.Module):
     return rms_norm(x, w, self.eps)
 
 
+class SwiGLU(nn.Module):
+  """down(silu(gate(x)) * up(x)) with HF names gate_proj / up_proj / down_proj."""
+  hidden_size: int
+  intermediate_size: int
+  dtype: jnp.dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x):
+    g = Linear(self.intermediate_size, dtype=self.dtype, name="gate_proj")(x)
+    u = Linear(self.intermediate_size, dtype=self.dtype, name="up_proj")(x)
+    return Linear(self.hidden_size, dtype=self.dtype, name="down_proj")(jax.nn.silu(g) * u)
+
+
+def cached_attention(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, positions_BxT, cache, end_index):
+  """Causal GQA attention, writing k/v into a static cache at `end_index` when given.
+
+  Returns (o [B, T, H*K], new cache or None).  Scores and softmax in f32; keys at
+  cache positions beyond a query's position are masked.
+  """
+  b, t, hq, hd = q_BxTxHxK.shape
+  hk = k_BxTxGxK.shape[2]
+  if cache is None:
+    keys, values, k_pos = k_BxTxGxK, v_BxTxGxK, positions_BxT
+  else:
+    at = (0, end_index, 0, 0)
+    keys = jax.lax.dynamic_update_slice(cache["k"], k_BxTxGxK.astype(cache["k"].dtype), at)
+    values = jax.lax.dynamic_update_slice(cache["v"], v_BxTxGxK.astype(cache["v"].dtype), at)
+    cache = {"k": keys, "v": values}
+    k_pos = jnp.broadcast_to(jnp.arange(keys.shape[1]), (b, keys.shape[1]))
+  q = q_BxTxHxK.reshape(b, t, hk, hq // hk, hd)
+  s = jnp.einsum("btkgh,bskh->bkgts", q, keys.astype(q.dtype)).astype(jnp.float32)
+  s = s * (hd ** -0.5)
+  mask = k_pos[:, None, :] <= positions_BxT[:, :, None]            # [B,T,S]
+  s = jnp.where(mask[:, None, None], s, jnp.finfo(jnp.float32).min)
+  p = jax.nn.softmax(s, axis=-1).astype(q.dtype)
+  o = jnp.einsum("bkgts,bskh->btkgh", p, values.astype(q.dtype)).reshape(b, t, hq * hd)
+  return o, cache
+
+
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
   xf = x.astype(jnp.float32)
   xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
@@ -53,10 +92,3 @@ def apply_rope(x_BxTxHxK: jax.Array, cos_BxTxK: jax.Array, sin_BxTxK: jax.Array)
   rot = jnp.concatenate([-x2, x1], axis=-1)
   cos, sin = cos_BxTxK[:, :, None, :], sin_BxTxK[:, :, None, :]
   return (x_BxTxHxK * cos + rot * sin).astype(x_BxTxHxK.dtype)
-
-
-def swiglu_mlp(x: jax.Array, w_gate_up_2IxD: jax.Array, w_down_DxI: jax.Array) -> jax.Array:
-  """down(silu(gate(x)) * up(x)) with gate and up stacked as [2I, D]."""
-  h = jnp.einsum("...d,id->...i", x, w_gate_up_2IxD)
-  g, u = jnp.split(h, 2, axis=-1)
-  return jnp.einsum("...i,di->...d", jax.nn.silu(g) * u, w_down_DxI)

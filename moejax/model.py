@@ -30,7 +30,7 @@ from moejax.config import ModelConfig
 from moejax.families import glm
 from moejax.families import gpt_oss
 from moejax.families import qwen3_next
-from moejax.layers import Linear, RMSNorm, apply_rope, rope_cos_sin
+from moejax.layers import Linear, RMSNorm, SwiGLU, apply_rope, cached_attention, rope_cos_sin
 
 Cache = list  # list over layers of {"k": [B,S,Hkv,K], "v": [B,S,Hkv,K]}
 
@@ -76,35 +76,8 @@ class Attention(nn.Module):
     cos, sin = rope_cos_sin(positions_BxT, hd, c.rope_theta)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
-    if cache is None:
-      keys, values = k, v
-      k_pos = positions_BxT
-    else:
-      keys = jax.lax.dynamic_update_slice(cache["k"], k.astype(cache["k"].dtype), (0, end_index, 0, 0))
-      values = jax.lax.dynamic_update_slice(cache["v"], v.astype(cache["v"].dtype), (0, end_index, 0, 0))
-      cache = {"k": keys, "v": values}
-      k_pos = jnp.broadcast_to(jnp.arange(keys.shape[1]), (b, keys.shape[1]))
-    g = hq // hk
-    q = q.reshape(b, t, hk, g, hd)
-    s = jnp.einsum("btkgh,bskh->bkgts", q, keys.astype(q.dtype)).astype(jnp.float32)
-    s = s * (hd ** -0.5)
-    mask = k_pos[:, None, :] <= positions_BxT[:, :, None]            # [B,T,S]
-    s = jnp.where(mask[:, None, None], s, jnp.finfo(jnp.float32).min)
-    p = jax.nn.softmax(s, axis=-1).astype(q.dtype)
-    o = jnp.einsum("bkgts,bskh->btkgh", p, values.astype(q.dtype)).reshape(b, t, hq * hd)
+    o, cache = cached_attention(q, k, v, positions_BxT, cache, end_index)
     return lin("o_proj", c.hidden_size)(o), cache
-
-
-class DenseMLP(nn.Module):
-  cfg: ModelConfig
-  dtype: Any = jnp.float32
-
-  @nn.compact
-  def __call__(self, x):
-    c = self.cfg
-    g = Linear(c.intermediate_size, dtype=self.dtype, name="gate_proj")(x)
-    u = Linear(c.intermediate_size, dtype=self.dtype, name="up_proj")(x)
-    return Linear(c.hidden_size, dtype=self.dtype, name="down_proj")(jax.nn.silu(g) * u)
 
 
 class Router(nn.Module):
@@ -139,7 +112,7 @@ class DecoderLayer(nn.Module):
       self.self_attn = Attention(c, self.dtype)
     self.post_attention_layernorm = _norm(c, self.dtype)
     if not self.sparse:
-      self.mlp = DenseMLP(c, self.dtype)
+      self.mlp = SwiGLU(c.hidden_size, c.intermediate_size, self.dtype)
     elif c.model_type == "qwen3_next":
       self.mlp = qwen3_next.SparseMoeBlock(c, self.dtype)
     elif c.model_type == "gpt_oss":

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from moejax.config import ConfigError, ModelConfig
-from moejax.layers import Linear, RMSNorm, apply_rope, rope_cos_sin
+from moejax.layers import Linear, RMSNorm, SwiGLU, apply_rope, rope_cos_sin
 
 MODEL_TYPES = ("glm4_moe", "glm4_moe_lite", "deepseek_v3")
 MLA_TYPES = ("glm4_moe_lite", "deepseek_v3")
@@ -357,19 +357,6 @@ def attention(cfg: ModelConfig, dtype):
 
 
 # ------------------------------------------------------------------ MoE block
-class SwiGLU(nn.Module):
-  """down(silu(gate(x)) * up(x)) with HF names gate_proj / up_proj / down_proj."""
-  hidden_size: int
-  intermediate_size: int
-  dtype: Any = jnp.float32
-
-  @nn.compact
-  def __call__(self, x):
-    g = Linear(self.intermediate_size, dtype=self.dtype, name="gate_proj")(x)
-    u = Linear(self.intermediate_size, dtype=self.dtype, name="up_proj")(x)
-    return Linear(self.hidden_size, dtype=self.dtype, name="down_proj")(jax.nn.silu(g) * u)
-
-
 class SigmoidRouter(nn.Module):
   """``mlp.gate``: weight [E, D] and e_score_correction_bias [E], kept and computed in f32."""
   cfg: ModelConfig

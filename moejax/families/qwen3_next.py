@@ -29,7 +29,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from moejax.layers import Linear, apply_rope, rope_cos_sin
+from moejax.layers import Linear, SwiGLU, apply_rope, cached_attention, rope_cos_sin
 
 LINEAR, FULL = "linear_attention", "full_attention"
 
@@ -105,21 +105,7 @@ class GatedAttention(nn.Module):
     q = jnp.concatenate([apply_rope(q[..., :rd], cos, sin), q[..., rd:]], axis=-1)
     k = jnp.concatenate([apply_rope(k[..., :rd], cos, sin), k[..., rd:]], axis=-1)
 
-    if cache is None:
-      keys, values, k_pos = k, v, positions_BxT
-    else:
-      keys = jax.lax.dynamic_update_slice(cache["k"], k.astype(cache["k"].dtype), (0, end_index, 0, 0))
-      values = jax.lax.dynamic_update_slice(cache["v"], v.astype(cache["v"].dtype), (0, end_index, 0, 0))
-      cache = {"k": keys, "v": values}
-      k_pos = jnp.broadcast_to(jnp.arange(keys.shape[1]), (b, keys.shape[1]))
-    g = hq // hk
-    q = q.reshape(b, t, hk, g, hd)
-    s = jnp.einsum("btkgh,bskh->bkgts", q, keys.astype(q.dtype)).astype(jnp.float32)
-    s = s * (hd ** -0.5)
-    mask = k_pos[:, None, :] <= positions_BxT[:, :, None]            # [B,T,S]
-    s = jnp.where(mask[:, None, None], s, jnp.finfo(jnp.float32).min)
-    p = jax.nn.softmax(s, axis=-1).astype(q.dtype)
-    o = jnp.einsum("bkgts,bskh->btkgh", p, values.astype(q.dtype)).reshape(b, t, hq * hd)
+    o, cache = cached_attention(q, k, v, positions_BxT, cache, end_index)
     o = o * jax.nn.sigmoid(gate)
     return lin("o_proj", c.hidden_size)(o), cache
 
@@ -295,19 +281,6 @@ class GatedDeltaNet(nn.Module):
 
 
 # ------------------------------------------------------------------- MoE
-class SwiGLU(nn.Module):
-  """down(silu(gate(x)) * up(x)) with HF names gate_proj / up_proj / down_proj."""
-  hidden: int
-  inter: int
-  dtype: Any = jnp.float32
-
-  @nn.compact
-  def __call__(self, x):
-    g = Linear(self.inter, dtype=self.dtype, name="gate_proj")(x)
-    u = Linear(self.inter, dtype=self.dtype, name="up_proj")(x)
-    return Linear(self.hidden, dtype=self.dtype, name="down_proj")(jax.nn.silu(g) * u)
-
-
 class SparseMoeBlock(nn.Module):
   """The dense half of a Qwen3-Next MoE block: the router and the sigmoid-gated shared expert.
 

@@ -46,29 +46,58 @@ class SwiGLU(nn.Module):
     return Linear(self.hidden_size, dtype=self.dtype, name="down_proj")(jax.nn.silu(g) * u)
 
 
-def cached_attention(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, positions_BxT, cache, end_index):
-  """Causal GQA attention, writing k/v into a static cache at `end_index` when given.
+def write_cache(cache_arr, new, end_index):
+  """Writes `new` [B, T, ...] into the static cache [B, S, ...] at position end_index."""
+  idx = (0, end_index) + (0,) * (new.ndim - 2)
+  return jax.lax.dynamic_update_slice(cache_arr, new.astype(cache_arr.dtype), idx)
 
-  Returns (o [B, T, H*K], new cache or None).  Scores and softmax in f32; keys at
-  cache positions beyond a query's position are masked.
+
+def cache_positions(keys_BxSx_, batch: int):
+  return jnp.broadcast_to(jnp.arange(keys_BxSx_.shape[1]), (batch, keys_BxSx_.shape[1]))
+
+
+def gqa_attention(q_BxTxHxK, k_BxSxGxK, v_BxSxGxV, q_pos_BxT, k_pos_BxS, scale: float,
+                  window: int | None = None, sinks_H=None):
+  """Causal softmax attention, f32 scores, query heads grouped over key heads.
+
+  `window`: keys with k_pos > q_pos - window only (sliding window).  `sinks_H`: a
+  learned logit per query head joins the softmax and is then dropped (GPT-OSS).
+  Returns [B, T, H*V].
   """
-  b, t, hq, hd = q_BxTxHxK.shape
-  hk = k_BxTxGxK.shape[2]
+  b, t, hq, kd = q_BxTxHxK.shape
+  hk = k_BxSxGxK.shape[2]
+  g = hq // hk
+  q = q_BxTxHxK.reshape(b, t, hk, g, kd)
+  s = jnp.einsum("btkgh,bskh->bkgts", q, k_BxSxGxK.astype(q.dtype)).astype(jnp.float32) * scale
+  mask = k_pos_BxS[:, None, :] <= q_pos_BxT[:, :, None]            # [B,T,S]
+  if window is not None:
+    mask &= k_pos_BxS[:, None, :] > q_pos_BxT[:, :, None] - window
+  s = jnp.where(mask[:, None, None], s, jnp.finfo(jnp.float32).min)
+  if sinks_H is None:
+    p = jax.nn.softmax(s, axis=-1)
+  else:
+    sink = jnp.broadcast_to(sinks_H.astype(jnp.float32).reshape(1, hk, g, 1, 1), (b, hk, g, t, 1))
+    p = jax.nn.softmax(jnp.concatenate([s, sink], axis=-1), axis=-1)[..., :-1]
+  o = jnp.einsum("bkgts,bskh->btkgh", p.astype(q.dtype), v_BxSxGxV.astype(q.dtype))
+  return o.reshape(b, t, hq * v_BxSxGxV.shape[-1])
+
+
+def cached_attention(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, positions_BxT, cache, end_index,
+                     scale: float | None = None, window: int | None = None, sinks_H=None):
+  """`gqa_attention` over the new keys, or over a static cache they are written into.
+
+  Returns (o [B, T, H*K], new cache or None).  Keys at cache positions beyond a
+  query's position are masked.
+  """
+  scale = q_BxTxHxK.shape[-1] ** -0.5 if scale is None else scale
   if cache is None:
     keys, values, k_pos = k_BxTxGxK, v_BxTxGxK, positions_BxT
   else:
-    at = (0, end_index, 0, 0)
-    keys = jax.lax.dynamic_update_slice(cache["k"], k_BxTxGxK.astype(cache["k"].dtype), at)
-    values = jax.lax.dynamic_update_slice(cache["v"], v_BxTxGxK.astype(cache["v"].dtype), at)
+    keys = write_cache(cache["k"], k_BxTxGxK, end_index)
+    values = write_cache(cache["v"], v_BxTxGxK, end_index)
     cache = {"k": keys, "v": values}
-    k_pos = jnp.broadcast_to(jnp.arange(keys.shape[1]), (b, keys.shape[1]))
-  q = q_BxTxHxK.reshape(b, t, hk, hq // hk, hd)
-  s = jnp.einsum("btkgh,bskh->bkgts", q, keys.astype(q.dtype)).astype(jnp.float32)
-  s = s * (hd ** -0.5)
-  mask = k_pos[:, None, :] <= positions_BxT[:, :, None]            # [B,T,S]
-  s = jnp.where(mask[:, None, None], s, jnp.finfo(jnp.float32).min)
-  p = jax.nn.softmax(s, axis=-1).astype(q.dtype)
-  o = jnp.einsum("bkgts,bskh->btkgh", p, values.astype(q.dtype)).reshape(b, t, hq * hd)
+    k_pos = cache_positions(keys, positions_BxT.shape[0])
+  o = gqa_attention(q_BxTxHxK, keys, values, positions_BxT, k_pos, scale, window, sinks_H)
   return o, cache
 
 

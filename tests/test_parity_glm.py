@@ -19,6 +19,7 @@ import torch
 
 from moejax import routing
 from moejax.config import ConfigError, ModelConfig
+from moejax.layers import gqa_attention
 from moejax.loader import load_model
 from moejax.model import Transformer
 from moejax.safetensors_io import SafetensorsFile, save_file
@@ -295,8 +296,8 @@ def test_mla_absorbed_equals_expanded_with_causal_mask():
   def expanded(q_pass, q_rot, kv, krot, w):
     kvb = jnp.einsum("bsc,hoc->bsho", kv, w)
     keys = jnp.concatenate([kvb[..., :dn], jnp.broadcast_to(krot[:, :, None], (2, s, h, dr))], -1)
-    return glm._attend(jnp.concatenate([q_pass, q_rot], -1), keys, kvb[..., dn:], q_pos, k_pos,
-                       0.3)
+    return gqa_attention(jnp.concatenate([q_pass, q_rot], -1), keys, kvb[..., dn:], q_pos, k_pos,
+                         0.3)
   want = expanded(q_pass, q_rot, kv, krot, w)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
   # the mask matters: query 0 (position 2) must not see keys 3..8

@@ -33,7 +33,8 @@ import jax
 import jax.numpy as jnp
 
 from moejax.config import ConfigError, ModelConfig
-from moejax.layers import Linear, RMSNorm, SwiGLU, apply_rope, rope_cos_sin
+from moejax.layers import (Linear, RMSNorm, SwiGLU, apply_rope, cache_positions, cached_attention,
+                           gqa_attention, rope_cos_sin, write_cache)
 
 MODEL_TYPES = ("glm4_moe", "glm4_moe_lite", "deepseek_v3")
 MLA_TYPES = ("glm4_moe_lite", "deepseek_v3")
@@ -174,29 +175,6 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) ->
           for _ in range(cfg.num_layers)]
 
 
-def _write(cache_arr, new, end_index):
-  idx = (0, end_index) + (0,) * (new.ndim - 2)
-  return jax.lax.dynamic_update_slice(cache_arr, new.astype(cache_arr.dtype), idx)
-
-
-def _attend(q_BxTxHxK, k_BxSxHxK, v_BxSxHxV, q_pos_BxT, k_pos_BxS, scale):
-  """Causal softmax attention with f32 scores; query heads grouped over key heads."""
-  b, t, hq, kd = q_BxTxHxK.shape
-  hk = k_BxSxHxK.shape[2]
-  q = q_BxTxHxK.reshape(b, t, hk, hq // hk, kd)
-  s = jnp.einsum("btkgh,bskh->bkgts", q, k_BxSxHxK.astype(q.dtype)).astype(jnp.float32) * scale
-  mask = k_pos_BxS[:, None, :] <= q_pos_BxT[:, :, None]
-  s = jnp.where(mask[:, None, None], s, jnp.finfo(jnp.float32).min)
-  p = jax.nn.softmax(s, axis=-1).astype(q.dtype)
-  o = jnp.einsum("bkgts,bskh->btkgh", p, v_BxSxHxV.astype(q.dtype))
-  return o.reshape(b, t, hq * v_BxSxHxV.shape[-1])
-
-
-def _cache_positions(keys, positions_BxT):
-  b = positions_BxT.shape[0]
-  return jnp.broadcast_to(jnp.arange(keys.shape[1]), (b, keys.shape[1]))
-
-
 # ------------------------------------------------------------------ attention
 class Glm4MoeAttention(nn.Module):
   """GQA with partial RoPE (rotate_half on the first rotary_dim dims), q/k/v biases, no o bias."""
@@ -219,13 +197,7 @@ class Glm4MoeAttention(nn.Module):
     cos, sin = rope_cos_sin(positions_BxT, rd, c.rope_theta)
     q = jnp.concatenate([apply_rope(q[..., :rd], cos, sin), q[..., rd:]], axis=-1)
     k = jnp.concatenate([apply_rope(k[..., :rd], cos, sin), k[..., rd:]], axis=-1)
-    if cache is None:
-      keys, values, k_pos = k, v, positions_BxT
-    else:
-      keys, values = _write(cache["k"], k, end_index), _write(cache["v"], v, end_index)
-      cache = {"k": keys, "v": values}
-      k_pos = _cache_positions(keys, positions_BxT)
-    o = _attend(q, keys, values, positions_BxT, k_pos, hd ** -0.5)
+    o, cache = cached_attention(q, k, v, positions_BxT, cache, end_index)
     return lin("o_proj", c.hidden_size, False)(o), cache
 
 
@@ -295,10 +267,10 @@ class MLAttention(nn.Module):
     if cache is None:
       kv_all, krot_all, k_pos = kv, k_rot, positions_BxT
     else:
-      kv_all = _write(cache["kv"], kv, end_index)
-      krot_all = _write(cache["k_rot"], k_rot, end_index)
+      kv_all = write_cache(cache["kv"], kv, end_index)
+      krot_all = write_cache(cache["k_rot"], k_rot, end_index)
       cache = {"kv": kv_all, "k_rot": krot_all}
-      k_pos = _cache_positions(kv_all, positions_BxT)
+      k_pos = cache_positions(kv_all, positions_BxT.shape[0])
     s = kv_all.shape[1]
     w_kvb = _Weight(h * (dn + dv), r, self.dtype, name="kv_b_proj")()    # [H*(dn+dv), R]
     if 2 * t < dn + dv:   # decode: absorb kv_b into q and o (never expands the cache)
@@ -310,7 +282,7 @@ class MLAttention(nn.Module):
           [kvb[..., :dn], jnp.broadcast_to(krot_all[:, :, None, :].astype(kvb.dtype),
                                            (b, s, h, dr))], axis=-1)
       query = jnp.concatenate([q_pass, q_rot], axis=-1)
-      o = _attend(query, keys, kvb[..., dn:], positions_BxT, k_pos, scale)
+      o = gqa_attention(query, keys, kvb[..., dn:], positions_BxT, k_pos, scale)
     return lin("o_proj", c.hidden_size, c.attention_bias)(o), cache
 
 

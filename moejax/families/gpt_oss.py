@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moejax.families import mxfp4
-from moejax.layers import Linear, apply_rope
+from moejax.layers import Linear, apply_rope, cached_attention
 
 MODEL_TYPE = "gpt_oss"
 ROUTER = "topk_softmax"
@@ -144,26 +144,10 @@ class Attention(nn.Module):
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     sinks_H = self.param("sinks", nn.initializers.normal(0.02), (hq,), self.dtype)
 
-    if cache is None:
-      keys, values, k_pos = k, v, positions_BxT
-    else:
-      start = (0, end_index, 0, 0)
-      keys = jax.lax.dynamic_update_slice(cache["k"], k.astype(cache["k"].dtype), start)
-      values = jax.lax.dynamic_update_slice(cache["v"], v.astype(cache["v"].dtype), start)
-      cache = {"k": keys, "v": values}
-      k_pos = jnp.broadcast_to(jnp.arange(keys.shape[1]), (b, keys.shape[1]))
-    g = hq // hk
-    q = q.reshape(b, t, hk, g, hd)
-    s = jnp.einsum("btkgh,bskh->bkgts", q, keys.astype(q.dtype)).astype(jnp.float32)
-    s = s * (hd ** -0.5)
-    mask = k_pos[:, None, :] <= positions_BxT[:, :, None]                       # [B,T,S]
-    if self.sliding:
-      mask &= k_pos[:, None, :] > positions_BxT[:, :, None] - c.sliding_window
-    s = jnp.where(mask[:, None, None], s, jnp.finfo(jnp.float32).min)
-    sink = jnp.broadcast_to(sinks_H.astype(jnp.float32).reshape(1, hk, g, 1, 1), (b, hk, g, t, 1))
-    p = jax.nn.softmax(jnp.concatenate([s, sink], axis=-1), axis=-1)[..., :-1]  # drop the sink
-    o = jnp.einsum("bkgts,bskh->btkgh", p.astype(q.dtype), values.astype(q.dtype))
-    return lin("o_proj", c.hidden_size)(o.reshape(b, t, hq * hd)), cache
+    o, cache = cached_attention(q, k, v, positions_BxT, cache, end_index,
+                                window=c.sliding_window if self.sliding else None,
+                                sinks_H=sinks_H)
+    return lin("o_proj", c.hidden_size)(o), cache
 
 
 class Router(nn.Module):

@@ -18,6 +18,19 @@ class ConfigError(ValueError):
   """A config.json that moejax cannot use; the message names the field."""
 
 
+def field_getter(d: dict[str, Any], source: str):
+  """get(*names, default=...): the first of `names` set in config dict `d` (hub or v5
+  spelling); without a default, a missing field is a ConfigError naming it."""
+  def get(*names, default=dataclasses.MISSING):
+    for n in names:
+      if d.get(n) is not None:
+        return d[n]
+    if default is dataclasses.MISSING:
+      raise ConfigError(f"{source}: missing field '{names[0]}'")
+    return default
+  return get
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
   """Architecture of a decoder-only MoE model (one field per HF config concept)."""
@@ -120,13 +133,7 @@ class ModelConfig:
       from moejax.families import glm  # pylint: disable=g-import-not-at-top
       return glm.config_from_hf(cls, d, source)
 
-    def get(*names, default=dataclasses.MISSING):
-      for n in names:
-        if d.get(n) is not None:
-          return d[n]
-      if default is dataclasses.MISSING:
-        raise ConfigError(f"{source}: missing field '{names[0]}'")
-      return default
+    get = field_getter(d, source)
 
     hidden = int(get("hidden_size"))
     heads = int(get("num_attention_heads"))

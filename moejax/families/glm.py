@@ -32,7 +32,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from moejax.config import ConfigError, ModelConfig
+from moejax.config import ConfigError, ModelConfig, field_getter
 from moejax.layers import (Linear, RMSNorm, SwiGLU, apply_rope, cache_positions, cached_attention,
                            gqa_attention, rope_cos_sin, write_cache)
 
@@ -45,13 +45,7 @@ def config_from_hf(cls, d: dict[str, Any], source: str) -> ModelConfig:
   """ModelConfig for one of MODEL_TYPES from a config.json dict (hub or v5 spelling)."""
   mt = d["model_type"]
 
-  def get(*names, default=dataclasses.MISSING):
-    for n in names:
-      if d.get(n) is not None:
-        return d[n]
-    if default is dataclasses.MISSING:
-      raise ConfigError(f"{source}: missing field '{names[0]}'")
-    return default
+  get = field_getter(d, source)
 
   hidden = int(get("hidden_size"))
   heads = int(get("num_attention_heads"))

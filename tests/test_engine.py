@@ -207,5 +207,5 @@ def test_decode_compiles_once_per_layer_kind(model):
       eng.decode_step(t)
     assert sizes() == after_prefill        # no decode step compiled again
     for (sparse, _), fns in before.items():
-      for name in (("attend_decide", "moe", "insert_moe") if sparse else ("dense_decode",)):
+      for name in (("attend_decide", "insert_attend_decide", "moe", "insert_moe") if sparse else ("dense_decode",)):
         assert fns[name] == 1, (sparse, name)

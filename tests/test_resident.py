@@ -18,11 +18,10 @@ K = 2
 
 def insert(state, ids, in_use=(), params=LRU):
   ids = list(ids) + [-1] * (K - len(ids))
-  rows = tuple(HOST[max(e, 0)] for e in ids)
+  rows = {k: jnp.asarray(np.stack([HOST[max(e, 0)][k] for e in ids])) for k in HOST[0]}
   mask = np.zeros(E, bool)
   mask[list(in_use)] = True
-  return R.insert_jit(state, jnp.asarray(ids, jnp.int32),
-                      jax.tree_util.tree_map(jnp.asarray, rows), jnp.asarray(mask), params)
+  return R.insert_jit(state, jnp.asarray(ids, jnp.int32), rows, jnp.asarray(mask), params)
 
 
 def check_consistent(state):

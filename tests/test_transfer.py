@@ -187,7 +187,7 @@ def test_sync_requests_are_served_before_queued_background_ones():
 
 def test_a_sync_request_does_not_preempt_the_transfer_on_the_link():
   link = parse_link("1MB/s,20ms")
-  with Prefetcher(make_store(), link) as pf:
+  with Prefetcher(make_store(), link, background_chunks=1) as pf:
     bg = pf.request(1, 0, "background")
     wait_for(lambda: bg.started_s is not None)
     s = pf.request(2, 0)
@@ -195,6 +195,25 @@ def test_a_sync_request_does_not_preempt_the_transfer_on_the_link():
     bg.wait(T)
   assert s.started_s >= bg.finished_s
   assert s.finished_s - bg.started_s >= 2 * link.transfer_time(EXPERT_BYTES) - 1e-9
+
+
+def test_a_sync_request_overtakes_a_background_transfer_at_a_piece_boundary():
+  link = parse_link("1MB/s,20ms")
+  total = link.transfer_time(EXPERT_BYTES)
+  piece = total / 4
+  with Prefetcher(make_store(), link, background_chunks=4) as pf:
+    bg = pf.request(1, 0, "background")
+    wait_for(lambda: bg.started_s is not None)
+    s = pf.request(2, 0)
+    s.wait(T)
+    bg.wait(T)
+  done = s.started_s - bg.started_s            # background link time before the overtake
+  assert 0 < done < total
+  assert abs(done / piece - round(done / piece)) < 1e-6       # on a piece boundary
+  assert s.finished_s - s.started_s >= total - 1e-9           # the sync transfer is whole
+  assert bg.finished_s >= s.finished_s + (total - done) - 1e-9  # the rest comes after it
+  with pytest.raises(ValueError, match="background_chunks"):
+    Prefetcher(make_store(), link, background_chunks=0)
 
 
 def test_arrived_background_request_is_deduplicated_until_collected():

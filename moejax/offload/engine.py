@@ -44,6 +44,7 @@ from moejax.model import DecoderLayer, Transformer, init_cache
 from moejax.offload import host_experts
 from moejax.offload import policy as policy_lib
 from moejax.offload import resident as resident_lib
+from moejax.offload import transfer as transfer_lib
 from moejax.offload.policy import DROP, FETCH, HIT, HOST, SUBSTITUTE, PolicyParams
 from moejax.sampler import SamplingParams, bucket, sample_token
 
@@ -94,8 +95,7 @@ def _policy_steps(cfg: ModelConfig, dtype, layer_idx: int, decide_key: PolicyPar
   evict_key = PolicyParams(eviction=eviction)
   num_e, k = cfg.num_experts, cfg.top_k
 
-  @functools.partial(jax.jit, donate_argnums=(3,))
-  def attend_decide(p, x, tp, cache, state):
+  def _attend_decide(p, x, tp, cache, state):
     pos, end = _unpack_tp(tp)
     h, moe_in, logits, cache = mod.apply({"params": p}, x, pos, cache, end, method=_attend_route)
     dec = policy_lib.decide(logits.reshape(-1, logits.shape[-1]), state, decide_key, cfg)
@@ -105,6 +105,15 @@ def _policy_steps(cfg: ModelConfig, dtype, layer_idx: int, decide_key: PolicyPar
     host = jnp.concatenate([f(dec.action[0]), f(dec.ids[0]), f(dec.exec_ids[0]),
                             f(dec.weights[0]), f(dec.gates[0]), f(dec.admit)])
     return h, moe_in, cache, dec, host
+
+  attend_decide = jax.jit(_attend_decide, donate_argnums=(3,))
+
+  @functools.partial(jax.jit, donate_argnums=(3, 4))
+  def insert_attend_decide(p, x, tp, cache, state, ins, rows):
+    """Inserts arrived background admissions (ins = [K ids (-1: none) | E in-use mask]),
+    then attend_decide: one dispatch instead of two."""
+    state, evicted = resident_lib.insert(state, ins[:k], rows, ins[k:] > 0, evict_key)
+    return _attend_decide(p, x, tp, cache, state) + (state, evicted)
 
   def _moe(p, h, moe_in, dec, host_out, state):
     e = dec.exec_ids
@@ -124,7 +133,8 @@ def _policy_steps(cfg: ModelConfig, dtype, layer_idx: int, decide_key: PolicyPar
     y, state = _moe(p, h, moe_in, dec, host_out, state)
     return y, state, evicted
 
-  return dict(attend_decide=attend_decide, moe=moe, insert_moe=insert_moe)
+  return dict(attend_decide=attend_decide, insert_attend_decide=insert_attend_decide, moe=moe,
+              insert_moe=insert_moe)
 
 
 @functools.lru_cache(maxsize=None)
@@ -178,18 +188,13 @@ def _prefill_usage(state, counts_E, decay: float):
 def _model_steps(cfg: ModelConfig, dtype):
   model = Transformer(cfg, dtype)
   embed = jax.jit(lambda p, t: model.apply({"params": p}, t, method="embed"))
-  embed_decode = jax.jit(lambda p, tp: model.apply({"params": p}, tp[:1].reshape(1, 1),
-                                                   method="embed"))
+  # the decode step's one host input [token, position] goes in as numpy (a jit argument
+  # is cheaper than a device_put here) and comes back as a device array for the layers
+  embed_decode = jax.jit(lambda p, tp: (model.apply({"params": p}, tp[:1].reshape(1, 1),
+                                                    method="embed"), tp))
   head = jax.jit(lambda p, x: model.apply({"params": p}, x, method="logits"))
   head_decode = jax.jit(lambda p, x: model.apply({"params": p}, x[:, -1], method="logits")[0])
   return embed, head, embed_decode, head_decode
-
-
-def _wait_all(tickets: list) -> list:
-  """Arrays of every ticket.  The link serves a sync queue in order, so waiting for the
-  last ticket first blocks (and sleeps) once instead of once per ticket."""
-  rows = [t.wait() for t in tickets[::-1]]
-  return rows[::-1]
 
 
 # ------------------------------------------------------------------ statistics
@@ -295,7 +300,6 @@ class OffloadEngine:
                link: Any = "native", max_len: int = 512, dtype=jnp.float32,
                initial: Any = "auto", profile_counts: dict | None = None,
                admission_timing: str = "next_token", verbose: bool = False):
-    from moejax.offload import transfer as transfer_lib
     if isinstance(policy, str):
       policy = policy_lib.make_policy(policy)
     if admission_timing not in ("next_token", "on_arrival"):
@@ -323,14 +327,14 @@ class OffloadEngine:
     self._layer_steps = [self._kind_steps[_layer_kind(cfg, i)] for i in range(cfg.num_layers)]
 
     first = store.get(self.moe_layers[0], 0)
-    self._zero_row = self._put({k: np.zeros(np.shape(v), np.asarray(v).dtype)
-                                for k, v in first.items()})
+    self._zero_rows = self._put({k: np.zeros((cfg.top_k,) + np.shape(v), np.asarray(v).dtype)
+                                 for k, v in first.items()})
     spec = {k: (np.shape(v), jnp.dtype(np.asarray(v).dtype)) for k, v in first.items()}
     self.states = {l: self._put(resident_lib.init_state(cfg.num_experts, self.budget.physical,
                                                         spec))
                    for l in self.moe_layers}
     self._evict_key = PolicyParams(eviction=policy.eviction)   # what insert reads
-    self._zero_x = self._put(np.zeros((1, 1, cfg.hidden_size), jnp.dtype(dtype)))
+    self._zero_x = np.zeros((1, 1, cfg.hidden_size), jnp.dtype(dtype))   # host expert output
     self._fill_initial(initial, profile_counts)
     self.prefetcher = transfer_lib.Prefetcher(store, self.link)
     self.prefetcher.__enter__()
@@ -391,23 +395,30 @@ class OffloadEngine:
       pass
 
   # -------------------------------------------------------------- helpers
-  def _insert(self, l: int, ids: list[int], rows: list[dict], in_use_E: np.ndarray, rec: dict):
-    """Inserts experts (K at a time) into layer l's cache; counts evictions."""
+  def _insert(self, l: int, ids: list[int], rows: dict, in_use_E: np.ndarray, rec: dict):
+    """Inserts experts ids (stacked rows [>= len(ids), ...]) K at a time into layer l's
+    cache; counts evictions.  (Prefill and admission overflow; decode fuses its inserts.)"""
     k = self.cfg.top_k
     for i in range(0, len(ids), k):
-      part, prow = ids[i:i + k], rows[i:i + k]
-      jid = self._put(np.asarray(list(part) + [-1] * (k - len(part)), np.int32))
-      r = tuple(prow) + (self._zero_row,) * (k - len(part))
-      self.states[l], ev = resident_lib.insert_jit(self.states[l], jid, r, self._put(in_use_E),
+      part = ids[i:i + k]
+      jid = np.asarray(list(part) + [-1] * (k - len(part)), np.int32)
+      r = {n: v[i:i + k] for n, v in rows.items()}
+      if len(part) < k:
+        r = {n: jnp.concatenate([v, self._zero_rows[n][:k - v.shape[0]]]) for n, v in r.items()}
+      # small host inputs go in as numpy: a jit argument costs less than a device_put
+      self.states[l], ev = resident_lib.insert_jit(self.states[l], jid, r, in_use_E,
                                                    self._evict_key)
       rec.setdefault("_evicted", []).append(ev)
       in_use_E = in_use_E.copy()
       in_use_E[list(part)] = True
 
-  def _insert_admissions(self, l: int, rec: dict):
+  def _take_admissions(self, l: int, rec: dict):
+    """The arrived background admissions of layer l as (ins [K + E] int32, rows) for the
+    fused insert before layer l's attend_decide, or None.  Beyond K of them (possible
+    with on_arrival timing), the first ones are inserted here in chunks of K."""
     pend = self._pending[l]
     if not pend:
-      return
+      return None
     if self.admission_timing == "on_arrival":
       done = [t.done() for t in pend]
       ready = [t for t, d in zip(pend, done) if d]
@@ -416,19 +427,28 @@ class OffloadEngine:
     else:
       ready, self._pending[l] = pend, []
       t0 = time.perf_counter()
-      for t in ready:
-        t.wait()
+      for t in ready[::-1]:
+        t._block()  # pylint: disable=protected-access  (arrival; the rows stay stacked)
       waited = time.perf_counter() - t0
     # a ticket that a synchronous fetch took over (same expert, upgraded to "sync")
     # was already inserted by that fetch
     ready = [t for t in ready if t.priority == "background"]
     if not ready:
-      return
+      return None
     rec["admission_wait_s"] += waited
-    rows = [t.wait() for t in ready]
     ids = [t.key[1] for t in ready]
     rec["admitted"] += len(ids)
-    self._insert(l, ids, rows, np.zeros(self.cfg.num_experts, bool), rec)
+    k, num_e = self.cfg.top_k, self.cfg.num_experts
+    split = (len(ids) - 1) // k * k
+    ins = np.zeros(k + num_e, np.int32)
+    if split:
+      self._insert(l, ids[:split], transfer_lib.wait_stacked(ready[:split]),
+                   np.zeros(num_e, bool), rec)
+      ins[k + np.asarray(ids[:split])] = 1            # do not evict them for the rest
+    ids, ready = ids[split:], ready[split:]
+    ins[:k] = -1
+    ins[:len(ids)] = ids
+    return ins, transfer_lib.wait_stacked(ready, k)
 
   def _new_record(self) -> dict:
     return {k: 0.0 for k in STAT_KEYS}
@@ -444,8 +464,7 @@ class OffloadEngine:
     """Compiles every decode-path step once on throwaway inputs (state untouched), so
     that per-token statistics measure decoding, not compilation."""
     cfg, kk = self.cfg, self.cfg.top_k
-    tp = self._put(np.zeros(2, np.int32))
-    x = self._embed_decode(self.params, tp)
+    x, tp = self._embed_decode(self.params, np.zeros(2, np.int32))
     jax.block_until_ready(self._head_decode(self.params, x))
     done = set()
     for i, st in enumerate(self._layer_steps):
@@ -459,14 +478,17 @@ class OffloadEngine:
         jax.block_until_ready(st["dense_decode"](p, x, tp, cache))
         continue
       copy = lambda: jax.tree_util.tree_map(jnp.copy, self.states[i])
+      ins = np.concatenate([np.full(kk, -1, np.int32), np.zeros(cfg.num_experts, np.int32)])
+      zero_rows = self._zero_rows
       h, moe_in, _, dec, _ = st["attend_decide"](p, x, tp, cache, copy())
+      cache = self._put(init_cache(cfg, 1, self.max_len, self.dtype)[i])   # donated above
+      jax.block_until_ready(st["insert_attend_decide"](p, x, tp, cache, copy(), ins,
+                                                       zero_rows))
       jax.block_until_ready(st["moe"](p, h, moe_in, dec, self._zero_x, copy()))
-      ins = self._put(np.concatenate([np.full(kk, -1, np.int32),
-                                      np.zeros(cfg.num_experts, np.int32)]))
       jax.block_until_ready(st["insert_moe"](p, h, moe_in, dec, self._zero_x, copy(), ins,
-                                             (self._zero_row,) * kk))
+                                             zero_rows))
       jax.block_until_ready(resident_lib.insert_jit(
-          copy(), ins[:kk], (self._zero_row,) * kk, ins[kk:] > 0, self._evict_key))
+          copy(), ins[:kk], zero_rows, np.zeros(cfg.num_experts, bool), self._evict_key))
 
   # -------------------------------------------------------------- prefill
   def prefill(self, prompt_ids) -> np.ndarray:
@@ -501,29 +523,29 @@ class OffloadEngine:
       exp_slot = np.asarray(state.expert_slot)
       missing = [int(e) for e in used if exp_slot[e] < 0]
       missing.sort(key=lambda e: (-counts[e], e))
-      tickets = [self.prefetcher.request(i, e, priority="sync") for e in missing]
-      tw = time.perf_counter()
-      rows = _wait_all(tickets)
-      rec["wait_s"] += time.perf_counter() - tw
-      rec["fetches"] += len(rows)
-      rec["fetch_bytes"] += sum(tk.nbytes for tk in tickets)
+      fb = bucket(max(1, len(missing)), minimum=self.cfg.top_k)
+      extra = self._zero_rows
+      if missing:
+        tickets = self.prefetcher.request_many(i, missing, "sync", pad_to=fb)
+        tw = time.perf_counter()
+        extra = transfer_lib.wait_stacked(tickets, fb)
+        rec["wait_s"] += time.perf_counter() - tw
+        rec["fetch_bytes"] += sum(tk.nbytes for tk in tickets)
+      rec["fetches"] += len(missing)
       hits = int(np.sum(exp_slot[valid.reshape(-1)] >= 0))
       rec["expert_calls"] += valid.size
       rec["hits"] += hits
       rec["misses"] += valid.size - hits
-      fb = bucket(max(1, len(rows)), minimum=self.cfg.top_k)
-      extra = {k: jnp.stack([r[k] for r in rows] + [self._zero_row[k]] * (fb - len(rows)))
-               for k in self._zero_row}
       idx_map = exp_slot.copy()
       for j, e in enumerate(missing):
         idx_map[e] = self.budget.physical + 1 + j          # after the slots and scratch row
       pad_ids = np.where(np.arange(tb)[:, None] < t, ids_np, ids_np[:1])   # padding: token 0's
       x = st["prefill_moe"](p, h, moe_in, self._put(idx_map[pad_ids].astype(np.int32)), gates,
-                            state.buffers, self._put(extra))
+                            state.buffers, extra)
       in_use = np.zeros(num_e, bool)
       in_use[used] = exp_slot[used] >= 0               # never evict an expert the prompt hit
       if missing:
-        self._insert(i, missing, rows, in_use, rec)
+        self._insert(i, missing, extra, in_use, rec)
       self.states[i] = _prefill_usage(self.states[i], self._put(counts),
                                       float(self.policy.lfu_decay) ** t)
     logits = self._head(self.params, x[:, t - 1])
@@ -542,17 +564,21 @@ class OffloadEngine:
       raise ValueError(f"max_len={self.max_len} reached")
     t0 = time.perf_counter()
     rec = self._new_record()
-    tp = self._put(np.asarray([token, self.end_index], np.int32))   # one small transfer
-    x = self._embed_decode(self.params, tp)
+    x, tp = self._embed_decode(self.params, np.asarray([token, self.end_index], np.int32))
     num_e, kk = self.cfg.num_experts, self.cfg.top_k
     for i, st in enumerate(self._layer_steps):
       p = self.params[f"layers_{i}"]
       if not self.cfg.sparse_layers[i]:
         x, self.cache[i] = st["dense_decode"](p, x, tp, self.cache[i])
         continue
-      self._insert_admissions(i, rec)
-      h, moe_in, self.cache[i], dec, packed = st["attend_decide"](p, x, tp, self.cache[i],
-                                                                  self.states[i])
+      adm = self._take_admissions(i, rec)
+      if adm is None:
+        h, moe_in, self.cache[i], dec, packed = st["attend_decide"](p, x, tp, self.cache[i],
+                                                                    self.states[i])
+      else:     # insert the arrived admissions, then attend and decide, in one call
+        h, moe_in, self.cache[i], dec, packed, self.states[i], ev = st["insert_attend_decide"](
+            p, x, tp, self.cache[i], self.states[i], *adm)
+        rec.setdefault("_evicted", []).append(ev)
       packed = np.asarray(packed)
       action, ids, exec_ids = (packed[j * kk:(j + 1) * kk].astype(np.int32) for j in range(3))
       weights, gates = packed[3 * kk:4 * kk], packed[4 * kk:5 * kk]
@@ -560,9 +586,9 @@ class OffloadEngine:
       fetch = [int(e) for e in ids[action == FETCH]]
       rows = None
       if fetch:
-        tickets = [self.prefetcher.request(i, e, priority="sync") for e in fetch]
+        tickets = self.prefetcher.request_many(i, fetch, "sync", pad_to=kk)
         tw = time.perf_counter()
-        rows = _wait_all(tickets)
+        rows = transfer_lib.wait_stacked(tickets, kk)
         rec["wait_s"] += time.perf_counter() - tw
         rec["fetch_bytes"] += sum(tk.nbytes for tk in tickets)
       host_out = self._zero_x
@@ -571,7 +597,7 @@ class OffloadEngine:
         th = time.perf_counter()
         y = host_experts.host_moe(np.asarray(moe_in).reshape(-1), ids[host_mask],
                                   weights[host_mask], functools.partial(self.store.get, i))
-        host_out = self._put(y.reshape(x.shape).astype(x.dtype))
+        host_out = y.reshape(x.shape).astype(x.dtype)
         rec["host_s"] += time.perf_counter() - th
       if fetch:
         # insert (never evicting an expert this token uses), then (b), in one call
@@ -579,9 +605,8 @@ class OffloadEngine:
         ins[:kk] = -1
         ins[:len(fetch)] = fetch
         ins[kk + exec_ids[exec_ids >= 0]] = 1
-        r = tuple(rows) + (self._zero_row,) * (kk - len(rows))
         x, self.states[i], ev = st["insert_moe"](p, h, moe_in, dec, host_out, self.states[i],
-                                                 self._put(ins), r)
+                                                 ins, rows)
         rec.setdefault("_evicted", []).append(ev)
       else:
         x, self.states[i] = st["moe"](p, h, moe_in, dec, host_out, self.states[i])
@@ -599,9 +624,11 @@ class OffloadEngine:
       rec["dropped"] += int(drop.sum())
       rec["dropped_mass"] += float(share[drop].sum())
       rec["host_calls"] += int(host_mask.sum())
-      for e in np.flatnonzero(admit):
-        self._pending[i].append(self.prefetcher.request(i, int(e), priority="background"))
-        rec["admissions"] += 1
+      if admit.any():
+        adm_ids = [int(e) for e in np.flatnonzero(admit)]
+        self._pending[i].extend(self.prefetcher.request_many(i, adm_ids, "background",
+                                                             pad_to=kk))
+        rec["admissions"] += len(adm_ids)
     out = np.asarray(self._head_decode(self.params, x))
     self.end_index += 1
     self.records.append(self._finish_record(rec, t0))

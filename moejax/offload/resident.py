@@ -141,9 +141,11 @@ def init_state(num_experts: int, num_slots: int, expert_spec: dict,
       step=jnp.zeros((), jnp.int32))
 
 
-def insert(state: ResidentState, ids_J: jax.Array, rows: tuple, in_use_E: jax.Array,
+def insert(state: ResidentState, ids_J: jax.Array, rows_J: dict, in_use_E: jax.Array,
            params: policy_lib.PolicyParams):
-  """Inserts experts ids_J[j] (with weights rows[j]) in order; pure and jittable.
+  """Inserts experts ids_J[j] (with weights {name: rows_J[name][j]}) in order; pure and
+  jittable.  rows_J holds one stacked array [>= J, ...] per buffer (one argument per
+  buffer, not per expert: the prefetch thread delivers a layer's fetches stacked).
 
   The j-th insertion overwrites the j-th slot of `policy.eviction_order` (empty
   first, else per eviction policy): never the slot of an expert marked in
@@ -175,10 +177,10 @@ def insert(state: ResidentState, ids_J: jax.Array, rows: tuple, in_use_E: jax.Ar
   # one dynamic_update_slice per row and buffer, in place when donated; a skipped
   # insertion goes to the scratch row (buffers never read here, so no copies)
   bufs = dict(state.buffers)
-  for jj, row in enumerate(rows):
+  for jj in range(ids.shape[0]):
     at = jnp.where(valid[jj], slot[jj], num_s)
     for k, buf in bufs.items():
-      bufs[k] = jax.lax.dynamic_update_slice(buf, row[k].astype(buf.dtype)[None],
+      bufs[k] = jax.lax.dynamic_update_slice(buf, rows_J[k][jj].astype(buf.dtype)[None],
                                              (at,) + (0,) * (buf.ndim - 1))
   new_state = dataclasses.replace(state, buffers=bufs, slot_expert=slot_e, expert_slot=exp_s,
                                   last_used=last)
@@ -200,14 +202,16 @@ def fill(state: ResidentState, expert_ids, get_expert, params: policy_lib.Policy
     return state
   num_e = state.expert_slot.shape[0]
   put = functools.partial(jax.device_put, device=next(iter(state.slot_expert.devices())))
-  zero = {k: np.zeros(v.shape[1:], v.dtype) for k, v in state.buffers.items()}
   for i in range(0, len(ids), chunk):
     part = ids[i:i + chunk]
-    rows = tuple(get_expert(e) for e in part) + (zero,) * (chunk - len(part))
+    per = [get_expert(e) for e in part]
+    rows = {k: np.zeros((chunk,) + v.shape[1:], v.dtype) for k, v in state.buffers.items()}
+    for j, r in enumerate(per):
+      for k in rows:
+        rows[k][j] = np.asarray(r[k], dtype=rows[k].dtype)
     jid = np.asarray(part + [-1] * (chunk - len(part)), np.int32)
     in_use = np.zeros((num_e,), bool)
     in_use[ids[:i]] = True
-    rows = tuple({k: np.array(r[k], dtype=zero[k].dtype) for k in zero} for r in rows)
     state, _ = insert_jit(state, put(jid), put(rows), put(in_use), params)
   return state
 

@@ -450,6 +450,37 @@ class OffloadEngine:
     ins[:len(ids)] = ids
     return ins, transfer_lib.wait_stacked(ready, k)
 
+  def _admit_arrived(self, after: int, rec: dict):
+    """Inserts, while a fetch of layer `after` crosses the link, the admissions of later
+    layers whose every pending transfer has arrived (they would be inserted before
+    their layer anyway: same inserts, same order, so results do not change)."""
+    for l in self.moe_layers:
+      if l > after and self._pending[l] and all(t.done() for t in self._pending[l]):
+        adm = self._take_admissions(l, rec)
+        if adm is not None:
+          k = self.cfg.top_k
+          self.states[l], ev = resident_lib.insert_jit(self.states[l], adm[0][:k], adm[1],
+                                                       adm[0][k:] > 0, self._evict_key)
+          rec.setdefault("_evicted", []).append(ev)
+
+  @staticmethod
+  def _count(rec: dict, action, ids, gates, fetches: int, host_mask):
+    """Adds one layer's decision to the token's statistics."""
+    sub = action == SUBSTITUTE
+    drop = action == DROP
+    rec["expert_calls"] += len(ids)
+    rec["hits"] += int(np.sum(action == HIT))
+    rec["misses"] += int(np.sum(action != HIT))
+    rec["fetches"] += fetches
+    rec["substituted"] += int(sub.sum())
+    # masses are normalised shares g / sum(selected g): for routers whose gates do
+    # not sum to 1 (sigmoid, OLMoE) this is the quantity the threshold rule compares
+    share = gates / max(float(gates.sum()), 1e-20)
+    rec["substituted_mass"] += float(share[sub].sum())
+    rec["dropped"] += int(drop.sum())
+    rec["dropped_mass"] += float(share[drop].sum())
+    rec["host_calls"] += int(host_mask.sum())
+
   def _new_record(self) -> dict:
     return {k: 0.0 for k in STAT_KEYS}
 
@@ -584,15 +615,27 @@ class OffloadEngine:
       weights, gates = packed[3 * kk:4 * kk], packed[4 * kk:5 * kk]
       admit = packed[5 * kk:] > 0
       fetch = [int(e) for e in ids[action == FETCH]]
+      host_mask = action == HOST
+      tickets = (self.prefetcher.request_many(i, fetch, "sync", pad_to=kk) if fetch else [])
+      if admit.any():            # queued behind the sync fetches: they never delay them
+        adm_ids = [int(e) for e in np.flatnonzero(admit)]
+        self._pending[i].extend(self.prefetcher.request_many(i, adm_ids, "background",
+                                                             pad_to=kk))
+        rec["admissions"] += len(adm_ids)
+      self._count(rec, action, ids, gates, len(fetch), host_mask)
       rows = None
       if fetch:
-        tickets = self.prefetcher.request_many(i, fetch, "sync", pad_to=kk)
+        # host work that does not need the fetched experts runs while they cross the link
+        ins = np.zeros(kk + num_e, np.int32)
+        ins[:kk] = -1
+        ins[:len(fetch)] = fetch
+        ins[kk + exec_ids[exec_ids >= 0]] = 1
+        self._admit_arrived(after=i, rec=rec)
         tw = time.perf_counter()
         rows = transfer_lib.wait_stacked(tickets, kk)
         rec["wait_s"] += time.perf_counter() - tw
         rec["fetch_bytes"] += sum(tk.nbytes for tk in tickets)
       host_out = self._zero_x
-      host_mask = action == HOST
       if host_mask.any():
         th = time.perf_counter()
         y = host_experts.host_moe(np.asarray(moe_in).reshape(-1), ids[host_mask],
@@ -601,34 +644,11 @@ class OffloadEngine:
         rec["host_s"] += time.perf_counter() - th
       if fetch:
         # insert (never evicting an expert this token uses), then (b), in one call
-        ins = np.zeros(kk + num_e, np.int32)
-        ins[:kk] = -1
-        ins[:len(fetch)] = fetch
-        ins[kk + exec_ids[exec_ids >= 0]] = 1
         x, self.states[i], ev = st["insert_moe"](p, h, moe_in, dec, host_out, self.states[i],
                                                  ins, rows)
         rec.setdefault("_evicted", []).append(ev)
       else:
         x, self.states[i] = st["moe"](p, h, moe_in, dec, host_out, self.states[i])
-      sub = action == SUBSTITUTE
-      drop = action == DROP
-      rec["expert_calls"] += len(ids)
-      rec["hits"] += int(np.sum(action == HIT))
-      rec["misses"] += int(np.sum(action != HIT))
-      rec["fetches"] += len(fetch)
-      rec["substituted"] += int(sub.sum())
-      # masses are normalised shares g / sum(selected g): for routers whose gates do
-      # not sum to 1 (sigmoid, OLMoE) this is the quantity the threshold rule compares
-      share = gates / max(float(gates.sum()), 1e-20)
-      rec["substituted_mass"] += float(share[sub].sum())
-      rec["dropped"] += int(drop.sum())
-      rec["dropped_mass"] += float(share[drop].sum())
-      rec["host_calls"] += int(host_mask.sum())
-      if admit.any():
-        adm_ids = [int(e) for e in np.flatnonzero(admit)]
-        self._pending[i].extend(self.prefetcher.request_many(i, adm_ids, "background",
-                                                             pad_to=kk))
-        rec["admissions"] += len(adm_ids)
     out = np.asarray(self._head_decode(self.params, x))
     self.end_index += 1
     self.records.append(self._finish_record(rec, t0))

@@ -12,7 +12,8 @@ import pytest
 
 from moejax.offload.link import NATIVE, parse_link
 from moejax.offload.transfer import (Prefetcher, TransferCancelled, TransferError,
-                                     owned_device_put, shares_buffer)
+                                     owned_device_put, shares_buffer, stacked_device_put,
+                                     wait_stacked)
 from moejax.store import ExpertStore
 
 D, I, E = 32, 16, 8
@@ -344,3 +345,54 @@ def test_thread_error_surfaces_at_the_next_request():
   with pytest.raises(TransferError, match="boom"):
     pf.request(1, 2)
   pf.close()  # already reported: no second raise
+
+
+# ---------------------------------------------------------------- groups (request_many)
+def test_request_many_copies_a_group_once_stacked_and_padded():
+  store = make_store()
+  gs = GatedStore(store, block=[(1, 0)])
+  with Prefetcher(gs, parse_link("100MB/s")) as pf:
+    first = pf.request(1, 0)                     # holds the thread while the group queues
+    wait_for(lambda: gs.calls == [(1, 0)])
+    group = pf.request_many(1, [5, 2, 7], "sync", pad_to=4)
+    gs.gate.set()
+    first.wait(T)
+    rows = wait_stacked(group, 4)
+    # one copy for the whole group: the arrays the thread put, no device work
+    assert all(t._arrays is rows for t in group)
+    assert [t._row for t in group] == [0, 1, 2]
+    assert pf.stats()["transfers"] == 4
+    # the link timing stays per ticket: one after another
+    for a, b in zip(group, group[1:]):
+      assert b.started_s >= a.finished_s - 1e-9
+  for k in ("gate_up", "down"):
+    assert rows[k].shape == (4,) + store.get(1, 0)[k].shape
+    for j, e in enumerate([5, 2, 7]):
+      np.testing.assert_array_equal(np.asarray(rows[k][j]), store.get(1, e)[k])
+    np.testing.assert_array_equal(np.asarray(rows[k][3]), 0.0)     # padding row
+  for t, e in zip(group, [5, 2, 7]):                           # per-expert view as well
+    np.testing.assert_array_equal(np.asarray(t.wait(0.0)["down"]), store.get(1, e)["down"])
+
+
+def test_request_many_deduplicates_and_wait_stacked_gathers_across_groups():
+  store = make_store()
+  with Prefetcher(store, NATIVE) as pf:
+    a = pf.request_many(2, [1, 3], "background", pad_to=2)
+    b = pf.request_many(2, [3, 6], "sync", pad_to=2)
+    assert b[0] is a[1] and b[0].priority == "sync"   # upgraded, not copied twice
+    rows = wait_stacked(b, 3)
+    a[0].wait(T)
+  assert rows["down"].shape[0] == 3
+  for j, e in enumerate([3, 6]):
+    np.testing.assert_array_equal(np.asarray(rows["down"][j]), store.get(2, e)["down"])
+
+
+def test_stacked_device_put_owns_its_memory():
+  store = make_store()
+  src = [store.get(1, 0), store.get(1, 1)]
+  sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  out = stacked_device_put(src, sharding, pad_to=3)
+  before = np.asarray(out["gate_up"]).copy()
+  src[0]["gate_up"][...] = 7.0                    # writes through to the store's buffer
+  np.testing.assert_array_equal(np.asarray(out["gate_up"]), before)
+  assert out["gate_up"].shape[0] == 3

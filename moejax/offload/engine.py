@@ -1,10 +1,13 @@
 """OffloadEngine: real decoding with a budgeted device-resident expert cache.
 
 Per MoE layer and decoded token:
-  (a) one jitted call: `DecoderLayer.attend` + `route_logits` + `policy.decide`;
-      the host reads the decision (one small transfer);
-  host: requests the FETCH experts from the prefetch thread and waits for them,
-      computes HOST experts in numpy;
+  (a) one jitted call: `DecoderLayer.attend` + `route_logits` + `policy.decide`
+      (preceded, in the same call, by inserting the layer's arrived background
+      admissions); the host reads the decision (one small transfer);
+  host: requests the FETCH experts (one group: the prefetch thread copies them
+      stacked) and the layer's new admissions; while the fetches cross the link
+      it counts statistics and inserts arrived admissions of later layers; then
+      waits, and computes HOST experts in numpy;
   (b) one jitted call, state donated: inserts the arrived experts into slots
       (`resident.insert`: `lax.dynamic_update_slice`, never evicting an expert
       the token uses), then `DecoderLayer.moe_residual` from slot indices, then

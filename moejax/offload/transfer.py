@@ -26,10 +26,12 @@ one transfer at a time, like a single DMA engine:
 Link timing (moejax.offload.link): a transfer starts when it is requested or
 when the link becomes free, whichever is later, and is complete no earlier
 than ``start + nbytes / bandwidth + latency`` -- and no earlier than the real
-`device_put` has finished.  Transfers never overlap on the link; a sync
-request that arrives while a background transfer occupies the link waits for
-it (no pre-emption, as with real DMA), but overtakes every queued background
-one.  Meanwhile the caller's compute runs for real.
+copy has finished.  Transfers never overlap on the link.  A background
+transfer takes the link in `background_chunks` pieces (default 4); a sync
+request that arrives meanwhile waits for the piece on the link (no
+pre-emption within a piece, as with real DMA) and overtakes the rest and
+every queued background transfer.  Meanwhile the caller's compute runs for
+real.
 
 Arrays handed out are owned device buffers: on the CPU backend `device_put` of
 a numpy array (or a memmap) may alias the host buffer instead of copying it;

@@ -33,6 +33,30 @@ class RMSNorm(nn.Module):
     return rms_norm(x, w, self.eps)
 
 
+def project_qkv(c, x_BxTxD: jax.Array, dtype):
+  """q [B,T,Hq,hd], k and v [B,T,Hk,hd] of a GQA layer, with HF names q_proj / k_proj /
+  v_proj (biases per ``c.attention_bias``) and the config's optional qk clipping and
+  q/k RMSNorm (``c.qk_norm``: "full" over the projection, "head" per head).
+
+  Call it inside an ``@nn.compact`` method: the submodules belong to the caller.
+  """
+  b, t, _ = x_BxTxD.shape
+  hq, hk, hd = c.num_heads, c.num_kv_heads, c.head_dim
+  lin = lambda n, f: Linear(f, use_bias=c.attention_bias, dtype=dtype, name=n)
+  q, k, v = lin("q_proj", hq * hd)(x_BxTxD), lin("k_proj", hk * hd)(x_BxTxD), lin(
+      "v_proj", hk * hd)(x_BxTxD)
+  if c.qk_norm == "full":
+    q = RMSNorm(c.rms_norm_eps, dtype, name="q_norm")(q)
+    k = RMSNorm(c.rms_norm_eps, dtype, name="k_norm")(k)
+  if c.clip_qkv is not None:
+    q, k, v = (jnp.clip(a, -c.clip_qkv, c.clip_qkv) for a in (q, k, v))
+  q, k, v = q.reshape(b, t, hq, hd), k.reshape(b, t, hk, hd), v.reshape(b, t, hk, hd)
+  if c.qk_norm == "head":
+    q = RMSNorm(c.rms_norm_eps, dtype, name="q_norm")(q)
+    k = RMSNorm(c.rms_norm_eps, dtype, name="k_norm")(k)
+  return q, k, v
+
+
 class SwiGLU(nn.Module):
   """down(silu(gate(x)) * up(x)) with HF names gate_proj / up_proj / down_proj."""
   hidden_size: int

@@ -30,7 +30,8 @@ from moejax.config import ModelConfig
 from moejax.families import glm
 from moejax.families import gpt_oss
 from moejax.families import qwen3_next
-from moejax.layers import Linear, RMSNorm, SwiGLU, apply_rope, cached_attention, rope_cos_sin
+from moejax.layers import (Linear, RMSNorm, SwiGLU, apply_rope, cached_attention, project_qkv,
+                           rope_cos_sin)
 
 Cache = list  # list over layers of {"k": [B,S,Hkv,K], "v": [B,S,Hkv,K]}
 
@@ -56,28 +57,12 @@ class Attention(nn.Module):
   @nn.compact
   def __call__(self, x_BxTxD, positions_BxT, cache, end_index):
     c = self.cfg
-    b, t, _ = x_BxTxD.shape
-    hq, hk, hd = c.num_heads, c.num_kv_heads, c.head_dim
-    lin = lambda n, f: Linear(f, use_bias=c.attention_bias, dtype=self.dtype, name=n)
-    q = lin("q_proj", hq * hd)(x_BxTxD)
-    k = lin("k_proj", hk * hd)(x_BxTxD)
-    v = lin("v_proj", hk * hd)(x_BxTxD)
-    if c.qk_norm == "full":
-      q = RMSNorm(c.rms_norm_eps, self.dtype, name="q_norm")(q)
-      k = RMSNorm(c.rms_norm_eps, self.dtype, name="k_norm")(k)
-    if c.clip_qkv is not None:
-      q, k, v = (jnp.clip(a, -c.clip_qkv, c.clip_qkv) for a in (q, k, v))
-    q = q.reshape(b, t, hq, hd)
-    k = k.reshape(b, t, hk, hd)
-    v = v.reshape(b, t, hk, hd)
-    if c.qk_norm == "head":
-      q = RMSNorm(c.rms_norm_eps, self.dtype, name="q_norm")(q)
-      k = RMSNorm(c.rms_norm_eps, self.dtype, name="k_norm")(k)
-    cos, sin = rope_cos_sin(positions_BxT, hd, c.rope_theta)
+    q, k, v = project_qkv(c, x_BxTxD, self.dtype)
+    cos, sin = rope_cos_sin(positions_BxT, c.head_dim, c.rope_theta)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-
     o, cache = cached_attention(q, k, v, positions_BxT, cache, end_index)
-    return lin("o_proj", c.hidden_size)(o), cache
+    return Linear(c.hidden_size, use_bias=c.attention_bias, dtype=self.dtype,
+                  name="o_proj")(o), cache
 
 
 class Router(nn.Module):

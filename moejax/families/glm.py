@@ -34,7 +34,7 @@ import jax.numpy as jnp
 
 from moejax.config import ConfigError, ModelConfig, field_getter
 from moejax.layers import (Linear, RMSNorm, SwiGLU, apply_rope, cache_positions, cached_attention,
-                           gqa_attention, rope_cos_sin, write_cache)
+                           gqa_attention, project_qkv, rope_cos_sin, write_cache)
 
 MODEL_TYPES = ("glm4_moe", "glm4_moe_lite", "deepseek_v3")
 MLA_TYPES = ("glm4_moe_lite", "deepseek_v3")
@@ -178,21 +178,13 @@ class Glm4MoeAttention(nn.Module):
   @nn.compact
   def __call__(self, x_BxTxD, positions_BxT, cache, end_index):
     c = self.cfg
-    b, t, _ = x_BxTxD.shape
-    hq, hk, hd = c.num_heads, c.num_kv_heads, c.head_dim
-    lin = lambda n, f, bias: Linear(f, use_bias=bias, dtype=self.dtype, name=n)
-    q = lin("q_proj", hq * hd, c.attention_bias)(x_BxTxD).reshape(b, t, hq, hd)
-    k = lin("k_proj", hk * hd, c.attention_bias)(x_BxTxD).reshape(b, t, hk, hd)
-    v = lin("v_proj", hk * hd, c.attention_bias)(x_BxTxD).reshape(b, t, hk, hd)
-    if c.qk_norm == "head":
-      q = RMSNorm(c.rms_norm_eps, self.dtype, name="q_norm")(q)
-      k = RMSNorm(c.rms_norm_eps, self.dtype, name="k_norm")(k)
+    q, k, v = project_qkv(c, x_BxTxD, self.dtype)
     rd = rotary_dim(c)
     cos, sin = rope_cos_sin(positions_BxT, rd, c.rope_theta)
     q = jnp.concatenate([apply_rope(q[..., :rd], cos, sin), q[..., rd:]], axis=-1)
     k = jnp.concatenate([apply_rope(k[..., :rd], cos, sin), k[..., rd:]], axis=-1)
     o, cache = cached_attention(q, k, v, positions_BxT, cache, end_index)
-    return lin("o_proj", c.hidden_size, False)(o), cache
+    return Linear(c.hidden_size, dtype=self.dtype, name="o_proj")(o), cache
 
 
 def _mla_rope(c: ModelConfig, positions_BxT):

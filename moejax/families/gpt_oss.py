@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moejax.families import mxfp4
-from moejax.layers import Linear, apply_rope, cached_attention
+from moejax.layers import Linear, apply_rope, cached_attention, project_qkv
 
 MODEL_TYPE = "gpt_oss"
 ROUTER = "topk_softmax"
@@ -134,20 +134,15 @@ class Attention(nn.Module):
   @nn.compact
   def __call__(self, x_BxTxD, positions_BxT, cache, end_index):
     c = self.cfg
-    b, t, _ = x_BxTxD.shape
-    hq, hk, hd = c.num_heads, c.num_kv_heads, c.head_dim
-    lin = lambda n, f: Linear(f, use_bias=c.attention_bias, dtype=self.dtype, name=n)
-    q = lin("q_proj", hq * hd)(x_BxTxD).reshape(b, t, hq, hd)
-    k = lin("k_proj", hk * hd)(x_BxTxD).reshape(b, t, hk, hd)
-    v = lin("v_proj", hk * hd)(x_BxTxD).reshape(b, t, hk, hd)
+    q, k, v = project_qkv(c, x_BxTxD, self.dtype)
     cos, sin = rope_cos_sin(c, positions_BxT)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    sinks_H = self.param("sinks", nn.initializers.normal(0.02), (hq,), self.dtype)
-
+    sinks_H = self.param("sinks", nn.initializers.normal(0.02), (c.num_heads,), self.dtype)
     o, cache = cached_attention(q, k, v, positions_BxT, cache, end_index,
                                 window=c.sliding_window if self.sliding else None,
                                 sinks_H=sinks_H)
-    return lin("o_proj", c.hidden_size)(o), cache
+    return Linear(c.hidden_size, use_bias=c.attention_bias, dtype=self.dtype,
+                  name="o_proj")(o), cache
 
 
 class Router(nn.Module):

@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import os
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import torch
 import transformers
+
+from moejax.sampler import Sampler, SamplingParams
 
 TINY = dict(vocab_size=96, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=2, head_dim=8, num_experts_per_tok=2, max_position_embeddings=256)
@@ -135,3 +140,28 @@ def reference(model, tokens, steps: int):
     dec.append(out.logits[0, -1].float().numpy())
     nxt = out.logits[:, -1].argmax(-1, keepdim=True)
   return pre, dec, gen
+
+
+def reference_case(family: str, tmp_path_factory, steps: int = 32, tag: str | None = None,
+                   model=None) -> dict:
+  """A tiny random `family` model (or `model`), its transformers reference on 12 prompt
+  tokens (`reference`), and the model saved in both expert layouts (dirs[layout])."""
+  model = build(family) if model is None else model
+  tokens = [int(t) for t in np.random.default_rng(1).integers(0, 96, 12)]
+  pre, dec, gen = reference(model, tokens, steps)
+  dirs = {lay: save(model, str(tmp_path_factory.mktemp(f"{tag or family}_{lay}")), lay)
+          for lay in ("per_expert", "fused")}
+  return dict(family=family, model=model, tokens=tokens, pre=pre, dec=dec, gen=gen, dirs=dirs)
+
+
+def assert_cached_decode_and_greedy_match(cfg, params, store, ref: dict, steps: int = 32):
+  """moejax's Sampler: prefill, then `steps` cached decode steps fed transformers' greedy
+  ids, each step's logits within 1e-4 of transformers'; greedy generation gives its ids."""
+  s = Sampler(cfg, params, store.to_device(), max_len=64)
+  toks, gen = ref["tokens"], ref["gen"]
+  _, cache = s.prefill(np.array([toks]))
+  for i in range(steps):
+    _, lg, cache = s.decode_step(cache, jnp.array([gen[i]]), len(toks) + i, SamplingParams(),
+                                 jax.random.PRNGKey(0))
+    np.testing.assert_allclose(np.asarray(lg[0]), ref["dec"][i], atol=1e-4, rtol=0)
+  assert s.generate(toks, SamplingParams(max_new_tokens=steps)) == gen

@@ -8,7 +8,6 @@ import pytest
 
 from moejax.loader import load_model
 from moejax.model import Transformer
-from moejax.sampler import Sampler, SamplingParams
 from tests import hf_models
 
 FAMILIES = ["qwen3_moe", "mixtral", "olmoe"]
@@ -16,13 +15,7 @@ FAMILIES = ["qwen3_moe", "mixtral", "olmoe"]
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def reference(request, tmp_path_factory):
-  fam = request.param
-  model = hf_models.build(fam)
-  tokens = [int(t) for t in np.random.default_rng(1).integers(0, 96, 12)]
-  pre, dec, gen = hf_models.reference(model, tokens, 32)
-  dirs = {lay: hf_models.save(model, str(tmp_path_factory.mktemp(f"{fam}_{lay}")), lay)
-          for lay in ("per_expert", "fused")}
-  return dict(family=fam, tokens=tokens, pre=pre, dec=dec, gen=gen, dirs=dirs)
+  return hf_models.reference_case(request.param, tmp_path_factory)
 
 
 @pytest.mark.parametrize("layout", ["per_expert", "fused"])
@@ -40,15 +33,7 @@ def test_prefill_logits_match(reference, layout):
 @pytest.mark.parametrize("layout", ["per_expert", "fused"])
 def test_cached_decode_and_greedy_generation_match(reference, layout):
   cfg, params, store = load_model(reference["dirs"][layout])
-  s = Sampler(cfg, params, store.to_device(), max_len=64)
-  toks, gen = reference["tokens"], reference["gen"]
-  _, cache = s.prefill(np.array([toks]))
-  for i in range(32):
-    _, lg, cache = s.decode_step(cache, jnp.array([gen[i]]), len(toks) + i, SamplingParams(),
-                                 jax.random.PRNGKey(0))
-    np.testing.assert_allclose(np.asarray(lg[0]), reference["dec"][i], atol=1e-4, rtol=0)
-  out = s.generate(toks, SamplingParams(max_new_tokens=32))
-  assert out == gen
+  hf_models.assert_cached_decode_and_greedy_match(cfg, params, store, reference)
 
 
 def test_bf16_runs_close_to_f32(reference):

@@ -23,7 +23,6 @@ from moejax.layers import gqa_attention
 from moejax.loader import load_model
 from moejax.model import Transformer
 from moejax.safetensors_io import SafetensorsFile, save_file
-from moejax.sampler import Sampler, SamplingParams
 from tests import hf_models
 
 FAMILIES = ["glm4_moe", "glm4_moe_lite", "deepseek_v3"]
@@ -45,13 +44,7 @@ def _only(reference, family: str):
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def reference(request, tmp_path_factory):
-  fam = request.param
-  model = hf_models.build(fam)
-  tokens = [int(t) for t in np.random.default_rng(1).integers(0, 96, 12)]
-  pre, dec, gen = hf_models.reference(model, tokens, 32)
-  dirs = {lay: hf_models.save(model, str(tmp_path_factory.mktemp(f"{fam}_{lay}")), lay)
-          for lay in ("per_expert", "fused")}
-  return dict(family=fam, model=model, tokens=tokens, pre=pre, dec=dec, gen=gen, dirs=dirs)
+  return hf_models.reference_case(request.param, tmp_path_factory)
 
 
 @pytest.mark.parametrize("layout", ["per_expert", "fused"])
@@ -68,14 +61,7 @@ def test_prefill_logits_match(reference, layout):
 
 def test_cached_decode_and_greedy_generation_match(reference):
   cfg, params, store = load_model(reference["dirs"]["fused"])
-  s = Sampler(cfg, params, store.to_device(), max_len=64)
-  toks, gen = reference["tokens"], reference["gen"]
-  _, cache = s.prefill(np.array([toks]))
-  for i in range(32):
-    _, lg, cache = s.decode_step(cache, jnp.array([gen[i]]), len(toks) + i, SamplingParams(),
-                                 jax.random.PRNGKey(0))
-    np.testing.assert_allclose(np.asarray(lg[0]), reference["dec"][i], atol=1e-4, rtol=0)
-  assert s.generate(toks, SamplingParams(max_new_tokens=32)) == gen
+  hf_models.assert_cached_decode_and_greedy_match(cfg, params, store, reference)
 
 
 def test_router_matches_transformers_and_bias_is_loaded(reference):

@@ -30,7 +30,6 @@ from moejax.families import gpt_oss, mxfp4
 from moejax.loader import load_model
 from moejax.model import Transformer
 from moejax.safetensors_io import CheckpointError, save_file
-from moejax.sampler import Sampler, SamplingParams
 from tests import hf_models
 
 LAYOUTS = ["fused", "mxfp4", "mxfp4_dequantized"]
@@ -335,14 +334,7 @@ def test_prefill_logits_match(reference, layout):
 @pytest.mark.parametrize("layout", ["fused", "mxfp4"])  # dequantised-on-load == fused weights
 def test_cached_decode_and_greedy_generation_match(reference, layout):
   cfg, params, store = _load(reference, layout)
-  s = Sampler(cfg, params, store.to_device(), max_len=64)
-  toks, gen = reference["tokens"], reference["gen"]
-  _, cache = s.prefill(np.array([toks]))
-  for i in range(32):
-    _, lg, cache = s.decode_step(cache, jnp.array([gen[i]]), len(toks) + i, SamplingParams(),
-                                 jax.random.PRNGKey(0))
-    np.testing.assert_allclose(np.asarray(lg[0]), reference["dec"][i], atol=1e-4, rtol=0)
-  assert s.generate(toks, SamplingParams(max_new_tokens=32)) == gen
+  hf_models.assert_cached_decode_and_greedy_match(cfg, params, store, reference)
 
 
 def test_bf16_mxfp4_runs_close_to_f32(reference):

@@ -37,12 +37,7 @@ def _forward(cfg, params, tokens, experts, cache=None, end_index=0):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-  model = hf_models.build("qwen3_next")
-  tokens = [int(t) for t in np.random.default_rng(1).integers(0, 96, 12)]
-  pre, dec, gen = hf_models.reference(model, tokens, STEPS)
-  dirs = {lay: hf_models.save(model, str(tmp_path_factory.mktemp(f"q3n_{lay}")), lay)
-          for lay in ("per_expert", "fused")}
-  return dict(model=model, tokens=tokens, pre=pre, dec=dec, gen=gen, dirs=dirs)
+  return hf_models.reference_case("qwen3_next", tmp_path_factory, STEPS, tag="q3n")
 
 
 # ------------------------------------------------------------ full model

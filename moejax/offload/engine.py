@@ -111,7 +111,7 @@ def _policy_steps(cfg: ModelConfig, dtype, layer_idx: int, decide_key: PolicyPar
 
   attend_decide = jax.jit(_attend_decide, donate_argnums=(3,))
 
-  def _insert(state, ins, rows):
+  def _insert_rows(state, ins, rows):
     """ins = [R expert ids (-1: none) | E in-use mask], rows [R, ...] (R: a row bucket)."""
     r = ins.shape[0] - num_e
     return resident_lib.insert(state, ins[:r], rows, ins[r:] > 0, evict_key)
@@ -119,7 +119,7 @@ def _policy_steps(cfg: ModelConfig, dtype, layer_idx: int, decide_key: PolicyPar
   @functools.partial(jax.jit, donate_argnums=(3, 4))
   def insert_attend_decide(p, x, tp, cache, state, ins, rows):
     """Inserts arrived background admissions, then attend_decide: one dispatch."""
-    state, evicted = _insert(state, ins, rows)
+    state, evicted = _insert_rows(state, ins, rows)
     return _attend_decide(p, x, tp, cache, state) + (state, evicted)
 
   def _moe(p, h, moe_in, dec, host_out, state):
@@ -135,8 +135,8 @@ def _policy_steps(cfg: ModelConfig, dtype, layer_idx: int, decide_key: PolicyPar
 
   @functools.partial(jax.jit, donate_argnums=(5,))
   def insert_moe(p, h, moe_in, dec, host_out, state, ins, rows):
-    """Inserts the fetched rows (see _insert), then (b)."""
-    state, evicted = _insert(state, ins, rows)
+    """Inserts the fetched rows (see _insert_rows), then (b)."""
+    state, evicted = _insert_rows(state, ins, rows)
     y, state = _moe(p, h, moe_in, dec, host_out, state)
     return y, state, evicted
 

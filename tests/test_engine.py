@@ -150,7 +150,13 @@ def test_emulated_link_waits_at_least_the_transfer_time(model):
   eng, _ = run(model, "baseline", link=link)
   s = eng.stats()
   per_fetch = link.transfer_time(store.expert_nbytes())
-  assert s["wait_ms_per_token"] >= 0.95 * 1e3 * per_fetch * s["fetches_per_token"]
+  assert s["fetches_per_token"] > 0
+  # the fetched rows are inserted while their link time elapses, so the wait is shorter
+  # than the link time; the token still lasts at least its fetches' link time
+  for r in eng.records:
+    assert r["wall_s"] >= per_fetch * r["fetches"] and r["wait_s"] > 0
+  p = eng.prefetcher.stats()
+  assert p["link_busy_s"] >= 0.999 * per_fetch * p["transfers"] > 0
   assert eng.link.describe() in engine_lib.format_stats(s, eng.link.describe())
 
 
@@ -217,13 +223,15 @@ def test_decode_compiles_once_per_layer_kind(model):
     before = sizes()
     eng.prefill(PROMPT)
     after_prefill = sizes()
+    inserts = R.insert_jit._cache_size()   # decode inserts (prefetch thread, admissions)
     for t in STREAM:                       # two MoE layers and a dense layer per token
       eng.decode_step(t)
     assert sizes() == after_prefill        # no decode step compiled again
+    assert R.insert_jit._cache_size() == inserts
     for (sparse, _), fns in before.items():
       if not sparse:
         assert fns["dense_decode"] == 1
         continue
       assert fns["attend_decide"] == 1 and fns["moe"] == 1
-      for name in ("insert_attend_decide", "insert_moe"):   # one per insert row bucket
-        assert fns[name] == len(eng._row_buckets), name
+      # one per insert row bucket
+      assert fns["insert_attend_decide"] == len(eng._row_buckets)

@@ -396,3 +396,85 @@ def test_stacked_device_put_owns_its_memory():
   src[0]["gate_up"][...] = 7.0                    # writes through to the store's buffer
   np.testing.assert_array_equal(np.asarray(out["gate_up"]), before)
   assert out["gate_up"].shape[0] == 3
+
+
+# ------------------------------------------------------------ fetch (caller's thread)
+def test_fetch_copies_on_the_calling_thread_and_keeps_the_link_time():
+  store = make_store()
+  link = parse_link("1MB/s,2ms")
+  per = link.transfer_time(EXPERT_BYTES)
+  gs = GatedStore(store)
+  caller = threading.get_ident()
+  seen = []
+  get = gs.get
+  gs.get = lambda l, e: (seen.append(threading.get_ident()), get(l, e))[1]
+  with Prefetcher(gs, link) as pf:
+    wait_stacked(pf.fetch(2, [0, 1], pad_to=3)[0], 3)     # compiles the stacked copy
+    seen.clear()
+    t0 = time.perf_counter()
+    tickets, rows = pf.fetch(1, [4, 1], pad_to=3)
+    copied = time.perf_counter()
+    assert seen == [caller, caller]                  # no hand-off to the thread
+    assert rows is not None and all(t._arrays is rows for t in tickets)
+    assert copied - t0 < 2 * per                      # rows handed out before the link time
+    assert not tickets[1].done()
+    assert wait_stacked(tickets, 3) is rows           # waits for the link, no device work
+    assert time.perf_counter() - t0 >= 2 * per - 1e-9
+    assert tickets[1].started_s >= tickets[0].finished_s - 1e-9    # one after another
+    assert pf.stats()["transfers"] == 4 and pf.pending() == 0
+  for k in ("gate_up", "down"):
+    for j, e in enumerate([4, 1]):
+      np.testing.assert_array_equal(np.asarray(rows[k][j]), store.get(1, e)[k])
+    np.testing.assert_array_equal(np.asarray(rows[k][2]), 0.0)
+  before = np.asarray(rows["down"]).copy()
+  store.get(1, 4)["down"][...] = 3.0                  # owned: the store's buffer is not aliased
+  np.testing.assert_array_equal(np.asarray(rows["down"]), before)
+
+
+def test_fetch_takes_the_link_after_the_background_piece_and_before_queued_ones():
+  link = parse_link("1MB/s,20ms")
+  total = link.transfer_time(EXPERT_BYTES)
+  with Prefetcher(make_store(), link, background_chunks=4) as pf:
+    bg = pf.request(1, 0, "background")
+    wait_for(lambda: bg.started_s is not None)
+    queued = pf.request(1, 1, "background")
+    (s,), _ = pf.fetch(2, [0])
+    s.wait(T)
+    bg.wait(T)
+    queued.wait(T)
+  done = s.started_s - bg.started_s
+  assert 0 < done < total and abs(done / (total / 4) - round(done / (total / 4))) < 1e-6
+  assert s.finished_s - s.started_s >= total - 1e-9
+  assert queued.started_s >= s.finished_s - 1e-9 and bg.finished_s >= s.finished_s
+
+
+def test_fetch_upgrades_a_background_request_for_the_same_expert():
+  store = make_store()
+  gs = GatedStore(store, block=[(2, 3)])
+  with Prefetcher(gs, NATIVE) as pf:
+    bg = pf.request(2, 3, "background")
+    wait_for(lambda: gs.calls == [(2, 3)])           # the thread is copying it
+    tickets, rows = pf.fetch(2, [5, 3], pad_to=2)
+    assert tickets[1] is bg and bg.priority == "sync" and rows is None
+    gs.gate.set()
+    got = wait_stacked(tickets, 2)
+  for j, e in enumerate([5, 3]):
+    np.testing.assert_array_equal(np.asarray(got["down"][j]), store.get(2, e)["down"])
+  assert gs.calls.count((2, 3)) == 1                  # not copied twice
+
+
+def test_fetch_failure_raises_in_the_caller_and_stops_the_prefetcher():
+  gs = GatedStore(make_store(), block=[(2, 1)], fail={(1, 6): OSError("truncated file")})
+  with Prefetcher(gs, NATIVE) as pf:
+    queued = pf.request(2, 1, "background")
+    wait_for(lambda: (2, 1) in gs.calls)             # in flight on the thread
+    with pytest.raises(TransferError, match="layer 1 expert.*truncated file") as e:
+      pf.fetch(1, [2, 6])
+    assert isinstance(e.value.__cause__, OSError)
+    gs.gate.set()
+    wait_for(lambda: not pf.alive)
+    with pytest.raises(TransferError):
+      queued.wait(T)                                  # nothing left hanging
+    with pytest.raises(TransferError):
+      pf.fetch(1, [3])
+  assert not pf.alive                                 # close() did not raise again

@@ -4,14 +4,18 @@ Per MoE layer and decoded token:
   (a) one jitted call: `DecoderLayer.attend` + `route_logits` + `policy.decide`
       (preceded, in the same call, by inserting the layer's arrived background
       admissions); the host reads the decision (one small transfer);
-  host: requests the FETCH experts (one group: the prefetch thread copies them
-      stacked) and the layer's new admissions; while the fetches cross the link
-      it counts statistics and inserts arrived admissions of later layers; then
-      waits, and computes HOST experts in numpy;
-  (b) one jitted call, state donated: inserts the arrived experts into slots
-      (`resident.insert`: `lax.dynamic_update_slice`, never evicting an expert
-      the token uses), then `DecoderLayer.moe_residual` from slot indices, then
-      the usage-statistics update.
+  host: copies the FETCH experts at once on this thread (`Prefetcher.fetch`: one
+      stacked copy, the link time committed; a hand-off to the prefetch thread
+      would only add its wake-up) and queues the layer's new admissions for the
+      prefetch thread.  While the fetches' link time elapses it inserts them
+      into slots (`resident.insert`, jitted, state donated:
+      `lax.dynamic_update_slice`, never evicting an expert the token uses; the
+      rows are not computed with before the link time ends, as a DMA engine
+      writes straight into the slot), counts statistics and inserts arrived
+      admissions of later layers while one fits; then waits for the link, and
+      computes HOST experts in numpy;
+  (b) one jitted call, state donated: `DecoderLayer.moe_residual` from slot
+      indices, then the usage-statistics update.
 Dense layers run whole.  Jitted functions are built per layer *kind* (sparse or
 dense, and the family's layer type), so compile count does not grow with depth.
 
@@ -133,15 +137,7 @@ def _policy_steps(cfg: ModelConfig, dtype, layer_idx: int, decide_key: PolicyPar
 
   moe = jax.jit(_moe, donate_argnums=(5,))
 
-  @functools.partial(jax.jit, donate_argnums=(5,))
-  def insert_moe(p, h, moe_in, dec, host_out, state, ins, rows):
-    """Inserts the fetched rows (see _insert_rows), then (b)."""
-    state, evicted = _insert_rows(state, ins, rows)
-    y, state = _moe(p, h, moe_in, dec, host_out, state)
-    return y, state, evicted
-
-  return dict(attend_decide=attend_decide, insert_attend_decide=insert_attend_decide, moe=moe,
-              insert_moe=insert_moe)
+  return dict(attend_decide=attend_decide, insert_attend_decide=insert_attend_decide, moe=moe)
 
 
 @functools.lru_cache(maxsize=None)
@@ -350,9 +346,8 @@ class OffloadEngine:
     self.end_index = 0
     self.records: list[dict] = []
     self.prefill_record: dict | None = None
-    # early admission inserts run under a fetch's wait only when the link time of
-    # the fetch (per expert: _hide_s) exceeds one insert's cost (measured by warmup())
-    self._hide_s = self.link.transfer_time(store.expert_nbytes())
+    # early admission inserts run under a fetch's link time only while one fits in
+    # what is left of it; an insert's cost: measured by warmup(), updated as they run
     self._row_buckets = tuple(sorted({min(2, cfg.top_k), cfg.top_k}))
     self._insert_s = float("inf")
     if verbose:
@@ -474,19 +469,26 @@ class OffloadEngine:
     ins[r:] = in_use_E
     return ins, r
 
-  def _admit_arrived(self, after: int, rec: dict):
-    """Inserts, while a fetch of layer `after` crosses the link, the admissions of later
-    layers whose every pending transfer has arrived (they would be inserted before
-    their layer anyway: same inserts, same order, so results do not change)."""
+  def _insert_rows(self, state, ins, rows):
+    """resident.insert of [R ids | E in-use mask] `ins` and rows [>= R, ...] (jitted)."""
+    r = ins.shape[0] - self.cfg.num_experts
+    return resident_lib.insert_jit(state, ins[:r], rows, ins[r:] > 0, self._evict_key)
+
+  def _admit_arrived(self, after: int, rec: dict, deadline: float):
+    """Inserts, while a fetch of layer `after` crosses the link (until `deadline`), the
+    admissions of later layers whose every pending transfer has arrived, as long as one
+    insert (its cost measured as inserts run) still fits before the deadline.  They
+    would be inserted before their layer anyway: same inserts, same order, same results."""
     for l in self.moe_layers:
+      if time.perf_counter() + self._insert_s > deadline:
+        return
       if l > after and self._pending[l] and all(t.done() for t in self._pending[l]):
+        t0 = time.perf_counter()
         adm = self._take_admissions(l, rec)
         if adm is not None:
-          ins, rows = adm
-          r = ins.shape[0] - self.cfg.num_experts
-          self.states[l], ev = resident_lib.insert_jit(self.states[l], ins[:r], rows,
-                                                       ins[r:] > 0, self._evict_key)
+          self.states[l], ev = self._insert_rows(self.states[l], *adm)
           rec.setdefault("_evicted", []).append(ev)
+          self._insert_s = 0.5 * self._insert_s + 0.5 * (time.perf_counter() - t0)
 
   @staticmethod
   def _count(rec: dict, action, gates, fetches: int):
@@ -549,15 +551,13 @@ class OffloadEngine:
         cache = self._put(init_cache(cfg, 1, self.max_len, self.dtype)[i])   # donated
         jax.block_until_ready(st["insert_attend_decide"](p, x, tp, cache, copy(), ins,
                                                          zero_rows))
-        jax.block_until_ready(st["insert_moe"](p, h, moe_in, dec, self._zero_x, copy(), ins,
-                                               zero_rows))
         times = []
         for _ in range(5):
           c = copy()
           t0 = time.perf_counter()
-          jax.block_until_ready(resident_lib.insert_jit(
-              c, ins[:r], zero_rows, np.zeros(cfg.num_experts, bool), self._evict_key))
+          jax.block_until_ready(self._insert_rows(c, ins, zero_rows))
           times.append(time.perf_counter() - t0)
+        # a first estimate; _admit_arrived updates it with the inserts' real cost
         self._insert_s = min(self._insert_s, float(np.median(times[1:])))
 
   # -------------------------------------------------------------- prefill
@@ -596,7 +596,7 @@ class OffloadEngine:
       fb = bucket(max(1, len(missing)), minimum=self.cfg.top_k)
       extra = self._zero_rows
       if missing:
-        tickets = self.prefetcher.request_many(i, missing, "sync", pad_to=fb)
+        tickets, _ = self.prefetcher.fetch(i, missing, pad_to=fb)
         tw = time.perf_counter()
         extra = transfer_lib.wait_stacked(tickets, fb)
         rec["wait_s"] += time.perf_counter() - tw
@@ -655,26 +655,32 @@ class OffloadEngine:
       admit = packed[5 * kk:] > 0
       fetch = [int(e) for e in ids[action == FETCH]]
       host_mask = action == HOST
-      tickets = (self.prefetcher.request_many(i, fetch, "sync", pad_to=self._rows(len(fetch)))
-                 if fetch else [])
+      if fetch:
+        # copied on this thread at once, the link time committed (see Prefetcher.fetch)
+        in_use = np.zeros(num_e, bool)
+        in_use[exec_ids[exec_ids >= 0]] = True     # never evicted for a fetched expert
+        ins, r = self._ins(fetch, in_use)
+        tickets, rows = self.prefetcher.fetch(i, fetch, pad_to=r)
       if admit.any():            # queued behind the sync fetches: they never delay them
         adm_ids = [int(e) for e in np.flatnonzero(admit)]
         self._pending[i].extend(self.prefetcher.request_many(
             i, adm_ids, "background", pad_to=self._rows(min(len(adm_ids), kk))))
         rec["admissions"] += len(adm_ids)
       self._count(rec, action, gates, len(fetch))
-      rows = None
       if fetch:
-        # host work that does not need the fetched experts runs while they cross the link
-        in_use = np.zeros(num_e, bool)
-        in_use[exec_ids[exec_ids >= 0]] = True
-        ins, r = self._ins(fetch, in_use)
-        if self._hide_s * len(fetch) > self._insert_s:
-          self._admit_arrived(after=i, rec=rec)
+        # while the link time elapses: the rows go into their slots, then arrived
+        # admissions of later layers are inserted as long as one fits in what is left
+        if rows is not None:
+          self.states[i], ev = self._insert_rows(self.states[i], ins, rows)
+          rec.setdefault("_evicted", []).append(ev)
+          self._admit_arrived(after=i, rec=rec, deadline=max(t.finished_s for t in tickets))
         tw = time.perf_counter()
-        rows = transfer_lib.wait_stacked(tickets, r)
+        arrived = transfer_lib.wait_stacked(tickets, r)
         rec["wait_s"] += time.perf_counter() - tw
         rec["fetch_bytes"] += sum(tk.nbytes for tk in tickets)
+        if rows is None:         # some came from a background transfer: insert them now
+          self.states[i], ev = self._insert_rows(self.states[i], ins, arrived)
+          rec.setdefault("_evicted", []).append(ev)
       host_out = self._zero_x
       if host_mask.any():
         th = time.perf_counter()
@@ -682,13 +688,7 @@ class OffloadEngine:
                                   weights[host_mask], functools.partial(self.store.get, i))
         host_out = y.reshape(x.shape).astype(x.dtype)
         rec["host_s"] += time.perf_counter() - th
-      if fetch:
-        # insert (never evicting an expert this token uses), then (b), in one call
-        x, self.states[i], ev = st["insert_moe"](p, h, moe_in, dec, host_out, self.states[i],
-                                                 ins, rows)
-        rec.setdefault("_evicted", []).append(ev)
-      else:
-        x, self.states[i] = st["moe"](p, h, moe_in, dec, host_out, self.states[i])
+      x, self.states[i] = st["moe"](p, h, moe_in, dec, host_out, self.states[i])
     out = np.asarray(self._head_decode(self.params, x))
     self.end_index += 1
     self.records.append(self._finish_record(rec, t0))

@@ -17,6 +17,9 @@ one transfer at a time, like a single DMA engine:
     one stacked `device_put` ([max(n, pad_to), ...] per array), so a layer's
     fetches arrive as one array per weight that the engine inserts with one
     argument per weight (`wait_stacked`).  The link timing stays per ticket;
+  * `fetch` is a synchronous request copied on the caller's thread at once (its
+    link time committed like a queued sync request's): a caller stalled on the
+    experts gains nothing from a hand-off but the thread's wake-up;
   * cancellation of queued tickets; clean shutdown as a context manager;
   * an exception in the thread (a store that cannot read a file, a failing
     device_put) stops the thread; it is re-raised in the caller as
@@ -326,35 +329,101 @@ class Prefetcher:
     """
     if priority not in _PRIORITIES:
       raise ValueError(f"priority must be one of {_PRIORITIES}, got {priority!r}")
-    out, group = [], []
     with self._cond:
-      self._raise_if_failed()
-      if self._closing:
-        raise RuntimeError("Prefetcher is closed")
-      for expert in experts:
-        key = (int(layer), int(expert))
-        self._stats["requests"] += 1
-        self._stats[f"{priority}_requests"] += 1
-        t = self._active.get(key)
-        if t is not None:
-          self._stats["deduplicated"] += 1
-          if priority == SYNC and t.priority == BACKGROUND:
-            t.priority = SYNC
-            self._stats["upgraded"] += 1
-            self._arrived_bg.pop(key, None)
-            if t.started_s is None and t is not self._bg:  # queued: ahead of the background
-              self._queues[BACKGROUND].remove(t)
-              self._queues[SYNC].append(t)
-          out.append(t)
-          continue
-        t = Ticket(self, key, priority, group, pad_to)
-        group.append(t)
-        self._active[key] = t
+      out, group = self._register(layer, experts, priority, pad_to)
+      for t in group:
         self._queues[priority].append(t)
-        out.append(t)
       if group:
         self._cond.notify_all()
     return out
+
+  def fetch(self, layer: int, experts, pad_to: int = 0
+            ) -> tuple[list[Ticket], dict[str, jax.Array] | None]:
+    """A synchronous fetch copied on the calling thread, at once.
+
+    The caller is stalled on these experts, so handing them to the prefetch
+    thread would only add its wake-up (measured ~0.2 ms on a 2-vCPU VM, more than
+    the copy).  Their link time is committed now, like a queued sync request's:
+    after the piece of background transfer on the link, before everything queued.
+    Experts already requested (a background admission in flight) are upgraded
+    and left to the thread, as `request_many` does.
+
+    Returns (tickets, rows): rows are the experts stacked [max(n, pad_to), ...]
+    when this call copied every one of them, else None (use `wait_stacked`).
+    The rows are handed out before the link time ends so the caller can place
+    them (a DMA engine writes straight into the destination slot); computing
+    with them before `wait_stacked(tickets)` returns would beat the link.
+    A failure stops the prefetcher, as one in the thread does, and is raised
+    here as TransferError.
+    """
+    with self._cond:
+      out, mine = self._register(layer, experts, SYNC, pad_to)
+    if not mine:
+      return out, None
+    try:
+      srcs = [self.store.get(t.key[0], t.key[1]) for t in mine]
+      nbytes = [sum(int(v.nbytes) for v in src.values()) for src in srcs]
+      with self._cond:
+        for t, nb in zip(mine, nbytes):
+          t.nbytes = nb
+          t.started_s = max(t.requested_s, self._link_free_at)
+          self._link_free_at = t.started_s + self.link.transfer_time(nb)
+      single = len(mine) == 1 and pad_to <= 1
+      if single:
+        arrays, rows = {k: owned_device_put(v, self.sharding) for k, v in srcs[0].items()}, [None]
+      else:
+        arrays, rows = stacked_device_put(srcs, self.sharding, pad_to), range(len(mine))
+      jax.block_until_ready(arrays)
+    except BaseException as e:  # pylint: disable=broad-except  (stop, as the thread would)
+      with self._cond:
+        for t in mine:
+          self._drop(t, cancelled=False, error=e)
+        self._fail(e)
+        self._error_reported = True
+      raise TransferError(f"synchronous fetch of layer {layer} expert(s) "
+                          f"{[t.key[1] for t in mine]} failed: {type(e).__name__}: {e}") from e
+    with self._cond:
+      now = time.perf_counter()
+      for t, row in zip(mine, rows):
+        t._arrays, t._row = arrays, row  # pylint: disable=protected-access
+        t.finished_s = max(t.started_s + self.link.transfer_time(t.nbytes), now)
+        self._stats["transfers"] += 1
+        self._stats["bytes"] += t.nbytes
+        self._stats["link_busy_us"] += int(round((t.finished_s - t.started_s) * 1e6))
+        t._resolved.set()  # pylint: disable=protected-access
+      self._link_free_at = max(self._link_free_at, max(t.finished_s for t in mine))
+    return out, (arrays if len(mine) == len(out) and not single else None)
+
+  def _register(self, layer: int, experts, priority: str, pad_to: int):
+    """New tickets for the experts not already requested (lock held); the others'
+    tickets, a background one upgraded when asked for synchronously.  Returns
+    (every ticket in order, the new ones: one group)."""
+    self._raise_if_failed()
+    if self._closing:
+      raise RuntimeError("Prefetcher is closed")
+    out, group = [], []
+    for expert in experts:
+      key = (int(layer), int(expert))
+      self._stats["requests"] += 1
+      self._stats[f"{priority}_requests"] += 1
+      t = self._active.get(key)
+      if t is not None:
+        self._stats["deduplicated"] += 1
+        if priority == SYNC and t.priority == BACKGROUND:
+          t.priority = SYNC
+          self._stats["upgraded"] += 1
+          self._arrived_bg.pop(key, None)
+          if t.started_s is None and t is not self._bg:  # queued: ahead of the background
+            self._queues[BACKGROUND].remove(t)
+            self._queues[SYNC].append(t)
+            self._cond.notify_all()
+        out.append(t)
+        continue
+      t = Ticket(self, key, priority, group, pad_to)
+      group.append(t)
+      self._active[key] = t
+      out.append(t)
+    return out, group
 
   def completed_background(self) -> list[Ticket]:
     """Background tickets that arrived (link time elapsed), not yet collected.
@@ -548,16 +617,21 @@ class Prefetcher:
         t = None
     except BaseException as e:  # pylint: disable=broad-except  (re-raised in the caller)
       with self._cond:
-        self._error = e
-        self._closing = True
         if t is not None:
           self._drop(t, cancelled=False, error=e)
-        stopped = TransferError(f"prefetch thread stopped: {type(e).__name__}: {e}")
-        stopped.__cause__ = e
-        for q in self._queues.values():
-          while q:
-            self._drop(q.popleft(), cancelled=False, error=stopped)
-        if self._bg is not None and not self._bg._resolved.is_set():  # pylint: disable=protected-access
-          self._drop(self._bg, cancelled=False, error=stopped)
-        self._bg = None
-        self._cond.notify_all()
+        self._fail(e)
+
+  def _fail(self, e: BaseException):
+    """Stops after failure `e` (lock held): every queued or in-flight ticket fails,
+    the thread exits, the next call raises TransferError."""
+    self._error = e
+    self._closing = True
+    stopped = TransferError(f"prefetch thread stopped: {type(e).__name__}: {e}")
+    stopped.__cause__ = e
+    for q in self._queues.values():
+      while q:
+        self._drop(q.popleft(), cancelled=False, error=stopped)
+    if self._bg is not None and not self._bg._resolved.is_set():  # pylint: disable=protected-access
+      self._drop(self._bg, cancelled=False, error=stopped)
+    self._bg = None
+    self._cond.notify_all()

@@ -349,6 +349,9 @@ class OffloadEngine:
     # early admission inserts run under a fetch's link time only while one fits in
     # what is left of it; an insert's cost: measured by warmup(), updated as they run
     self._row_buckets = tuple(sorted({min(2, cfg.top_k), cfg.top_k}))
+    # a synchronous fetch's rows go into the insert call as host arrays (its argument
+    # transfer is the copy), unless the store holds device (pinned_host) arrays
+    self._host_rows = all(isinstance(v, np.ndarray) for v in first.values())
     self._insert_s = float("inf")
     if verbose:
       print(f"[moejax] {self.describe()}", file=sys.stderr)
@@ -551,6 +554,8 @@ class OffloadEngine:
         cache = self._put(init_cache(cfg, 1, self.max_len, self.dtype)[i])   # donated
         jax.block_until_ready(st["insert_attend_decide"](p, x, tp, cache, copy(), ins,
                                                          zero_rows))
+        if self._host_rows:      # fetched rows come as host arrays, admissions on the device
+          jax.block_until_ready(self._insert_rows(copy(), ins, jax.device_get(zero_rows)))
         times = []
         for _ in range(5):
           c = copy()
@@ -660,7 +665,7 @@ class OffloadEngine:
         in_use = np.zeros(num_e, bool)
         in_use[exec_ids[exec_ids >= 0]] = True     # never evicted for a fetched expert
         ins, r = self._ins(fetch, in_use)
-        tickets, rows = self.prefetcher.fetch(i, fetch, pad_to=r)
+        tickets, rows = self.prefetcher.fetch(i, fetch, pad_to=r, host=self._host_rows)
       if admit.any():            # queued behind the sync fetches: they never delay them
         adm_ids = [int(e) for e in np.flatnonzero(admit)]
         self._pending[i].extend(self.prefetcher.request_many(

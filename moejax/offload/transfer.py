@@ -115,6 +115,19 @@ def _to_device(sharding: jax.sharding.Sharding, rows: int):
   return jax.jit(pad, out_shardings=sharding)
 
 
+def _host_stack(srcs: list[dict], pad_to: int = 0) -> dict[str, np.ndarray]:
+  """Experts {name: host array} stacked into private host arrays [max(n, pad_to), ...]
+  (zero rows past n)."""
+  n = max(len(srcs), pad_to)
+  out = {}
+  for k, v in srcs[0].items():
+    v = np.asarray(v)
+    out[k] = np.zeros((n,) + v.shape, v.dtype)
+    for j, src in enumerate(srcs):
+      out[k][j] = src[k]
+  return out
+
+
 def stacked_device_put(srcs: list[dict], sharding: jax.sharding.Sharding,
                        pad_to: int = 0) -> dict[str, jax.Array]:
   """Experts {name: array} stacked into owned device arrays [max(len(srcs), pad_to), ...].
@@ -337,8 +350,8 @@ class Prefetcher:
         self._cond.notify_all()
     return out
 
-  def fetch(self, layer: int, experts, pad_to: int = 0
-            ) -> tuple[list[Ticket], dict[str, jax.Array] | None]:
+  def fetch(self, layer: int, experts, pad_to: int = 0, host: bool = False
+            ) -> tuple[list[Ticket], dict | None]:
     """A synchronous fetch copied on the calling thread, at once.
 
     The caller is stalled on these experts, so handing them to the prefetch
@@ -350,6 +363,9 @@ class Prefetcher:
 
     Returns (tickets, rows): rows are the experts stacked [max(n, pad_to), ...]
     when this call copied every one of them, else None (use `wait_stacked`).
+    host=True leaves the device copy to the caller: rows (and the tickets'
+    arrays) are then a private host stack, for a caller that passes them straight
+    to its jitted insert (one call instead of a copy call and an insert call).
     The rows are handed out before the link time ends so the caller can place
     them (a DMA engine writes straight into the destination slot); computing
     with them before `wait_stacked(tickets)` returns would beat the link.
@@ -368,8 +384,10 @@ class Prefetcher:
           t.nbytes = nb
           t.started_s = max(t.requested_s, self._link_free_at)
           self._link_free_at = t.started_s + self.link.transfer_time(nb)
-      single = len(mine) == 1 and pad_to <= 1
-      if single:
+      single = len(mine) == 1 and pad_to <= 1 and not host
+      if host:
+        arrays, rows = _host_stack(srcs, pad_to), range(len(mine))
+      elif single:
         arrays, rows = {k: owned_device_put(v, self.sharding) for k, v in srcs[0].items()}, [None]
       else:
         arrays, rows = stacked_device_put(srcs, self.sharding, pad_to), range(len(mine))

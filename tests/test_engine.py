@@ -233,5 +233,6 @@ def test_decode_compiles_once_per_layer_kind(model):
         assert fns["dense_decode"] == 1
         continue
       assert fns["attend_decide"] == 1 and fns["moe"] == 1
-      # one per insert row bucket
-      assert fns["insert_attend_decide"] == len(eng._row_buckets)
+      # one per row bucket, and per kind of rows: host stacks (the CPU backend's copies)
+      # or device arrays (gathered across groups)
+      assert fns["insert_attend_decide"] == len(eng._row_buckets) * (1 + eng._host_rows)

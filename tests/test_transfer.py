@@ -478,3 +478,18 @@ def test_fetch_failure_raises_in_the_caller_and_stops_the_prefetcher():
     with pytest.raises(TransferError):
       pf.fetch(1, [3])
   assert not pf.alive                                 # close() did not raise again
+
+
+def test_host_copies_are_private_host_stacks():
+  store = make_store()
+  with Prefetcher(store, NATIVE, host_copies=True) as pf:
+    group = pf.request_many(1, [3, 5], "background", pad_to=3)
+    rows = wait_stacked(group, 3)
+    tickets, frows = pf.fetch(2, [6])
+  assert all(isinstance(v, np.ndarray) and v.shape[0] == 3 for v in rows.values())
+  assert isinstance(frows["down"], np.ndarray) and tickets[0]._arrays is frows
+  for j, e in enumerate([3, 5]):
+    np.testing.assert_array_equal(rows["down"][j], store.get(1, e)["down"])
+    assert not np.shares_memory(rows["down"], store.get(1, e)["down"])
+  np.testing.assert_array_equal(rows["down"][2], 0.0)
+  np.testing.assert_array_equal(frows["gate_up"][0], store.get(2, 6)["gate_up"])

@@ -339,7 +339,11 @@ class OffloadEngine:
     self._evict_key = PolicyParams(eviction=policy.eviction)   # what insert reads
     self._zero_x = np.zeros((1, 1, cfg.hidden_size), jnp.dtype(dtype))   # host expert output
     self._fill_initial(initial, profile_counts)
-    self.prefetcher = transfer_lib.Prefetcher(store, self.link)
+    # on the CPU backend, device memory is host memory: transfers copy into private
+    # host stacks that the jitted inserts take as arguments (see Prefetcher.host_copies)
+    self._host_rows = (self.device.platform == "cpu"
+                       and all(isinstance(v, np.ndarray) for v in first.values()))
+    self.prefetcher = transfer_lib.Prefetcher(store, self.link, host_copies=self._host_rows)
     self.prefetcher.__enter__()
     self._pending: dict[int, list] = {l: [] for l in self.moe_layers}
     self.cache = None
@@ -349,9 +353,7 @@ class OffloadEngine:
     # early admission inserts run under a fetch's link time only while one fits in
     # what is left of it; an insert's cost: measured by warmup(), updated as they run
     self._row_buckets = tuple(sorted({min(2, cfg.top_k), cfg.top_k}))
-    # a synchronous fetch's rows go into the insert call as host arrays (its argument
-    # transfer is the copy), unless the store holds device (pinned_host) arrays
-    self._host_rows = all(isinstance(v, np.ndarray) for v in first.values())
+
     self._insert_s = float("inf")
     if verbose:
       print(f"[moejax] {self.describe()}", file=sys.stderr)
@@ -528,10 +530,10 @@ class OffloadEngine:
     cfg, kk = self.cfg, self.cfg.top_k
     x, tp = self._embed_decode(self.params, np.zeros(2, np.int32))
     jax.block_until_ready(self._head_decode(self.params, x))
-    # the prefetch thread's group copies: 1..K experts padded to K rows
+    # the prefetch thread's device copies: 1..K experts padded to their row bucket
     zero = {k: np.zeros(np.shape(v), np.asarray(v).dtype)
             for k, v in self.store.get(self.moe_layers[0], 0).items()}
-    for n in range(1, kk + 1):
+    for n in range(1, kk + 1) if not self._host_rows else ():
       jax.block_until_ready(transfer_lib.stacked_device_put([zero] * n, self.prefetcher.sharding,
                                                             self._rows(n)))
     done = set()
@@ -551,11 +553,11 @@ class OffloadEngine:
       for r in self._row_buckets:
         ins = np.concatenate([np.full(r, -1, np.int32), np.zeros(cfg.num_experts, np.int32)])
         zero_rows = {k: v[:r] for k, v in self._zero_rows.items()}
-        cache = self._put(init_cache(cfg, 1, self.max_len, self.dtype)[i])   # donated
-        jax.block_until_ready(st["insert_attend_decide"](p, x, tp, cache, copy(), ins,
-                                                         zero_rows))
-        if self._host_rows:      # fetched rows come as host arrays, admissions on the device
-          jax.block_until_ready(self._insert_rows(copy(), ins, jax.device_get(zero_rows)))
+        # rows come as host stacks (host copies) or device arrays (gathered across groups)
+        for rows in ([zero_rows, jax.device_get(zero_rows)] if self._host_rows else [zero_rows]):
+          cache = self._put(init_cache(cfg, 1, self.max_len, self.dtype)[i])   # donated
+          jax.block_until_ready(st["insert_attend_decide"](p, x, tp, cache, copy(), ins, rows))
+          jax.block_until_ready(self._insert_rows(copy(), ins, rows))
         times = []
         for _ in range(5):
           c = copy()
@@ -665,7 +667,7 @@ class OffloadEngine:
         in_use = np.zeros(num_e, bool)
         in_use[exec_ids[exec_ids >= 0]] = True     # never evicted for a fetched expert
         ins, r = self._ins(fetch, in_use)
-        tickets, rows = self.prefetcher.fetch(i, fetch, pad_to=r, host=self._host_rows)
+        tickets, rows = self.prefetcher.fetch(i, fetch, pad_to=r)
       if admit.any():            # queued behind the sync fetches: they never delay them
         adm_ids = [int(e) for e in np.flatnonzero(admit)]
         self._pending[i].extend(self.prefetcher.request_many(

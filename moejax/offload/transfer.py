@@ -299,15 +299,21 @@ class Prefetcher:
     link: the Link whose timing transfers obey (native: no emulation).
     device: target device (default: jax.devices()[0]).
     memory_kind: target memory kind (default: the device's default memory).
+    host_copies: copy into private host stacks instead of device arrays, for the
+      CPU backend, whose device memory is host memory: the copy is a memcpy with
+      no device call on the thread (one would run in turn with the caller's
+      device work), and the caller's jitted call takes the stack as an argument,
+      which XLA CPU wraps without copying.  Tickets then hold numpy rows.
   """
 
   def __init__(self, store, link: Link, device=None, memory_kind: str | None = None,
-               background_chunks: int = 4):
+               background_chunks: int = 4, host_copies: bool = False):
     if background_chunks < 1:
       raise ValueError(f"background_chunks must be >= 1, got {background_chunks}")
     self.store = store
     self.link = link
     self.background_chunks = int(background_chunks)
+    self.host_copies = bool(host_copies)
     self.device = device if device is not None else jax.devices()[0]
     kinds = [m.kind for m in self.device.addressable_memories()]
     kind = memory_kind or self.device.default_memory().kind
@@ -350,7 +356,7 @@ class Prefetcher:
         self._cond.notify_all()
     return out
 
-  def fetch(self, layer: int, experts, pad_to: int = 0, host: bool = False
+  def fetch(self, layer: int, experts, pad_to: int = 0, host: bool | None = None
             ) -> tuple[list[Ticket], dict | None]:
     """A synchronous fetch copied on the calling thread, at once.
 
@@ -365,13 +371,15 @@ class Prefetcher:
     when this call copied every one of them, else None (use `wait_stacked`).
     host=True leaves the device copy to the caller: rows (and the tickets'
     arrays) are then a private host stack, for a caller that passes them straight
-    to its jitted insert (one call instead of a copy call and an insert call).
+    to its jitted insert (one call instead of a copy call and an insert call);
+    default: `host_copies`.
     The rows are handed out before the link time ends so the caller can place
     them (a DMA engine writes straight into the destination slot); computing
     with them before `wait_stacked(tickets)` returns would beat the link.
     A failure stops the prefetcher, as one in the thread does, and is raised
     here as TransferError.
     """
+    host = self.host_copies if host is None else host
     with self._cond:
       out, mine = self._register(layer, experts, SYNC, pad_to)
     if not mine:
@@ -597,7 +605,9 @@ class Prefetcher:
                  if m is t or (id(m) in queued and m._arrays is None)]  # pylint: disable=protected-access
     layer = t.key[0]
     srcs = [self.store.get(layer, m.key[1]) for m in members]
-    if len(members) == 1 and t._pad_to <= 1:  # pylint: disable=protected-access
+    if self.host_copies:
+      arrays, rows = _host_stack(srcs, t._pad_to), range(len(members))  # pylint: disable=protected-access
+    elif len(members) == 1 and t._pad_to <= 1:  # pylint: disable=protected-access
       arrays, rows = {k: owned_device_put(v, self.sharding) for k, v in srcs[0].items()}, [None]
     else:
       arrays = stacked_device_put(srcs, self.sharding, t._pad_to)  # pylint: disable=protected-access

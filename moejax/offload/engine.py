@@ -481,13 +481,16 @@ class OffloadEngine:
 
   def _admit_arrived(self, after: int, rec: dict, deadline: float):
     """Inserts, while a fetch of layer `after` crosses the link (until `deadline`), the
-    admissions of later layers whose every pending transfer has arrived, as long as one
-    insert (its cost measured as inserts run) still fits before the deadline.  They
-    would be inserted before their layer anyway: same inserts, same order, same results."""
-    for l in self.moe_layers:
+    admissions of other layers whose every pending transfer has arrived (later layers
+    first, then the earlier ones, whose admissions of this token arrived), as long as
+    one insert (its cost measured as inserts run) still fits before the deadline.  Each
+    would be inserted before its layer's next decision anyway, and no use of that
+    layer's state comes in between: same inserts, same order, same results."""
+    order = [l for l in self.moe_layers if l > after] + [l for l in self.moe_layers if l < after]
+    for l in order:
       if time.perf_counter() + self._insert_s > deadline:
         return
-      if l > after and self._pending[l] and all(t.done() for t in self._pending[l]):
+      if self._pending[l] and all(t.done() for t in self._pending[l]):
         t0 = time.perf_counter()
         adm = self._take_admissions(l, rec)
         if adm is not None:

@@ -173,6 +173,29 @@ def test_eviction_order_lru_and_lfu():
   assert int(P.victim_slot(part, none, lfu)) == 2
 
 
+def test_eviction_order_is_the_lexicographic_order_of_its_keys():
+  # (protected, freq [lfu], last use, slot), ascending, empty slots first: checked against
+  # numpy's lexsort on random states with many ties
+  rng = np.random.default_rng(0)
+  for trial in range(40):
+    slots, num_e = 6, 12
+    res = rng.choice(num_e, size=rng.integers(0, slots + 1), replace=False)
+    st = state_with([int(e) for e in res], num_experts=num_e, slots=slots)
+    st = dataclasses.replace(st, last_used=jnp.asarray(rng.integers(-1, 3, num_e), jnp.int32),
+                             freq=jnp.asarray(rng.integers(0, 3, num_e) * 0.5, jnp.float32))
+    prot = rng.random(slots) < 0.3
+    for ev in ("lru", "lfu"):
+      order, usable = P.eviction_order(st, jnp.asarray(prot), P.PolicyParams(eviction=ev))
+      se = np.asarray(st.slot_expert)
+      empty = se < 0
+      last = np.where(empty, -2, np.asarray(st.last_used)[np.maximum(se, 0)])
+      freq = (np.where(empty, -np.inf, np.asarray(st.freq)[np.maximum(se, 0)]) if ev == "lfu"
+              else np.zeros(slots))
+      ref = np.lexsort((np.arange(slots), last, freq, prot.astype(int)))
+      np.testing.assert_array_equal(np.asarray(order), ref, err_msg=f"{ev} trial {trial}")
+      assert int(usable) == int((~prot).sum())
+
+
 def test_presets_and_bad_policies():
   q, s, b = (P.make_policy(n) for n in ("quality", "speed", "baseline"))
   assert (q.miss, q.tau, q.eviction, q.admission_beta) == ("threshold", 0.15, "lfu", 0.5)

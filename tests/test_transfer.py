@@ -487,6 +487,7 @@ def test_host_copies_are_private_host_stacks():
     rows = wait_stacked(group, 3)
     tickets, frows = pf.fetch(2, [6])
   assert all(isinstance(v, np.ndarray) and v.shape[0] == 3 for v in rows.values())
+  assert all(v.ctypes.data % 64 == 0 for v in list(rows.values()) + list(frows.values()))
   assert isinstance(frows["down"], np.ndarray) and tickets[0]._arrays is frows
   for j, e in enumerate([3, 5]):
     np.testing.assert_array_equal(rows["down"][j], store.get(1, e)["down"])

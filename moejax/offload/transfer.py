@@ -115,14 +115,23 @@ def _to_device(sharding: jax.sharding.Sharding, rows: int):
   return jax.jit(pad, out_shardings=sharding)
 
 
+def _aligned_zeros(shape, dtype, align: int = 64) -> np.ndarray:
+  """np.zeros in a buffer aligned to `align` bytes: XLA CPU takes such a buffer as a
+  jit argument without copying it (a 16-byte aligned one is copied first)."""
+  nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+  raw = np.zeros(nbytes + align, np.uint8)
+  off = -raw.ctypes.data % align
+  return raw[off:off + nbytes].view(dtype).reshape(shape)
+
+
 def _host_stack(srcs: list[dict], pad_to: int = 0) -> dict[str, np.ndarray]:
-  """Experts {name: host array} stacked into private host arrays [max(n, pad_to), ...]
-  (zero rows past n)."""
+  """Experts {name: host array} stacked into private, 64-byte aligned host arrays
+  [max(n, pad_to), ...] (zero rows past n)."""
   n = max(len(srcs), pad_to)
   out = {}
   for k, v in srcs[0].items():
     v = np.asarray(v)
-    out[k] = np.zeros((n,) + v.shape, v.dtype)
+    out[k] = _aligned_zeros((n,) + v.shape, v.dtype)
     for j, src in enumerate(srcs):
       out[k][j] = src[k]
   return out

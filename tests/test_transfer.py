@@ -494,3 +494,26 @@ def test_host_copies_are_private_host_stacks():
     assert not np.shares_memory(rows["down"], store.get(1, e)["down"])
   np.testing.assert_array_equal(rows["down"][2], 0.0)
   np.testing.assert_array_equal(frows["gate_up"][0], store.get(2, 6)["gate_up"])
+
+
+def test_syncs_in_a_row_split_the_background_transfer_once_and_push_queued_ones_back():
+  link = parse_link("1MB/s,20ms")
+  total = link.transfer_time(EXPERT_BYTES)
+  piece = total / 4
+  with Prefetcher(make_store(), link, background_chunks=4) as pf:
+    wait_stacked(pf.request_many(2, [5, 6], "sync"))   # compiles the stacked copy
+    pf.fetch(2, [7])[0][0].wait(T)
+    b1, b2 = pf.request_many(1, [0, 1], "background")
+    wait_for(lambda: b2.started_s is not None)      # both copied and on the link model
+    assert abs(b2.started_s - b1.finished_s) < 1e-9   # queued behind b1
+    time.sleep(piece * 1.5)                          # b1 is in its second piece
+    (s1,), _ = pf.fetch(2, [0])
+    (s2,), _ = pf.fetch(2, [1])
+    for t in (s1, s2, b1, b2):
+      t.wait(T)
+  done = s1.started_s - b1.started_s
+  assert abs(done - 2 * piece) < 1e-6                 # at the end of b1's second piece
+  assert abs(s2.started_s - s1.finished_s) < 1e-9     # the second sync right after the first
+  assert abs(b1.finished_s - (s2.finished_s + total - done)) < 1e-6   # b1's rest after both
+  assert abs(b2.started_s - b1.finished_s) < 1e-6     # b2 had not begun: it moved back whole
+  assert b2.finished_s - b2.started_s >= total - 1e-9

@@ -31,10 +31,14 @@ when the link becomes free, whichever is later, and is complete no earlier
 than ``start + nbytes / bandwidth + latency`` -- and no earlier than the real
 copy has finished.  Transfers never overlap on the link.  A background
 transfer takes the link in `background_chunks` pieces (default 4); a sync
-request that arrives meanwhile waits for the piece on the link (no
-pre-emption within a piece, as with real DMA) and overtakes the rest and
-every queued background transfer.  Meanwhile the caller's compute runs for
-real.
+transfer committed meanwhile waits for the piece on the link (no pre-emption
+within a piece, as with real DMA) and overtakes the rest and every queued
+background transfer, which all resume after it.  The thread copies a transfer
+as soon as it is its turn and commits its link time to this model (a sync one
+when it is copied, `fetch` when it is asked for); the model is computed, not
+slept through, so no thread wakes at piece boundaries, and a ticket is done
+once its (possibly pushed back) end time has passed.  Meanwhile the caller's
+compute runs for real.
 
 Arrays handed out are owned device buffers: on the CPU backend `device_put` of
 a numpy array (or a memmap) may alias the host buffer instead of copying it;
@@ -45,6 +49,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import math
 import threading
 import time
 from typing import Any
@@ -196,8 +201,11 @@ class Ticket:
     self._row: int | None = None               # None: _arrays are this expert's alone
     self._group = group if group is not None else [self]   # one request_many call
     self._pad_to = pad_to
-    self._link_left = 0.0                      # background: link time not yet committed
-    self._in_pieces = False                    # background: link time committed in pieces
+    # the link model (lock held): link time done before the transfer last (re)took the
+    # link, when that was, and the whole link time
+    self._done_link = 0.0
+    self._resume_s = 0.0
+    self._total_s = 0.0
     self._error: BaseException | None = None
     self._cancelled = False
 
@@ -222,16 +230,6 @@ class Ticket:
 
   def cancelled(self) -> bool:
     return self._cancelled
-
-  def link_piece(self, pieces: int, total_s: float) -> float:
-    """Commits the next piece of this ticket's link time (all of it once upgraded to
-    sync); returns its length in seconds."""
-    step = self._link_left if self.priority == SYNC else min(self._link_left,
-                                                             total_s / pieces + 1e-12)
-    self._link_left -= step
-    if self._link_left < 1e-12:
-      self._link_left = 0.0
-    return step
 
   def wait(self, timeout: float | None = None) -> dict[str, jax.Array]:
     """Blocks until complete; returns the expert's owned device arrays.
@@ -262,8 +260,8 @@ class Ticket:
       if self._cancelled:
         raise TransferCancelled(f"transfer of layer {self.key[0]} expert {self.key[1]} "
                                 f"was cancelled")
-      left = self.finished_s - time.perf_counter()
-      if left > 0:
+      # a background transfer's end moves later when a sync transfer takes the link
+      while (left := self.finished_s - time.perf_counter()) > 0:
         if timeout is not None and time.perf_counter() - t0 + left > timeout:
           time.sleep(max(0.0, timeout - (time.perf_counter() - t0)))
           raise TimeoutError(f"transfer of layer {self.key[0]} expert {self.key[1]} needs "
@@ -335,8 +333,10 @@ class Prefetcher:
     self._active: dict[tuple[int, int], Ticket] = {}   # requested, not yet collected
     self._arrived_bg: dict[tuple[int, int], Ticket] = {}  # background, arrived, uncollected
     self._stats = collections.Counter()
-    self._link_free_at = 0.0
-    self._bg: Ticket | None = None   # the background ticket on the link (popped, not done)
+    self._link_free_at = 0.0         # end of every committed transfer
+    self._sync_free_at = 0.0         # end of the last committed sync transfer
+    self._bgs: list[Ticket] = []     # committed background transfers, in link order
+    self._copying: list[Ticket] = [] # popped by the thread, being copied
     self._error: BaseException | None = None
     self._error_reported = False
     self._closing = False
@@ -399,8 +399,7 @@ class Prefetcher:
       with self._cond:
         for t, nb in zip(mine, nbytes):
           t.nbytes = nb
-          t.started_s = max(t.requested_s, self._link_free_at)
-          self._link_free_at = t.started_s + self.link.transfer_time(nb)
+          self._commit_sync(t, time.perf_counter())
       single = len(mine) == 1 and pad_to <= 1 and not host
       if host:
         arrays, rows = _host_stack(srcs, pad_to), range(len(mine))
@@ -421,12 +420,9 @@ class Prefetcher:
       now = time.perf_counter()
       for t, row in zip(mine, rows):
         t._arrays, t._row = arrays, row  # pylint: disable=protected-access
-        t.finished_s = max(t.started_s + self.link.transfer_time(t.nbytes), now)
-        self._stats["transfers"] += 1
-        self._stats["bytes"] += t.nbytes
-        self._stats["link_busy_us"] += int(round((t.finished_s - t.started_s) * 1e6))
+        t.finished_s = max(t.finished_s, now)      # and no earlier than the real copy
+        self._count_transfer(t)
         t._resolved.set()  # pylint: disable=protected-access
-      self._link_free_at = max(self._link_free_at, max(t.finished_s for t in mine))
     return out, (arrays if len(mine) == len(out) and not single else None)
 
   def _register(self, layer: int, experts, priority: str, pad_to: int):
@@ -448,7 +444,7 @@ class Prefetcher:
           t.priority = SYNC
           self._stats["upgraded"] += 1
           self._arrived_bg.pop(key, None)
-          if t.started_s is None and t is not self._bg:  # queued: ahead of the background
+          if t in self._queues[BACKGROUND]:           # queued: ahead of the background
             self._queues[BACKGROUND].remove(t)
             self._queues[SYNC].append(t)
             self._cond.notify_all()
@@ -497,9 +493,6 @@ class Prefetcher:
       for q in self._queues.values():
         while q:
           self._drop(q.popleft(), cancelled=True)
-      if self._bg is not None and not self._bg._resolved.is_set():  # pylint: disable=protected-access
-        self._drop(self._bg, cancelled=True)
-      self._bg = None
       self._cond.notify_all()
     if threading.current_thread() is not self._thread:
       self._thread.join(timeout)
@@ -547,7 +540,7 @@ class Prefetcher:
 
   def _cancel(self, t: Ticket) -> bool:
     with self._cond:
-      if (t.started_s is not None or t is self._bg
+      if (t.started_s is not None or t in self._copying
           or t._resolved.is_set()):  # pylint: disable=protected-access
         return False
       self._queues[t.priority].remove(t)
@@ -562,49 +555,72 @@ class Prefetcher:
         del self._arrived_bg[t.key]
 
   def _next(self) -> Ticket | None:
-    """The next ticket to put on the link (None: shut down).
-
-    A sync ticket is committed at once, even while the link is still busy: it
-    takes the link when it frees (``started_s``), and its real copy is done
-    early, so its completion time is exactly the link model's, however late
-    this thread wakes.
-
-    A background ticket is returned once to be copied, then its link time is
-    committed in `background_chunks` pieces, each only once the link is free:
-    a sync request arriving meanwhile takes the link at the next piece's
-    boundary, as an engine that copies admissions in pieces lets a demand
-    fetch in between (a Qwen3-30B-A3B expert, 9.4 MB, is ~4 pieces of 2 MiB).
-    The last piece returns the ticket again, to be resolved.
-    """
+    """The next ticket to copy: sync before background (None: shut down)."""
     with self._cond:
       while not self._closing:
-        if self._queues[SYNC]:
-          t = self._queues[SYNC].popleft()
-          t.started_s = max(t.requested_s, self._link_free_at)
-          return t
-        bg = self._bg
-        if bg is None:
-          if not self._queues[BACKGROUND]:
-            self._cond.wait()
-            continue
-          bg = self._bg = self._queues[BACKGROUND].popleft()
-          if bg._arrays is None:  # pylint: disable=protected-access
-            return bg                       # copy it (outside the lock), then its pieces
-        now = time.perf_counter()
-        start = max(self._link_free_at, bg.requested_s)
-        if now < start:                     # the link is busy: wait, or a sync request
-          self._cond.wait(start - now)
-          continue
-        if bg.started_s is None:
-          bg.started_s = start
-          bg._in_pieces = True  # pylint: disable=protected-access
-          bg._link_left = self.link.transfer_time(bg.nbytes)  # pylint: disable=protected-access
-        piece = bg.link_piece(self.background_chunks, self.link.transfer_time(bg.nbytes))
-        self._link_free_at = start + piece
-        if bg._link_left <= 0:  # pylint: disable=protected-access
-          self._bg = None
-          return bg
+        for q in (self._queues[SYNC], self._queues[BACKGROUND]):
+          if q:
+            t = q.popleft()
+            self._copying.append(t)
+            return t
+        self._cond.wait()
       return None
+
+  def _commit_sync(self, t: Ticket, at: float):
+    """Puts sync ticket t (nbytes known) on the link model (lock held).
+
+    t takes the link at the first moment >= `at` when no earlier sync transfer holds
+    it and the background transfer on it reaches the end of one of its
+    `background_chunks` pieces (no pre-emption within a piece, as with real DMA, and
+    none for a background transfer upgraded to sync); every background transfer not
+    finished by then resumes after t, in order.  The model is computed here, so no
+    thread has to wake at piece boundaries.
+    """
+    total = self.link.transfer_time(t.nbytes)
+    self._bgs = [b for b in self._bgs if b.finished_s > at]
+    start = max(at, self._sync_free_at)
+    for b in self._bgs:
+      if b._resume_s <= start < b.finished_s:  # pylint: disable=protected-access  (on the link)
+        piece = b._total_s / self.background_chunks  # pylint: disable=protected-access
+        done = b._done_link + (start - b._resume_s)  # pylint: disable=protected-access
+        edge = min(b._total_s, math.ceil(done / piece - 1e-9) * piece)  # pylint: disable=protected-access
+        if b.priority == SYNC or edge >= b._total_s:  # pylint: disable=protected-access
+          start = b.finished_s
+        else:
+          start = b._resume_s + (edge - b._done_link)  # pylint: disable=protected-access
+          b._done_link = edge  # pylint: disable=protected-access
+        break
+    t.started_s = start
+    t.finished_s = start + total
+    cursor = t.finished_s
+    for b in self._bgs:                 # the unfinished background transfers, after t
+      if b.finished_s <= start:
+        continue
+      if b._resume_s > start and b._done_link == 0.0:  # pylint: disable=protected-access  (not begun)
+        b.started_s = max(cursor, b.requested_s)
+        b._resume_s = b.started_s  # pylint: disable=protected-access
+      else:
+        b._resume_s = cursor  # pylint: disable=protected-access
+      b.finished_s = b._resume_s + (b._total_s - b._done_link)  # pylint: disable=protected-access
+      cursor = b.finished_s
+    self._sync_free_at = t.finished_s
+    self._link_free_at = max(self._link_free_at, cursor)
+
+  def _commit_background(self, t: Ticket):
+    """Puts copied background ticket t on the link model after everything committed
+    (lock held); later sync transfers may split it (see _commit_sync)."""
+    t._total_s = self.link.transfer_time(t.nbytes)  # pylint: disable=protected-access
+    t.started_s = max(t.requested_s, self._link_free_at)
+    t._resume_s, t._done_link = t.started_s, 0.0  # pylint: disable=protected-access
+    t.finished_s = max(t.started_s + t._total_s, time.perf_counter())  # pylint: disable=protected-access
+    self._link_free_at = t.finished_s
+    self._bgs.append(t)
+
+  def _count_transfer(self, t: Ticket):
+    self._stats["transfers"] += 1
+    self._stats["bytes"] += t.nbytes
+    self._stats["link_busy_us"] += int(round(max(self.link.transfer_time(t.nbytes),
+                                                  t.finished_s - t.started_s) * 1e6))
 
   def _copy(self, t: Ticket):
     """The real copy of t and of every still-queued, uncopied ticket of its group."""
@@ -631,26 +647,20 @@ class Prefetcher:
     t = None
     try:
       while (t := self._next()) is not None:
-        if t._arrays is None:  # pylint: disable=protected-access
+        if t._arrays is None:  # pylint: disable=protected-access  (else copied with its group)
           self._copy(t)
-          if t is self._bg:
-            continue                        # its link time is committed piece by piece
         with self._cond:
+          self._copying.remove(t)
           if t._resolved.is_set():  # pylint: disable=protected-access  (dropped by close())
             continue
-          nbytes = t.nbytes
-          if t._in_pieces:  # pylint: disable=protected-access  (a background ticket's end)
-            t.finished_s = max(self._link_free_at, time.perf_counter())
+          if t.priority == SYNC:
+            self._commit_sync(t, time.perf_counter())
           else:
-            ready_at = t.started_s + self.link.transfer_time(t.nbytes)
-            t.finished_s = max(ready_at, time.perf_counter())
-          self._link_free_at = t.finished_s
-          self._stats["transfers"] += 1
-          self._stats["bytes"] += nbytes
-          self._stats["link_busy_us"] += int(round((t.finished_s - t.started_s) * 1e6))
-          if t.priority == BACKGROUND and self._active.get(t.key) is t:
-            self._arrived_bg[t.key] = t
-          t._resolved.set()  # pylint: disable=protected-access
+            self._commit_background(t)
+            if self._active.get(t.key) is t:
+              self._arrived_bg[t.key] = t
+          self._count_transfer(t)
+          t._resolved.set()  # pylint: disable=protected-access  (done() once finished_s passes)
         t = None
     except BaseException as e:  # pylint: disable=broad-except  (re-raised in the caller)
       with self._cond:
@@ -668,7 +678,7 @@ class Prefetcher:
     for q in self._queues.values():
       while q:
         self._drop(q.popleft(), cancelled=False, error=stopped)
-    if self._bg is not None and not self._bg._resolved.is_set():  # pylint: disable=protected-access
-      self._drop(self._bg, cancelled=False, error=stopped)
-    self._bg = None
+    for t in self._copying:
+      if not t._resolved.is_set():  # pylint: disable=protected-access
+        self._drop(t, cancelled=False, error=stopped)
     self._cond.notify_all()

@@ -343,7 +343,10 @@ class OffloadEngine:
     # host stacks that the jitted inserts take as arguments (see Prefetcher.host_copies)
     self._host_rows = (self.device.platform == "cpu"
                        and all(isinstance(v, np.ndarray) for v in first.values()))
-    self.prefetcher = transfer_lib.Prefetcher(store, self.link, host_copies=self._host_rows)
+    # the decode thread spins (yielding) through its waits for link time: after a sleep
+    # its next device call runs measurably slower (the idle vCPU's wake-up, cold caches)
+    self.prefetcher = transfer_lib.Prefetcher(store, self.link, host_copies=self._host_rows,
+                                              wait_spin_s=float("inf"))
     self.prefetcher.__enter__()
     self._pending: dict[int, list] = {l: [] for l in self.moe_layers}
     self.cache = None

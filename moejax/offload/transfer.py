@@ -169,8 +169,9 @@ def stacked_device_put(srcs: list[dict], sharding: jax.sharding.Sharding,
 
 
 def sleep_until(deadline: float, spin_s: float = 2e-4):
-  """Sleeps until perf_counter() >= deadline; the last `spin_s` yields in a loop,
-  since a plain sleep on a loaded machine overshoots by milliseconds."""
+  """Sleeps until perf_counter() >= deadline; the last `spin_s` yields in a loop
+  (time.sleep(0): the GIL is released every turn), since a plain sleep on a
+  loaded machine overshoots by milliseconds."""
   while (left := deadline - time.perf_counter()) > 0:
     time.sleep(left - spin_s if left > 2 * spin_s else 0)
 
@@ -266,7 +267,7 @@ class Ticket:
           time.sleep(max(0.0, timeout - (time.perf_counter() - t0)))
           raise TimeoutError(f"transfer of layer {self.key[0]} expert {self.key[1]} needs "
                              f"{left:.4f} s more link time than the {timeout} s timeout")
-        sleep_until(self.finished_s)
+        sleep_until(self.finished_s, self._owner.wait_spin_s)
       self._owner._collect(self)  # pylint: disable=protected-access
     finally:
       self.wait_s += time.perf_counter() - t0
@@ -311,16 +312,21 @@ class Prefetcher:
       no device call on the thread (one would run in turn with the caller's
       device work), and the caller's jitted call takes the stack as an argument,
       which XLA CPU wraps without copying.  Tickets then hold numpy rows.
+    wait_spin_s: the last part of a wait for link time that yields in a loop
+      instead of sleeping (see `sleep_until`); inf: the whole wait, for a caller
+      whose next device call would otherwise pay the idle CPU's wake-up.
   """
 
   def __init__(self, store, link: Link, device=None, memory_kind: str | None = None,
-               background_chunks: int = 4, host_copies: bool = False):
+               background_chunks: int = 4, host_copies: bool = False,
+               wait_spin_s: float = 2e-4):
     if background_chunks < 1:
       raise ValueError(f"background_chunks must be >= 1, got {background_chunks}")
     self.store = store
     self.link = link
     self.background_chunks = int(background_chunks)
     self.host_copies = bool(host_copies)
+    self.wait_spin_s = float(wait_spin_s)
     self.device = device if device is not None else jax.devices()[0]
     kinds = [m.kind for m in self.device.addressable_memories()]
     kind = memory_kind or self.device.default_memory().kind

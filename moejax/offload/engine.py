@@ -438,30 +438,28 @@ class OffloadEngine:
       done = [t.done() for t in pend]
       ready = [t for t, d in zip(pend, done) if d]
       self._pending[l] = [t for t, d in zip(pend, done) if not d]
-      waited = 0.0
     else:
       ready, self._pending[l] = pend, []
-      t0 = time.perf_counter()
-      for t in ready[::-1]:
-        t._block()  # pylint: disable=protected-access  (arrival; the rows stay stacked)
-      waited = time.perf_counter() - t0
     # a ticket that a synchronous fetch took over (same expert, upgraded to "sync")
     # was already inserted by that fetch
     ready = [t for t in ready if t.priority == "background"]
     if not ready:
       return None
-    rec["admission_wait_s"] += waited
+    t0 = time.perf_counter()
+    for t in ready[::-1]:
+      t._block()  # pylint: disable=protected-access  (arrival; the rows stay stacked)
+    rec["admission_wait_s"] += time.perf_counter() - t0
     ids = [t.key[1] for t in ready]
     rec["admitted"] += len(ids)
     k, num_e = self.cfg.top_k, self.cfg.num_experts
     split = (len(ids) - 1) // k * k
     in_use = np.zeros(num_e, bool)
     if split:
-      self._insert(l, ids[:split], transfer_lib.wait_stacked(ready[:split]), in_use, rec)
+      self._insert(l, ids[:split], transfer_lib.stacked(ready[:split]), in_use, rec)
       in_use[ids[:split]] = True                       # do not evict them for the rest
     ids, ready = ids[split:], ready[split:]
     ins, r = self._ins(ids, in_use)
-    return ins, transfer_lib.wait_stacked(ready, r)
+    return ins, transfer_lib.stacked(ready, r)
 
   def _rows(self, n: int) -> int:
     """The row bucket for inserting n <= K experts: 2 or K (one compile each; most
@@ -670,10 +668,10 @@ class OffloadEngine:
       host_mask = action == HOST
       if fetch:
         # copied on this thread at once, the link time committed (see Prefetcher.fetch)
+        tickets, rows = self.prefetcher.fetch(i, fetch, pad_to=self._rows(len(fetch)))
         in_use = np.zeros(num_e, bool)
         in_use[exec_ids[exec_ids >= 0]] = True     # never evicted for a fetched expert
         ins, r = self._ins(fetch, in_use)
-        tickets, rows = self.prefetcher.fetch(i, fetch, pad_to=r)
       if admit.any():            # queued behind the sync fetches: they never delay them
         adm_ids = [int(e) for e in np.flatnonzero(admit)]
         self._pending[i].extend(self.prefetcher.request_many(

@@ -239,6 +239,9 @@ class Ticket:
     TimeoutError after `timeout` seconds.
     """
     self._block(timeout)
+    return self._expert()
+
+  def _expert(self) -> dict[str, jax.Array]:
     if self._row is None:                      # copied alone: its own arrays
       return dict(self._arrays)
     return {k: v[self._row] for k, v in self._arrays.items()}
@@ -287,12 +290,17 @@ def wait_stacked(tickets: list[Ticket], pad_to: int = 0) -> dict[str, jax.Array]
   """
   for t in tickets[::-1]:
     t._block()  # pylint: disable=protected-access
+  return stacked(tickets, pad_to)
+
+
+def stacked(tickets: list[Ticket], pad_to: int = 0) -> dict[str, jax.Array]:
+  """`wait_stacked` for tickets already waited for (no second wait)."""
   n = max(len(tickets), pad_to)
   first = tickets[0]._arrays  # pylint: disable=protected-access
   if (all(t._arrays is first and t._row == j for j, t in enumerate(tickets))  # pylint: disable=protected-access
       and next(iter(first.values())).shape[0] == n):
     return first
-  per = [t.wait() for t in tickets]
+  per = [t._expert() for t in tickets]  # pylint: disable=protected-access
   return {k: jnp.stack([p[k] for p in per] + [jnp.zeros_like(per[0][k])] * (n - len(per)))
           for k in per[0]}
 

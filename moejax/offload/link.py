@@ -78,7 +78,7 @@ class Link:
   def describe(self) -> str:
     """Human text naming the link; every printed time should carry it."""
     if self.bandwidth_Bps is None:
-      return f"{self.name} link (real jax.device_put cost, no emulation)"
+      return f"{self.name} link (the real copy's cost, no emulation)"
     emu = f"emulated {format_bandwidth(self.bandwidth_Bps)} + {format_latency(self.latency_s)}"
     return emu if self.name == emu else f"{self.name} -> {emu}"
 

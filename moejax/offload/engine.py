@@ -12,7 +12,7 @@ Per MoE layer and decoded token:
       `lax.dynamic_update_slice`, never evicting an expert the token uses; the
       rows are not computed with before the link time ends, as a DMA engine
       writes straight into the slot), counts statistics and inserts arrived
-      admissions of later layers while one fits; then waits for the link, and
+      admissions of other layers while one fits; then waits for the link, and
       computes HOST experts in numpy;
   (b) one jitted call, state donated: `DecoderLayer.moe_residual` from slot
       indices, then the usage-statistics update.
@@ -21,7 +21,9 @@ dense, and the family's layer type), so compile count does not grow with depth.
 
 Background admissions requested at token t for layer l are inserted before
 layer l of token t+1 (the engine waits there if the transfer has not arrived
-and counts that as `admission_wait_s`), so results do not depend on thread
+and counts that as `admission_wait_s`), or earlier, in another layer's spare
+link time once they have arrived: the same insert in the same order, since no
+use of layer l's state comes in between.  So results do not depend on thread
 timing; `admission_timing="on_arrival"` inserts them whenever they are done.
 
 Prefill is exact for every policy: per layer, the union of the prompt's
@@ -680,7 +682,7 @@ class OffloadEngine:
       self._count(rec, action, gates, len(fetch))
       if fetch:
         # while the link time elapses: the rows go into their slots, then arrived
-        # admissions of later layers are inserted as long as one fits in what is left
+        # admissions of other layers are inserted as long as one fits in what is left
         if rows is not None:
           self.states[i], ev = self._insert_rows(self.states[i], ins, rows)
           rec.setdefault("_evicted", []).append(ev)

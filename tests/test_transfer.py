@@ -186,14 +186,20 @@ def test_sync_requests_are_served_before_queued_background_ones():
   assert sy[1].finished_s <= bg[0].started_s
 
 
-def test_a_sync_request_does_not_preempt_the_transfer_on_the_link():
-  link = parse_link("1MB/s,20ms")
-  with Prefetcher(make_store(), link, background_chunks=1) as pf:
+def sync_behind_background(link, chunks):
+  """A sync request made while a background transfer is on the link: (bg, sync)."""
+  with Prefetcher(make_store(), link, background_chunks=chunks) as pf:
     bg = pf.request(1, 0, "background")
     wait_for(lambda: bg.started_s is not None)
     s = pf.request(2, 0)
     s.wait(T)
     bg.wait(T)
+  return bg, s
+
+
+def test_a_sync_request_does_not_preempt_the_transfer_on_the_link():
+  link = parse_link("1MB/s,20ms")
+  bg, s = sync_behind_background(link, chunks=1)
   assert s.started_s >= bg.finished_s
   assert s.finished_s - bg.started_s >= 2 * link.transfer_time(EXPERT_BYTES) - 1e-9
 
@@ -202,12 +208,7 @@ def test_a_sync_request_overtakes_a_background_transfer_at_a_piece_boundary():
   link = parse_link("1MB/s,20ms")
   total = link.transfer_time(EXPERT_BYTES)
   piece = total / 4
-  with Prefetcher(make_store(), link, background_chunks=4) as pf:
-    bg = pf.request(1, 0, "background")
-    wait_for(lambda: bg.started_s is not None)
-    s = pf.request(2, 0)
-    s.wait(T)
-    bg.wait(T)
+  bg, s = sync_behind_background(link, chunks=4)
   done = s.started_s - bg.started_s            # background link time before the overtake
   assert 0 < done < total
   assert abs(done / piece - round(done / piece)) < 1e-6       # on a piece boundary

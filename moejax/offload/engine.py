@@ -355,10 +355,9 @@ class OffloadEngine:
     self.end_index = 0
     self.records: list[dict] = []
     self.prefill_record: dict | None = None
+    self._row_buckets = tuple(sorted({min(2, cfg.top_k), cfg.top_k}))
     # early admission inserts run under a fetch's link time only while one fits in
     # what is left of it; an insert's cost: measured by warmup(), updated as they run
-    self._row_buckets = tuple(sorted({min(2, cfg.top_k), cfg.top_k}))
-
     self._insert_s = float("inf")
     if verbose:
       print(f"[moejax] {self.describe()}", file=sys.stderr)
@@ -539,9 +538,10 @@ class OffloadEngine:
     # the prefetch thread's device copies: 1..K experts padded to their row bucket
     zero = {k: np.zeros(np.shape(v), np.asarray(v).dtype)
             for k, v in self.store.get(self.moe_layers[0], 0).items()}
-    for n in range(1, kk + 1) if not self._host_rows else ():
-      jax.block_until_ready(transfer_lib.stacked_device_put([zero] * n, self.prefetcher.sharding,
-                                                            self._rows(n)))
+    if not self._host_rows:
+      for n in range(1, kk + 1):
+        jax.block_until_ready(transfer_lib.stacked_device_put(
+            [zero] * n, self.prefetcher.sharding, self._rows(n)))
     done = set()
     for i, st in enumerate(self._layer_steps):
       kind = _layer_kind(cfg, i)

@@ -379,8 +379,7 @@ class Prefetcher:
         self._cond.notify_all()
     return out
 
-  def fetch(self, layer: int, experts, pad_to: int = 0, host: bool | None = None
-            ) -> tuple[list[Ticket], dict | None]:
+  def fetch(self, layer: int, experts, pad_to: int = 0) -> tuple[list[Ticket], dict | None]:
     """A synchronous fetch copied on the calling thread, at once.
 
     The caller is stalled on these experts, so handing them to the prefetch
@@ -391,18 +390,15 @@ class Prefetcher:
     and left to the thread, as `request_many` does.
 
     Returns (tickets, rows): rows are the experts stacked [max(n, pad_to), ...]
-    when this call copied every one of them, else None (use `wait_stacked`).
-    host=True leaves the device copy to the caller: rows (and the tickets'
-    arrays) are then a private host stack, for a caller that passes them straight
-    to its jitted insert (one call instead of a copy call and an insert call);
-    default: `host_copies`.
+    when this call copied every one of them, else None (use `wait_stacked`); with
+    `host_copies` they are a private host stack, for a caller that passes them
+    straight to its jitted insert (one call instead of a copy call and an insert).
     The rows are handed out before the link time ends so the caller can place
     them (a DMA engine writes straight into the destination slot); computing
     with them before `wait_stacked(tickets)` returns would beat the link.
     A failure stops the prefetcher, as one in the thread does, and is raised
     here as TransferError.
     """
-    host = self.host_copies if host is None else host
     with self._cond:
       out, mine = self._register(layer, experts, SYNC, pad_to)
     if not mine:
@@ -414,14 +410,7 @@ class Prefetcher:
         for t, nb in zip(mine, nbytes):
           t.nbytes = nb
           self._commit_sync(t, time.perf_counter())
-      single = len(mine) == 1 and pad_to <= 1 and not host
-      if host:
-        arrays, rows = _host_stack(srcs, pad_to), range(len(mine))
-      elif single:
-        arrays, rows = {k: owned_device_put(v, self.sharding) for k, v in srcs[0].items()}, [None]
-      else:
-        arrays, rows = stacked_device_put(srcs, self.sharding, pad_to), range(len(mine))
-      jax.block_until_ready(arrays)
+      arrays, rows = self._copy_experts(srcs, pad_to)
     except BaseException as e:  # pylint: disable=broad-except  (stop, as the thread would)
       with self._cond:
         for t in mine:
@@ -437,7 +426,7 @@ class Prefetcher:
         t.finished_s = max(t.finished_s, now)      # and no earlier than the real copy
         self._count_transfer(t)
         t._resolved.set()  # pylint: disable=protected-access
-    return out, (arrays if len(mine) == len(out) and not single else None)
+    return out, (arrays if len(mine) == len(out) and rows[0] is not None else None)
 
   def _register(self, layer: int, experts, priority: str, pad_to: int):
     """New tickets for the experts not already requested (lock held); the others'
@@ -636,22 +625,27 @@ class Prefetcher:
     self._stats["link_busy_us"] += int(round(max(self.link.transfer_time(t.nbytes),
                                                   t.finished_s - t.started_s) * 1e6))
 
+  def _copy_experts(self, srcs: list[dict], pad_to: int):
+    """The real copy of experts `srcs` (outside the lock): (arrays, rows), rows[j] the
+    row of expert j in the arrays -- a private host stack with `host_copies`, else one
+    expert's own device arrays (rows [None]) or stacked device arrays."""
+    if self.host_copies:
+      return _host_stack(srcs, pad_to), list(range(len(srcs)))
+    if len(srcs) == 1 and pad_to <= 1:
+      arrays, rows = {k: owned_device_put(v, self.sharding) for k, v in srcs[0].items()}, [None]
+    else:
+      arrays, rows = stacked_device_put(srcs, self.sharding, pad_to), list(range(len(srcs)))
+    jax.block_until_ready(arrays)
+    return arrays, rows
+
   def _copy(self, t: Ticket):
     """The real copy of t and of every still-queued, uncopied ticket of its group."""
     with self._cond:
       queued = set(map(id, self._queues[SYNC])) | set(map(id, self._queues[BACKGROUND]))
       members = [m for m in t._group  # pylint: disable=protected-access
                  if m is t or (id(m) in queued and m._arrays is None)]  # pylint: disable=protected-access
-    layer = t.key[0]
-    srcs = [self.store.get(layer, m.key[1]) for m in members]
-    if self.host_copies:
-      arrays, rows = _host_stack(srcs, t._pad_to), range(len(members))  # pylint: disable=protected-access
-    elif len(members) == 1 and t._pad_to <= 1:  # pylint: disable=protected-access
-      arrays, rows = {k: owned_device_put(v, self.sharding) for k, v in srcs[0].items()}, [None]
-    else:
-      arrays = stacked_device_put(srcs, self.sharding, t._pad_to)  # pylint: disable=protected-access
-      rows = range(len(members))
-    jax.block_until_ready(arrays)
+    srcs = [self.store.get(t.key[0], m.key[1]) for m in members]
+    arrays, rows = self._copy_experts(srcs, t._pad_to)  # pylint: disable=protected-access
     with self._cond:
       for m, src, row in zip(members, srcs, rows):
         m.nbytes = sum(int(v.nbytes) for v in src.values())

@@ -236,3 +236,34 @@ def test_decode_compiles_once_per_layer_kind(model):
       # one per row bucket, and per kind of rows: host stacks (the CPU backend's copies)
       # or device arrays (gathered across groups)
       assert fns["insert_attend_decide"] == len(eng._row_buckets) * (1 + eng._host_rows)
+
+
+def test_trace_marks_every_layer_in_order_and_the_link_wait(model):
+  cfg, params, store, _ = model
+  link = link_lib.parse_link("10MB/s", expert_bytes=store.expert_nbytes())
+  with OffloadEngine(cfg, params, store, "baseline", cache_fraction=0.25, max_len=32,
+                     link=link) as eng:
+    eng.prefill(PROMPT)
+    eng.decode_step(STREAM[0])
+    assert eng.traces == []                           # off by default
+    eng.trace = True
+    for tok in STREAM[1:6]:
+      eng.decode_step(tok)
+  assert len(eng.traces) == 5
+  fetch_layers = 0
+  for tr, rec in zip(eng.traces, eng.records[1:]):
+    times = [t for _, _, t in tr]
+    assert times == sorted(times) and tr[0][0] == "start" and tr[-1][0] == "end"
+    assert abs(times[-1] - times[0] - rec["wall_s"]) < 1e-12
+    evs = [(ev, l) for ev, l, _ in tr]
+    assert ("dense", 1) in evs
+    for l in (0, 2):
+      mine = [ev for ev, ll in evs if ll == l]
+      assert mine in (["attend", "decided", "moe", "moe_done"],
+                      ["attend", "decided", "fetch", "arrived", "moe", "moe_done"])
+      if "fetch" in mine:
+        fetch_layers += 1
+        at = {ev: t for ev, ll, t in tr if ll == l}
+        assert at["arrived"] - at["fetch"] >= link.transfer_time(store.expert_nbytes())
+    assert evs.index(("head", -1)) == len(evs) - 2
+  assert 0 < fetch_layers <= sum(r["fetches"] for r in eng.records[1:])

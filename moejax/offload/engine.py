@@ -359,6 +359,9 @@ class OffloadEngine:
     # early admission inserts run under a fetch's link time only while one fits in
     # what is left of it; an insert's cost: measured by warmup(), updated as they run
     self._insert_s = float("inf")
+    # trace=True: each decode step appends its timeline to self.traces (see decode_step)
+    self.trace = False
+    self.traces: list[list[tuple[str, int, float]]] = []
     if verbose:
       print(f"[moejax] {self.describe()}", file=sys.stderr)
 
@@ -647,13 +650,22 @@ class OffloadEngine:
       raise ValueError(f"max_len={self.max_len} reached")
     t0 = time.perf_counter()
     rec = self._new_record()
+    # with self.trace: (event, layer, perf_counter) marks of this step's timeline --
+    # "attend" (before the layer's attend/decide call), "decided" (after it), "fetch"
+    # (before the fetch is asked for), "arrived" (its link wait over), "moe", "moe_done",
+    # "dense", "head", "end"; the step starts at t0
+    tr = [("start", -1, t0)] if self.trace else None
+    mark = ((lambda ev, l: tr.append((ev, l, time.perf_counter()))) if tr is not None
+            else (lambda ev, l: None))
     x, tp = self._embed_decode(self.params, np.asarray([token, self.end_index], np.int32))
     num_e, kk = self.cfg.num_experts, self.cfg.top_k
     for i, st in enumerate(self._layer_steps):
       p = self.params[f"layers_{i}"]
       if not self.cfg.sparse_layers[i]:
+        mark("dense", i)
         x, self.cache[i] = st["dense_decode"](p, x, tp, self.cache[i])
         continue
+      mark("attend", i)
       adm = self._take_admissions(i, rec)
       if adm is None:
         h, moe_in, self.cache[i], dec, packed = st["attend_decide"](p, x, tp, self.cache[i],
@@ -663,12 +675,14 @@ class OffloadEngine:
             p, x, tp, self.cache[i], self.states[i], *adm)
         rec.setdefault("_evicted", []).append(ev)
       packed = np.asarray(packed)
+      mark("decided", i)
       action, ids, exec_ids = (packed[j * kk:(j + 1) * kk].astype(np.int32) for j in range(3))
       weights, gates = packed[3 * kk:4 * kk], packed[4 * kk:5 * kk]
       admit = packed[5 * kk:] > 0
       fetch = [int(e) for e in ids[action == FETCH]]
       host_mask = action == HOST
       if fetch:
+        mark("fetch", i)
         # copied on this thread at once, the link time committed (see Prefetcher.fetch)
         tickets, rows = self.prefetcher.fetch(i, fetch, pad_to=self._rows(len(fetch)))
         in_use = np.zeros(num_e, bool)
@@ -690,6 +704,7 @@ class OffloadEngine:
         tw = time.perf_counter()
         arrived = transfer_lib.wait_stacked(tickets, r)
         rec["wait_s"] += time.perf_counter() - tw
+        mark("arrived", i)
         rec["fetch_bytes"] += sum(tk.nbytes for tk in tickets)
         if rows is None:         # some came from a background transfer: insert them now
           self.states[i], ev = self._insert_rows(self.states[i], ins, arrived)
@@ -701,10 +716,18 @@ class OffloadEngine:
                                   weights[host_mask], functools.partial(self.store.get, i))
         host_out = y.reshape(x.shape).astype(x.dtype)
         rec["host_s"] += time.perf_counter() - th
+      mark("moe", i)
       x, self.states[i] = st["moe"](p, h, moe_in, dec, host_out, self.states[i])
+      if tr is not None:
+        jax.block_until_ready(x)
+      mark("moe_done", i)
+    mark("head", -1)
     out = np.asarray(self._head_decode(self.params, x))
     self.end_index += 1
     self.records.append(self._finish_record(rec, t0))
+    if tr is not None:
+      tr.append(("end", -1, t0 + self.records[-1]["wall_s"]))
+      self.traces.append(tr)
     return out
 
   def generate(self, prompt_ids, sp: SamplingParams, seed: int = 0, on_token=None) -> list[int]:

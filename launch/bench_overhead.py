@@ -1,0 +1,204 @@
+"""Where an offload preset's time per token goes, next to the all-resident engine.
+
+  python -m launch.bench_overhead --out=bench_overhead.json
+
+Same model, streams, budget and flags as `launch.bench_offload` (its flags apply;
+the first --links entry is used).  Two measurements, side by side in one run:
+
+1. A timeline per decoded token (`OffloadEngine.trace`), cut into segments and
+   averaged over the timed tokens (ms per token), for the all-resident engine and
+   each preset.  MoE layers are split into those with a synchronous fetch ("F")
+   and those without ("N"):
+     attend call      taking the layer's arrived admissions, its attend/route/
+                      decide call (their insert fused) and reading the decision
+     host before      decision read -> fetch asked for (F) or -> moe call (N)
+     fetch window     fetch asked for -> its link time over (insert, early
+                      admissions and the idle wait inside); `link time` is the
+                      sync fetches' bare transfer time, the rest is queueing
+                      behind background pieces and work that overran the window
+     after window     link time over -> moe call (F)
+     moe call         the moe/residual call
+     between layers   moe call done -> next MoE layer's attend call (or the head;
+                      dense layers in between count here)
+     embed, head      before the first MoE layer, from the head call to the end
+   The segments add up to `total`, the measured time per token.
+2. One layer's moe call timed right after its attend call with something in
+   between (nothing; 0.5 ms of Python; the engine's 0.5 ms yielding link wait; a
+   resident insert; a helper thread woken to run ~50 us of Python, as the prefetch
+   thread does): on a CPU backend the "device" is the host CPU, so host work
+   between two device calls makes the next one slower.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import sys
+import threading
+import time
+
+from absl import app, flags
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from launch import bench_offload as bo
+from moejax.offload import engine as engine_lib
+from moejax.offload.link import parse_link
+
+FLAGS = flags.FLAGS
+FLAGS.set_default("out", "bench_overhead.json")
+flags.DEFINE_integer("context_reps", 200, "Repetitions of each context measurement.")
+
+SEGMENTS = ("embed", "N attend call", "N host before", "N moe call", "F attend call",
+            "F host before", "F fetch window", "F   link time", "F   queue + overrun",
+            "F after window", "F moe call", "between layers", "head", "total")
+
+
+def segments(traces: list, per_fetch_s: float, fetches_per_token: float) -> dict:
+  """Mean ms per token of each segment over `traces` (see the module docstring)."""
+  acc = collections.defaultdict(float)
+  counts = collections.defaultdict(float)
+  for tr in traces:
+    first = {}
+    for ev, l, t in tr:
+      first.setdefault((ev, l), t)
+    acc["total"] += tr[-1][2] - tr[0][2]
+    acc["head"] += tr[-1][2] - first[("head", -1)]
+    layers = sorted({l for ev, l, _ in tr if ev == "attend"})
+    acc["embed"] += first[("attend", layers[0])] - tr[0][2] if layers else 0.0
+    for j, l in enumerate(layers):
+      g = lambda ev: first[(ev, l)]
+      kind = "F" if ("fetch", l) in first else "N"
+      counts[kind] += 1
+      acc[f"{kind} attend call"] += g("decided") - g("attend")
+      if kind == "F":
+        acc["F host before"] += g("fetch") - g("decided")
+        acc["F fetch window"] += g("arrived") - g("fetch")
+        acc["F after window"] += g("moe") - g("arrived")
+      else:
+        acc["N host before"] += g("moe") - g("decided")
+      acc[f"{kind} moe call"] += g("moe_done") - g("moe")
+      nxt = first[("attend", layers[j + 1])] if j + 1 < len(layers) else first[("head", -1)]
+      acc["between layers"] += nxt - g("moe_done")
+  n = max(1, len(traces))
+  out = {k: 1e3 * acc[k] / n for k in SEGMENTS}
+  link = 1e3 * per_fetch_s * fetches_per_token
+  out["F   link time"] = link
+  out["F   queue + overrun"] = out.get("F fetch window", 0.0) - link
+  out["F layers per token"] = counts["F"] / n
+  out["N layers per token"] = counts["N"] / n
+  return out
+
+
+def context_times(eng, reps: int) -> dict:
+  """Median us of one MoE layer's moe call after its attend call, per kind of host work
+  in between (see the module docstring)."""
+  i = eng.moe_layers[len(eng.moe_layers) // 2]
+  st, p = eng._layer_steps[i], eng.params[f"layers_{i}"]  # pylint: disable=protected-access
+  x, tp = eng._embed_decode(eng.params, np.asarray([1, eng.end_index], np.int32))  # pylint: disable=protected-access
+  zero_x = np.zeros((1, 1, eng.cfg.hidden_size), jnp.dtype(eng.dtype))
+  num_e = eng.cfg.num_experts
+  ins = np.concatenate([np.full(2, -1, np.int32), np.zeros(num_e, np.int32)])
+  rows = {k: np.zeros((2,) + np.shape(v), np.asarray(v).dtype)
+          for k, v in eng.store.get(i, 0).items()}
+  wake, stop = threading.Event(), [False]
+
+  def python_for(s):
+    end = time.perf_counter() + s
+    while time.perf_counter() < end:
+      pass
+
+  def helper():
+    while not stop[0]:
+      wake.wait()
+      wake.clear()
+      python_for(5e-5)
+
+  th = threading.Thread(target=helper, daemon=True)
+  th.start()
+
+  def insert():
+    eng.states[i], _ = eng._insert_rows(eng.states[i], ins, rows)  # pylint: disable=protected-access
+    jax.block_until_ready(eng.states[i].step)
+
+  between = {
+      "nothing": lambda: None,
+      "0.5 ms of Python": lambda: python_for(5e-4),
+      "0.5 ms yielding wait": lambda: engine_lib.transfer_lib.sleep_until(
+          time.perf_counter() + 5e-4, float("inf")),
+      "a resident insert": insert,
+      "a helper thread woken": wake.set,
+  }
+  times = {k: [] for k in between}
+  for _ in range(reps):
+    for name, fn in between.items():
+      h, moe_in, eng.cache[i], dec, packed = st["attend_decide"](p, x, tp, eng.cache[i],
+                                                                 eng.states[i])
+      np.asarray(packed)
+      fn()
+      t0 = time.perf_counter()
+      y, eng.states[i] = st["moe"](p, h, moe_in, dec, zero_x, eng.states[i])
+      jax.block_until_ready(y)
+      times[name].append(time.perf_counter() - t0)
+      time.sleep(2e-4)               # let a woken helper finish before the next round
+  stop[0] = True
+  wake.set()
+  return {k: 1e6 * float(np.median(v)) for k, v in times.items()}
+
+
+def main(_):
+  dtype = jnp.dtype(FLAGS.dtype)
+  if jax.devices()[0].platform == "cpu":
+    jax.config.update("jax_cpu_enable_async_dispatch", False)
+  cfg, params, store, tok_path, desc = bo.load(dtype)
+  n = FLAGS.prompt_len + FLAGS.warmup_tokens + FLAGS.decode_tokens
+  prof_stream, stream = bo.token_streams(cfg, tok_path, n)
+  counts = engine_lib.profile_counts(cfg, params, store, prof_stream, dtype)
+  ebytes = store.expert_nbytes()
+  spec = FLAGS.links[0]
+  link = (parse_link(spec, expert_bytes=ebytes,
+                     layer_compute_s=engine_lib.layer_compute_seconds(cfg, params, store, dtype))
+          if spec.startswith("scaled") else parse_link(spec, expert_bytes=ebytes))
+  mk = lambda pol, f: bo.make_engine(cfg, params, store, pol, link, stream, counts, dtype, f)
+  engines = {"all resident": mk("baseline", 1.0)}
+  engines.update({preset: mk(preset, FLAGS.cache_fraction) for preset in FLAGS.presets})
+  for eng in engines.values():
+    eng.trace = True
+  print(f"[bench_overhead] {desc}; link {link.describe()}; {FLAGS.decode_tokens} timed tokens",
+        file=sys.stderr)
+  bo.run_interleaved(list(engines.values()), stream)
+  per_fetch = (link.transfer_time(ebytes) if link.emulated
+               else bo.native_transfer_seconds(store, cfg.moe_layers[0],
+                                               engines["all resident"]._host_rows))  # pylint: disable=protected-access
+  seg = {}
+  for name, eng in engines.items():
+    s = eng.stats(skip=FLAGS.warmup_tokens)
+    seg[name] = segments(eng.traces[FLAGS.warmup_tokens:], per_fetch, s["fetches_per_token"])
+    seg[name]["tpot_ms"] = s["tpot_ms"]
+  context = context_times(engines["all resident"], FLAGS.context_reps)
+  for eng in engines.values():
+    eng.close()
+  result = dict(model=desc, link=link.describe(), expert_transfer_ms=1e3 * per_fetch,
+                device=str(jax.devices()[0]), decode_tokens=FLAGS.decode_tokens,
+                segments_ms_per_token=seg, moe_call_us_after=context)
+  print(table(seg, link.describe()))
+  print("\none moe call (us, median) right after its attend call, with in between:")
+  for k, v in context.items():
+    print(f"  {k:<24}{v:>8.1f}  ({v / context['nothing']:.2f}x)")
+  with open(FLAGS.out, "w") as f:
+    json.dump(result, f, indent=2)
+  print(f"[bench_overhead] wrote {FLAGS.out}", file=sys.stderr)
+
+
+def table(seg: dict, link_desc: str) -> str:
+  names = list(seg)
+  lines = [f"ms per token, link: {link_desc}",
+           f"{'segment':<24}" + "".join(f"{n:>16}" for n in names)]
+  for k in SEGMENTS + ("F layers per token", "N layers per token"):
+    lines.append(f"{k:<24}" + "".join(f"{seg[n].get(k, 0.0):>16.3f}" for n in names))
+  return "\n".join(lines)
+
+
+if __name__ == "__main__":
+  app.run(main)

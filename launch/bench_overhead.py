@@ -5,23 +5,12 @@
 Same model, streams, budget and flags as `launch.bench_offload` (its flags apply;
 the first --links entry is used).  Two measurements, side by side in one run:
 
-1. A timeline per decoded token (`OffloadEngine.trace`), cut into segments and
-   averaged over the timed tokens (ms per token), for the all-resident engine and
-   each preset.  MoE layers are split into those with a synchronous fetch ("F")
-   and those without ("N"):
-     attend call      taking the layer's arrived admissions, its attend/route/
-                      decide call (their insert fused) and reading the decision
-     host before      decision read -> fetch asked for (F) or -> moe call (N)
-     fetch window     fetch asked for -> its link time over (insert, early
-                      admissions and the idle wait inside); `link time` is the
-                      sync fetches' bare transfer time, the rest is queueing
-                      behind background pieces and work that overran the window
-     after window     link time over -> moe call (F)
-     moe call         the moe/residual call
-     between layers   moe call done -> next MoE layer's attend call (or the head;
-                      dense layers in between count here)
-     embed, head      before the first MoE layer, from the head call to the end
-   The segments add up to `total`, the measured time per token.
+1. A timeline per decoded token (`OffloadEngine.trace`), cut into segments
+   (`moejax.offload.timeline`: attend call, host work before the fetch or the moe
+   call, fetch window = link time + queueing and overrun, moe call, ...) and
+   averaged over the timed tokens, in ms per token, for the all-resident engine and
+   each preset; MoE layers with a synchronous fetch ("F") apart from those without
+   ("N").  The segments add up to `total`, the measured time per token.
 2. One layer's moe call timed right after its attend call with something in
    between (nothing; 0.5 ms of Python; the engine's 0.5 ms yielding link wait; a
    resident insert; a helper thread woken to run ~50 us of Python, as the prefetch
@@ -31,7 +20,6 @@ the first --links entry is used).  Two measurements, side by side in one run:
 
 from __future__ import annotations
 
-import collections
 import json
 import sys
 import threading
@@ -45,51 +33,11 @@ import numpy as np
 from launch import bench_offload as bo
 from moejax.offload import engine as engine_lib
 from moejax.offload.link import parse_link
+from moejax.offload.timeline import SEGMENTS, segments
 
 FLAGS = flags.FLAGS
 FLAGS.set_default("out", "bench_overhead.json")
 flags.DEFINE_integer("context_reps", 200, "Repetitions of each context measurement.")
-
-SEGMENTS = ("embed", "N attend call", "N host before", "N moe call", "F attend call",
-            "F host before", "F fetch window", "F   link time", "F   queue + overrun",
-            "F after window", "F moe call", "between layers", "head", "total")
-
-
-def segments(traces: list, per_fetch_s: float, fetches_per_token: float) -> dict:
-  """Mean ms per token of each segment over `traces` (see the module docstring)."""
-  acc = collections.defaultdict(float)
-  counts = collections.defaultdict(float)
-  for tr in traces:
-    first = {}
-    for ev, l, t in tr:
-      first.setdefault((ev, l), t)
-    acc["total"] += tr[-1][2] - tr[0][2]
-    acc["head"] += tr[-1][2] - first[("head", -1)]
-    layers = sorted({l for ev, l, _ in tr if ev == "attend"})
-    acc["embed"] += first[("attend", layers[0])] - tr[0][2] if layers else 0.0
-    for j, l in enumerate(layers):
-      g = lambda ev: first[(ev, l)]
-      kind = "F" if ("fetch", l) in first else "N"
-      counts[kind] += 1
-      acc[f"{kind} attend call"] += g("decided") - g("attend")
-      if kind == "F":
-        acc["F host before"] += g("fetch") - g("decided")
-        acc["F fetch window"] += g("arrived") - g("fetch")
-        acc["F after window"] += g("moe") - g("arrived")
-      else:
-        acc["N host before"] += g("moe") - g("decided")
-      acc[f"{kind} moe call"] += g("moe_done") - g("moe")
-      nxt = first[("attend", layers[j + 1])] if j + 1 < len(layers) else first[("head", -1)]
-      acc["between layers"] += nxt - g("moe_done")
-  n = max(1, len(traces))
-  out = {k: 1e3 * acc[k] / n for k in SEGMENTS}
-  link = 1e3 * per_fetch_s * fetches_per_token
-  out["F   link time"] = link
-  out["F   queue + overrun"] = out.get("F fetch window", 0.0) - link
-  out["F layers per token"] = counts["F"] / n
-  out["N layers per token"] = counts["N"] / n
-  return out
-
 
 def context_times(eng, reps: int) -> dict:
   """Median us of one MoE layer's moe call after its attend call, per kind of host work

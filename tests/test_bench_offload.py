@@ -31,7 +31,7 @@ def test_bench_offload_writes_presets_bounds_and_links(tmp_path):
 
 
 def test_overhead_segments_are_hand_checked_and_add_up():
-  from launch.bench_overhead import segments
+  from moejax.offload.timeline import segments
   # start, a fetching MoE layer 0, a dense layer 1, a MoE layer 2 without fetch, head
   tr = [("start", -1, 0.0), ("attend", 0, 1.0), ("decided", 0, 1.2), ("fetch", 0, 1.3),
         ("arrived", 0, 2.3), ("moe", 0, 2.4), ("moe_done", 0, 2.6), ("dense", 1, 2.7),

@@ -2,8 +2,9 @@
 
   python -m launch.bench_overhead --out=bench_overhead.json
 
-Same model, streams, budget and flags as `launch.bench_offload` (its flags apply;
-the first --links entry is used).  Two measurements, side by side in one run:
+Same model, streams, budget and flags as `launch.bench_offload` (its flags apply,
+but only the first --links entry is used, and a scaled link is always sized
+against the jitted model's layer time).  Two measurements, side by side in one run:
 
 1. A timeline per decoded token (`OffloadEngine.trace`), cut into segments
    (`moejax.offload.timeline`: attend call, host work before the fetch or the moe
@@ -32,7 +33,6 @@ import numpy as np
 
 from launch import bench_offload as bo
 from moejax.offload import engine as engine_lib
-from moejax.offload.link import parse_link
 from moejax.offload.timeline import SEGMENTS, segments
 
 FLAGS = flags.FLAGS
@@ -104,10 +104,7 @@ def main(_):
   prof_stream, stream = bo.token_streams(cfg, tok_path, n)
   counts = engine_lib.profile_counts(cfg, params, store, prof_stream, dtype)
   ebytes = store.expert_nbytes()
-  spec = FLAGS.links[0]
-  link = (parse_link(spec, expert_bytes=ebytes,
-                     layer_compute_s=engine_lib.layer_compute_seconds(cfg, params, store, dtype))
-          if spec.startswith("scaled") else parse_link(spec, expert_bytes=ebytes))
+  link = engine_lib.resolve_link(FLAGS.links[0], cfg, params, store, dtype)
   mk = lambda pol, f: bo.make_engine(cfg, params, store, pol, link, stream, counts, dtype, f)
   engines = {"all resident": mk("baseline", 1.0)}
   engines.update({preset: mk(preset, FLAGS.cache_fraction) for preset in FLAGS.presets})

@@ -46,9 +46,9 @@ def context_times(eng, reps: int) -> dict:
   st, p = eng._layer_steps[i], eng.params[f"layers_{i}"]  # pylint: disable=protected-access
   x, tp = eng._embed_decode(eng.params, np.asarray([1, eng.end_index], np.int32))  # pylint: disable=protected-access
   zero_x = np.zeros((1, 1, eng.cfg.hidden_size), jnp.dtype(eng.dtype))
-  num_e = eng.cfg.num_experts
-  ins = np.concatenate([np.full(2, -1, np.int32), np.zeros(num_e, np.int32)])
-  rows = {k: np.zeros((2,) + np.shape(v), np.asarray(v).dtype)
+  # an insert of nothing (its rows go to the scratch row), packed as the engine packs it
+  ins, r = eng._ins([], np.zeros(eng.cfg.num_experts, bool))  # pylint: disable=protected-access
+  rows = {k: np.zeros((r,) + np.shape(v), np.asarray(v).dtype)
           for k, v in eng.store.get(i, 0).items()}
   wake, stop = threading.Event(), [False]
 

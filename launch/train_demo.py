@@ -1,6 +1,11 @@
-"""Train the demo MoE (Qwen3-MoE layout) on the CPython standard library and export it.
+"""Train the demo MoE (Qwen3-MoE layout) and export it in Hugging Face format.
 
   python -m launch.train_demo --workdir=runs/demo_train --export_dir=ckpts/demo
+
+The defaults are the shipped model's recipe (see ckpts/demo/training.json for the figures
+of the run that produced it).  The corpus is moejax.corpus (--domains); the tokenizer is
+reused from --tokenizer when given, so perplexities stay comparable with the model that
+made it.  Nothing under ckpts/ is written unless --export_dir names it.
 
 Resumable: an orbax CheckpointManager saves every --save_every steps; rerunning the
 same command continues from the last checkpoint with the same data order.
@@ -8,8 +13,10 @@ same command continues from the last checkpoint with the same data order.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import sys
 import time
 
 from absl import app, flags, logging
@@ -19,27 +26,37 @@ import numpy as np
 import orbax.checkpoint as ocp
 from tqdm import tqdm
 
-from moejax import data
+from moejax import corpus, data
 from moejax.config import ModelConfig
 from moejax.loader import init_random, save_hf
 from moejax.train import TrainConfig, make_optimizer, train_step
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("workdir", "runs/demo_train", "Checkpoints, tokenizer and token cache.")
-flags.DEFINE_string("export_dir", "ckpts/demo", "Where the HF-format model is written.")
-flags.DEFINE_integer("steps", 1500, "Total optimizer steps (the cosine schedule spans them).")
+flags.DEFINE_string("export_dir", "runs/demo_export", "Where the HF-format model is written.")
+flags.DEFINE_string("data_dir", "", "Token cache (default: --workdir); pilots can share one.")
+flags.DEFINE_list("domains", ["python", "c", "english"], "Corpus domains (moejax.corpus).")
+flags.DEFINE_integer("domain_chars", 12_000_000, "Character cap of each non-python domain.")
+flags.DEFINE_string("tokenizer", "ckpts/demo/tokenizer.json",
+                    "Reuse this tokenizer.json ('' = train a new BPE on the train split).")
+flags.DEFINE_integer("steps", 4500, "Total optimizer steps (the cosine schedule spans them).")
 flags.DEFINE_integer("batch", 16, "Sequences per step.")
 flags.DEFINE_integer("seq", 256, "Tokens per sequence.")
 flags.DEFINE_float("lr", 3e-3, "Peak learning rate.")
 flags.DEFINE_integer("warmup", 100, "Warm-up steps.")
-flags.DEFINE_float("balance_coef", 0.01, "Load-balancing loss coefficient.")
+flags.DEFINE_float("balance_coef", 0.01, "Load-balancing loss coefficient (after the switch).")
+flags.DEFINE_float("balance_coef_start", 0.01, "Balance coefficient before --balance_switch_step.")
+flags.DEFINE_integer("balance_switch_step", 0, "Step at which --balance_coef takes over.")
+flags.DEFINE_enum("balance_scope", "batch", ["batch", "sequence"],
+                  "Balance over all tokens of a step, or per sequence.")
+flags.DEFINE_float("locality_coef", 0.0, "Weight of the adjacent-token routing consistency loss.")
 flags.DEFINE_integer("save_every", 50, "Checkpoint interval in steps.")
 flags.DEFINE_float("max_hours", 0.0, "Stop (checkpointed, exported) after this long; 0 = no limit.")
 flags.DEFINE_integer("vocab", 8192, "BPE vocabulary size.")
 flags.DEFINE_integer("hidden", 128, "Hidden size.")
 flags.DEFINE_integer("layers", 8, "Decoder layers.")
-flags.DEFINE_integer("experts", 64, "Routed experts per layer.")
-flags.DEFINE_integer("expert_size", 32, "Expert intermediate size (about hidden/4).")
+flags.DEFINE_integer("experts", 128, "Routed experts per layer.")
+flags.DEFINE_integer("expert_size", 16, "Expert intermediate size.")
 flags.DEFINE_integer("top_k", 8, "Experts per token.")
 flags.DEFINE_bool("export_only", False, "Only export the latest checkpoint.")
 
@@ -55,27 +72,44 @@ def demo_config(vocab: int) -> ModelConfig:
       qk_norm="head", bos_token_id=None, eos_token_ids=(0,)).validate()
 
 
-def prepare_data(workdir: str):
-  """Tokenizer + token streams, cached in workdir (deterministic)."""
-  tok_path = os.path.join(workdir, "tokenizer.json")
-  train_path = os.path.join(workdir, "train_tokens.npy")
-  held_path = os.path.join(workdir, "heldout_tokens.npy")
-  man_path = os.path.join(workdir, "dataset.json")
+def prepare_data(data_dir: str):
+  """Tokenizer + token streams, cached in data_dir (deterministic).
+
+  The train stream is every domain's train documents (each followed by EOT), domain after
+  domain; training windows are drawn from all of it, so domains mix within a batch.
+  Held-out streams are saved per domain (heldout_<domain>.npy) for evaluation.
+  """
+  tok_path = os.path.join(data_dir, "tokenizer.json")
+  train_path = os.path.join(data_dir, "train_tokens.npy")
+  man_path = os.path.join(data_dir, "dataset.json")
   from tokenizers import Tokenizer
-  if all(os.path.exists(p) for p in (tok_path, train_path, held_path, man_path)):
-    return Tokenizer.from_file(tok_path), np.load(train_path), json.load(open(man_path))
-  logging.info("reading the standard library ...")
-  train, held, manifest = data.split_corpus()
-  logging.info("training BPE tokenizer (vocab %d) on %d files ...", FLAGS.vocab, len(train))
-  tok = data.train_tokenizer(train, FLAGS.vocab)
+  if all(os.path.exists(p) for p in (tok_path, train_path, man_path)):
+    manifest = json.load(open(man_path))
+    if manifest.get("domain_list") == list(FLAGS.domains):
+      return Tokenizer.from_file(tok_path), np.load(train_path), manifest
+    raise app.UsageError(f"--data_dir {data_dir} holds domains {manifest.get('domain_list')}, "
+                         f"not --domains={','.join(FLAGS.domains)}; use another --data_dir")
+  logging.info("assembling the corpus (%s) ...", ",".join(FLAGS.domains))
+  parts, manifest = corpus.build(FLAGS.domains, cap_chars=FLAGS.domain_chars)
+  if FLAGS.tokenizer:
+    tok = Tokenizer.from_file(FLAGS.tokenizer)
+  else:
+    texts = [t for tr, _ in parts.values() for t in tr]
+    logging.info("training BPE tokenizer (vocab %d) on %d documents ...", FLAGS.vocab, len(texts))
+    tok = data.train_tokenizer(texts, FLAGS.vocab)
   tok.save(tok_path)
-  tr = data.encode_stream(tok, train)
-  he = data.encode_stream(tok, held)
-  np.save(train_path, tr)
-  np.save(held_path, he)
-  manifest.update(train_tokens=int(tr.size), heldout_tokens=int(he.size), vocab_size=FLAGS.vocab)
+  streams = []
+  for dom, (train, held) in parts.items():
+    tr = data.encode_stream(tok, train)
+    np.save(os.path.join(data_dir, f"heldout_{dom}.npy"), data.encode_stream(tok, held))
+    manifest["domains"][dom]["train_tokens"] = int(tr.size)
+    streams.append(tr)
+  stream = np.concatenate(streams)
+  np.save(train_path, stream)
+  manifest.update(domain_list=list(FLAGS.domains), train_tokens=int(stream.size),
+                  vocab_size=tok.get_vocab_size(), tokenizer=FLAGS.tokenizer or "trained")
   json.dump(manifest, open(man_path, "w"), indent=2)
-  return tok, tr, manifest
+  return tok, stream, manifest
 
 
 def run_training(cfg, tc: TrainConfig, stream: np.ndarray, ckpt_dir: str, save_every: int,
@@ -109,12 +143,13 @@ def run_training(cfg, tc: TrainConfig, stream: np.ndarray, ckpt_dir: str, save_e
     while step < end:
       batch = data.window_batch(stream, order, step, tc.batch, tc.seq)
       ts = time.time()
-      trainable, opt_state, m = train_step(cfg, tc, opt, trainable, opt_state, jnp.asarray(batch))
+      trainable, opt_state, m = train_step(cfg, tc, opt, trainable, opt_state, jnp.asarray(batch),
+                                           jnp.asarray(step, jnp.int32))
       m = {k: float(v) for k, v in m.items()}
       step += 1
       dt = time.time() - ts
       bar.update(1)
-      bar.set_postfix(loss=f"{m['ce']:.3f}", bal=f"{m['balance']:.3f}",
+      bar.set_postfix(loss=f"{m['ce']:.3f}", bal=f"{m['balance']:.3f}", loc=f"{m['locality']:.3f}",
                       tok_s=f"{(batch.size - batch.shape[0]) / dt:.0f}")
       if log_path:
         with open(log_path, "a") as f:
@@ -136,11 +171,16 @@ def run_training(cfg, tc: TrainConfig, stream: np.ndarray, ckpt_dir: str, save_e
 
 def main(_):
   wd = os.path.abspath(FLAGS.workdir)
+  dd = os.path.abspath(FLAGS.data_dir or FLAGS.workdir)
   os.makedirs(wd, exist_ok=True)
-  tok, stream, manifest = prepare_data(wd)
+  os.makedirs(dd, exist_ok=True)
+  tok, stream, manifest = prepare_data(dd)
   cfg = demo_config(tok.get_vocab_size())
   tc = TrainConfig(steps=FLAGS.steps, warmup=FLAGS.warmup, lr=FLAGS.lr, batch=FLAGS.batch,
-                   seq=FLAGS.seq, balance_coef=FLAGS.balance_coef)
+                   seq=FLAGS.seq, balance_coef=FLAGS.balance_coef,
+                   balance_coef_start=FLAGS.balance_coef_start,
+                   balance_switch_step=FLAGS.balance_switch_step,
+                   balance_scope=FLAGS.balance_scope, locality_coef=FLAGS.locality_coef)
   logging.info("train tokens %d, config %s", stream.size, cfg)
   trainable, step = run_training(cfg, tc, stream, os.path.join(wd, "ckpt"), FLAGS.save_every,
                                  max_hours=FLAGS.max_hours, log_path=os.path.join(wd, "train_log.jsonl"),
@@ -148,10 +188,11 @@ def main(_):
   params, experts = trainable
   os.makedirs(FLAGS.export_dir, exist_ok=True)
   save_hf(cfg, params, experts, FLAGS.export_dir, dtype=jnp.bfloat16,
-          tokenizer_json=os.path.join(wd, "tokenizer.json"))
+          tokenizer_json=os.path.join(dd, "tokenizer.json"))
   manifest = dict(manifest, trained_steps=int(step), batch=tc.batch, seq=tc.seq,
                   tokens_seen=int(step) * tc.batch * tc.seq, peak_lr=tc.lr,
-                  balance_coef=tc.balance_coef)
+                  recipe={k: v for k, v in dataclasses.asdict(tc).items()},
+                  argv=" ".join(sys.argv[1:]))
   json.dump(manifest, open(os.path.join(FLAGS.export_dir, "training.json"), "w"), indent=2)
   logging.info("exported %s at step %d", FLAGS.export_dir, step)
 

@@ -27,7 +27,11 @@ class TrainConfig:
   min_lr_ratio: float = 0.1
   weight_decay: float = 0.1
   clip: float = 1.0
-  balance_coef: float = 0.01
+  balance_coef: float = 0.01        # after balance_switch_step
+  balance_coef_start: float = 0.01  # before balance_switch_step
+  balance_switch_step: int = 0
+  balance_scope: str = "batch"      # "batch": f, P over the whole step; "sequence": per sequence
+  locality_coef: float = 0.0        # router consistency between adjacent tokens (0 = off)
   z_coef: float = 1e-3
   batch: int = 16
   seq: int = 256
@@ -43,34 +47,58 @@ def make_optimizer(tc: TrainConfig):
                                  mask=decay_mask)), sched
 
 
-def aux_losses(cfg: ModelConfig, router_logits: list):
-  """Switch-style load balance E * sum_e f_e P_e (f over top-k picks) and z-loss."""
-  bal, z, n = 0.0, 0.0, 0
+def balance_schedule(tc: TrainConfig, step):
+  """The balance-loss coefficient at `step` (a step function: start value, then final)."""
+  return jnp.where(step < tc.balance_switch_step, tc.balance_coef_start, tc.balance_coef)
+
+
+def aux_losses(cfg: ModelConfig, router_logits: list, scope: str = "batch"):
+  """Router losses, averaged over MoE layers: (balance, z, locality).
+
+  balance: Switch-style E * sum_e f_e P_e, f = share of top-k picks, P = mean router
+    probability; over all tokens of the step (scope "batch") or per sequence, then
+    averaged (scope "sequence", which asks every sequence to use every expert).
+  z: mean squared logsumexp of the router logits.
+  locality: mean total-variation distance between the router distributions of adjacent
+    tokens of a sequence, 0.5 * sum_e |p_t,e - p_t-1,e| (0 = identical routing).
+  """
+  bal, z, loc, n = 0.0, 0.0, 0.0, 0
   for rl in router_logits:
     if rl is None:
       continue
-    logits = rl.reshape(-1, cfg.num_experts).astype(jnp.float32)
-    ids, _, probs = routing.route(cfg, logits)
-    f = jnp.mean(jax.nn.one_hot(ids, cfg.num_experts).sum(1), axis=0) / cfg.top_k
-    p = jnp.mean(probs, axis=0)
-    bal += cfg.num_experts * jnp.sum(f * p)
-    z += jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2)
+    logits_BxTxE = rl.astype(jnp.float32)
+    if logits_BxTxE.ndim == 2:
+      logits_BxTxE = logits_BxTxE[None]
+    ids, _, probs = routing.route(cfg, logits_BxTxE.reshape(-1, cfg.num_experts))
+    picks_BxTxE = jax.nn.one_hot(ids, cfg.num_experts).sum(1).reshape(logits_BxTxE.shape)
+    probs_BxTxE = probs.reshape(logits_BxTxE.shape)
+    axes = (0, 1) if scope == "batch" else (1,)
+    f = jnp.mean(picks_BxTxE, axis=axes) / cfg.top_k
+    p = jnp.mean(probs_BxTxE, axis=axes)
+    bal += cfg.num_experts * jnp.mean(jnp.sum(f * p, axis=-1))
+    z += jnp.mean(jax.nn.logsumexp(logits_BxTxE, axis=-1) ** 2)
+    soft_BxTxE = jax.nn.softmax(logits_BxTxE, axis=-1)
+    loc += 0.5 * jnp.mean(jnp.sum(jnp.abs(soft_BxTxE[:, 1:] - soft_BxTxE[:, :-1]), axis=-1))
     n += 1
-  return bal / max(n, 1), z / max(n, 1)
+  n = max(n, 1)
+  return bal / n, z / n, loc / n
 
 
-def loss_fn(trainable, cfg: ModelConfig, tc: TrainConfig, tokens_BxT1):
+def loss_fn(trainable, cfg: ModelConfig, tc: TrainConfig, tokens_BxT1, step):
   params, experts = trainable
   x, y = tokens_BxT1[:, :-1], tokens_BxT1[:, 1:]
   logits, _, rl = Transformer(cfg).apply({"params": params}, x, experts)
   ce = jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, y))
-  bal, z = aux_losses(cfg, rl)
-  return ce + tc.balance_coef * bal + tc.z_coef * z, {"ce": ce, "balance": bal, "z": z}
+  bal, z, loc = aux_losses(cfg, rl, tc.balance_scope)
+  loss = ce + balance_schedule(tc, step) * bal + tc.z_coef * z + tc.locality_coef * loc
+  return loss, {"ce": ce, "balance": bal, "z": z, "locality": loc}
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(3, 4))
-def train_step(cfg: ModelConfig, tc: TrainConfig, opt, trainable, opt_state, tokens):
-  (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable, cfg, tc, tokens)
+def train_step(cfg: ModelConfig, tc: TrainConfig, opt, trainable, opt_state, tokens, step=0):
+  """One optimizer step; `step` (the step index, traced) drives the balance schedule."""
+  (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+      trainable, cfg, tc, tokens, step)
   updates, opt_state = opt.update(grads, opt_state, trainable)
   trainable = optax.apply_updates(trainable, updates)
   metrics = dict(metrics, loss=loss, grad_norm=optax.global_norm(grads))

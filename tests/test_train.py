@@ -8,7 +8,7 @@ import pytest
 
 from launch.train_demo import run_training
 from moejax.config import ModelConfig
-from moejax.train import TrainConfig, aux_losses
+from moejax.train import TrainConfig, aux_losses, balance_schedule
 
 TINY = ModelConfig(model_type="qwen3_moe", vocab_size=64, hidden_size=32, num_layers=2,
                    num_heads=4, num_kv_heads=2, head_dim=8, num_experts=8, top_k=2,
@@ -21,10 +21,30 @@ def test_balance_loss_hand_checked():
   l9 = float(np.log(9.0))  # softmax([l9, 0]) = [0.9, 0.1]
   balanced = jnp.array([[l9, 0.0], [0.0, l9]])       # f = [.5,.5], P = [.5,.5] -> 2*.5 = 1
   skewed = jnp.array([[l9, 0.0], [l9, 0.0]])         # f = [1, 0], P = [.9,.1] -> 2*.9 = 1.8
-  bal, z = aux_losses(cfg, [balanced, None])
+  bal, z, loc = aux_losses(cfg, [balanced, None])
   np.testing.assert_allclose(float(bal), 1.0, rtol=1e-6)
   np.testing.assert_allclose(float(z), float(jnp.mean(jax.nn.logsumexp(balanced, -1) ** 2)))
-  np.testing.assert_allclose(float(aux_losses(cfg, [skewed])[0]), 1.8, rtol=1e-6)
+  np.testing.assert_allclose(float(loc), 0.8, rtol=1e-6)   # TV([.9,.1], [.1,.9]) = 0.8
+  bal_s, _, loc_s = aux_losses(cfg, [skewed])
+  np.testing.assert_allclose(float(bal_s), 1.8, rtol=1e-6)
+  np.testing.assert_allclose(float(loc_s), 0.0, atol=1e-7)  # same routing twice
+
+
+def test_balance_scope_sequence_vs_batch_hand_checked():
+  """Two sequences, each using one expert only: balanced over the batch, not per sequence."""
+  cfg = ModelConfig(**{**TINY.__dict__, "num_experts": 2, "top_k": 1})
+  l9 = float(np.log(9.0))
+  seq0 = [[l9, 0.0], [l9, 0.0]]                       # f = [1, 0], P = [.9, .1]
+  seq1 = [[0.0, l9], [0.0, l9]]                       # f = [0, 1], P = [.1, .9]
+  logits = jnp.array([seq0, seq1])
+  np.testing.assert_allclose(float(aux_losses(cfg, [logits], "batch")[0]), 1.0, rtol=1e-6)
+  np.testing.assert_allclose(float(aux_losses(cfg, [logits], "sequence")[0]), 1.8, rtol=1e-6)
+
+
+def test_balance_schedule_switches_at_step():
+  tc = TrainConfig(balance_coef_start=0.01, balance_coef=0.03, balance_switch_step=200)
+  assert float(balance_schedule(tc, 199)) == pytest.approx(0.01)
+  assert float(balance_schedule(tc, 200)) == pytest.approx(0.03)
 
 
 @pytest.fixture(scope="module")

@@ -50,6 +50,8 @@ flags.DEFINE_integer("balance_switch_step", 0, "Step at which --balance_coef tak
 flags.DEFINE_enum("balance_scope", "batch", ["batch", "sequence"],
                   "Balance over all tokens of a step, or per sequence.")
 flags.DEFINE_float("locality_coef", 0.0, "Weight of the adjacent-token routing consistency loss.")
+flags.DEFINE_enum("locality_loss", "cosine", ["cosine", "tv"],
+                  "Consistency measure (moejax.train.aux_losses).")
 flags.DEFINE_integer("save_every", 50, "Checkpoint interval in steps.")
 flags.DEFINE_float("max_hours", 0.0, "Stop (checkpointed, exported) after this long; 0 = no limit.")
 flags.DEFINE_integer("vocab", 8192, "BPE vocabulary size.")
@@ -180,7 +182,8 @@ def main(_):
                    seq=FLAGS.seq, balance_coef=FLAGS.balance_coef,
                    balance_coef_start=FLAGS.balance_coef_start,
                    balance_switch_step=FLAGS.balance_switch_step,
-                   balance_scope=FLAGS.balance_scope, locality_coef=FLAGS.locality_coef)
+                   balance_scope=FLAGS.balance_scope, locality_coef=FLAGS.locality_coef,
+                   locality_loss=FLAGS.locality_loss)
   logging.info("train tokens %d, config %s", stream.size, cfg)
   trainable, step = run_training(cfg, tc, stream, os.path.join(wd, "ckpt"), FLAGS.save_every,
                                  max_hours=FLAGS.max_hours, log_path=os.path.join(wd, "train_log.jsonl"),

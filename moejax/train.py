@@ -32,6 +32,7 @@ class TrainConfig:
   balance_switch_step: int = 0
   balance_scope: str = "batch"      # "batch": f, P over the whole step; "sequence": per sequence
   locality_coef: float = 0.0        # router consistency between adjacent tokens (0 = off)
+  locality_loss: str = "cosine"     # "cosine" (scale-free) or "tv" (rewards flat routers)
   z_coef: float = 1e-3
   batch: int = 16
   seq: int = 256
@@ -52,15 +53,19 @@ def balance_schedule(tc: TrainConfig, step):
   return jnp.where(step < tc.balance_switch_step, tc.balance_coef_start, tc.balance_coef)
 
 
-def aux_losses(cfg: ModelConfig, router_logits: list, scope: str = "batch"):
+def aux_losses(cfg: ModelConfig, router_logits: list, scope: str = "batch",
+               locality: str = "cosine"):
   """Router losses, averaged over MoE layers: (balance, z, locality).
 
   balance: Switch-style E * sum_e f_e P_e, f = share of top-k picks, P = mean router
     probability; over all tokens of the step (scope "batch") or per sequence, then
     averaged (scope "sequence", which asks every sequence to use every expert).
   z: mean squared logsumexp of the router logits.
-  locality: mean total-variation distance between the router distributions of adjacent
-    tokens of a sequence, 0.5 * sum_e |p_t,e - p_t-1,e| (0 = identical routing).
+  locality: how much the routing of adjacent tokens of a sequence differs (0 = the same):
+    "cosine": 1 - cos(z_t, z_t-1) of the centred router logits z = l - mean(l), which
+      neither rewards flat nor sharp routers, only a persistent direction of preference;
+    "tv": total variation 0.5 * sum_e |p_t,e - p_t-1,e| of the router softmax, which
+      is smallest for flat routers (kept for comparison; pilots flattened the gates).
   """
   bal, z, loc, n = 0.0, 0.0, 0.0, 0
   for rl in router_logits:
@@ -77,8 +82,13 @@ def aux_losses(cfg: ModelConfig, router_logits: list, scope: str = "batch"):
     p = jnp.mean(probs_BxTxE, axis=axes)
     bal += cfg.num_experts * jnp.mean(jnp.sum(f * p, axis=-1))
     z += jnp.mean(jax.nn.logsumexp(logits_BxTxE, axis=-1) ** 2)
-    soft_BxTxE = jax.nn.softmax(logits_BxTxE, axis=-1)
-    loc += 0.5 * jnp.mean(jnp.sum(jnp.abs(soft_BxTxE[:, 1:] - soft_BxTxE[:, :-1]), axis=-1))
+    if locality == "tv":
+      soft_BxTxE = jax.nn.softmax(logits_BxTxE, axis=-1)
+      loc += 0.5 * jnp.mean(jnp.sum(jnp.abs(soft_BxTxE[:, 1:] - soft_BxTxE[:, :-1]), axis=-1))
+    else:
+      c_BxTxE = logits_BxTxE - jnp.mean(logits_BxTxE, axis=-1, keepdims=True)
+      c_BxTxE = c_BxTxE / (jnp.linalg.norm(c_BxTxE, axis=-1, keepdims=True) + 1e-6)
+      loc += jnp.mean(1.0 - jnp.sum(c_BxTxE[:, 1:] * c_BxTxE[:, :-1], axis=-1))
     n += 1
   n = max(n, 1)
   return bal / n, z / n, loc / n
@@ -89,7 +99,7 @@ def loss_fn(trainable, cfg: ModelConfig, tc: TrainConfig, tokens_BxT1, step):
   x, y = tokens_BxT1[:, :-1], tokens_BxT1[:, 1:]
   logits, _, rl = Transformer(cfg).apply({"params": params}, x, experts)
   ce = jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, y))
-  bal, z, loc = aux_losses(cfg, rl, tc.balance_scope)
+  bal, z, loc = aux_losses(cfg, rl, tc.balance_scope, tc.locality_loss)
   loss = ce + balance_schedule(tc, step) * bal + tc.z_coef * z + tc.locality_coef * loc
   return loss, {"ce": ce, "balance": bal, "z": z, "locality": loc}
 

@@ -1,0 +1,122 @@
+"""Speculative expert prefetch, offline half: default vectors and next-layer predictors.
+
+At MoE layer l, once attention is done, the residual stream is r_l.  The next MoE
+layer's routing is predicted from
+
+  reuse:  router_{l+1}(Norm_{l+1}(r_l))                  (the current hidden state)
+  quasi:  router_{l+1}(Norm_{l+1}(r_l + d_l)),  d_l = sum_k g_k D_l[e_k]
+
+where D_l[e] is the *default vector* of expert e: its mean output over the tokens
+routed to it, measured offline and unweighted by the gate, and Norm_{l+1} is the next
+layer's pre-MoE norm.  Both go through the next layer's own ``route_logits`` (its norm
+and router), so every family's router rule applies unchanged.
+
+Everything here is teacher-forced over whole windows with every expert resident; the
+functions are pure and jitted with the config static.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moejax import routing
+from moejax.config import ModelConfig
+from moejax.experts import apply_experts
+from moejax.model import Transformer
+
+
+def _forward_layers(mdl, tokens_BxT, experts, default_vectors=None):
+  """Teacher-forced forward recording, per MoE layer, what prediction needs.
+
+  Returns a list over MoE layers of dicts with
+    moe_in [N,D], logits [N,E], ids [N,K], gates [N,K], ys [N,K,D] (unweighted outputs
+    of the selected experts) and, when default_vectors is given (a list aligned with
+    the MoE layers of [E,D] arrays), the next MoE layer's predicted logits
+    ``reuse`` and ``quasi`` [N,E] (None on the last MoE layer).
+  """
+  c = mdl.cfg
+  b, t = tokens_BxT.shape
+  pos = jnp.broadcast_to(jnp.arange(t), (b, t))
+  x = mdl.embed(tokens_BxT)
+  moe_idx = [i for i, s in enumerate(c.sparse_layers) if s]
+  recs = []
+  for i, layer in enumerate(mdl.layers):
+    h, _ = layer.attend(x, pos, None, 0)
+    if not c.sparse_layers[i]:
+      x = layer.dense_residual(h)
+      continue
+    moe_in, logits = layer.route_logits(h)
+    ids, gates, _ = routing.route(c, logits.reshape(b * t, -1).astype(jnp.float32))
+    flat_in = moe_in.reshape(b * t, -1)
+    ones = jnp.ones((b * t, 1), flat_in.dtype)
+    ys = jnp.stack([apply_experts(flat_in, ids[:, k:k + 1], ones, experts[i],
+                                  swiglu=(c.swiglu_alpha, c.swiglu_limit))
+                    for k in range(ids.shape[1])], axis=1)
+    rec = {"moe_in": flat_in, "logits": logits.reshape(b * t, -1).astype(jnp.float32),
+           "ids": ids, "gates": gates, "ys": ys, "reuse": None, "quasi": None}
+    j = moe_idx.index(i)
+    if default_vectors is not None and j + 1 < len(moe_idx):
+      nxt = mdl.layers[moe_idx[j + 1]]
+      r = h.reshape(b * t, -1)
+      d = jnp.einsum("nk,nkd->nd", gates.astype(r.dtype), default_vectors[j][ids].astype(r.dtype))
+      rec["reuse"] = nxt.route_logits(r)[1].astype(jnp.float32)
+      rec["quasi"] = nxt.route_logits(r + d)[1].astype(jnp.float32)
+    recs.append(rec)
+    x = layer.moe_residual(h, moe_in, ids.reshape(b, t, -1), gates.reshape(b, t, -1), experts[i])
+  return recs
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def default_vector_sums(cfg: ModelConfig, params, experts, tokens_BxT):
+  """Per MoE layer: (sum of each expert's unweighted outputs [E,D], token count [E])."""
+  recs = Transformer(cfg).apply({"params": params}, tokens_BxT, experts, method=_forward_layers)
+  out = []
+  for r in recs:
+    n, k, d = r["ys"].shape
+    flat_ids = r["ids"].reshape(-1)
+    sums = jax.ops.segment_sum(r["ys"].reshape(n * k, d).astype(jnp.float32), flat_ids,
+                               num_segments=cfg.num_experts)
+    counts = jnp.bincount(flat_ids, length=cfg.num_experts)
+    out.append((sums, counts))
+  return out
+
+
+def default_vectors(cfg: ModelConfig, params, experts, windows_NxT: np.ndarray, batch: int = 8,
+                    progress=None):
+  """D_l[e] = mean output of expert e over the tokens routed to it, per MoE layer.
+
+  Returns (list of [E, D] float32 arrays, list of [E] token counts).  An expert never
+  selected gets a zero vector and count 0.
+  """
+  acc = None
+  it = range(0, len(windows_NxT), batch)
+  for s in (progress(it) if progress else it):
+    part = default_vector_sums(cfg, params, experts, jnp.asarray(windows_NxT[s:s + batch]))
+    part = [(np.asarray(a, np.float64), np.asarray(c, np.int64)) for a, c in part]
+    acc = part if acc is None else [(a0 + a1, c0 + c1) for (a0, c0), (a1, c1) in zip(acc, part)]
+  vecs = [(a / np.maximum(c, 1)[:, None]).astype(np.float32) for a, c in acc]
+  return vecs, [c for _, c in acc]
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def predictions(cfg: ModelConfig, params, experts, default_vecs, tokens_BxT):
+  """Per consecutive MoE-layer pair (l, l+1): true logits of l+1 and both predictions."""
+  recs = Transformer(cfg).apply({"params": params}, tokens_BxT, experts, default_vecs,
+                                method=_forward_layers)
+  return [{"true": recs[j + 1]["logits"], "reuse": recs[j]["reuse"], "quasi": recs[j]["quasi"]}
+          for j in range(len(recs) - 1)]
+
+
+def topk_agreement(cfg: ModelConfig, true_logits_NxE, pred_logits_NxE) -> dict:
+  """recall@k, exact top-k set match, and the true gate mass the predicted set covers."""
+  t_ids, t_gates, _ = routing.route(cfg, jnp.asarray(true_logits_NxE))
+  p_ids, _, _ = routing.route(cfg, jnp.asarray(pred_logits_NxE))
+  hit_NxK = jnp.any(t_ids[:, :, None] == p_ids[:, None, :], axis=-1)
+  share = t_gates / jnp.maximum(jnp.sum(t_gates, -1, keepdims=True), 1e-30)
+  return {"recall_at_k": float(jnp.mean(hit_NxK)),
+          "exact_match": float(jnp.mean(jnp.all(hit_NxK, axis=-1))),
+          "mass_covered": float(jnp.mean(jnp.sum(jnp.where(hit_NxK, share, 0.0), -1)))}

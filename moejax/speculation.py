@@ -36,7 +36,8 @@ def _forward_layers(mdl, tokens_BxT, experts, default_vectors=None):
     moe_in [N,D], logits [N,E], ids [N,K], gates [N,K], ys [N,K,D] (unweighted outputs
     of the selected experts) and, when default_vectors is given (a list aligned with
     the MoE layers of [E,D] arrays), the next MoE layer's predicted logits
-    ``reuse`` and ``quasi`` [N,E] (None on the last MoE layer).
+    ``reuse`` and ``quasi`` [N,E] and the quasi-hidden state ``q`` [N,D] (already
+    normalised by the next layer's norm; absent on the last MoE layer).
   """
   c = mdl.cfg
   b, t = tokens_BxT.shape
@@ -64,7 +65,8 @@ def _forward_layers(mdl, tokens_BxT, experts, default_vectors=None):
       r = h.reshape(b * t, -1)
       d = jnp.einsum("nk,nkd->nd", gates.astype(r.dtype), default_vectors[j][ids].astype(r.dtype))
       rec["reuse"] = nxt.route_logits(r)[1].astype(jnp.float32)
-      rec["quasi"] = nxt.route_logits(r + d)[1].astype(jnp.float32)
+      q, quasi = nxt.route_logits(r + d)
+      rec["q"], rec["quasi"] = q, quasi.astype(jnp.float32)
     recs.append(rec)
     x = layer.moe_residual(h, moe_in, ids.reshape(b, t, -1), gates.reshape(b, t, -1), experts[i])
   return recs
@@ -107,8 +109,8 @@ def predictions(cfg: ModelConfig, params, experts, default_vecs, tokens_BxT):
   """Per consecutive MoE-layer pair (l, l+1): true logits of l+1 and both predictions."""
   recs = Transformer(cfg).apply({"params": params}, tokens_BxT, experts, default_vecs,
                                 method=_forward_layers)
-  return [{"true": recs[j + 1]["logits"], "reuse": recs[j]["reuse"], "quasi": recs[j]["quasi"]}
-          for j in range(len(recs) - 1)]
+  return [{"true": recs[j + 1]["logits"], "reuse": recs[j]["reuse"], "quasi": recs[j]["quasi"],
+           "q": recs[j]["q"]} for j in range(len(recs) - 1)]
 
 
 def topk_agreement(cfg: ModelConfig, true_logits_NxE, pred_logits_NxE) -> dict:

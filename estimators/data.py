@@ -1,0 +1,63 @@
+"""Training pairs for the estimators: (q_l, quasi logits, true logits of layer l+1).
+
+Recorded from teacher-forced runs (moejax.speculation.predictions) over windows of
+text and written as shards ``shard_00000.npz`` ... with arrays ``q`` [P, N, D],
+``quasi`` [P, N, E], ``true`` [P, N, E] (P = consecutive MoE-layer pairs, float16),
+plus ``meta.json`` (config hash, windows, tokens).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import jax.numpy as jnp
+import numpy as np
+
+from moejax import speculation
+
+
+def record(cfg, params, experts, vecs, wins_NxT: np.ndarray, out_dir: str, batch: int = 8,
+           windows_per_shard: int = 32, meta: dict | None = None, progress=None) -> int:
+  """Writes the shards of (q, quasi, true) for every window; returns the shard count.
+
+  Existing shards are kept (a killed recording resumes where it stopped)."""
+  os.makedirs(out_dir, exist_ok=True)
+  dv = [jnp.asarray(v) for v in vecs]
+  starts = list(range(0, len(wins_NxT), windows_per_shard))
+  for i, s in enumerate(progress(starts) if progress else starts):
+    path = os.path.join(out_dir, f"shard_{i:05d}.npz")
+    if os.path.exists(path):
+      continue
+    chunk = wins_NxT[s:s + windows_per_shard]
+    parts = {"q": [], "quasi": [], "true": []}
+    for b in range(0, len(chunk), batch):
+      pairs = speculation.predictions(cfg, params, experts, dv, jnp.asarray(chunk[b:b + batch]))
+      for k in parts:
+        parts[k].append(np.stack([np.asarray(p[k], np.float16) for p in pairs]))
+    tmp = path + ".tmp.npz"
+    np.savez(tmp, **{k: np.concatenate(v, axis=1) for k, v in parts.items()})
+    os.replace(tmp, path)
+  with open(os.path.join(out_dir, "meta.json"), "w") as f:
+    json.dump(dict(meta or {}, windows=int(len(wins_NxT)), tokens=int(wins_NxT.size),
+                   shards=len(starts)), f, indent=2)
+  return len(starts)
+
+
+def load(out_dir: str, pair: int | None = None) -> dict:
+  """All shards concatenated: {"q": [P, N, D], ...} (or one pair's [N, ...] arrays)."""
+  paths = sorted(glob.glob(os.path.join(out_dir, "shard_*.npz")))
+  if not paths:
+    raise FileNotFoundError(f"no estimator training shards in {out_dir}")
+  out = {}
+  for k in ("q", "quasi", "true"):
+    arrs = []
+    for p in paths:
+      try:
+        with np.load(p) as z:
+          arrs.append(z[k] if pair is None else z[k][pair])
+      except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"{p}: unreadable estimator shard ({e}); delete it and record again")
+    out[k] = np.concatenate(arrs, axis=0 if pair is not None else 1)
+  return out

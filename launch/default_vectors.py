@@ -1,0 +1,88 @@
+"""Default vectors for speculative prefetch: each expert's mean output, per MoE layer.
+
+  python -m launch.default_vectors --model_dir=ckpts/demo
+
+An offline, teacher-forced pass over training text (non-overlapping windows drawn from
+the train split of every corpus domain): D_l[e] = the mean output of expert e over the
+tokens routed to it, unweighted by the gate, with the token count per expert.  Saved
+with orbax under --out (default: <model_dir>-estimators/default_vectors) together with
+meta.json (model config hash, tokens, windows).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from absl import app, flags
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from tqdm import tqdm
+
+from moejax import corpus, data, speculation
+from moejax.loader import load_model
+from moejax.tokenizer import Tokenizer
+from moejax.traces import config_hash
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("model_dir", "ckpts/demo", "HF-format model folder with tokenizer.json.")
+flags.DEFINE_string("out", "", "Output folder (default: <model_dir>-estimators/default_vectors).")
+flags.DEFINE_integer("windows", 256, "Training windows to average over.")
+flags.DEFINE_integer("seq", 256, "Window length.")
+flags.DEFINE_integer("batch", 8, "Windows per jitted pass.")
+flags.DEFINE_integer("seed", 0, "Window sampling seed.")
+
+
+def default_out(model_dir: str) -> str:
+  return os.path.join(model_dir.rstrip("/") + "-estimators", "default_vectors")
+
+
+def save(out: str, vecs, counts, meta: dict):
+  os.makedirs(out, exist_ok=True)
+  tree = {"vectors": [np.asarray(v) for v in vecs], "counts": [np.asarray(c) for c in counts]}
+  with ocp.StandardCheckpointer() as ckptr:
+    ckptr.save(os.path.abspath(os.path.join(out, "orbax")), tree, force=True)
+  with open(os.path.join(out, "meta.json"), "w") as f:
+    json.dump(meta, f, indent=2)
+
+
+def load(out: str, cfg) -> list[np.ndarray]:
+  """The default vectors saved for this model; refuses those of another model."""
+  meta_path = os.path.join(out, "meta.json")
+  if not os.path.exists(meta_path):
+    raise FileNotFoundError(f"no default vectors in {out}: run `python -m launch.default_vectors "
+                            f"--model_dir=<the model> --out={out}`")
+  meta = json.load(open(meta_path))
+  if meta["config_hash"] != config_hash(cfg):
+    raise ValueError(f"{meta_path} was made for another model (config hash "
+                     f"{meta['config_hash']}, this model {config_hash(cfg)}); rerun "
+                     "launch.default_vectors for this model")
+  with ocp.StandardCheckpointer() as ckptr:
+    tree = ckptr.restore(os.path.abspath(os.path.join(out, "orbax")))
+  return [np.asarray(v) for v in tree["vectors"]]
+
+
+def main(_):
+  cfg, params, store = load_model(FLAGS.model_dir, dtype=jnp.float32)
+  experts = store.to_device(jnp.float32)
+  tok = Tokenizer(FLAGS.model_dir)
+  parts, _ = corpus.build()
+  stream = np.concatenate([data.encode_stream(tok._tok, tr) for tr, _ in parts.values()])
+  order = data.window_order(stream.size, FLAGS.seq, FLAGS.seed, epochs=1)[:FLAGS.windows]
+  wins = np.stack([stream[i * FLAGS.seq:(i + 1) * FLAGS.seq] for i in order]).astype(np.int32)
+  vecs, counts = speculation.default_vectors(
+      cfg, params, experts, wins, FLAGS.batch,
+      progress=lambda it: tqdm(it, desc="default vectors", unit="batch"))
+  out = FLAGS.out or default_out(FLAGS.model_dir)
+  meta = {"model_dir": FLAGS.model_dir, "config_hash": config_hash(cfg),
+          "tokens": int(wins.size), "windows": int(len(wins)), "seq": FLAGS.seq,
+          "min_tokens_per_expert": int(min(c.min() for c in counts)),
+          "moe_layers": [int(l) for l in cfg.moe_layers]}
+  save(out, vecs, counts, meta)
+  print(f"{len(vecs)} MoE layers, {wins.size} tokens; fewest tokens for one expert: "
+        f"{meta['min_tokens_per_expert']}; wrote {out}")
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,61 @@
+"""Estimators: zero-initialised correction, learning a drift, resume, shards on disk."""
+
+import chex
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from estimators import data as est_data
+from estimators.model import LogitCorrection
+from estimators.train import EstimatorConfig, train_pair
+from moejax.config import ModelConfig
+
+CFG = ModelConfig(model_type="qwen3_moe", vocab_size=64, hidden_size=16, num_layers=2,
+                  num_heads=2, num_kv_heads=1, head_dim=8, num_experts=8, top_k=2,
+                  moe_intermediate_size=8, intermediate_size=32, sparse_layers=(True, True),
+                  norm_topk_prob=True).validate()
+
+
+def _pairs(n, seed):
+  """quasi logits miss a drift that is a fixed function of q: the estimator's job."""
+  rng = np.random.default_rng(seed)
+  q = rng.standard_normal((n, 16)).astype(np.float32)
+  quasi = rng.standard_normal((n, 8)).astype(np.float32)
+  drift = np.random.default_rng(99).standard_normal((16, 8)).astype(np.float32)
+  return {"q": q, "quasi": quasi, "true": quasi + 1.5 * np.tanh(q @ drift)}
+
+
+def test_untrained_estimator_is_the_quasi_predictor():
+  m = LogitCorrection(8, 4)
+  q, base = jnp.ones((3, 16)), jnp.arange(24.0).reshape(3, 8)
+  p = m.init(__import__("jax").random.PRNGKey(0), q, base)
+  chex.assert_trees_all_close(m.apply(p, q, base), base)
+  with pytest.raises(AssertionError):
+    m.apply(p, q, base[:, :4])
+
+
+def test_training_recovers_the_drift_and_resumes(tmp_path):
+  train, held = _pairs(4096, 0), _pairs(1024, 1)
+  ec = EstimatorConfig(hidden=32, lr=1e-2, batch=256, epochs=6, patience=6)
+  _, hist = train_pair(CFG, train, held, ec, str(tmp_path / "a"))
+  assert hist[-1]["recall_at_k"] > hist[0]["recall_at_k"] + 0.15, hist
+  assert hist[-1]["kl"] < 0.5 * hist[0]["kl"]
+  # killed after 3 epochs, restarted: the same history and parameters
+  train_pair(CFG, train, held, ec, str(tmp_path / "b"), stop_at=3)
+  pb, hb = train_pair(CFG, train, held, ec, str(tmp_path / "b"))
+  pa, _ = train_pair(CFG, train, held, ec, str(tmp_path / "a"))   # finished: restores
+  chex.assert_trees_all_close(pa, pb, atol=1e-6)
+  assert hb[-1]["recall_at_k"] == pytest.approx(hist[-1]["recall_at_k"], abs=1e-6)
+
+
+def test_shards_load_and_name_a_bad_file(tmp_path):
+  with pytest.raises(FileNotFoundError, match="no estimator training shards"):
+    est_data.load(str(tmp_path))
+  a = {k: np.ones((2, 3, 4), np.float16) for k in ("q", "quasi", "true")}
+  np.savez(tmp_path / "shard_00000.npz", **a)
+  np.savez(tmp_path / "shard_00001.npz", **a)
+  got = est_data.load(str(tmp_path))
+  assert got["q"].shape == (2, 6, 4) and est_data.load(str(tmp_path), pair=1)["true"].shape == (6, 4)
+  (tmp_path / "shard_00002.npz").write_bytes(b"truncated")
+  with pytest.raises(ValueError, match="shard_00002.npz"):
+    est_data.load(str(tmp_path))

@@ -1,0 +1,100 @@
+"""Train the next-layer router-logit estimators and choose the hybrid layers.
+
+  python -m launch.train_estimators --model_dir=ckpts/demo --out=ckpts/demo-estimators
+
+Needs the default vectors (launch.default_vectors).  Records (q_l, quasi logits, true
+logits of l+1) pairs on train windows of every corpus domain and on held-out stdlib
+windows (shards under --data_dir), trains one estimator per MoE-layer pair
+(estimators.train), and marks a pair *hybrid* (estimator used by the engine) when its
+held-out drift under the plain quasi predictor is at least --drift_threshold and the
+estimator raises held-out recall@k there.  Resumable at every stage.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from absl import app, flags
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from tqdm import tqdm
+
+from estimators import data as est_data
+from estimators.train import EstimatorConfig, train_pair
+from launch.default_vectors import load as load_vectors
+from moejax import corpus, data
+from moejax.loader import load_model
+from moejax.tokenizer import Tokenizer
+from moejax.traces import config_hash
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("model_dir", "ckpts/demo", "HF-format model folder with tokenizer.json.")
+flags.DEFINE_string("out", "", "Estimators folder (default: <model_dir>-estimators).")
+flags.DEFINE_string("data_dir", "runs/estimator_pairs", "Recorded training pairs (shards).")
+flags.DEFINE_integer("train_windows", 256, "Training windows of 256 tokens.")
+flags.DEFINE_integer("held_windows", 32, "Held-out stdlib windows.")
+flags.DEFINE_integer("hidden", 64, "Estimator hidden width.")
+flags.DEFINE_integer("epochs", 8, "Maximum epochs per estimator.")
+flags.DEFINE_float("drift_threshold", 0.0,
+                   "Use an estimator only where held-out drift (1 - exact match) is >= this.")
+
+
+def _windows(stream, n, seq=256, seed=0, shuffle=True):
+  order = (data.window_order(stream.size, seq, seed, epochs=1) if shuffle
+           else np.arange((stream.size - 1) // seq))[:n]
+  return np.stack([stream[i * seq:(i + 1) * seq] for i in order]).astype(np.int32)
+
+
+def main(_):
+  cfg, params, store = load_model(FLAGS.model_dir, dtype=jnp.float32)
+  experts = store.to_device(jnp.float32)
+  out = FLAGS.out or FLAGS.model_dir.rstrip("/") + "-estimators"
+  vecs = load_vectors(os.path.join(out, "default_vectors"), cfg)
+  tok = Tokenizer(FLAGS.model_dir)
+  parts, _ = corpus.build()
+  train_stream = np.concatenate([data.encode_stream(tok._tok, tr) for tr, _ in parts.values()])
+  held_stream = data.encode_stream(tok._tok, parts["python"][1])
+  meta = {"config_hash": config_hash(cfg)}
+  bar = lambda desc: (lambda it: tqdm(it, desc=desc, unit="shard"))
+  tr_dir, he_dir = os.path.join(FLAGS.data_dir, "train"), os.path.join(FLAGS.data_dir, "held")
+  est_data.record(cfg, params, experts, vecs, _windows(train_stream, FLAGS.train_windows),
+                  tr_dir, meta=meta, progress=bar("record train pairs"))
+  est_data.record(cfg, params, experts, vecs,
+                  _windows(held_stream, FLAGS.held_windows, shuffle=False), he_dir, meta=meta,
+                  progress=bar("record held-out pairs"))
+  ec = EstimatorConfig(hidden=FLAGS.hidden, epochs=FLAGS.epochs)
+  layers = cfg.moe_layers
+  rows, trees = [], []
+  for j in range(len(layers) - 1):
+    train, held = est_data.load(tr_dir, pair=j), est_data.load(he_dir, pair=j)
+    p, hist = train_pair(cfg, train, held, ec, os.path.join(out, "runs", f"pair_{j}"),
+                         progress=lambda it: tqdm(it, desc=f"estimator {layers[j]}->{layers[j + 1]}"))
+    base, best = hist[0], min(hist, key=lambda h: h["kl"])
+    drift = 1.0 - base["exact_match"]
+    use = drift >= FLAGS.drift_threshold and best["recall_at_k"] > base["recall_at_k"]
+    rows.append({"layer": int(layers[j]), "next_layer": int(layers[j + 1]), "drift": drift,
+                 "quasi": {k: base[k] for k in ("recall_at_k", "exact_match", "mass_covered")},
+                 "estimator": {k: best[k] for k in ("recall_at_k", "exact_match", "mass_covered")},
+                 "hybrid_uses_estimator": bool(use)})
+    trees.append(jax.tree_util.tree_map(np.asarray, p))
+  with ocp.StandardCheckpointer() as ckptr:
+    ckptr.save(os.path.abspath(os.path.join(out, "estimators")), {"pairs": trees}, force=True)
+  hybrid = [r["quasi"] if not r["hybrid_uses_estimator"] else r["estimator"] for r in rows]
+  res = dict(meta, hidden=FLAGS.hidden, drift_threshold=FLAGS.drift_threshold, per_layer=rows,
+             hybrid_recall_at_k=float(np.mean([h["recall_at_k"] for h in hybrid])),
+             quasi_recall_at_k=float(np.mean([r["quasi"]["recall_at_k"] for r in rows])))
+  with open(os.path.join(out, "estimators.json"), "w") as f:
+    json.dump(res, f, indent=2)
+  print(f"{'pair':<8}{'drift':>8}{'quasi recall':>14}{'est. recall':>13}{'hybrid':>8}")
+  for r in rows:
+    print(f"{r['layer']}->{r['next_layer']:<5}{r['drift']:>8.3f}{r['quasi']['recall_at_k']:>14.3f}"
+          f"{r['estimator']['recall_at_k']:>13.3f}{'est' if r['hybrid_uses_estimator'] else 'quasi':>8}")
+  print(f"mean recall@k: quasi {res['quasi_recall_at_k']:.3f}, hybrid {res['hybrid_recall_at_k']:.3f}; "
+        f"wrote {out}")
+
+
+if __name__ == "__main__":
+  app.run(main)

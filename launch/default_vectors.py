@@ -17,13 +17,13 @@ import os
 from absl import app, flags
 import jax.numpy as jnp
 import numpy as np
-import orbax.checkpoint as ocp
 from tqdm import tqdm
 
 from moejax import corpus, data, speculation
 from moejax.loader import load_model
 from moejax.tokenizer import Tokenizer
 from moejax.traces import config_hash
+from moejax.speculation import default_vectors_dir, save_default_vectors
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model_dir", "ckpts/demo", "HF-format model folder with tokenizer.json.")
@@ -32,35 +32,6 @@ flags.DEFINE_integer("windows", 256, "Training windows to average over.")
 flags.DEFINE_integer("seq", 256, "Window length.")
 flags.DEFINE_integer("batch", 8, "Windows per jitted pass.")
 flags.DEFINE_integer("seed", 0, "Window sampling seed.")
-
-
-def default_out(model_dir: str) -> str:
-  return os.path.join(model_dir.rstrip("/") + "-estimators", "default_vectors")
-
-
-def save(out: str, vecs, counts, meta: dict):
-  os.makedirs(out, exist_ok=True)
-  tree = {"vectors": [np.asarray(v) for v in vecs], "counts": [np.asarray(c) for c in counts]}
-  with ocp.StandardCheckpointer() as ckptr:
-    ckptr.save(os.path.abspath(os.path.join(out, "orbax")), tree, force=True)
-  with open(os.path.join(out, "meta.json"), "w") as f:
-    json.dump(meta, f, indent=2)
-
-
-def load(out: str, cfg) -> list[np.ndarray]:
-  """The default vectors saved for this model; refuses those of another model."""
-  meta_path = os.path.join(out, "meta.json")
-  if not os.path.exists(meta_path):
-    raise FileNotFoundError(f"no default vectors in {out}: run `python -m launch.default_vectors "
-                            f"--model_dir=<the model> --out={out}`")
-  meta = json.load(open(meta_path))
-  if meta["config_hash"] != config_hash(cfg):
-    raise ValueError(f"{meta_path} was made for another model (config hash "
-                     f"{meta['config_hash']}, this model {config_hash(cfg)}); rerun "
-                     "launch.default_vectors for this model")
-  with ocp.StandardCheckpointer() as ckptr:
-    tree = ckptr.restore(os.path.abspath(os.path.join(out, "orbax")))
-  return [np.asarray(v) for v in tree["vectors"]]
 
 
 def main(_):
@@ -74,12 +45,12 @@ def main(_):
   vecs, counts = speculation.default_vectors(
       cfg, params, experts, wins, FLAGS.batch,
       progress=lambda it: tqdm(it, desc="default vectors", unit="batch"))
-  out = FLAGS.out or default_out(FLAGS.model_dir)
+  out = FLAGS.out or default_vectors_dir(FLAGS.model_dir)
   meta = {"model_dir": FLAGS.model_dir, "config_hash": config_hash(cfg),
           "tokens": int(wins.size), "windows": int(len(wins)), "seq": FLAGS.seq,
           "min_tokens_per_expert": int(min(c.min() for c in counts)),
           "moe_layers": [int(l) for l in cfg.moe_layers]}
-  save(out, vecs, counts, meta)
+  save_default_vectors(out, vecs, counts, meta)
   print(f"{len(vecs)} MoE layers, {wins.size} tokens; fewest tokens for one expert: "
         f"{meta['min_tokens_per_expert']}; wrote {out}")
 

@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from launch.default_vectors import default_out, load
 from moejax import corpus, data, speculation
+from moejax.speculation import default_vectors_dir, load_default_vectors
 from moejax.loader import load_model
 from moejax.tokenizer import Tokenizer
 
@@ -80,7 +80,7 @@ def plot(rows: list[dict], path: str):
 def main(_):
   cfg, params, store = load_model(FLAGS.model_dir, dtype=jnp.float32)
   experts = store.to_device(jnp.float32)
-  vecs = load(FLAGS.vectors or default_out(FLAGS.model_dir), cfg)
+  vecs = load_default_vectors(FLAGS.vectors or default_vectors_dir(FLAGS.model_dir), cfg)
   tok = Tokenizer(FLAGS.model_dir)
   parts, _ = corpus.build(["python"])
   stream = data.encode_stream(tok._tok, parts["python"][1])

@@ -24,8 +24,8 @@ from tqdm import tqdm
 
 from estimators import data as est_data
 from estimators.train import EstimatorConfig, train_pair
-from launch.default_vectors import load as load_vectors
 from moejax import corpus, data
+from moejax.speculation import load_default_vectors
 from moejax.loader import load_model
 from moejax.tokenizer import Tokenizer
 from moejax.traces import config_hash
@@ -52,7 +52,7 @@ def main(_):
   cfg, params, store = load_model(FLAGS.model_dir, dtype=jnp.float32)
   experts = store.to_device(jnp.float32)
   out = FLAGS.out or FLAGS.model_dir.rstrip("/") + "-estimators"
-  vecs = load_vectors(os.path.join(out, "default_vectors"), cfg)
+  vecs = load_default_vectors(os.path.join(out, "default_vectors"), cfg)
   tok = Tokenizer(FLAGS.model_dir)
   parts, _ = corpus.build()
   train_stream = np.concatenate([data.encode_stream(tok._tok, tr) for tr, _ in parts.values()])

@@ -18,10 +18,13 @@ functions are pure and jitted with the config static.
 from __future__ import annotations
 
 import functools
+import json
+import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 
 from moejax import routing
 from moejax.config import ModelConfig
@@ -122,3 +125,33 @@ def topk_agreement(cfg: ModelConfig, true_logits_NxE, pred_logits_NxE) -> dict:
   return {"recall_at_k": float(jnp.mean(hit_NxK)),
           "exact_match": float(jnp.mean(jnp.all(hit_NxK, axis=-1))),
           "mass_covered": float(jnp.mean(jnp.sum(jnp.where(hit_NxK, share, 0.0), -1)))}
+
+
+def default_vectors_dir(model_dir: str) -> str:
+  return os.path.join(model_dir.rstrip("/") + "-estimators", "default_vectors")
+
+
+def save_default_vectors(out: str, vecs, counts, meta: dict):
+  os.makedirs(out, exist_ok=True)
+  tree = {"vectors": [np.asarray(v) for v in vecs], "counts": [np.asarray(c) for c in counts]}
+  with ocp.StandardCheckpointer() as ckptr:
+    ckptr.save(os.path.abspath(os.path.join(out, "orbax")), tree, force=True)
+  with open(os.path.join(out, "meta.json"), "w") as f:
+    json.dump(meta, f, indent=2)
+
+
+def load_default_vectors(out: str, cfg) -> list[np.ndarray]:
+  """The default vectors saved for this model; refuses those of another model."""
+  from moejax.traces import config_hash
+  meta_path = os.path.join(out, "meta.json")
+  if not os.path.exists(meta_path):
+    raise FileNotFoundError(f"no default vectors in {out}: run `python -m launch.default_vectors "
+                            f"--model_dir=<the model> --out={out}`")
+  meta = json.load(open(meta_path))
+  if meta["config_hash"] != config_hash(cfg):
+    raise ValueError(f"{meta_path} was made for another model (config hash "
+                     f"{meta['config_hash']}, this model {config_hash(cfg)}); rerun "
+                     "launch.default_vectors for this model")
+  with ocp.StandardCheckpointer() as ckptr:
+    tree = ckptr.restore(os.path.abspath(os.path.join(out, "orbax")))
+  return [np.asarray(v) for v in tree["vectors"]]

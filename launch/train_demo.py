@@ -50,6 +50,8 @@ flags.DEFINE_integer("balance_switch_step", 300, "Step at which --balance_coef t
 flags.DEFINE_enum("balance_scope", "batch", ["batch", "sequence"],
                   "Balance over all tokens of a step, or per sequence.")
 flags.DEFINE_float("locality_coef", 0.1, "Weight of the adjacent-token routing consistency loss.")
+flags.DEFINE_float("logit_balance_coef", 0.0,
+                   "Weight of the logit-balance loss that revives unused experts.")
 flags.DEFINE_enum("locality_loss", "cosine", ["cosine", "tv"],
                   "Consistency measure (moejax.train.aux_losses).")
 flags.DEFINE_integer("save_every", 50, "Checkpoint interval in steps.")
@@ -183,7 +185,8 @@ def main(_):
                    balance_coef_start=FLAGS.balance_coef_start,
                    balance_switch_step=FLAGS.balance_switch_step,
                    balance_scope=FLAGS.balance_scope, locality_coef=FLAGS.locality_coef,
-                   locality_loss=FLAGS.locality_loss)
+                   locality_loss=FLAGS.locality_loss,
+                   logit_balance_coef=FLAGS.logit_balance_coef)
   logging.info("train tokens %d, config %s", stream.size, cfg)
   trainable, step = run_training(cfg, tc, stream, os.path.join(wd, "ckpt"), FLAGS.save_every,
                                  max_hours=FLAGS.max_hours, log_path=os.path.join(wd, "train_log.jsonl"),

@@ -33,6 +33,7 @@ class TrainConfig:
   balance_scope: str = "batch"      # "batch": f, P over the whole step; "sequence": per sequence
   locality_coef: float = 0.0        # router consistency between adjacent tokens (0 = off)
   locality_loss: str = "cosine"     # "cosine" (scale-free) or "tv" (rewards flat routers)
+  logit_balance_coef: float = 0.0   # pulls every expert's mean centred logit to 0 (revives dead)
   z_coef: float = 1e-3
   batch: int = 16
   seq: int = 256
@@ -55,7 +56,7 @@ def balance_schedule(tc: TrainConfig, step):
 
 def aux_losses(cfg: ModelConfig, router_logits: list, scope: str = "batch",
                locality: str = "cosine"):
-  """Router losses, averaged over MoE layers: (balance, z, locality).
+  """Router losses, averaged over MoE layers: (balance, z, locality, logit_balance).
 
   balance: Switch-style E * sum_e f_e P_e, f = share of top-k picks, P = mean router
     probability; over all tokens of the step (scope "batch") or per sequence, then
@@ -66,8 +67,12 @@ def aux_losses(cfg: ModelConfig, router_logits: list, scope: str = "batch",
       neither rewards flat nor sharp routers, only a persistent direction of preference;
     "tv": total variation 0.5 * sum_e |p_t,e - p_t-1,e| of the router softmax, which
       is smallest for flat routers (kept for comparison; pilots flattened the gates).
+  logit_balance: mean over experts of the squared batch-mean centred logit,
+    mean_e (mean_t (l_t,e - mean_e' l_t,e'))^2.  The Switch loss cannot revive an expert
+    nobody selects (its f_e = 0, and its probability is too small for the softmax to
+    pass a gradient); this term acts on the logits directly, so it can.
   """
-  bal, z, loc, n = 0.0, 0.0, 0.0, 0
+  bal, z, loc, lbal, n = 0.0, 0.0, 0.0, 0.0, 0
   for rl in router_logits:
     if rl is None:
       continue
@@ -89,9 +94,11 @@ def aux_losses(cfg: ModelConfig, router_logits: list, scope: str = "batch",
       c_BxTxE = logits_BxTxE - jnp.mean(logits_BxTxE, axis=-1, keepdims=True)
       c_BxTxE = c_BxTxE / (jnp.linalg.norm(c_BxTxE, axis=-1, keepdims=True) + 1e-6)
       loc += jnp.mean(1.0 - jnp.sum(c_BxTxE[:, 1:] * c_BxTxE[:, :-1], axis=-1))
+    centred = logits_BxTxE - jnp.mean(logits_BxTxE, axis=-1, keepdims=True)
+    lbal += jnp.mean(jnp.mean(centred, axis=(0, 1)) ** 2)
     n += 1
   n = max(n, 1)
-  return bal / n, z / n, loc / n
+  return bal / n, z / n, loc / n, lbal / n
 
 
 def loss_fn(trainable, cfg: ModelConfig, tc: TrainConfig, tokens_BxT1, step):
@@ -99,9 +106,10 @@ def loss_fn(trainable, cfg: ModelConfig, tc: TrainConfig, tokens_BxT1, step):
   x, y = tokens_BxT1[:, :-1], tokens_BxT1[:, 1:]
   logits, _, rl = Transformer(cfg).apply({"params": params}, x, experts)
   ce = jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, y))
-  bal, z, loc = aux_losses(cfg, rl, tc.balance_scope, tc.locality_loss)
-  loss = ce + balance_schedule(tc, step) * bal + tc.z_coef * z + tc.locality_coef * loc
-  return loss, {"ce": ce, "balance": bal, "z": z, "locality": loc}
+  bal, z, loc, lbal = aux_losses(cfg, rl, tc.balance_scope, tc.locality_loss)
+  loss = (ce + balance_schedule(tc, step) * bal + tc.z_coef * z + tc.locality_coef * loc
+          + tc.logit_balance_coef * lbal)
+  return loss, {"ce": ce, "balance": bal, "z": z, "locality": loc, "logit_balance": lbal}
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(3, 4))

@@ -21,20 +21,23 @@ def test_balance_loss_hand_checked():
   l9 = float(np.log(9.0))  # softmax([l9, 0]) = [0.9, 0.1]
   balanced = jnp.array([[l9, 0.0], [0.0, l9]])       # f = [.5,.5], P = [.5,.5] -> 2*.5 = 1
   skewed = jnp.array([[l9, 0.0], [l9, 0.0]])         # f = [1, 0], P = [.9,.1] -> 2*.9 = 1.8
-  bal, z, loc = aux_losses(cfg, [balanced, None], locality="tv")
+  bal, z, loc, lbal = aux_losses(cfg, [balanced, None], locality="tv")
   np.testing.assert_allclose(float(bal), 1.0, rtol=1e-6)
   np.testing.assert_allclose(float(z), float(jnp.mean(jax.nn.logsumexp(balanced, -1) ** 2)))
   np.testing.assert_allclose(float(loc), 0.8, rtol=1e-6)   # TV([.9,.1], [.1,.9]) = 0.8
-  bal_s, _, loc_s = aux_losses(cfg, [skewed], locality="tv")
+  bal_s, _, loc_s, lbal_s = aux_losses(cfg, [skewed], locality="tv")
   np.testing.assert_allclose(float(bal_s), 1.8, rtol=1e-6)
   np.testing.assert_allclose(float(loc_s), 0.0, atol=1e-7)  # same routing twice
+  # centred logits [l9/2, -l9/2] twice vs mirrored: batch means (l9/2)^2 vs 0
+  np.testing.assert_allclose(float(lbal), 0.0, atol=1e-7)
+  np.testing.assert_allclose(float(lbal_s), (l9 / 2) ** 2, rtol=1e-6)
 
 
 def test_cosine_locality_hand_checked():
   cfg = ModelConfig(**{**TINY.__dict__, "num_experts": 3, "top_k": 1})
   a, b = [1.0, 0.0, -1.0], [-1.0, 0.0, 1.0]           # centred already; cos = -1
-  bal, z, loc = aux_losses(cfg, [jnp.array([a, b])])
-  chex.assert_shape((bal, z, loc), ((), (), ()))
+  bal, z, loc, lbal = aux_losses(cfg, [jnp.array([a, b])])
+  chex.assert_shape((bal, z, loc, lbal), ((), (), (), ()))
   assert float(loc) == pytest.approx(2.0, rel=1e-5)
   # scale-free: a sharper copy of the same preference costs nothing
   assert float(aux_losses(cfg, [jnp.array([a, [5.0, 2.0, -1.0]])])[2]) == pytest.approx(0.0, abs=1e-6)

@@ -119,6 +119,7 @@ def load_stats(sel: np.ndarray, gmean: np.ndarray, layers) -> list[dict]:
     share = sel[j] / sel[j].sum()
     ent = -np.sum(share * np.log(np.maximum(share, 1e-30))) / math.log(len(share))
     out.append({"layer": int(layer), "min_share": float(share.min()),
+                "dead_experts": int(np.sum(share < 0.1 / len(share))),
                 "max_share": float(share.max()), "entropy_norm": float(ent),
                 "mean_gate_by_rank": [float(x) for x in gmean[j]]})
   return out
@@ -198,6 +199,7 @@ def main(_):
       "dead_expert_threshold": 0.1 / cfg.num_experts,
       "layers_with_dead_experts": [s["layer"] for s in stats
                                    if s["min_share"] < 0.1 / cfg.num_experts],
+      "dead_experts_per_layer": [s["dead_experts"] for s in stats],
       "per_layer": stats,
   }
   if FLAGS.bigram:
@@ -219,10 +221,11 @@ def main(_):
   for name, c in curves.items():
     print(f"{name:<20}" + "".join(f"{100 * c['lru'][f]['ordered']:>8.1f} /{100 * c['lru'][f]['shuffled']:>5.1f}"
                                    for f in FRACTIONS))
-  print(f"\n{'layer':<7}{'min share':>10}{'max share':>10}{'entropy':>9}{'g(1st)':>8}{'g(kth)':>8}")
+  print(f"\n{'layer':<7}{'min share':>10}{'max share':>10}{'dead':>6}{'entropy':>9}{'g(1st)':>8}"
+        f"{'g(kth)':>8}")
   for s in stats:
     g = s["mean_gate_by_rank"]
-    print(f"{s['layer']:<7}{s['min_share']:>10.4f}{s['max_share']:>10.4f}"
+    print(f"{s['layer']:<7}{s['min_share']:>10.4f}{s['max_share']:>10.4f}{s['dead_experts']:>6}"
           f"{s['entropy_norm']:>9.3f}{g[0]:>8.3f}{g[-1]:>8.3f}")
   print("expert load and gates: held-out stdlib + C + English; gates by rank on stdlib")
   print(f"min expert load share {res['min_expert_load_share']:.4f} "

@@ -33,3 +33,4 @@ def test_evaluate_writes_the_locality_fields(tmp_path):
   assert rates == sorted(rates)        # LRU is a stack algorithm: more slots, more hits
   assert res["lru_hit_rate_25"] == cur["0.25"]["ordered"]
   assert os.path.exists(tmp_path / "eval_locality.png")
+  assert len(res["dead_experts_per_layer"]) == len(res["per_layer"])

@@ -45,12 +45,12 @@ flags.DEFINE_integer("seq", 256, "Tokens per sequence.")
 flags.DEFINE_float("lr", 3e-3, "Peak learning rate.")
 flags.DEFINE_integer("warmup", 100, "Warm-up steps.")
 flags.DEFINE_float("balance_coef", 0.03, "Load-balancing loss coefficient (after the switch).")
-flags.DEFINE_float("balance_coef_start", 0.1, "Balance coefficient before --balance_switch_step.")
-flags.DEFINE_integer("balance_switch_step", 300, "Step at which --balance_coef takes over.")
+flags.DEFINE_float("balance_coef_start", 0.03, "Balance coefficient before --balance_switch_step.")
+flags.DEFINE_integer("balance_switch_step", 0, "Step at which --balance_coef takes over.")
 flags.DEFINE_enum("balance_scope", "batch", ["batch", "sequence"],
                   "Balance over all tokens of a step, or per sequence.")
 flags.DEFINE_float("locality_coef", 0.1, "Weight of the adjacent-token routing consistency loss.")
-flags.DEFINE_float("logit_balance_coef", 0.0,
+flags.DEFINE_float("logit_balance_coef", 0.1,
                    "Weight of the logit-balance loss that revives unused experts.")
 flags.DEFINE_enum("locality_loss", "cosine", ["cosine", "tv"],
                   "Consistency measure (moejax.train.aux_losses).")

@@ -148,7 +148,7 @@ def perplexity_increase(cfg, params, store, tokens: list[int], dtype) -> dict:
   arr = np.asarray(tokens[:rows * w + 1], np.int32)
   toks = np.stack([arr[i * w:(i + 1) * w] for i in range(rows)])
   tgts = np.stack([arr[i * w + 1:(i + 1) * w + 1] for i in range(rows)])
-  pos = np.broadcast_to(np.arange(w, dtype=np.int32), toks.shape)
+  pos = np.arange(w, dtype=np.int32)
   stacked = emulator.stack_layers(cfg, params, store.to_device(dtype))
   ppl = {}
   bar = progress(len(FLAGS.presets), "perplexity (emulator)")
@@ -245,7 +245,7 @@ def main(_):
   import jax
   import jax.numpy as jnp
   from moejax.loader import load_model
-  from moejax.offload.engine import resolve_link
+  from moejax.offload.calibrate import calibrated_link
   from moejax.offload.policy import make_policy
   from moejax.tokenizer import Tokenizer
   for name in FLAGS.presets:
@@ -261,7 +261,7 @@ def main(_):
   if not prompt_ids:
     raise cli.UsageError("--prompt encodes to no tokens")
   spec = FLAGS.link or ("scaled" if platform == "cpu" else "native")
-  link = resolve_link(spec, cfg, params, store, dtype)
+  link = calibrated_link(spec, cfg, params, store, dtype)
   n_params = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(params))
   n_params += sum(int(np.prod(v.shape)) for l in store.moe_layers
                   for v in store.stacked(l).values())

@@ -255,13 +255,14 @@ def generate_offloaded(cfg, params, store, tok, ids, sp, dtype, seq):
   if jax.devices()[0].platform == "cpu":
     # per-layer steps sync with the host every layer: run them on the calling thread
     jax.config.update("jax_cpu_enable_async_dispatch", False)
-  link = link_spec()
+  from moejax.offload.calibrate import calibrated_link
+  link = calibrated_link(link_spec(), cfg, params, store, dtype)   # scaled: measures a layer
   eng = OffloadEngine(cfg, params, store, make_policy(),
                       cache_fraction=None if FLAGS.cache_bytes else cache_fraction(),
                       cache_bytes=FLAGS.cache_bytes, link=link, max_len=seq, dtype=dtype)
   with eng:
     print(f"[moejax] {eng.describe()}", file=sys.stderr)
-    if link == "native" and jax.devices()[0].platform == "cpu":
+    if not link.emulated and jax.devices()[0].platform == "cpu":
       print("[moejax] note: --link=native on a CPU-only machine: a transfer is a memory copy, "
             "so offloading looks almost free; --link=scaled emulates a GPU's PCIe link",
             file=sys.stderr)

@@ -1,4 +1,5 @@
-# Sourced by launch/demo.sh and launch/test.sh: create/refresh the venv in .venv and install moejax.
+# Sourced by launch/demo.sh and launch/test.sh: creates .venv (first run only) and installs
+# moejax into it.  pip's own output goes to .venv/pip-install.log and is shown only if pip fails.
 # Usage: MOEJAX_EXTRAS=test; source launch/env.sh   (extras optional; the caller's own
 # arguments are not read, so they can be passed on to the command it runs)
 set -e
@@ -6,20 +7,45 @@ EXTRAS="${MOEJAX_EXTRAS:-}"
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 PY="${PYTHON:-python3}"
+say() { echo "[setup] $*" >&2; }
+
+if ! "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+  say "error: moejax needs Python 3.11 or newer (jax 0.10 does); '$PY' is" \
+      "$("$PY" --version 2>&1 || echo 'not found'). Point PYTHON at one, e.g. PYTHON=python3.12"
+  exit 1
+fi
 if [ ! -x .venv/bin/python ]; then
+  say "creating the virtual environment .venv ($("$PY" --version 2>&1))"
   "$PY" -m venv .venv
 fi
 . .venv/bin/activate
+
 STAMP=".venv/.moejax-installed-${EXTRAS:-base}"
-if [ ! -f "$STAMP" ] || [ pyproject.toml -nt "$STAMP" ]; then
-  python -m pip install -q --upgrade pip
-  if [ -n "$EXTRAS" ]; then
-    # torch first, pinned: 2.13.0 is the CPU wheel on this machine's disk
-    python -m pip install -q "torch==2.13.0"
-    python -m pip install -q -e ".[$EXTRAS]"
-  else
-    python -m pip install -q -e .
+LOG=".venv/pip-install.log"
+pip_quiet() {
+  if ! python -m pip "$@" >>"$LOG" 2>&1; then
+    say "error: 'pip $*' failed; the end of its log ($ROOT/$LOG):"
+    tail -n 60 "$LOG" >&2
+    exit 1
   fi
+}
+if [ ! -f "$STAMP" ] || [ pyproject.toml -nt "$STAMP" ]; then
+  if [ -n "$EXTRAS" ]; then
+    say "installing moejax with its [$EXTRAS] extras (jax, flax, torch CPU, transformers ...)" \
+        "into .venv: about 3-5 minutes the first time, skipped afterwards; log: $LOG"
+  else
+    say "installing moejax and its dependencies (jax, flax, optax ...) into .venv:" \
+        "about 1-2 minutes the first time, skipped afterwards; log: $LOG"
+  fi
+  start=$SECONDS
+  : >"$LOG"
+  pip_quiet install --upgrade pip
+  if [ -n "$EXTRAS" ]; then
+    # torch first, pinned: 2.13.0 is the CPU wheel the tests compare against
+    pip_quiet install "torch==2.13.0"
+  fi
+  pip_quiet install -e ".${EXTRAS:+[$EXTRAS]}"
   touch "$STAMP"
+  say "installed in $((SECONDS - start)) s"
 fi
 export TOKENIZERS_PARALLELISM=false

@@ -1,0 +1,477 @@
+"""Exact emulator: the model's outputs under a miss policy, with idealised transfers.
+
+Teacher-forced (or greedy) evaluation of any `PolicyParams` over token streams,
+as ONE jitted `lax.scan` over tokens, vmapped over independent streams.  The
+carry of each stream is its KV cache plus every MoE layer's `ResidentState`
+(and the admissions requested at the previous token).  Per token and MoE layer
+the step does what `OffloadEngine.decode_step` does, with zero-time transfers:
+
+  1. insert the layer's admissions requested at the previous token (ascending
+     expert id, nothing protected), as the engine does before the layer;
+  2. attention + router, then `policy.decide` (the one decision function);
+  3. insert the FETCH experts at once (`resident.insert`, the token's executed
+     experts protected);
+  4. compute the experts: hits and fetches as themselves, substitutes by their
+     id with the missed expert's weight, HOST experts as themselves (exact);
+  5. `policy.update_usage`; the decision's admission requests are carried to
+     the next token.
+
+Every expert's weights are on the device (the full table), so the slot
+buffers are not needed: a ResidentState without buffers tracks residency and
+an expert is computed from the table by its id, which gives the same numbers
+as the engine's slot buffers.
+
+The first tokens of a stream are a prompt, run like `OffloadEngine.prefill`:
+exact, the union of the prompt's experts made available and the missing ones
+inserted most-used first (ties by id), without evicting an expert the prompt
+hit.  A teacher-forced stream uses its first token as a one-token prompt.
+
+Attention context: a stream carries a position per token; position 0 starts a
+new attention context (the static KV cache is overwritten from there, stale
+entries beyond the current position are masked by causality).  The expert
+caches persist across those resets.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moejax import routing
+from moejax.config import ModelConfig
+from moejax.model import DecoderLayer, Transformer, init_cache
+from moejax.offload import policy as policy_lib
+from moejax.offload import resident as resident_lib
+from moejax.offload.policy import DROP, FETCH, HIT, HOST, SUBSTITUTE, PolicyParams
+
+# per-token statistics, summed over MoE layers (the engine's record keys)
+STATS = ("expert_calls", "hits", "fetches", "substituted", "substituted_mass", "dropped",
+         "dropped_mass", "host_calls", "admissions", "admitted", "evictions",
+         "first_substituted")
+
+
+class EmulatorError(ValueError):
+  """Bad emulator input; the message names the flag or argument."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Control:
+  """An emulator-only *control* miss rule (for experiments, not a policy preset).
+
+  Which misses are waited for is chosen here; everything else (substitutes,
+  admission, eviction) is `policy.decide` with the `substitute_all` rule seeing
+  the waited-for misses as resident, so substitutes follow the spec exactly.
+
+    random:  each miss is substituted with probability `prob` (the first
+             choice too, unless protect_first), independently per call.
+    band:    misses whose share g / sum(g) is in [lo, hi) are substituted with
+             probability `prob`, the first choice never (unless protect_first
+             is False); all other misses are waited for.
+  """
+  kind: str = "random"
+  prob: float = 1.0
+  lo: float = 0.0
+  hi: float = 1.0
+  protect_first: bool = False
+  seed: int = 0
+
+  def __post_init__(self):
+    if self.kind not in ("random", "band"):
+      raise EmulatorError(f"control kind must be 'random' or 'band', got {self.kind!r}")
+    if not 0.0 <= self.prob <= 1.0:
+      raise EmulatorError(f"control prob must be in [0, 1], got {self.prob}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+  """Everything static about an emulation (hashable: a static jit argument)."""
+  cfg: ModelConfig
+  policy: PolicyParams
+  num_slots: int                 # physical slots per MoE layer (budget + staging)
+  max_len: int                   # KV cache length (attention window)
+  dtype: str = "float32"
+  control: Control | None = None
+  detail: bool = False           # also return per-layer actions, resident sets, logits
+
+
+# ------------------------------------------------------------------ state
+def init_states(cfg: ModelConfig, budget: resident_lib.Budget, policy: PolicyParams,
+                initial: str = "auto", profile_counts: dict | None = None) -> dict:
+  """Every MoE layer's ResidentState (no slot buffers), filled as the engine fills it."""
+  if initial == "auto":
+    initial = "all" if budget.all_resident else "empty"
+  states = {}
+  for l in cfg.moe_layers:
+    st = resident_lib.init_state(cfg.num_experts, budget.physical, {}, buffers=False)
+    if initial == "all":
+      order = range(cfg.num_experts)
+    elif initial == "profile":
+      if profile_counts is None or l not in profile_counts:
+        raise EmulatorError(f"initial='profile' needs profile counts for MoE layer {l}")
+      order = resident_lib.profile_order(profile_counts[l])[: budget.slots]
+    elif initial == "empty":
+      order = []
+    else:
+      raise EmulatorError(f"--initial must be auto, empty, all or profile, got {initial!r}")
+    states[l] = resident_lib.fill(st, order, lambda e: {}, policy, chunk=cfg.top_k)
+  return states
+
+
+def _layers(cfg: ModelConfig, dtype):
+  return [DecoderLayer(cfg, s, dtype, i) for i, s in enumerate(cfg.sparse_layers)]
+
+
+def _apply(mod, p, *args, method):
+  return mod.apply({"params": p}, *args, method=method)
+
+
+def _attend_route(mdl, x, pos, cache, end):
+  h, cache = mdl.attend(x, pos, cache, end)
+  moe_in, logits = mdl.route_logits(h)
+  return h, moe_in, logits, cache
+
+
+def _dense(mdl, x, pos, cache, end):
+  h, cache = mdl.attend(x, pos, cache, end)
+  return mdl.dense_residual(h), cache
+
+
+# ------------------------------------------------------------------ decisions
+def _control_decision(setup: Setup, logits_1xE, state, key):
+  """decide(substitute_all) with the control's waited-for misses seen as resident."""
+  cfg, c = setup.cfg, setup.control
+  ids, gates, _ = routing.route(cfg, logits_1xE)
+  share = gates / jnp.sum(gates, axis=-1, keepdims=True)     # as decide's share
+  miss = state.expert_slot[ids] < 0
+  first = jnp.arange(ids.shape[-1])[None, :] == 0
+  coin = jax.random.uniform(key, ids.shape) < c.prob
+  if c.kind == "random":
+    sub = miss & coin
+  else:
+    sub = miss & coin & (share >= c.lo) & (share < c.hi)
+  if c.protect_first:
+    sub = sub & ~first
+  wait = miss & ~sub
+  fake_slot = state.expert_slot.at[jnp.where(wait, ids, cfg.num_experts)].set(0, mode="drop")
+  dec = policy_lib.decide(logits_1xE, dataclasses.replace(state, expert_slot=fake_slot),
+                          dataclasses.replace(setup.policy, miss="substitute_all"), cfg)
+  return dataclasses.replace(dec, action=jnp.where(wait, FETCH, dec.action).astype(jnp.int32))
+
+
+def _decide(setup: Setup, logits_1xE, state, key):
+  if setup.control is not None:
+    return _control_decision(setup, logits_1xE, state, key)
+  return policy_lib.decide(logits_1xE, state, setup.policy, setup.cfg)
+
+
+def _moe_layer(setup: Setup, mod, p, table, x, pos, cache, state, pending_E, key):
+  """One MoE layer of one decoded token (engine order); returns x, cache, state, admit, stats."""
+  cfg, pol = setup.cfg, setup.policy
+  num_e, k = cfg.num_experts, cfg.top_k
+  none_in_use = jnp.zeros((num_e,), bool)
+  adm_ids = jnp.nonzero(pending_E, size=k, fill_value=-1)[0].astype(jnp.int32)
+  state, ev_adm = resident_lib.insert(state, adm_ids, {}, none_in_use, pol)
+  h, moe_in, logits, cache = _apply(mod, p, x, pos, cache, pos[0, 0], method=_attend_route)
+  dec = _decide(setup, logits.reshape(1, num_e), state, key)
+  act = dec.action[0]
+  fetch_ids = jnp.where(act == FETCH, dec.ids[0], -1)
+  in_use = none_in_use.at[jnp.where(dec.exec_ids[0] >= 0, dec.exec_ids[0], num_e)].set(
+      True, mode="drop")
+  state, ev_fetch = resident_lib.insert(state, fetch_ids, {}, in_use, pol)
+  run_ids = jnp.where(dec.action == HOST, dec.ids, dec.exec_ids)      # host: exact
+  w = jnp.where(run_ids >= 0, dec.weights, 0.0)
+  x = _apply(mod, p, h, moe_in, jnp.maximum(run_ids, 0).reshape(1, 1, k), w.reshape(1, 1, k),
+             table, method="moe_residual")
+  state = policy_lib.update_usage(state, dec, pol)
+  share = dec.share[0]
+  is_ = lambda a: (act == a).astype(jnp.float32)
+  stats = jnp.stack([
+      jnp.float32(k), jnp.sum(is_(HIT)), jnp.sum(is_(FETCH)), jnp.sum(is_(SUBSTITUTE)),
+      jnp.sum(is_(SUBSTITUTE) * share), jnp.sum(is_(DROP)), jnp.sum(is_(DROP) * share),
+      jnp.sum(is_(HOST)), jnp.sum(dec.admit.astype(jnp.float32)),
+      jnp.sum(pending_E.astype(jnp.float32)),
+      jnp.sum((ev_adm >= 0).astype(jnp.float32)) + jnp.sum((ev_fetch >= 0).astype(jnp.float32)),
+      is_(SUBSTITUTE)[0] + is_(DROP)[0]])
+  detail = dict(action=act, ids=dec.ids[0], sub_ids=dec.sub_ids[0], share=share)
+  return x, cache, state, dec.admit, stats, detail
+
+
+# ------------------------------------------------------------------ layers
+def uniform(cfg: ModelConfig) -> bool:
+  """Every layer sparse and of one kind: the layers run as a `lax.scan` (one compiled
+  layer body instead of one per layer)."""
+  kinds = {(cfg.layer_types[i] if cfg.layer_types else "") for i in range(cfg.num_layers)}
+  return all(cfg.sparse_layers) and len(kinds) == 1
+
+
+def stack_layers(cfg: ModelConfig, params, table):
+  """(layers, table) as the jitted functions take them: stacked [L, ...] for uniform
+  models, else lists over layers."""
+  layers = [params[f"layers_{i}"] for i in range(cfg.num_layers)]
+  if not uniform(cfg):
+    return layers, list(table)
+  stack = lambda *a: jnp.stack(a)
+  return jax.tree_util.tree_map(stack, *layers), jax.tree_util.tree_map(stack, *table)
+
+
+def _stack_states(cfg: ModelConfig, states: dict):
+  if not uniform(cfg):
+    return states
+  return jax.tree_util.tree_map(lambda *a: jnp.stack(a), *[states[l] for l in cfg.moe_layers])
+
+
+def _run_layers(cfg: ModelConfig, dtype, layer_fn, layers, table, x, per_layer):
+  """x through every layer: layer_fn(mod, sparse, p, table_l, x, per_layer_l, i) ->
+  (x, per_layer_l, out_l).  per_layer: stacked [L, ...] (uniform) or a list; returns
+  (x, per_layer, outs stacked over MoE layers)."""
+  mods = _layers(cfg, dtype)
+  if uniform(cfg):
+    # the KV cache rides in the loop carry and is updated in place, one layer at a
+    # time (as scanned xs/ys it would be copied whole at every layer)
+    cache, rest = per_layer[0], per_layer[1:]
+
+    def body(carry, xs):
+      x, cache = carry
+      p, t, st, pend, i = xs
+      cache_l = jax.tree_util.tree_map(lambda c: c[i], cache)
+      x, (cache_l, st, pend), out = layer_fn(mods[0], True, p, t, x, (cache_l, st, pend), i)
+      cache = jax.tree_util.tree_map(lambda c, n: c.at[i].set(n), cache, cache_l)
+      return (x, cache), (st, pend, out)
+
+    (x, cache), (st, pend, outs) = jax.lax.scan(
+        body, (x, cache), (layers, table) + tuple(rest) + (jnp.arange(cfg.num_layers),))
+    return x, (cache, st, pend), outs
+  per_layer, outs = list(per_layer), []
+  for i, mod in enumerate(mods):
+    x, per_layer[i], out = layer_fn(mod, cfg.sparse_layers[i], layers[i], table[i], x,
+                                    per_layer[i], i)
+    if cfg.sparse_layers[i]:
+      outs.append(out)
+  return x, per_layer, jax.tree_util.tree_map(lambda *a: jnp.stack(a), *outs)
+
+
+def _per_layer(cfg: ModelConfig, cache, states, pending):
+  """Zips the carry into per-layer tuples (dense layers get None state)."""
+  if uniform(cfg):
+    return (cache, states, pending)
+  return [(cache[i], states.get(i), pending.get(i)) for i in range(cfg.num_layers)]
+
+
+def _unzip(cfg: ModelConfig, per_layer):
+  if uniform(cfg):
+    return per_layer
+  cache = [c for c, _, _ in per_layer]
+  states = {i: s for i, (_, s, _) in enumerate(per_layer) if s is not None}
+  pending = {i: a for i, (_, _, a) in enumerate(per_layer) if a is not None}
+  return cache, states, pending
+
+
+# ------------------------------------------------------------------ one stream
+def _token_step(setup: Setup, params, layers, table, carry, token, pos, key):
+  """One decoded token of one stream: returns (carry, logits [V], stats, detail)."""
+  cfg = setup.cfg
+  dtype = jnp.dtype(setup.dtype)
+  model = Transformer(cfg, dtype)
+  x = model.apply({"params": params}, token.reshape(1, 1), method="embed")
+  pos_11 = pos.reshape(1, 1)
+
+  def layer_fn(mod, sparse, p, t, x, pl, i):
+    cache, state, pending = pl
+    if not sparse:
+      x, cache = _apply(mod, p, x, pos_11, cache, pos, method=_dense)
+      return x, (cache, state, pending), None
+    x, cache, state, pending, stats, det = _moe_layer(
+        setup, mod, p, t, x, pos_11, cache, state, pending, jax.random.fold_in(key, i))
+    if setup.detail:
+      det["slot_expert"] = state.slot_expert
+    else:
+      det = {}
+    return x, (cache, state, pending), (stats, det)
+
+  x, per_layer, (stats, det) = _run_layers(cfg, dtype, layer_fn, layers, table, x,
+                                           _per_layer(cfg, *carry))
+  logits = model.apply({"params": params}, x[:, -1], method="logits")[0]
+  if setup.detail:
+    det["logits"] = logits
+  return _unzip(cfg, per_layer), logits, jnp.sum(stats, axis=0), det
+
+
+def _prefill_one(setup: Setup, params, layers, table, states, tokens_P, length):
+  """Exact prompt (first `length` of tokens_P) of one stream, as OffloadEngine.prefill."""
+  cfg, pol = setup.cfg, setup.policy
+  dtype = jnp.dtype(setup.dtype)
+  model = Transformer(cfg, dtype)
+  num_e, k = cfg.num_experts, cfg.top_k
+  plen = tokens_P.shape[0]
+  valid = (jnp.arange(plen) < length).astype(jnp.float32)
+  pos = jnp.arange(plen, dtype=jnp.int32)[None]
+  x = model.apply({"params": params}, tokens_P[None], method="embed")
+  decay_pow = jnp.power(jnp.float32(pol.lfu_decay), length.astype(jnp.float32))
+
+  def layer_fn(mod, sparse, p, t, x, pl, i):
+    cache, st, pending = pl
+    if not sparse:
+      x, cache = _apply(mod, p, x, pos, cache, 0, method=_dense)
+      return x, (cache, st, pending), None
+    h, moe_in, logits, cache = _apply(mod, p, x, pos, cache, 0, method=_attend_route)
+    ids, gates, _ = routing.route(cfg, logits.reshape(plen, num_e))
+    x = _apply(mod, p, h, moe_in, ids.reshape(1, plen, k), gates.reshape(1, plen, k), t,
+               method="moe_residual")
+    counts = jnp.zeros((num_e,), jnp.float32).at[ids.reshape(-1)].add(jnp.repeat(valid, k))
+    used = counts > 0
+    resident = st.expert_slot >= 0
+    missing = used & ~resident
+    # the missing experts, most used first, ties by id, in one insert (the engine's
+    # chunks of K, each protecting the ones before, overwrite the same slots)
+    order = jnp.lexsort((jnp.arange(num_e), -counts, ~missing))
+    ordered = jnp.where(missing[order], order, -1).astype(jnp.int32)
+    st, _ = resident_lib.insert(st, ordered, {}, used & resident, pol)
+    st = dataclasses.replace(st, last_used=jnp.where(used, st.step, st.last_used),
+                             freq=st.freq * decay_pow + counts, step=st.step + 1)
+    return x, (cache, st, pending), jnp.zeros(())
+
+  cache = init_cache(cfg, 1, setup.max_len, dtype)
+  if uniform(cfg):
+    cache = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *cache)
+    pending = jnp.zeros((cfg.num_layers, num_e), bool)
+  else:
+    pending = {l: jnp.zeros((num_e,), bool) for l in cfg.moe_layers}
+  x, per_layer, _ = _run_layers(cfg, dtype, layer_fn, layers, table, x,
+                                _per_layer(cfg, cache, states, pending))
+  logits = model.apply({"params": params}, jax.lax.dynamic_index_in_dim(x[0], length - 1),
+                       method="logits")[0]
+  return logits, _unzip(cfg, per_layer)
+
+
+# ------------------------------------------------------------------ jitted entry points
+@functools.partial(jax.jit, static_argnames=("setup",))
+def prefill(setup: Setup, params, layers, table, states, tokens_BxP, lengths_B):
+  """Exact prompts of B streams (each its own copy of `states`): (logits [B,V], carry)."""
+  one = functools.partial(_prefill_one, setup, params, layers, table, states)
+  return jax.vmap(one)(tokens_BxP, lengths_B)
+
+
+def _prefill_setup(setup: Setup) -> Setup:
+  """The prefill reads only the eviction rule and the LFU decay: one compile serves
+  every policy that shares them."""
+  pol = PolicyParams(eviction=setup.policy.eviction, lfu_decay=setup.policy.lfu_decay)
+  return dataclasses.replace(setup, policy=pol, control=None, detail=False)
+
+
+@functools.partial(jax.jit, static_argnames=("setup",), donate_argnums=(4,))
+def teacher_forced(setup: Setup, params, layers, table, carry, tokens_BxT, pos_T, targets_BxT,
+                   seed_B):
+  """Feeds tokens_BxT to B streams; per token its nll of the target.
+
+  Positions pos_T are shared by the streams (a KV-cache write at one index for all;
+  per-stream positions would make it a scatter).
+
+  Returns (carry, {"nll": [B,T], "stats": [B,T,len(STATS)], + detail arrays}).
+  """
+  def one(carry, toks, poss, tgts, seed):
+    base = jax.random.PRNGKey(seed)
+
+    def body(c, xs):
+      tok, ps, tgt, t = xs
+      c, logits, stats, det = _token_step(setup, params, layers, table, c, tok, ps,
+                                          jax.random.fold_in(base, t))
+      nll = -jax.nn.log_softmax(logits)[tgt]
+      return c, dict(nll=nll, stats=stats, **det)
+
+    return jax.lax.scan(body, carry, (toks, poss, tgts, jnp.arange(toks.shape[0])))
+
+  return jax.vmap(one, in_axes=(0, 0, None, 0, 0))(carry, tokens_BxT, pos_T, targets_BxT,
+                                                   seed_B)
+
+
+@functools.partial(jax.jit, static_argnames=("setup", "steps"), donate_argnums=(4,))
+def greedy(setup: Setup, params, layers, table, carry, logits_BxV, start_B, steps: int):
+  """Greedy continuation of B prompts (after `prefill`): tokens [B, steps] and stats."""
+  def one(carry, logits, start):
+    def body(c, t):
+      cc, lg = c
+      tok = jnp.argmax(lg).astype(jnp.int32)
+      cc, lg, stats, _ = _token_step(setup, params, layers, table, cc, tok, start + t,
+                                     jax.random.PRNGKey(t))
+      return (cc, lg), (tok, stats)
+
+    (_, _), (toks, stats) = jax.lax.scan(body, (carry, logits), jnp.arange(steps))
+    return toks, stats
+
+  return jax.vmap(one)(carry, logits_BxV, start_B)
+
+
+# ------------------------------------------------------------------ convenience
+@dataclasses.dataclass
+class Emulation:
+  """What an emulation needs besides the tokens: built once per (model, policy, budget)."""
+  setup: Setup
+  params: dict          # the model's parameters (embedding, head, norms)
+  layers: object        # the decoder layers' parameters (see `stack_layers`)
+  table: object         # the full expert table on the device (see `stack_layers`)
+  states: object        # the initial ResidentStates (stacked for uniform models)
+  budget: resident_lib.Budget
+
+
+def make(cfg: ModelConfig, params, store, policy: PolicyParams | str, *,
+         cache_fraction: float | None = 0.25, cache_bytes: int | None = None,
+         max_len: int = 512, dtype=jnp.float32, initial: str = "auto",
+         profile_counts: dict | None = None, control: Control | None = None,
+         detail: bool = False, stacked: tuple | None = None) -> Emulation:
+  """An Emulation of `policy` with the engine's budget and initial cache contents.
+
+  `stacked`: `stack_layers(cfg, params, store.to_device(dtype))`, to share one
+  copy of the layers and the expert table between emulations.
+  """
+  if isinstance(policy, str):
+    policy = policy_lib.make_policy(policy)
+  if max_len < 2:
+    raise EmulatorError(f"--max_len must be >= 2, got {max_len}")
+  budget = resident_lib.make_budget(cfg.num_experts, cfg.top_k, store.expert_nbytes(),
+                                    len(cfg.moe_layers), fraction=cache_fraction,
+                                    nbytes=cache_bytes)
+  if stacked is None:
+    stacked = stack_layers(cfg, params, store.to_device(dtype))
+  states = _stack_states(cfg, init_states(cfg, budget, policy, initial, profile_counts))
+  setup = Setup(cfg, policy, budget.physical, max_len, jnp.dtype(dtype).name, control, detail)
+  return Emulation(setup, params, *stacked, states, budget)
+
+
+def run_streams(em: Emulation, tokens_BxT: np.ndarray, pos_T: np.ndarray,
+                targets_BxT: np.ndarray, seed: int = 0) -> dict:
+  """Teacher-forced emulation of B streams: the first token is a one-token prompt.
+
+  pos_T: the positions, shared by the streams (pos_T[0] must be 0; a 0 later starts
+  a new attention context).
+  Returns numpy {"nll": [B,T] (position t: nll of targets[t] after token t),
+  "stats": [B,T-1,len(STATS)] (decoded tokens), + detail arrays [B,T-1,...]}.
+  """
+  tokens_BxT = np.asarray(tokens_BxT, np.int32)
+  if tokens_BxT.ndim != 2 or tokens_BxT.shape[1] < 1:
+    raise EmulatorError(f"streams must be a non-empty [B, T] token array, got shape "
+                        f"{tokens_BxT.shape}")
+  pos_T = np.asarray(pos_T, np.int32)
+  if pos_T.shape != tokens_BxT.shape[1:] or pos_T[0] != 0:
+    raise EmulatorError(f"positions must be [T={tokens_BxT.shape[1]}] starting at 0, got "
+                        f"shape {pos_T.shape}")
+  if np.any(pos_T >= em.setup.max_len):
+    raise EmulatorError(f"a position reaches max_len={em.setup.max_len}; cut documents into "
+                        f"windows of at most --max_len tokens")
+  b = tokens_BxT.shape[0]
+  logits, carry = prefill(_prefill_setup(em.setup), em.params, em.layers, em.table, em.states,
+                          tokens_BxT[:, :1],
+                          np.ones((b,), np.int32))
+  first = -np.asarray(jax.nn.log_softmax(logits))[np.arange(b), targets_BxT[:, 0]]
+  carry, out = teacher_forced(em.setup, em.params, em.layers, em.table, carry,
+                              tokens_BxT[:, 1:],
+                              pos_T[1:],
+                              np.asarray(targets_BxT[:, 1:], np.int32),
+                              np.arange(b, dtype=np.int32) + 7919 * seed)
+  out = jax.device_get(out)
+  out["nll"] = np.concatenate([first[:, None], out["nll"]], axis=1)
+  out["first_logits"] = np.asarray(logits)
+  return out

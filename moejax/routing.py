@@ -37,6 +37,31 @@ def route(cfg: ModelConfig, logits_NxE: jax.Array):
   raise ValueError(f"unknown router rule {cfg.router!r} for model_type {cfg.model_type}")
 
 
+def rank_scores(cfg: ModelConfig, logits_NxE: jax.Array) -> jax.Array:
+  """[N,E] f32 router scores that rank substitutes: the raw logits for the softmax
+  families (the same order as their probabilities, without underflow to ties), the
+  biased sigmoid score sigmoid(logit) + bias for sigmoid_group (the family's own
+  selection score, before its gates are normalised)."""
+  logits = logits_NxE.astype(jnp.float32)
+  if cfg.router in ("softmax", "topk_softmax"):
+    return logits
+  if cfg.router == "sigmoid_group":
+    logits, bias = _split_bias(cfg, logits)
+    return jax.nn.sigmoid(logits) + bias
+  raise ValueError(f"unknown router rule {cfg.router!r} for model_type {cfg.model_type}")
+
+
+def _split_bias(cfg: ModelConfig, logits):
+  """A sigmoid_group router output [..., 2E] -> (logits, correction bias)."""
+  e = cfg.num_experts
+  if logits.shape[-1] == 2 * e:
+    return logits[..., :e], logits[..., e:]
+  if logits.shape[-1] == e:
+    return logits, jnp.zeros_like(logits)
+  raise ValueError(f"router output has {logits.shape[-1]} columns; a sigmoid_group router "
+                   f"of {e} experts gives {2 * e} (logits, correction bias) or {e}")
+
+
 def _sigmoid_group(cfg: ModelConfig, logits):
   """DeepSeek-V3 / GLM-4.5 routing (``cfg.router == "sigmoid_group"``).
 
@@ -47,17 +72,11 @@ def _sigmoid_group(cfg: ModelConfig, logits):
   among them.  Gates are the *unbiased* sigmoids of the selected experts,
   divided by their sum (+1e-20) if ``norm_topk_prob``, times
   ``routed_scaling_factor``: they need not sum to 1.  The returned scores are
-  the biased scores over all experts (before the group mask), which is what
-  ranks substitutes.
+  the biased scores over all experts (before the group mask); `rank_scores`
+  gives the same for ranking substitutes.
   """
   e, g = cfg.num_experts, cfg.n_group
-  if logits.shape[-1] == 2 * e:
-    logits, bias = logits[..., :e], logits[..., e:]
-  elif logits.shape[-1] == e:
-    bias = jnp.zeros_like(logits)
-  else:
-    raise ValueError(f"router output has {logits.shape[-1]} columns; a sigmoid_group router "
-                     f"of {e} experts gives {2 * e} (logits, correction bias) or {e}")
+  logits, bias = _split_bias(cfg, logits)
   sig = jax.nn.sigmoid(logits)
   scores = sig + bias
   choice = scores

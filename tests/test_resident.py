@@ -12,7 +12,7 @@ E, I, D = 8, 4, 6
 SPEC = {"gate_up": ((2 * I, D), jnp.float32), "down": ((D, I), jnp.float32)}
 HOST = {e: {"gate_up": np.full((2 * I, D), e + 1, np.float32),
             "down": np.full((D, I), -(e + 1), np.float32)} for e in range(E)}
-LRU = P.PolicyParams(eviction="lru")
+LRU = P.CacheParams(eviction="lru")
 K = 2
 
 
@@ -100,7 +100,7 @@ def test_lfu_insertion_evicts_least_frequent():
   st, _ = insert(st, [0, 1])
   st = dataclasses.replace(st, freq=jnp.asarray([3.0, 1.0, 0, 0, 0, 0, 0, 0]),
                            last_used=jnp.asarray([0, 9, -1, -1, -1, -1, -1, -1], jnp.int32))
-  st, ev = insert(st, [2], params=P.PolicyParams(eviction="lfu"))
+  st, ev = insert(st, [2], params=P.CacheParams(eviction="lfu"))
   assert list(np.asarray(ev))[0] == 1                       # lru would have evicted e0
   st2 = R.init_state(E, 2, SPEC)
   st2, _ = insert(st2, [0, 1])

@@ -84,10 +84,8 @@ def _attend_route(mdl, x, pos, cache, end):
 def _steps(cfg: ModelConfig, dtype, layer_idx: int, policy: PolicyParams):
   """The jitted functions of one layer kind; cached across engines, and keyed only
   on the policy fields each function reads (so policies share compiles)."""
-  decide_key = dataclasses.replace(policy, name="", eviction="lru", lfu_decay=0.98)
   out = dict(_base_steps(cfg, dtype, layer_idx))
-  out.update(_policy_steps(cfg, dtype, layer_idx, decide_key, float(policy.lfu_decay),
-                           policy.eviction))
+  out.update(_policy_steps(cfg, dtype, layer_idx, policy.decision, policy.cache))
   return out
 
 
@@ -97,11 +95,10 @@ def _unpack_tp(tp):
 
 
 @functools.lru_cache(maxsize=None)
-def _policy_steps(cfg: ModelConfig, dtype, layer_idx: int, decide_key: PolicyParams,
-                  lfu_decay: float, eviction: str):
+def _policy_steps(cfg: ModelConfig, dtype, layer_idx: int, decide_key: policy_lib.DecideParams,
+                  cache_key: policy_lib.CacheParams):
   mod = _module(cfg, dtype, layer_idx)
-  usage_key = PolicyParams(lfu_decay=lfu_decay)
-  evict_key = PolicyParams(eviction=eviction)
+  usage_key = evict_key = cache_key
   num_e = cfg.num_experts
 
   def _attend_decide(p, x, tp, cache, state):
@@ -338,7 +335,7 @@ class OffloadEngine:
     self.states = {l: self._put(resident_lib.init_state(cfg.num_experts, self.budget.physical,
                                                         spec))
                    for l in self.moe_layers}
-    self._evict_key = PolicyParams(eviction=policy.eviction)   # what insert reads
+    self._evict_key = policy.cache   # what insert reads
     self._zero_x = np.zeros((1, 1, cfg.hidden_size), jnp.dtype(dtype))   # host expert output
     self._fill_initial(initial, profile_counts)
     # on the CPU backend, device memory is host memory: transfers copy into private

@@ -9,7 +9,9 @@ and gives every selected expert one *action*:
   HIT         resident: computed from its slot.
   FETCH       missed, the policy waits: fetched synchronously and inserted.
   SUBSTITUTE  missed, replaced by the resident expert with the highest router
-              score that is not selected for this token and not already used as
+              score (`routing.rank_scores`: the router logit or the family's
+              pre-normalisation score, never an underflowing probability; ties
+              by lowest id) that is not selected for this token and not already used as
               a substitute; computed with the missed expert's gate weight.
               Misses take substitutes in the order of their own router scores.
   HOST        missed, computed on the host CPU (`host` policy).
@@ -24,8 +26,8 @@ to tau waits; for routers that renormalise the share is g itself);
 `first_choice` only the first choice; `substitute_all` and `host` none.
 
 Background admission(beta): every miss that is not waited for (substituted,
-dropped or computed on the host) adds its gate weight g to the missed expert's
-accumulator; when the accumulator reaches beta (>=) the expert is requested
+dropped or computed on the host) adds its normalised share g / sum(selected g)
+(the quantity the threshold rule compares) to the missed expert's accumulator; when the accumulator reaches beta (>=) the expert is requested
 asynchronously (``Decision.admit``) and its accumulator is reset to 0.
 
 Eviction picks, among slots not in use by the current token, an empty slot
@@ -35,6 +37,11 @@ updated once per token and layer as ``freq[e] <- lfu_decay * freq[e] + n_e``,
 where n_e is the number of this step's tokens whose router selected e (hit,
 fetched, substituted, dropped or host alike: it tracks demand).  The default
 decay 0.98 is a half-life of about 34 tokens.
+
+Parameters come in two hashable parts, so compile-cache keys follow from types:
+`DecideParams` (read by `decide`) and `CacheParams` (read by `eviction_order`,
+`update_usage` and `resident.insert`); `PolicyParams` holds both and a name.
+Every function is pure and jittable (no Python-side state, no callbacks).
 """
 
 from __future__ import annotations
@@ -48,7 +55,6 @@ from moejax import routing
 from moejax.config import ModelConfig
 
 HIT, FETCH, SUBSTITUTE, HOST, DROP = 0, 1, 2, 3, 4
-ACTION_NAMES = ("hit", "fetch", "substitute", "host", "drop")
 
 MISS_RULES = ("fetch_all", "threshold", "first_choice", "substitute_all", "host")
 EVICTIONS = ("lru", "lfu")
@@ -60,32 +66,65 @@ class PolicyError(ValueError):
 
 
 @dataclasses.dataclass(frozen=True)
-class PolicyParams:
-  """A complete policy; hashable, so it is a static argument of jitted steps."""
+class DecideParams:
+  """What `decide` reads: the miss rule, substitution variant and admission threshold.
+
+  Hashable: the static argument (compile-cache key) of jitted decision steps.
+  """
   miss: str = "fetch_all"
   tau: float = 0.15
   substitution: str = "next_best"
-  eviction: str = "lru"
   admission_beta: float | None = None    # None: no background admission
-  lfu_decay: float = 0.98
-  name: str = ""
 
   def __post_init__(self):
     if self.miss not in MISS_RULES:
-      raise PolicyError(f"--policy: unknown miss rule {self.miss!r}; choose one of "
+      raise PolicyError(f"miss: unknown miss rule {self.miss!r}; choose one of "
                         f"{', '.join(MISS_RULES + tuple(PRESETS))}")
     if not 0.0 < self.tau <= 1.0:
-      raise PolicyError(f"--tau must be in (0, 1], got {self.tau}")
+      raise PolicyError(f"tau must be in (0, 1], got {self.tau}")
     if self.substitution not in SUBSTITUTIONS:
-      raise PolicyError(f"--substitution: unknown variant {self.substitution!r}; choose one "
+      raise PolicyError(f"substitution: unknown variant {self.substitution!r}; choose one "
                         f"of {', '.join(SUBSTITUTIONS)}")
-    if self.eviction not in EVICTIONS:
-      raise PolicyError(f"--eviction: unknown policy {self.eviction!r}; choose one of "
-                        f"{', '.join(EVICTIONS)}")
     if self.admission_beta is not None and not self.admission_beta > 0:
-      raise PolicyError(f"--admission_beta must be > 0, got {self.admission_beta}")
+      raise PolicyError(f"admission_beta must be > 0, got {self.admission_beta}")
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheParams:
+  """What eviction (`eviction_order`, `resident.insert`) and `update_usage` read.
+
+  Hashable: the static argument (compile-cache key) of jitted insert/usage steps.
+  """
+  eviction: str = "lru"
+  lfu_decay: float = 0.98
+
+  def __post_init__(self):
+    if self.eviction not in EVICTIONS:
+      raise PolicyError(f"eviction: unknown policy {self.eviction!r}; choose one of "
+                        f"{', '.join(EVICTIONS)}")
     if not 0.0 < self.lfu_decay <= 1.0:
-      raise PolicyError(f"--lfu_decay must be in (0, 1], got {self.lfu_decay}")
+      raise PolicyError(f"lfu_decay must be in (0, 1], got {self.lfu_decay}")
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyParams:
+  """A complete policy: the decision rule, the cache rule and a display name.
+
+  Every function here takes the part it reads (`DecideParams` or `CacheParams`)
+  or a whole PolicyParams, so a jitted step keyed on a part compiles once for
+  all policies that share it.
+  """
+  decision: DecideParams = DecideParams()
+  cache: CacheParams = CacheParams()
+  name: str = ""
+
+  # read-only views of the parts' fields
+  miss = property(lambda self: self.decision.miss)
+  tau = property(lambda self: self.decision.tau)
+  substitution = property(lambda self: self.decision.substitution)
+  admission_beta = property(lambda self: self.decision.admission_beta)
+  eviction = property(lambda self: self.cache.eviction)
+  lfu_decay = property(lambda self: self.cache.lfu_decay)
 
   def describe(self) -> str:
     rule = f"threshold({self.tau:g})" if self.miss == "threshold" else self.miss
@@ -99,11 +138,24 @@ class PolicyParams:
     return f"{self.name} = {s}" if self.name else s
 
 
+def decide_params(params: DecideParams | PolicyParams) -> DecideParams:
+  return params.decision if isinstance(params, PolicyParams) else params
+
+
+def cache_params(params: CacheParams | PolicyParams) -> CacheParams:
+  return params.cache if isinstance(params, PolicyParams) else params
+
+
 PRESETS = {
     "quality": dict(miss="threshold", tau=0.15, eviction="lfu", admission_beta=0.5),
     "speed": dict(miss="first_choice", eviction="lfu", admission_beta=0.5),
     "baseline": dict(miss="fetch_all", eviction="lru"),
 }
+
+
+_FLAGS = dict(miss="--policy", tau="--tau", substitution="--substitution",
+              admission_beta="--admission_beta", eviction="--eviction",
+              lfu_decay="--lfu_decay")
 
 
 def make_policy(name: str, *, tau: float | None = None, eviction: str | None = None,
@@ -112,10 +164,11 @@ def make_policy(name: str, *, tau: float | None = None, eviction: str | None = N
   """A preset (quality/speed/baseline) or a miss rule, with optional overrides.
 
   Overrides given as None keep the preset's (or the default) value.  For a plain
-  miss rule, admission is off unless `admission_beta` is given.
+  miss rule, admission is off unless `admission_beta` is given.  Errors name the
+  command-line flag of the offending value.
   """
   if name in PRESETS:
-    kw = dict(PRESETS[name], name=name)
+    kw = dict(PRESETS[name])
   elif name in MISS_RULES:
     kw = dict(miss=name)
   else:
@@ -125,7 +178,13 @@ def make_policy(name: str, *, tau: float | None = None, eviction: str | None = N
                ("substitution", substitution), ("lfu_decay", lfu_decay)):
     if v is not None:
       kw[k] = v
-  return PolicyParams(**kw)
+  cache_kw = {k: kw.pop(k) for k in ("eviction", "lfu_decay") if k in kw}
+  try:
+    return PolicyParams(DecideParams(**kw), CacheParams(**cache_kw),
+                        name=name if name in PRESETS else "")
+  except PolicyError as e:
+    field = str(e).split(":")[0].split(" ")[0]
+    raise PolicyError(f"{_FLAGS.get(field, field)}: {e}") from None
 
 
 @jax.tree_util.register_dataclass
@@ -143,15 +202,18 @@ class Decision:
   acc: jax.Array        # [E] f32 admission accumulator after this step
 
 
-def decide(router_logits_NxE: jax.Array, resident, params: PolicyParams,
+def decide(router_logits_NxE: jax.Array, resident, params: DecideParams | PolicyParams,
            cfg: ModelConfig) -> Decision:
   """The policy's decision for every selected expert of N tokens (pure, jittable).
 
   `resident` is the layer's ResidentState (only `expert_slot` and `acc` are read).
   The N tokens are decided against the same resident set (the engine decodes
-  one token at a time).
+  one token at a time).  Substitutes are ranked by `routing.rank_scores` (the
+  router's logits, or the family's pre-normalisation score), ties by lowest id.
   """
-  ids, gates, scores = routing.route(cfg, router_logits_NxE)
+  params = decide_params(params)
+  ids, gates, _ = routing.route(cfg, router_logits_NxE)
+  scores = routing.rank_scores(cfg, router_logits_NxE)
   n, k = ids.shape
   num_e = scores.shape[-1]
   total = jnp.sum(gates, axis=-1, keepdims=True)
@@ -203,7 +265,7 @@ def decide(router_logits_NxE: jax.Array, resident, params: PolicyParams,
   admit = jnp.zeros((num_e,), bool)
   if params.admission_beta is not None:
     add = jnp.zeros((num_e,), jnp.float32).at[ids.reshape(-1)].add(
-        jnp.where(served_elsewhere, gates, 0.0).reshape(-1))
+        jnp.where(served_elsewhere, share, 0.0).reshape(-1))
     acc = acc + add
     admit = acc >= params.admission_beta
     acc = jnp.where(admit, 0.0, acc)
@@ -211,7 +273,7 @@ def decide(router_logits_NxE: jax.Array, resident, params: PolicyParams,
                   exec_ids=exec_ids, weights=weights, admit=admit, acc=acc)
 
 
-def eviction_order(resident, protected_S: jax.Array, params: PolicyParams):
+def eviction_order(resident, protected_S: jax.Array, params: CacheParams | PolicyParams):
   """Slots in the order insertions overwrite them, and how many may be overwritten.
 
   Empty slots first, then per the eviction policy (lru: oldest last use; lfu:
@@ -220,6 +282,7 @@ def eviction_order(resident, protected_S: jax.Array, params: PolicyParams):
   Inserting J experts one after another, each protecting the one before,
   overwrites exactly the first J slots of this order.
   """
+  params = cache_params(params)
   slot_e = resident.slot_expert
   e = jnp.maximum(slot_e, 0)
   empty = slot_e < 0
@@ -233,18 +296,20 @@ def eviction_order(resident, protected_S: jax.Array, params: PolicyParams):
   return order.astype(jnp.int32), jnp.sum(~protected_S)
 
 
-def victim_slot(resident, protected_S: jax.Array, params: PolicyParams) -> jax.Array:
+def victim_slot(resident, protected_S: jax.Array,
+                params: CacheParams | PolicyParams) -> jax.Array:
   """The slot the next insertion overwrites (see `eviction_order`); -1 if all protected."""
   order, usable = eviction_order(resident, protected_S, params)
   return jnp.where(usable > 0, order[0], -1)
 
 
-def update_usage(resident, decision: Decision, params: PolicyParams):
+def update_usage(resident, decision: Decision, params: CacheParams | PolicyParams):
   """Usage statistics and admission accumulator after one step (pure).
 
   lru: experts computed on the device this step get ``last_used = step``.
   lfu: ``freq <- lfu_decay * freq + (router selections this step)``.
   """
+  params = cache_params(params)
   num_e = resident.expert_slot.shape[0]
   used = jnp.zeros((num_e + 1,), bool).at[
       jnp.where(decision.exec_ids >= 0, decision.exec_ids, num_e).reshape(-1)].set(True)[:num_e]

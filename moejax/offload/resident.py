@@ -142,7 +142,7 @@ def init_state(num_experts: int, num_slots: int, expert_spec: dict,
 
 
 def insert(state: ResidentState, ids_J: jax.Array, rows_J: dict, in_use_E: jax.Array,
-           params: policy_lib.PolicyParams):
+           params: policy_lib.CacheParams | policy_lib.PolicyParams):
   """Inserts experts ids_J[j] (with weights {name: rows_J[name][j]}) in order; pure and
   jittable.  rows_J holds one stacked array [>= J, ...] per buffer (one argument per
   buffer, not per expert: the prefetch thread delivers a layer's fetches stacked).
@@ -190,7 +190,8 @@ def insert(state: ResidentState, ids_J: jax.Array, rows_J: dict, in_use_E: jax.A
 insert_jit = jax.jit(insert, static_argnames=("params",), donate_argnums=(0,))
 
 
-def fill(state: ResidentState, expert_ids, get_expert, params: policy_lib.PolicyParams,
+def fill(state: ResidentState, expert_ids, get_expert,
+         params: policy_lib.CacheParams | policy_lib.PolicyParams,
          chunk: int = 8) -> ResidentState:
   """Loads `expert_ids` (most important first, at most num_slots) from the host.
 

@@ -82,33 +82,34 @@ class SimResult:
 
 
 def static_key(p: PolicyParams) -> PolicyParams:
-  """The fields that change the computation (policies sharing it share one compile)."""
-  return dataclasses.replace(p, tau=0.15, lfu_decay=0.98, name="",
-                             admission_beta=None if p.admission_beta is None else 0.5)
+  """The fields that change the computation (policies sharing it share one compile):
+  miss rule, substitution variant, admission on/off, eviction."""
+  d = policy_lib.DecideParams(miss=p.miss, substitution=p.substitution,
+                              admission_beta=None if p.admission_beta is None else 0.5)
+  return PolicyParams(d, policy_lib.CacheParams(eviction=p.eviction))
 
 
 def _dyn(p: PolicyParams) -> np.ndarray:
   return np.asarray([p.tau, p.admission_beta or 0.0, p.lfu_decay], np.float32)
 
 
-def _traced(static: PolicyParams, dyn_3) -> PolicyParams:
-  """`static` with its numeric fields replaced by traced values (vmap over variants).
-
-  PolicyParams validates concrete numbers in __post_init__; the variants were
-  validated when they were built, so the copy bypasses it.
-  """
-  p = copy.copy(static)
-  object.__setattr__(p, "tau", dyn_3[0])
-  if static.admission_beta is not None:
-    object.__setattr__(p, "admission_beta", dyn_3[1])
-  object.__setattr__(p, "lfu_decay", dyn_3[2])
-  return p
+def _traced(static: PolicyParams, dyn_3):
+  """(DecideParams, CacheParams) of `static` with tau, beta and the LFU decay replaced
+  by traced values (vmap over variants).  The parts validate concrete numbers in
+  __post_init__; the variants were validated when they were built, so the copies
+  bypass it."""
+  d, c = copy.copy(static.decision), copy.copy(static.cache)
+  object.__setattr__(d, "tau", dyn_3[0])
+  if d.admission_beta is not None:
+    object.__setattr__(d, "admission_beta", dyn_3[1])
+  object.__setattr__(c, "lfu_decay", dyn_3[2])
+  return d, c
 
 
 # ------------------------------------------------------------------ one lane
 def _decode_step(cfg: ModelConfig, static: PolicyParams, state, pending_K, logits_R, dyn_3):
   """One (token, layer) of one policy: the engine's order (module docstring)."""
-  params = _traced(static, dyn_3)
+  dparams, params = _traced(static, dyn_3)
   num_e, k = cfg.num_experts, cfg.top_k
   admitted = jnp.zeros((), jnp.float32)
   ev_adm = jnp.zeros((), jnp.float32)
@@ -116,7 +117,7 @@ def _decode_step(cfg: ModelConfig, static: PolicyParams, state, pending_K, logit
     state, ev = resident_lib.insert(state, pending_K, {}, jnp.zeros((num_e,), bool), params)
     admitted = jnp.sum(pending_K >= 0).astype(jnp.float32)
     ev_adm = jnp.sum(ev >= 0).astype(jnp.float32)
-  dec = policy_lib.decide(logits_R[None], state, params, cfg)
+  dec = policy_lib.decide(logits_R[None], state, dparams, cfg)
   act, ids, ex = dec.action[0], dec.ids[0], dec.exec_ids[0]
   fetch = jnp.where(act == FETCH, ids, -1)
   in_use = jnp.zeros((num_e + 1,), bool).at[jnp.where(ex >= 0, ex, num_e)].set(True)[:num_e]
@@ -146,7 +147,7 @@ def _first_k(mask_E, k: int):
 
 def _prefill(cfg: ModelConfig, static: PolicyParams, state, logits_PxR, dyn_3):
   """The engine's prefill of a P-token prompt for one layer (see module docstring)."""
-  params = _traced(static, dyn_3)
+  _, params = _traced(static, dyn_3)
   num_e = cfg.num_experts
   ids, _, _ = routing.route(cfg, logits_PxR)
   counts = jnp.zeros((num_e,), jnp.float32).at[ids.reshape(-1)].add(1.0)
@@ -187,7 +188,8 @@ def _prefill_all(cfg, static, states, logits_PxLxR, dyn_Px3):
 
 
 @functools.partial(jax.jit, static_argnames=("num_experts", "num_slots", "params"))
-def _initial_states(order_LxS, num_experts: int, num_slots: int, params: PolicyParams):
+def _initial_states(order_LxS, num_experts: int, num_slots: int,
+                    params: policy_lib.CacheParams):
   """Empty caches filled with order_LxS[l] (-1: nothing), as the engine's `fill` does."""
   def one(order_S):
     st = resident_lib.init_state(num_experts, num_slots, {}, buffers=False)
@@ -246,8 +248,7 @@ def simulate(cfg: ModelConfig, logits_TxLxR, policies, *, cache_fraction: float 
              np.pad(np.asarray(initial_LxS, np.int32)[:, :budget.physical],
                     ((0, 0), (0, max(0, budget.physical - np.shape(initial_LxS)[1]))),
                     constant_values=-1))
-    evict_key = PolicyParams(eviction=static.eviction)
-    st = _initial_states(jnp.asarray(order), cfg.num_experts, budget.physical, evict_key)
+    st = _initial_states(jnp.asarray(order), cfg.num_experts, budget.physical, static.cache)
     states = jax.tree_util.tree_map(lambda a: jnp.broadcast_to(a, (npol,) + a.shape), st)
     if prefill_tokens:
       states = _prefill_all(cfg, static, states, jnp.asarray(logits[:prefill_tokens]), dyn)

@@ -110,8 +110,9 @@ def check_engine(tr, out_dir):
   skip = FLAGS.check_skip
   fl = float(np.mean(np.sum(sims[0].steps_TxLxC[skip:, :, 0] > 0, axis=1)))
   native = engine_lib.resolve_link("native", cfg, params, store)
-  cal = timemodel.calibrate_engine(cfg, params, store, tokens, prompt, native, skip=skip,
-                                   fetch_layers_per_token=fl)
+  cal = timemodel.calibrate_engine(
+      cfg, params, store, tokens, prompt, native, skip=skip, fetch_layers_per_token=fl,
+      time_host="host" in FLAGS.policies and profiles.CALIBRATED in FLAGS.profiles)
   link = engine_lib.resolve_link(FLAGS.check_link, cfg, params, store)
   ebytes = store.expert_nbytes()
   cal_link = dict(cal, transfer_s=link.transfer_time(ebytes) - link.latency_s,

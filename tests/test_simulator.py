@@ -150,3 +150,55 @@ def _hf(model_dir):
   import json
   with open(os.path.join(model_dir, "config.json")) as fh:
     return json.load(fh)
+
+
+# ------------------------------------------------------------------ time model
+from moejax import profiles, timemodel  # noqa: E402
+
+
+def tp(**kw):
+  base = dict(name="t", head_s=0.0, layer_s=0.1, expert_s=0.0, host_expert_s=0.0,
+              transfer_s=1.0, latency_s=0.0)
+  return timemodel.TimeParams(**dict(base, **kw))
+
+
+def steps(rows):
+  """rows[t][l] = (fetches, host_calls, admissions, device_calls)."""
+  return np.asarray(rows, np.int8)
+
+
+def test_time_of_sync_fetches_host_and_experts_by_hand():
+  p = tp(head_s=0.5, expert_s=0.01, host_expert_s=0.2, latency_s=0.05, fetch_overhead_s=0.03)
+  s = steps([[(2, 0, 0, 8), (0, 1, 0, 7)]])
+  # head + 2 layers + (latency + 2 transfers + overhead) + 15 device experts + 1 host expert
+  want = 0.5 + 0.2 + (0.05 + 2.0 + 0.03) + 15 * 0.01 + 0.2
+  np.testing.assert_allclose(timemodel.time_per_token(s, p), [want], rtol=1e-6)
+
+
+def test_admission_arrives_late_and_the_layer_waits():
+  # token 0 requests one admission at layer 0 (1 s on the link); token 1's layer 0 starts
+  # 0.2 s later and waits the remaining 0.8 s
+  s = steps([[(0, 0, 1, 8), (0, 0, 0, 8)], [(0, 0, 0, 8), (0, 0, 0, 8)]])
+  np.testing.assert_allclose(timemodel.time_per_token(s, tp()), [0.2, 1.0], rtol=1e-6)
+
+
+def test_sync_fetch_waits_only_for_the_background_piece_on_the_link():
+  # background admission (4 pieces of 0.25 s) from layer 0; layer 1's fetch, 0.1 s later,
+  # waits 0.9 mod 0.25 = 0.15 s, then 1 s; the background resumes after it
+  s = steps([[(0, 0, 1, 8), (1, 0, 0, 8)], [(0, 0, 0, 8), (0, 0, 0, 8)]])
+  np.testing.assert_allclose(timemodel.time_per_token(s, tp()), [0.1 + 0.1 + 0.15 + 1.0,
+                                                                   0.1 + 0.65 + 0.1], rtol=1e-5)
+
+
+def test_roofline_of_qwen3_30b_on_rtx3090():
+  p = timemodel.roofline(profiles.hardware("rtx3090"), profiles.model_shape("qwen3-30b-a3b"))
+  np.testing.assert_allclose(p.transfer_s, 9_437_184 / 25e9)
+  np.testing.assert_allclose(p.expert_s, 9_437_184 / 936e9)
+  np.testing.assert_allclose(p.layer_s, (37_748_736 + 524_288 + 8_704) / 936e9)
+  np.testing.assert_allclose(p.head_s, 151936 * 2048 * 2 / 936e9)
+
+
+def test_unknown_profile_lists_the_known_ones():
+  with pytest.raises(profiles.ProfileError, match="known: rtx3090, rtx4090, a100, h100, h200, "
+                                                  "gh200, this_machine"):
+    profiles.hardware("rtx5090")

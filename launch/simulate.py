@@ -90,7 +90,9 @@ def time_params(names, shape, calibration):
 
 
 def check_engine(tr, out_dir):
-  """Calibrates this_machine and compares simulated vs measured tpot (baseline/quality/speed)."""
+  """Calibrates this_machine on the trace's second window, then compares simulated and
+  measured time per token of baseline, quality and speed on its first window."""
+  import dataclasses
   import jax
   import jax.numpy as jnp
   from moejax.loader import load_model
@@ -98,52 +100,51 @@ def check_engine(tr, out_dir):
   jax.config.update("jax_cpu_enable_async_dispatch", False)   # as bench_offload
   model_dir = FLAGS.model_dir or tr.meta.get("model_dir")
   cfg, params, store = load_model(model_dir, dtype=jnp.float32)
-  prompt, n = FLAGS.prefill_tokens, FLAGS.check_skip + FLAGS.check_tokens
-  w0 = tr.windows[0]
-  if prompt + n > w0[1]:
-    raise app.UsageError(f"--check_engine needs {prompt + n} tokens in the trace's first "
-                         f"window, it has {w0[1]}")
-  tokens = [int(t) for t in tr.token_ids[:prompt + n]]
-  logits = tr.logits_TxLxR[:prompt + n]
-  names = ["baseline", "quality", "speed"]
-  sims = simulator.simulate(tr.cfg, logits, names, prefill_tokens=prompt)
-  skip = FLAGS.check_skip
-  fl = float(np.mean(np.sum(sims[0].steps_TxLxC[skip:, :, 0] > 0, axis=1)))
-  native = engine_lib.resolve_link("native", cfg, params, store)
-  cal = timemodel.calibrate_engine(
-      cfg, params, store, tokens, prompt, native, skip=skip, fetch_layers_per_token=fl,
-      time_host="host" in FLAGS.policies and profiles.CALIBRATED in FLAGS.profiles)
+  prompt, skip = FLAGS.prefill_tokens, FLAGS.check_skip
+  n = prompt + skip + FLAGS.check_tokens
+  wins = [w for w in tr.windows if w[1] >= n][:2]
+  if len(wins) < 2:
+    raise app.UsageError(f"--check_engine needs two trace windows of >= {n} tokens")
   link = engine_lib.resolve_link(FLAGS.check_link, cfg, params, store)
-  ebytes = store.expert_nbytes()
-  cal_link = dict(cal, transfer_s=link.transfer_time(ebytes) - link.latency_s,
-                  latency_s=link.latency_s)
-  tp = timemodel.TimeParams(**cal_link)
+  names = ["baseline", "quality", "speed"]
+
+  def segment(w):
+    lo = w[0]
+    toks = [int(t) for t in tr.token_ids[lo:lo + n]]
+    sims = simulator.simulate(tr.cfg, tr.logits_TxLxR[lo:lo + n], names, prefill_tokens=prompt)
+    return toks, {k: s for k, s in zip(names, sims)}
+
+  cal_tokens, cal_steps = segment(wins[1])
+  tp = timemodel.calibrate_engine(
+      cfg, params, store, cal_tokens, prompt, link,
+      {k: s.steps_TxLxC for k, s in cal_steps.items()}, skip=skip,
+      time_host="host" in FLAGS.policies and profiles.CALIBRATED in FLAGS.profiles)
+  print(f"[check] calibrated: {tp}", file=sys.stderr)
+  tokens, sims = segment(wins[0])
   rows = {}
-  for name, s in zip(names, sims):
-    with engine_lib.OffloadEngine(cfg, params, store, name, cache_fraction=0.25, link=link,
-                                  max_len=len(tokens) + 8) as eng:
-      eng.warmup()
-      eng.prefill(tokens[:prompt])
-      for t in tqdm(tokens[prompt:], desc=f"engine {name}", unit="tok"):
-        eng.decode_step(t)
-      meas = eng.stats(skip=skip)
-    sim_ms = 1e3 * float(np.mean(timemodel.time_per_token(s.steps_TxLxC, tp)[skip:]))
+  for name in names:
+    meas = timemodel.run_engine(cfg, params, store, name, tokens, prompt, link, skip=skip)
+    s = sims[name]
+    sim_ms = timemodel.mean_ms(s.steps_TxLxC, tp, skip)
     rows[name] = dict(measured_tpot_ms=meas["tpot_ms"], simulated_tpot_ms=sim_ms,
                       ratio=sim_ms / meas["tpot_ms"],
                       measured_fetches_per_token=meas["fetches_per_token"],
                       simulated_fetches_per_token=float(
                           np.mean(np.sum(s.steps_TxLxC[skip:, :, 0], axis=1))),
-                      measured_hit_rate=meas["hit_rate"], simulated_hit_rate=float(
-                          s.summary()["hit_rate"]))
+                      measured_admissions_per_token=meas["admissions_per_token"],
+                      simulated_admissions_per_token=float(
+                          np.mean(np.sum(s.steps_TxLxC[skip:, :, 2], axis=1))))
     print(f"[check] {name:<9} measured {meas['tpot_ms']:7.2f} ms  simulated {sim_ms:7.2f} ms  "
           f"ratio {sim_ms / meas['tpot_ms']:.3f}", file=sys.stderr)
+  cal = dataclasses.asdict(tp)
   with open(os.path.join(out_dir, "calibration.json"), "w") as f:
-    json.dump(cal_link, f, indent=1)
-  return dict(link=link.describe(), calibration=cal_link, presets=rows,
-              fetch_layers_per_token_baseline=fl,
-              note="measured: engine on this machine, teacher-forced trace tokens; simulated: "
-                   "time model with this_machine calibrated from an all-resident run and a "
-                   "native-link baseline run (not from these runs)"), cal_link
+    json.dump(cal, f, indent=1)
+  return dict(link=link.describe(), calibration=cal, presets=rows,
+              calibration_tokens=[wins[1][0], n], check_tokens=[wins[0][0], n],
+              load_average=os.getloadavg(),
+              note="measured: the engine on this machine on the trace's first window; "
+                   "simulated: time model with this_machine calibrated on its second window "
+                   "(resident, baseline, quality runs)"), cal
 
 
 def plot(results, path):

@@ -113,7 +113,7 @@ def generate(num_tokens: int, bias_LxE: np.ndarray, gp: GenParams, seed: int = 0
 
 
 def fit(cfg: ModelConfig, measured: dict, tokens: int = 2048, seed: int = 0,
-        scales=(0.5, 0.75, 1.0, 1.5, 2.0, 3.0), weights=(0.0, 0.25, 0.5, 0.75, 0.9),
+        scales=(0.75, 1.0, 1.25, 1.5, 2.0), weights=(0.0, 0.1, 0.2, 0.35, 0.5, 0.75),
         rhos=(0.8, 0.95, 0.99)) -> tuple[GenParams, dict]:
   """Grid search for the GenParams whose synthetic trace (the measured model's shape)
   best matches first-choice share, reuse@1 and reuse@16 (squared relative errors)."""

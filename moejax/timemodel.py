@@ -140,51 +140,62 @@ def breakdown(steps_TxLxC: np.ndarray, tp: TimeParams) -> dict:
 
 
 # ------------------------------------------------------------------ calibration
-def calibrate_engine(cfg, params, store, tokens, prompt: int, link, *, skip: int = 8,
-                     fetch_layers_per_token: float | None = None, time_host: bool = True,
-                     dtype=jnp.float32) -> dict:
-  """Times the engine here (public API only) and returns this machine's TimeParams fields.
+def run_engine(cfg, params, store, policy, tokens, prompt: int, link, *, fraction=0.25,
+               skip: int = 8, dtype=jnp.float32) -> dict:
+  """The engine's statistics on teacher-forced `tokens` (public API only)."""
+  from moejax.offload.engine import OffloadEngine    # the engine only when timing it
+  with OffloadEngine(cfg, params, store, policy, cache_fraction=fraction, link=link,
+                     max_len=len(tokens) + 8, dtype=dtype) as eng:
+    eng.warmup()
+    eng.prefill(tokens[:prompt])
+    for t in tokens[prompt:]:
+      eng.decode_step(t)
+    return eng.stats(skip=skip)
 
-  Two short runs on the same teacher-forced tokens:
-    all experts resident            -> layer_s = time per token / MoE layers
-                                       (head and dense layers folded in)
-    baseline (fetch_all) on `link`  -> fetch_overhead_s = (time per token - resident time
-                                       - link time of its fetches) / layers with a fetch
-  `fetch_layers_per_token` (baseline's, from the simulator on the same tokens) is
-  needed for the second; host_expert_s is timed from one `host` run (time_host;
-  else left 0).  `link` is a moejax.offload.link.Link (emulated).
+
+def mean_ms(steps_TxLxC, tp: TimeParams, skip: int) -> float:
+  return 1e3 * float(np.mean(time_per_token(steps_TxLxC, tp)[skip:]))
+
+
+def calibrate_engine(cfg, params, store, tokens, prompt: int, link, steps: dict, *,
+                     skip: int = 8, time_host: bool = False, dtype=jnp.float32) -> TimeParams:
+  """This machine's TimeParams, from timing the engine here on `tokens` with `link`.
+
+  `steps`: the simulator's per-step counts of "baseline" and "quality" on the same
+  tokens (prefill = `prompt`).  Three runs, each fixing one parameter so that the
+  time model reproduces that run:
+    all experts resident -> layer_s = time per token / MoE layers (head folded in)
+    baseline             -> fetch_overhead_s: host time per layer with sync fetches
+                            beyond the link time (copy, insert, slower device calls)
+    quality              -> admission_overhead_s: host time per background admission
+  plus one `host` run for host_expert_s when time_host.  Calibrate on other tokens
+  than those a comparison uses.
   """
-  from moejax.offload.engine import OffloadEngine    # the engine only when calibrating
-
-  def run(policy, fraction):
-    with OffloadEngine(cfg, params, store, policy, cache_fraction=fraction, link=link,
-                       max_len=len(tokens) + 8, dtype=dtype) as eng:
-      eng.warmup()
-      eng.prefill(tokens[:prompt])
-      for t in tokens[prompt:]:
-        eng.decode_step(t)
-      return eng.stats(skip=skip)
-
   t0 = time.time()
   nl = len(cfg.moe_layers)
+  run = lambda pol, frac=0.25: run_engine(cfg, params, store, pol, tokens, prompt, link,
+                                          fraction=frac, skip=skip, dtype=dtype)
   ebytes = store.expert_nbytes()
   res = run("baseline", 1.0)
-  layer_s = res["tpot_ms"] * 1e-3 / nl
-  base = run("baseline", 0.25)
-  xfer = link.transfer_time(ebytes) - link.latency_s
-  link_s = base["fetches_per_token"] * xfer + (fetch_layers_per_token or 0) * link.latency_s
-  over = 0.0
-  if fetch_layers_per_token:
-    over = max(0.0, (base["tpot_ms"] * 1e-3 - res["tpot_ms"] * 1e-3 - link_s)
-               / fetch_layers_per_token)
-  host_s, host_txt = 0.0, "host not timed"
+  tp = TimeParams(profiles.CALIBRATED, head_s=0.0, layer_s=res["tpot_ms"] * 1e-3 / nl,
+                  expert_s=0.0, host_expert_s=0.0,
+                  transfer_s=link.transfer_time(ebytes) - link.latency_s,
+                  latency_s=link.latency_s)
+  base = run("baseline")
+  fl = float(np.mean(np.sum(steps["baseline"][skip:, :, 0] > 0, axis=1)))
+  over = (base["tpot_ms"] - mean_ms(steps["baseline"], tp, skip)) * 1e-3 / max(fl, 1e-9)
+  tp = dataclasses.replace(tp, fetch_overhead_s=max(0.0, over))
+  qual = run("quality")
+  adm = float(np.mean(np.sum(steps["quality"][skip:, :, 2], axis=1)))
+  a_over = (qual["tpot_ms"] - mean_ms(steps["quality"], tp, skip)) * 1e-3 / max(adm, 1e-9)
+  tp = dataclasses.replace(tp, admission_overhead_s=max(0.0, a_over))
+  host_txt = "host not timed"
   if time_host:
-    host = run("host", 0.25)
-    host_s = host["host_ms_per_token"] * 1e-3 / max(host["host_calls_per_token"], 1e-9)
+    host = run("host")
+    tp = dataclasses.replace(tp, host_expert_s=host["host_ms_per_token"] * 1e-3
+                             / max(host["host_calls_per_token"], 1e-9))
     host_txt = f"host {host['tpot_ms']:.2f} ms/token"
-  return dict(name=profiles.CALIBRATED, head_s=0.0, layer_s=layer_s, expert_s=0.0,
-              host_expert_s=host_s, transfer_s=xfer, latency_s=link.latency_s,
-              fetch_overhead_s=over, admission_overhead_s=0.0,
-              source=f"engine timed here ({link.describe()}): resident "
-                     f"{res['tpot_ms']:.2f} ms/token, baseline {base['tpot_ms']:.2f} ms/token, "
-                     f"{host_txt}; {time.time() - t0:.0f} s")
+  return dataclasses.replace(tp, source=(
+      f"engine timed here ({link.describe()}), {len(tokens) - prompt - skip} tokens each: "
+      f"resident {res['tpot_ms']:.2f}, baseline {base['tpot_ms']:.2f}, quality "
+      f"{qual['tpot_ms']:.2f} ms/token, {host_txt}; {time.time() - t0:.0f} s"))

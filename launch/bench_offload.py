@@ -24,6 +24,7 @@ Every time names its link.  Figures are wall-clock on a shared machine.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
@@ -38,7 +39,7 @@ import numpy as np
 
 from moejax.config import ModelConfig
 from moejax.loader import init_random, load_model
-from moejax.offload import engine as engine_lib
+from moejax.offload import calibrate
 from moejax.offload.engine import OffloadEngine
 from moejax.offload.link import parse_link
 from moejax.store import ExpertStore
@@ -61,9 +62,9 @@ flags.DEFINE_integer("decode_tokens", 64, "Decoded tokens timed.")
 flags.DEFINE_integer("seed", 0, "Token stream seed (random-weight model).")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute/parameter dtype.")
 flags.DEFINE_enum("scaled_compute", "model", ["model", "engine"],
-                  "Layer compute time the scaled link is sized against: 'model' = a fully "
-                  "resident jitted decode step / layers (the computation alone); 'engine' = "
-                  "this engine's all-resident time per token / layers (incl. its per-layer "
+                  "Layer compute time the scaled link is sized against: 'model' = one MoE "
+                  "layer's jitted decode step with its own experts resident (the computation "
+                  "alone); 'engine' = this engine's all-resident time per token / layers (incl. its per-layer "
                   "host round trips).")
 
 
@@ -121,24 +122,25 @@ def native_transfer_seconds(store, layer: int, host_copies: bool, reps: int = 30
   """Median time of one expert's copy as the engine makes it on the native link: a
   private host stack on the CPU backend (`Prefetcher(host_copies=True)`), else an owned
   host->device `device_put`."""
-  from moejax.offload import transfer
+  from moejax.offload import copies
   sh = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   times = []
   for i in range(reps):
     src = store.get(layer, i % store.layers[layer].num_experts)
     t0 = time.perf_counter()
     if host_copies:
-      transfer._host_stack([src])  # pylint: disable=protected-access
+      copies.host_stack([src])
     else:
-      jax.block_until_ready({k: transfer.owned_device_put(v, sh) for k, v in src.items()})
+      jax.block_until_ready({k: copies.owned_device_put(v, sh) for k, v in src.items()})
     times.append(time.perf_counter() - t0)
   return float(np.median(times))
 
 
-def make_engine(cfg, params, store, policy, link, stream, counts, dtype, fraction):
-  eng = OffloadEngine(cfg, params, store, policy, cache_fraction=fraction, link=link,
-                      max_len=len(stream) + 8, dtype=dtype, initial="profile",
-                      profile_counts=counts)
+def make_engine(stack, cfg, params, store, policy, link, stream, counts, dtype, fraction):
+  """An engine entered into `stack` (closed however the run ends), warmed up and prefilled."""
+  eng = stack.enter_context(OffloadEngine(cfg, params, store, policy, cache_fraction=fraction,
+                                          link=link, max_len=len(stream) + 8, dtype=dtype,
+                                          initial="profile", profile_counts=counts))
   eng.warmup()
   eng.prefill(stream[:FLAGS.prompt_len])
   return eng
@@ -156,6 +158,11 @@ def run_interleaved(engines: list, stream: list, block: int = 8):
 
 
 def main(_):
+  with contextlib.ExitStack() as stack:
+    run(stack)
+
+
+def run(stack: contextlib.ExitStack):
   dtype = jnp.dtype(FLAGS.dtype)
   if jax.devices()[0].platform == "cpu":
     # per-layer steps sync with the host every layer: run them on the calling thread
@@ -163,14 +170,14 @@ def main(_):
   cfg, params, store, tok_path, desc = load(dtype)
   n = FLAGS.prompt_len + FLAGS.warmup_tokens + FLAGS.decode_tokens
   prof_stream, stream = token_streams(cfg, tok_path, n)
-  counts = engine_lib.profile_counts(cfg, params, store, prof_stream, dtype)
+  counts = calibrate.profile_counts(cfg, params, store, prof_stream, dtype)
   ebytes = store.expert_nbytes()
   print(f"[bench_offload] {desc}: {cfg.num_layers} layers, {cfg.num_experts} experts top-"
         f"{cfg.top_k}, expert {ebytes} bytes, {jax.devices()[0].platform}; "
         f"{FLAGS.decode_tokens} timed tokens after {FLAGS.warmup_tokens} warm-up",
         file=sys.stderr)
 
-  layer_s = engine_lib.layer_compute_seconds(cfg, params, store, dtype)
+  layer_s = calibrate.layer_compute_seconds(cfg, params, store, dtype)
   model_layer_s = layer_s
   if FLAGS.scaled_compute == "engine":
     with OffloadEngine(cfg, params, store, "baseline", cache_fraction=1.0,
@@ -183,7 +190,8 @@ def main(_):
   links = {spec: (parse_link(spec, expert_bytes=ebytes, layer_compute_s=layer_s)
                   if spec.startswith("scaled") else parse_link(spec, expert_bytes=ebytes))
            for spec in FLAGS.links}
-  mk = lambda pol, link, f: make_engine(cfg, params, store, pol, link, stream, counts, dtype, f)
+  mk = lambda pol, link, f: make_engine(stack, cfg, params, store, pol, link, stream, counts,
+                                        dtype, f)
   compute_eng = mk("baseline", links[FLAGS.links[0]], 1.0)
   runs = {(spec, preset): mk(preset, link, FLAGS.cache_fraction)
           for spec, link in links.items() for preset in FLAGS.presets}
@@ -199,19 +207,20 @@ def main(_):
       "decode_tokens": FLAGS.decode_tokens, "warmup_tokens": FLAGS.warmup_tokens,
       "scaled_compute": FLAGS.scaled_compute,
       "scaled_link_layer_compute_ms": 1e3 * layer_s,
-      "resident_sampler_tpot_ms": 1e3 * model_layer_s * cfg.num_layers,
+      "layer_step_x_layers_ms": 1e3 * model_layer_s * cfg.num_layers,
       "engine_all_resident_tpot_ms": compute_ms,
       "engine_all_resident_tpot_median_ms": compute["tpot_median_ms"],
       "bench_wall_s": wall,
       "links": {},
   }
   print(f"[bench_offload] all experts resident: jitted whole-model step "
-        f"{1e3 * model_layer_s * cfg.num_layers:.2f} ms/token; this engine (per-layer steps, no "
+        f"{1e3 * model_layer_s * cfg.num_layers:.2f} ms/token (one layer's jitted step x layers); this engine (per-layer steps, no "
         f"transfers) {compute_ms:.2f} ms/token (median {compute['tpot_median_ms']:.2f})",
         file=sys.stderr)
-  native_put_s = native_transfer_seconds(store, cfg.moe_layers[0], compute_eng._host_rows)
+  host_copies = compute_eng.transfer_stats()["host_copies"]
+  native_put_s = native_transfer_seconds(store, cfg.moe_layers[0], host_copies)
   result["native_expert_transfer_ms"] = 1e3 * native_put_s
-  result["native_transfer"] = "host stack" if compute_eng._host_rows else "device_put"
+  result["native_transfer"] = "host stack" if host_copies else "device_put"
   for spec, link in links.items():
     per_fetch = link.transfer_time(ebytes) if link.emulated else native_put_s
     rows = {}
@@ -224,7 +233,6 @@ def main(_):
           tpot_over_lower_bound=s["tpot_ms"] / lb, tpot_median_ms=s["tpot_median_ms"],
           substituted_call_pct=s["substituted_call_pct"], hit_rate=s["hit_rate"], stats=s,
           budget=eng.budget.as_dict())
-      eng.close()
     base = rows.get("baseline", {}).get("tpot_ms")
     for r in rows.values():
       r["speedup_vs_baseline"] = base / r["tpot_ms"] if base else None
@@ -232,7 +240,6 @@ def main(_):
                                  latency_s=link.latency_s, expert_transfer_ms=1e3 * per_fetch,
                                  presets=rows)
     print(table(rows, link.describe()))
-  compute_eng.close()
   first = result["links"][FLAGS.links[0]]
   result["link"], result["presets"] = first["link"], first["presets"]
   with open(FLAGS.out, "w") as f:

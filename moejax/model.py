@@ -21,7 +21,6 @@ from __future__ import annotations
 from typing import Any
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 
 from moejax import experts as experts_lib
@@ -182,7 +181,3 @@ class Transformer(nn.Module):
       new_cache.append(ci)
       router_logits.append(rl)
     return self.logits(x), (None if cache is None else new_cache), router_logits
-
-
-def param_count(tree) -> int:
-  return sum(int(x.size) for x in jax.tree_util.tree_leaves(tree))

@@ -1,8 +1,9 @@
 """A small safetensors reader/writer over numpy memmaps, with actionable errors.
 
-Reading maps the file (no copy until a tensor is used); every problem names the
-file and the tensor: truncated data, a header that does not parse, an
-unsupported dtype.
+Reading maps the file (no copy until a tensor is used).  The header's schema is
+validated when the file is opened, and every problem names the file, the tensor
+and the field: truncated data, a header that does not parse, a missing or
+ill-typed field, an unsupported dtype, offsets that do not match the shape.
 """
 
 from __future__ import annotations
@@ -27,6 +28,41 @@ DTYPES = {
 NAMES = {np.dtype(v): k for k, v in DTYPES.items()}
 
 
+def _check_entry(path: str, name: str, info, n_data: int):
+  """Validates one header entry's schema: dtype, shape and data_offsets, with types."""
+  where = f"{path}: tensor '{name}'"
+  if not isinstance(info, dict):
+    raise CheckpointError(f"{where}: header entry is a {type(info).__name__}, not an object "
+                          f"with dtype, shape and data_offsets")
+  for field in ("dtype", "shape", "data_offsets"):
+    if field not in info:
+      raise CheckpointError(f"{where}: header entry lacks field '{field}' (has: "
+                            f"{', '.join(sorted(map(str, info))) or 'nothing'})")
+  if not isinstance(info["dtype"], str):
+    raise CheckpointError(f"{where}: field 'dtype' is {info['dtype']!r}, not a string")
+  if info["dtype"] not in DTYPES:
+    raise CheckpointError(f"{where}: field 'dtype' is {info['dtype']!r}: unsupported (supported: "
+                          f"{', '.join(DTYPES)})")
+  shape = info["shape"]
+  if not (isinstance(shape, list)
+          and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
+    raise CheckpointError(f"{where}: field 'shape' is {shape!r}, not a list of non-negative "
+                          f"integers")
+  off = info["data_offsets"]
+  if not (isinstance(off, list) and len(off) == 2
+          and all(isinstance(o, int) and not isinstance(o, bool) for o in off)
+          and 0 <= off[0] <= off[1]):
+    raise CheckpointError(f"{where}: field 'data_offsets' is {off!r}, not [begin, end] with "
+                          f"0 <= begin <= end")
+  count = int(np.prod(shape)) if shape else 1
+  if off[1] - off[0] != count * np.dtype(DTYPES[info["dtype"]]).itemsize:
+    raise CheckpointError(f"{where}: field 'data_offsets' spans {off[1] - off[0]} bytes for "
+                          f"shape {tuple(shape)} {info['dtype']}")
+  if off[1] > n_data:
+    raise CheckpointError(f"{path}: truncated file: tensor '{name}' ends at byte "
+                          f"{off[1]} of the data, which has {n_data} bytes")
+
+
 class SafetensorsFile:
   """Lazy view of one .safetensors file."""
 
@@ -47,15 +83,19 @@ class SafetensorsFile:
         header = json.loads(f.read(n))
       except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path}: corrupt safetensors header ({e})") from None
-    self.metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(header, dict):
+      raise CheckpointError(f"{path}: corrupt safetensors header (a JSON "
+                            f"{type(header).__name__}, not an object of tensors)")
+    meta = header.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict):
+      raise CheckpointError(f"{path}: corrupt safetensors header: '__metadata__' is not an "
+                            f"object")
+    for name, info in header.items():
+      _check_entry(path, name, info, n_data=size - 8 - n)
+    self.metadata = meta
     self.header = header
     self.data_offset = 8 + n
     self.size = size
-    end = max((v["data_offsets"][1] for v in header.values()), default=0)
-    if self.data_offset + end > size:
-      bad = [k for k, v in header.items() if self.data_offset + v["data_offsets"][1] > size]
-      raise CheckpointError(f"{path}: truncated file: tensor '{sorted(bad)[0]}' ends at byte "
-                            f"{self.data_offset + end}, file has {size} bytes")
     self._mm = None
 
   def keys(self):
@@ -71,16 +111,9 @@ class SafetensorsFile:
     info = self.header.get(name)
     if info is None:
       raise CheckpointError(f"{self.path}: no tensor '{name}'")
-    dt = DTYPES.get(info["dtype"])
-    if dt is None:
-      raise CheckpointError(f"{self.path}: tensor '{name}' has unsupported dtype "
-                            f"{info['dtype']} (supported: {', '.join(DTYPES)})")
+    dt = DTYPES[info["dtype"]]                  # the header schema was checked on open
     lo, hi = info["data_offsets"]
     shape = tuple(info["shape"])
-    count = int(np.prod(shape)) if shape else 1
-    if hi - lo != count * np.dtype(dt).itemsize:
-      raise CheckpointError(f"{self.path}: tensor '{name}' has {hi - lo} bytes for shape "
-                            f"{shape} {info['dtype']}")
     buf = self._map()[self.data_offset + lo:self.data_offset + hi]
     return buf.view(dt).reshape(shape)
 

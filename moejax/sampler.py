@@ -57,8 +57,30 @@ def bucket(n: int, minimum: int = 16) -> int:
   return b
 
 
+@functools.partial(jax.jit, static_argnames=("model",), donate_argnames=("cache",))
+def prefill_logits(model: Transformer, params, experts, cache, tokens_BxT):
+  """The prompt through the model: (logits [B, T, V], cache)."""
+  logits, cache, _ = model.apply({"params": params}, tokens_BxT, experts, cache, 0)
+  return logits, cache
+
+
+@functools.partial(jax.jit, static_argnames=("model", "temperature", "top_p"),
+                   donate_argnames=("cache",))
+def decode_sample(model: Transformer, params, experts, cache, token_B, end_index, key, *,
+                temperature: float, top_p: float):
+  """One token at `end_index`: (sampled next token [B], its logits [B, V], cache)."""
+  logits, cache, _ = model.apply({"params": params}, token_B[:, None], experts, cache, end_index)
+  nxt = sample_token(logits[:, -1], key, temperature, top_p)
+  return nxt, logits[:, -1], cache
+
+
 class Sampler:
-  """Fully resident generation for a loaded model (params + device expert weights)."""
+  """Fully resident generation for a loaded model (params + device expert weights).
+
+  The jitted steps are module functions keyed on the (hashable) Flax module; params,
+  experts and cache go in as arguments, so no compile cache keeps a Sampler's
+  arrays alive after it is dropped.
+  """
 
   def __init__(self, cfg: ModelConfig, params, experts, max_len: int = 1024,
                dtype=jnp.float32):
@@ -66,18 +88,6 @@ class Sampler:
     self.max_len = max_len
     self.dtype = dtype
     self.model = Transformer(cfg, dtype)
-
-  @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(3,))
-  def _prefill(self, params, experts, cache, tokens_BxT):
-    logits, cache, _ = self.model.apply({"params": params}, tokens_BxT, experts, cache, 0)
-    return logits, cache
-
-  @functools.partial(jax.jit, static_argnums=(0, 6, 7), donate_argnums=(3,))
-  def _decode(self, params, experts, cache, token_B, end_index, temperature, top_p, key):
-    logits, cache, _ = self.model.apply({"params": params}, token_B[:, None], experts, cache,
-                                        end_index)
-    nxt = sample_token(logits[:, -1], key, temperature, top_p)
-    return nxt, logits[:, -1], cache
 
   def prefill(self, prompt_BxT: np.ndarray):
     """Returns (last-position logits [B, V], cache)."""
@@ -89,12 +99,14 @@ class Sampler:
     padded = np.zeros((b, tb), np.int32)
     padded[:, :t] = prompt_BxT
     cache = init_cache(self.cfg, b, self.max_len, self.dtype)
-    logits, cache = self._prefill(self.params, self.experts, cache, jnp.asarray(padded))
+    logits, cache = prefill_logits(self.model, self.params, self.experts, cache,
+                                   jnp.asarray(padded))
     return logits[:, t - 1], cache
 
   def decode_step(self, cache, token_B, end_index: int, sp: SamplingParams, key):
-    return self._decode(self.params, self.experts, cache, token_B, jnp.int32(end_index),
-                        float(sp.temperature), float(sp.top_p), key)
+    return decode_sample(self.model, self.params, self.experts, cache, token_B,
+                         jnp.int32(end_index), key, temperature=float(sp.temperature),
+                         top_p=float(sp.top_p))
 
   def generate(self, prompt_ids: list[int], sp: SamplingParams, seed: int = 0,
                on_token=None) -> list[int]:

@@ -1,5 +1,7 @@
 """OffloadEngine invariants on a tiny random model (DESIGN.md, issue 4 part 6)."""
 
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,7 +10,9 @@ import pytest
 from moejax.config import ModelConfig
 from moejax.loader import expert_shapes
 from moejax.model import Transformer
-from moejax.offload import engine as engine_lib
+from moejax.offload import calibrate
+from moejax.offload import stats as stats_lib
+from moejax.offload import steps as steps_lib
 from moejax.offload import link as link_lib
 from moejax.offload import policy as P
 from moejax.offload import resident as R
@@ -58,7 +62,7 @@ def run(model, policy, check=None, **kw):
 def check_budget(eng):
   for layer, st in eng.states.items():
     se, es = np.asarray(st.slot_expert), np.asarray(st.expert_slot)
-    assert (se >= 0).sum() <= eng.budget.slots + eng.budget.staging
+    assert (se >= 0).sum() <= eng.budget.slots     # staging slots are drained after a token
     assert (es >= 0).sum() == (se >= 0).sum()
     for s, e in enumerate(se):
       if e >= 0:
@@ -155,9 +159,9 @@ def test_emulated_link_waits_at_least_the_transfer_time(model):
   # than the link time; the token still lasts at least its fetches' link time
   for r in eng.records:
     assert r["wall_s"] >= per_fetch * r["fetches"] and r["wait_s"] > 0
-  p = eng.prefetcher.stats()
+  p = eng.transfer_stats()
   assert p["link_busy_s"] >= 0.999 * per_fetch * p["transfers"] > 0
-  assert eng.link.describe() in engine_lib.format_stats(s, eng.link.describe())
+  assert eng.link.describe() in stats_lib.format_stats(s, eng.link.describe())
 
 
 def test_bad_inputs_name_the_flag(model):
@@ -171,7 +175,7 @@ def test_bad_inputs_name_the_flag(model):
 
 
 def test_a_failing_transfer_stops_the_run_with_a_clear_error(model):
-  from moejax.offload.transfer import TransferError
+  from moejax.offload.tickets import TransferError
   cfg, params, store, _ = model
 
   class BrokenStore:
@@ -193,15 +197,14 @@ def test_a_failing_transfer_stops_the_run_with_a_clear_error(model):
       eng.prefill(list(range(8)) * 2)
       for t in STREAM:
         eng.decode_step(t)
-  assert not eng.prefetcher.alive
+  assert not eng.transfer_stats()["alive"]
 
 
-def test_profile_initial_contents_and_on_arrival_admission(model):
+def test_profile_initial_contents(model):
   cfg, params, store, ref = model
-  counts = engine_lib.profile_counts(cfg, params, store, PROMPT + STREAM)
+  counts = calibrate.profile_counts(cfg, params, store, PROMPT + STREAM)
   with OffloadEngine(cfg, params, store, "quality", cache_fraction=0.25, max_len=32,
-                     initial="profile", profile_counts=counts,
-                     admission_timing="on_arrival") as eng:
+                     initial="profile", profile_counts=counts) as eng:
     for layer, experts in eng.resident_sets().items():
       top = R.profile_order(counts[layer])[:eng.budget.slots]
       assert experts == sorted(top)
@@ -216,26 +219,27 @@ def test_profile_initial_contents_and_on_arrival_admission(model):
 
 def test_decode_compiles_once_per_layer_kind(model):
   cfg, params, store, _ = model
-  with OffloadEngine(cfg, params, store, "speed", cache_fraction=0.25, max_len=32) as eng:
+  policy = P.make_policy("speed", lfu_decay=0.5)     # its own compile-cache keys
+  kinds = {steps_lib.layer_kind(cfg, i): steps_lib.layer_steps(
+      cfg, jnp.float32, i, policy.decision, policy.cache, None) for i in range(cfg.num_layers)}
+  sizes = lambda: {k: {n: f._cache_size() for n, f in st._asdict().items() if f is not None}
+                   for k, st in kinds.items()}
+  with OffloadEngine(cfg, params, store, policy, cache_fraction=0.25, max_len=32) as eng:
     eng.warmup()
-    sizes = lambda: {k: {n: f._cache_size() for n, f in st.items()}
-                     for k, st in eng._kind_steps.items()}
     before = sizes()
     eng.prefill(PROMPT)
     after_prefill = sizes()
-    inserts = R.insert_jit._cache_size()   # decode inserts (prefetch thread, admissions)
     for t in STREAM:                       # two MoE layers and a dense layer per token
       eng.decode_step(t)
     assert sizes() == after_prefill        # no decode step compiled again
-    assert R.insert_jit._cache_size() == inserts
     for (sparse, _), fns in before.items():
       if not sparse:
         assert fns["dense_decode"] == 1
         continue
       assert fns["attend_decide"] == 1 and fns["moe"] == 1
-      # one per row bucket, and per kind of rows: host stacks (the CPU backend's copies)
-      # or device arrays (gathered across groups)
-      assert fns["insert_attend_decide"] == len(eng._row_buckets) * (1 + eng._host_rows)
+      # one per row bucket (K = 2: one) and per kind of rows: host stacks (the CPU
+      # backend's copies) or device arrays (gathered across groups)
+      assert fns["insert_attend_decide"] == 2 and fns["insert"] == 2
 
 
 def test_trace_marks_every_layer_in_order_and_the_link_wait(model):
@@ -267,3 +271,115 @@ def test_trace_marks_every_layer_in_order_and_the_link_wait(model):
         assert at["arrived"] - at["fetch"] >= link.transfer_time(store.expert_nbytes())
     assert evs.index(("head", -1)) == len(evs) - 2
   assert 0 < fetch_layers <= sum(r["fetches"] for r in eng.records[1:])
+
+
+# ------------------------------------------------ memory, timeouts, shutdown (issue 11)
+def prefetch_threads() -> int:
+  import threading
+  return sum(t.name == "moejax-prefetch" and t.is_alive() for t in threading.enumerate())
+
+
+def test_background_transfers_are_released_over_thousands_of_sampled_tokens(model):
+  from moejax.sampler import SamplingParams
+  cfg, params, store, _ = model
+  policy = P.make_policy("substitute_all", admission_beta=0.3)    # no sync fetch, ever
+  n = 1500
+  with OffloadEngine(cfg, params, store, policy, cache_fraction=0.25, max_len=n + 16) as eng:
+    peak = [0]
+    track = lambda _: peak.__setitem__(0, max(peak[0], eng.held_bytes()))
+    out = eng.generate(PROMPT, SamplingParams(temperature=1.0, max_new_tokens=n), seed=1,
+                       on_token=track)
+    assert len(out) == n
+    admitted = sum(r.admitted for r in eng.records)
+    assert admitted > n // 4                          # plenty of background transfers
+    # at most one transfer per (layer, expert) in flight, each padded to K rows
+    bound = len(cfg.moe_layers) * (cfg.num_experts + cfg.top_k) * store.expert_nbytes()
+    assert peak[0] <= bound
+    assert eng.transfer_stats()["bytes"] > 20 * bound     # far more than the bound crossed
+
+
+def test_calibration_keeps_no_device_copy_of_the_experts(model):
+  import gc
+  cfg, params, store, _ = model
+  live = lambda: sum(a.nbytes for a in jax.live_arrays())
+  calibrate.layer_compute_seconds(cfg, params, store, steps=3)   # compiles
+  gc.collect()
+  before = live()
+  s = calibrate.layer_compute_seconds(cfg, params, store, steps=3)
+  link = calibrate.calibrated_link("scaled", cfg, params, store)
+  gc.collect()
+  assert s > 0 and link.emulated
+  one_layer = cfg.num_experts * store.expert_nbytes()
+  assert live() - before < one_layer                 # nothing of it is kept alive
+  with pytest.raises(link_lib.LinkSpecError, match="calibrated_link"):
+    OffloadEngine(cfg, params, store, "baseline", link="scaled")   # no hidden benchmark
+
+
+class HangingStore:
+  """Copies on the prefetch thread block until `gate` opens (a transfer that hangs)."""
+
+  def __init__(self, inner, gate):
+    self.inner, self.gate = inner, gate
+    self.layers, self.num_layers = inner.layers, inner.num_layers
+
+  def __getattr__(self, name):
+    return getattr(self.inner, name)
+
+  def get(self, layer, expert):
+    import threading
+    if threading.current_thread().name == "moejax-prefetch":
+      self.gate.wait(30)
+    return self.inner.get(layer, expert)
+
+
+def test_a_transfer_that_never_completes_raises_instead_of_hanging(model):
+  import threading
+  from moejax.offload.tickets import TransferError
+  cfg, params, store, _ = model
+  gate = threading.Event()
+  policy = P.make_policy("substitute_all", admission_beta=0.05)  # admits at once
+  try:
+    with OffloadEngine(cfg, params, HangingStore(store, gate), policy, cache_fraction=0.25,
+                       max_len=32, transfer_timeout_s=0.5) as eng:
+      eng.prefill(PROMPT)
+      t0 = time.perf_counter()
+      with pytest.raises(TransferError, match=r"layer \d+ expert \d+"):
+        for tok in STREAM:
+          eng.decode_step(tok)
+      assert time.perf_counter() - t0 < 10
+      gate.set()
+  finally:
+    gate.set()
+
+
+def test_close_failure_is_noted_on_the_propagating_error_not_swallowed(model):
+  import threading
+  cfg, params, store, _ = model
+  gate = threading.Event()
+  policy = P.make_policy("substitute_all", admission_beta=0.05)
+  try:
+    with pytest.raises(ValueError) as e:
+      with OffloadEngine(cfg, params, HangingStore(store, gate), policy, cache_fraction=0.25,
+                         max_len=32, transfer_timeout_s=0.2) as eng:
+        eng.prefill(PROMPT)
+        eng.decode_step(STREAM[0])        # requests admissions: the thread is stuck on them
+        raise ValueError("caller bug")
+    assert any("did not stop" in n for n in getattr(e.value, "__notes__", []))
+  finally:
+    gate.set()
+
+
+def test_an_engine_never_closed_stops_its_thread_when_collected(model):
+  import gc
+  cfg, params, store, _ = model
+  before = prefetch_threads()
+  eng = OffloadEngine(cfg, params, store, "quality", cache_fraction=0.25, max_len=32)
+  eng.prefill(PROMPT)
+  eng.decode_step(STREAM[0])
+  assert prefetch_threads() == before + 1
+  del eng
+  gc.collect()
+  deadline = time.perf_counter() + 10
+  while prefetch_threads() > before and time.perf_counter() < deadline:
+    time.sleep(0.01)
+  assert prefetch_threads() == before

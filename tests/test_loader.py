@@ -115,3 +115,81 @@ def test_bf16_checkpoint_loads(model, tmp_path):
   _, params, store = load_model(str(tmp_path), dtype=jnp.bfloat16)
   assert store.get(0, 0)["gate_up"].dtype == jnp.bfloat16
   assert params["norm"]["weight"].dtype == jnp.bfloat16
+
+
+def _rewrite_header(path, fn):
+  """Rewrites a safetensors file's JSON header with fn(header) (data unchanged)."""
+  import struct
+  raw = open(path, "rb").read()
+  (n,) = struct.unpack("<Q", raw[:8])
+  header = json.loads(raw[8:8 + n])
+  fn(header)
+  new = json.dumps(header).encode()
+  new += b" " * (-len(new) % 8)
+  with open(path, "wb") as f:
+    f.write(struct.pack("<Q", len(new)) + new + raw[8 + n:])
+
+
+@pytest.mark.parametrize("field", ["shape", "dtype", "data_offsets"])
+def test_header_entry_lacking_a_field_names_file_tensor_and_field(model, tmp_path, field):
+  d = _save(model, tmp_path)
+  p = os.path.join(d, "model.safetensors")
+  _rewrite_header(p, lambda h: h["model.norm.weight"].update(
+      {field + "_x": h["model.norm.weight"].pop(field)}))
+  with pytest.raises(CheckpointError,
+                     match=rf"model\.safetensors: tensor 'model\.norm\.weight'.*'{field}'"):
+    load_model(d)
+
+
+@pytest.mark.parametrize("bad,field", [
+    ({"shape": "32"}, "shape"), ({"shape": [-1]}, "shape"), ({"dtype": 7}, "dtype"),
+    ({"dtype": "F8_E9"}, "dtype"), ({"data_offsets": [5]}, "data_offsets"),
+    ({"data_offsets": [0, 3]}, "data_offsets"), ({"data_offsets": [10 ** 9, 10 ** 9 + 128]}, "truncated"),
+])
+def test_ill_typed_header_fields_are_named(model, tmp_path, bad, field):
+  d = _save(model, tmp_path)
+  p = os.path.join(d, "model.safetensors")
+  _rewrite_header(p, lambda h: h["model.norm.weight"].update(bad))
+  with pytest.raises(CheckpointError, match=rf"tensor 'model\.norm\.weight'.*{field}|"
+                                            rf"{field}.*tensor 'model\.norm\.weight'"):
+    SafetensorsFile(p)
+
+
+def test_random_corruptions_always_name_the_file(model, tmp_path):
+  # header bytes, header length, truncation, renamed fields, unknown dtypes: every
+  # failure is a CheckpointError naming the file, never a bare KeyError / TypeError
+  import struct
+  d = _save(model, tmp_path / "src")
+  src = open(os.path.join(d, "model.safetensors"), "rb").read()
+  (n,) = struct.unpack("<Q", src[:8])
+  rng = np.random.default_rng(0)
+  failures = 0
+  for trial in range(60):
+    raw = bytearray(src)
+    kind = trial % 5
+    if kind == 0:                                   # a header byte
+      raw[8 + int(rng.integers(0, n))] = int(rng.integers(32, 127))
+    elif kind == 1:                                 # the header length
+      raw[:8] = struct.pack("<Q", max(0, n + int(rng.integers(-40, 40))))
+    elif kind == 2:                                 # truncation
+      raw = raw[:int(rng.integers(0, len(raw)))]
+    else:
+      header = json.loads(raw[8:8 + n])
+      name = sorted(k for k in header if k != "__metadata__")[int(rng.integers(0, len(header) - 1))]
+      if kind == 3:                                 # a renamed field
+        field = ["dtype", "shape", "data_offsets"][int(rng.integers(0, 3))]
+        header[name][field.upper()] = header[name].pop(field)
+      else:                                         # an unknown dtype
+        header[name]["dtype"] = "Q7"
+      body = json.dumps(header).encode()
+      raw = bytearray(struct.pack("<Q", len(body)) + body + bytes(raw[8 + n:]))
+    p = tmp_path / f"c{trial}.safetensors"
+    p.write_bytes(bytes(raw))
+    try:
+      f = SafetensorsFile(str(p))
+      for k in f.keys():
+        f.get(k)
+    except CheckpointError as e:
+      assert f"c{trial}.safetensors" in str(e)
+      failures += 1
+  assert failures >= 30

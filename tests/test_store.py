@@ -12,7 +12,8 @@ from moejax.config import ModelConfig
 from moejax.loader import init_random, load_model, save_hf
 from moejax.offload.host_store import BACKENDS, StoreBackendError, make_store
 from moejax.offload.link import NATIVE
-from moejax.offload.transfer import Prefetcher, shares_buffer
+from moejax.offload.copies import shares_buffer
+from moejax.offload.transfer import Prefetcher
 from moejax.safetensors_io import SafetensorsFile
 from moejax.store import ExpertStore
 

@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 
 from moejax.offload.link import NATIVE, parse_link
-from moejax.offload.transfer import (Prefetcher, TransferCancelled, TransferError,
-                                     owned_device_put, shares_buffer, stacked_device_put,
-                                     wait_stacked)
+from moejax.offload.copies import owned_device_put, shares_buffer, stacked_device_put
+from moejax.offload.tickets import (TransferCancelled, TransferError, TransferTimeout,
+                                    wait_stacked)
+from moejax.offload.transfer import Prefetcher
 from moejax.store import ExpertStore
 
 D, I, E = 32, 16, 8
@@ -165,7 +166,7 @@ def test_duplicate_requests_share_one_ticket_and_one_transfer():
     assert (s["requests"], s["deduplicated"], s["upgraded"]) == (4, 2, 1)
     assert s["transfers"] == 2 and s["bytes"] == 2 * EXPERT_BYTES
     assert gs.calls.count((1, 5)) == 1
-    assert pf.completed_background() == []  # both collected by wait()
+    assert pf.pending() == 0  # both collected by wait()
     b = pf.request(1, 5)  # collected: asking again is a new transfer
     assert b is not a
     b.wait(T)
@@ -221,15 +222,13 @@ def test_a_sync_request_overtakes_a_background_transfer_at_a_piece_boundary():
 def test_arrived_background_request_is_deduplicated_until_collected():
   with Prefetcher(make_store(), parse_link("1MB/s,5ms")) as pf:
     t = pf.request(2, 2, "background")
-    assert pf.completed_background() == []  # link time not elapsed yet
+    assert not t.done()  # link time not elapsed yet
     wait_for(t.done)
     assert pf.request(2, 2, "background") is t  # arrived, not collected: no new transfer
-    got = []
-    wait_for(lambda: got.extend(pf.completed_background()) or got)
-    assert got == [t]
-    assert pf.completed_background() == []  # handed out once
-    assert pf.stats()["transfers"] == 1
+    assert pf.stats()["transfers"] == 1 and pf.pending() == 1
     np.testing.assert_array_equal(np.asarray(t.wait(0.0)["down"]), make_store().get(2, 2)["down"])
+    assert pf.pending() == 0 and pf.held_bytes() == 0     # collected: nothing kept
+    assert pf.request(2, 2, "background") is not t
 
 
 def test_sync_request_for_an_arrived_background_ticket_takes_it_over():
@@ -237,7 +236,7 @@ def test_sync_request_for_an_arrived_background_ticket_takes_it_over():
     t = pf.request(1, 7, "background")
     wait_for(t.done)
     assert pf.request(1, 7, "sync") is t
-    assert pf.completed_background() == []  # the sync caller owns it now
+    assert t.priority == "sync"  # the sync caller owns it now
     t.wait(T)
     assert pf.stats()["transfers"] == 1
 
@@ -269,9 +268,10 @@ def test_wait_timeout_raises_instead_of_hanging():
   with Prefetcher(gs, NATIVE) as pf:
     t = pf.request(1, 0)
     t0 = time.perf_counter()
-    with pytest.raises(TimeoutError):
+    with pytest.raises(TransferTimeout, match="layer 1 expert 0"):
       t.wait(timeout=0.05)
     assert time.perf_counter() - t0 < 1.0
+    assert issubclass(TransferTimeout, TransferError)
     gs.gate.set()
     t.wait(T)
 
@@ -323,8 +323,6 @@ def test_thread_error_surfaces_in_wait_and_stops_cleanly():
     wait_for(lambda: not pf.alive)
     with pytest.raises(TransferError):
       pf.request(1, 4)
-    with pytest.raises(TransferError):
-      pf.completed_background()
   # leaving the block: close() does not raise again, the error was reported
   assert not pf.alive and (1, 3) not in gs.calls
 
@@ -518,3 +516,35 @@ def test_syncs_in_a_row_split_the_background_transfer_once_and_push_queued_ones_
   assert abs(b1.finished_s - (s2.finished_s + total - done)) < 1e-6   # b1's rest after both
   assert abs(b2.started_s - b1.finished_s) < 1e-6     # b2 had not begun: it moved back whole
   assert b2.finished_s - b2.started_s >= total - 1e-9
+
+
+# ------------------------------------------------------------ interrupts, memory
+def test_an_interrupt_during_a_fetch_propagates_and_leaves_the_prefetcher_working():
+  class InterruptedOnce:
+    def __init__(self, store):
+      self.store, self.fired = store, False
+
+    def get(self, layer, expert):
+      if not self.fired:
+        self.fired = True
+        raise KeyboardInterrupt
+      return self.store.get(layer, expert)
+
+  with Prefetcher(InterruptedOnce(make_store()), NATIVE) as pf:
+    with pytest.raises(KeyboardInterrupt):
+      pf.fetch(1, [3])
+    assert pf.alive and pf.pending() == 0
+    tickets, _ = pf.fetch(1, [3])                     # not a TransferError: still usable
+    np.testing.assert_array_equal(np.asarray(wait_stacked(tickets, timeout=T)["down"][0]),
+                                  make_store().get(1, 3)["down"])
+
+
+def test_collected_background_transfers_are_released_without_a_sync_fetch():
+  link = parse_link("1GB/s")
+  with Prefetcher(make_store(), link, host_copies=True) as pf:
+    for round_ in range(30):                          # background only, never a sync fetch
+      tickets = pf.request_many(1, [round_ % E, (round_ + 1) % E], "background", pad_to=2)
+      wait_stacked(tickets, timeout=T)
+      del tickets
+      assert pf.held_bytes() == 0                      # nothing kept once collected
+    assert pf.stats()["transfers"] == 60

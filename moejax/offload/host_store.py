@@ -21,7 +21,7 @@ import tempfile
 import jax
 import numpy as np
 
-from moejax.offload.transfer import owned_device_put
+from moejax.offload.copies import owned_device_put
 from moejax.safetensors_io import NAMES, SafetensorsFile, save_file
 from moejax.store import ExpertStore, LayerExperts
 

@@ -247,3 +247,91 @@ def format_latency(s: float) -> str:
   if s >= 1e-3:
     return f"{s * 1e3:.3g} ms"
   return f"{s * 1e6:.3g} us"
+
+
+# ------------------------------------------------------------------ schedule
+class LinkSchedule:
+  """When each transfer holds the (single) link: the emulated link's timing model.
+
+  A transfer starts when it is requested or when the link becomes free, whichever
+  is later, and is complete no earlier than ``start + nbytes / bandwidth +
+  latency``.  Transfers never overlap.  A background transfer takes the link in
+  `background_chunks` pieces; a sync transfer committed meanwhile waits for the
+  piece on the link (no pre-emption within a piece, as with real DMA) and
+  overtakes the rest and every queued background transfer, which all resume
+  after it.  The model is computed, not slept through.
+
+  Transfers are objects with mutable ``priority``, ``requested_s``,
+  ``started_s``, ``finished_s`` and ``nbytes`` (transfer.Ticket); the schedule
+  sets ``started_s`` and ``finished_s``, and keeps a transfer only while it is
+  unfinished on the link.  Not thread-safe: the caller holds its lock.
+  """
+
+  def __init__(self, link: Link, background_chunks: int = 4):
+    if background_chunks < 1:
+      raise ValueError(f"background_chunks must be >= 1, got {background_chunks}")
+    self.link = link
+    self.background_chunks = int(background_chunks)
+    self._link_free_at = 0.0       # end of every committed transfer
+    self._sync_free_at = 0.0       # end of the last committed sync transfer
+    # unfinished background transfers in link order: [transfer, total, done, resume]
+    # (its whole link time, the part done before it last took the link, and when)
+    self._bgs: list[list] = []
+
+  def in_flight(self) -> list:
+    """The background transfers the schedule holds (unfinished on the link)."""
+    return [b[0] for b in self._bgs]
+
+  def release(self, t):
+    """Forgets transfer t (its link time has elapsed: nothing left to schedule)."""
+    self._bgs = [b for b in self._bgs if b[0] is not t]
+
+  def _prune(self, now: float):
+    self._bgs = [b for b in self._bgs if b[0].finished_s > now]
+
+  def commit_sync(self, t, at: float):
+    """Puts sync transfer t on the link at the first moment >= `at` when no earlier
+    sync transfer holds it and the background transfer on it reaches the end of a
+    piece (none for a background transfer upgraded to sync); every background
+    transfer not finished by then resumes after t, in order."""
+    total = self.link.transfer_time(t.nbytes)
+    self._prune(at)
+    start = max(at, self._sync_free_at)
+    for b in self._bgs:
+      bt, b_total, b_done, b_resume = b
+      if b_resume <= start < bt.finished_s:                 # on the link
+        piece = b_total / self.background_chunks
+        done = b_done + (start - b_resume)
+        edge = min(b_total, math.ceil(done / piece - 1e-9) * piece)
+        if bt.priority == "sync" or edge >= b_total:
+          start = bt.finished_s
+        else:
+          start = b_resume + (edge - b_done)
+          b[2] = edge
+        break
+    t.started_s = start
+    t.finished_s = start + total
+    cursor = t.finished_s
+    for b in self._bgs:                 # the unfinished background transfers, after t
+      bt, b_total, b_done, b_resume = b
+      if bt.finished_s <= start:
+        continue
+      if b_resume > start and b_done == 0.0:                # not begun
+        bt.started_s = max(cursor, bt.requested_s)
+        b[3] = bt.started_s
+      else:
+        b[3] = cursor
+      bt.finished_s = b[3] + (b_total - b_done)
+      cursor = bt.finished_s
+    self._sync_free_at = t.finished_s
+    self._link_free_at = max(self._link_free_at, cursor)
+
+  def commit_background(self, t, now: float):
+    """Puts copied background transfer t on the link after everything committed;
+    later sync transfers may split it (see commit_sync)."""
+    self._prune(now)
+    total = self.link.transfer_time(t.nbytes)
+    t.started_s = max(t.requested_s, self._link_free_at)
+    t.finished_s = max(t.started_s + total, now)
+    self._link_free_at = t.finished_s
+    self._bgs.append([t, total, 0.0, t.started_s])

@@ -13,13 +13,15 @@ the jitted steps and donated.  Per MoE layer:
   last_used    [E] int32         step of the last use on the device (lru); an
                                  insertion counts as a use; -1 = never
   freq         [E] f32           decayed router-selection count (lfu)
-  acc          [E] f32           accumulated gate weight of misses not waited
-                                 for (background admission)
+  acc          [E] f32           accumulated normalised share of misses not
+                                 waited for (background admission)
   step         [] int32          steps (token-layer decisions) so far
 
 P = S + Z physical slots: S budget slots and Z = max(0, K - S) staging slots, the
 fewest that guarantee a token's K experts can be resident at once (an expert in
 use by the current token is never evicted for another of the same token).
+Staging slots serve the token in flight only: after each token `trim` brings the
+resident set back within S, so a budget below K slots really is that small.
 """
 
 from __future__ import annotations
@@ -187,7 +189,34 @@ def insert(state: ResidentState, ids_J: jax.Array, rows_J: dict, in_use_E: jax.A
   return new_state, old.astype(jnp.int32)
 
 
+def trim(state: ResidentState, budget_slots: int,
+         params: policy_lib.CacheParams | policy_lib.PolicyParams):
+  """Evicts experts until at most `budget_slots` are resident (pure, jittable).
+
+  Run after each token on a layer with staging slots (S < K): staging slots hold
+  the token in flight only, so the resident set is back within the budget S.
+  The experts removed are the first of `policy.eviction_order` with nothing
+  protected (lru: oldest use; lfu: smallest decayed count; ties by lowest slot).
+  Slot rows are not cleared (an empty slot's row is never read).  Returns
+  (state, evicted_P): the expert each slot lost (-1: none).
+  """
+  num_e = state.expert_slot.shape[0]
+  num_s = state.slot_expert.shape[0]
+  slot_e = state.slot_expert
+  excess = jnp.sum(slot_e >= 0) - budget_slots
+  order, _ = policy_lib.eviction_order(state, jnp.zeros((num_s,), bool), params)
+  num_empty = jnp.sum(slot_e < 0)
+  rank = jnp.zeros((num_s,), jnp.int32).at[order].set(jnp.arange(num_s, dtype=jnp.int32))
+  evict = (slot_e >= 0) & (rank >= num_empty) & (rank < num_empty + excess)
+  old = jnp.where(evict, slot_e, -1)
+  exp_s = state.expert_slot.at[jnp.where(evict, slot_e, num_e)].set(-1, mode="drop")
+  new_state = dataclasses.replace(state, slot_expert=jnp.where(evict, -1, slot_e),
+                                  expert_slot=exp_s)
+  return new_state, old.astype(jnp.int32)
+
+
 insert_jit = jax.jit(insert, static_argnames=("params",), donate_argnums=(0,))
+trim_jit = jax.jit(trim, static_argnames=("budget_slots", "params"), donate_argnums=(0,))
 
 
 def fill(state: ResidentState, expert_ids, get_expert,

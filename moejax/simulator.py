@@ -58,8 +58,10 @@ class SimResult:
   tokens: int
   totals_LxF: np.ndarray             # [L, len(STAT_FIELDS)]
   steps_TxLxC: np.ndarray | None     # [T, L, len(STEP_FIELDS)] int8
-  stats_TxLxF: np.ndarray | None     # [T, L, len(STAT_FIELDS)] per step (detail=True)
-  resident_TxLxS: np.ndarray | None  # [T, L, S] slot_expert after each token (detail=True)
+  # detail=True: per (token, layer) "stats" [T, L, F], "resident" [T, L, P] (slot_expert
+  # after the token), and the decisions: "ids", "action", "sub_ids" [T, L, K] and "admit"
+  # [T, L, K] (experts requested in the background, increasing, -1 padded)
+  detail: dict | None = None
 
   def total(self, name: str) -> float:
     return float(self.totals_LxF[:, STAT_FIELDS.index(name)].sum())
@@ -107,7 +109,8 @@ def _traced(static: PolicyParams, dyn_3):
 
 
 # ------------------------------------------------------------------ one lane
-def _decode_step(cfg: ModelConfig, static: PolicyParams, state, pending_K, logits_R, dyn_3):
+def _decode_step(cfg: ModelConfig, static: PolicyParams, trim_to, state, pending_K, logits_R,
+                 dyn_3):
   """One (token, layer) of one policy: the engine's order (module docstring)."""
   dparams, params = _traced(static, dyn_3)
   num_e, k = cfg.num_experts, cfg.top_k
@@ -123,6 +126,10 @@ def _decode_step(cfg: ModelConfig, static: PolicyParams, state, pending_K, logit
   in_use = jnp.zeros((num_e + 1,), bool).at[jnp.where(ex >= 0, ex, num_e)].set(True)[:num_e]
   state, ev = resident_lib.insert(state, fetch, {}, in_use, params)
   state = policy_lib.update_usage(state, dec, params)
+  ev_trim = jnp.zeros((), jnp.float32)
+  if trim_to is not None:                  # staging slots: back within the budget S
+    state, evt = resident_lib.trim(state, trim_to, params)
+    ev_trim = jnp.sum(evt >= 0).astype(jnp.float32)
   pending = _first_k(dec.admit, k)
 
   share = dec.share[0]
@@ -132,9 +139,10 @@ def _decode_step(cfg: ModelConfig, static: PolicyParams, state, pending_K, logit
       jnp.float32(k), n(HIT), k - n(HIT), n(FETCH), n(SUBSTITUTE),
       jnp.sum(jnp.where(act == SUBSTITUTE, share, 0.0)), n(DROP),
       jnp.sum(jnp.where(act == DROP, share, 0.0)), n(HOST), n_adm, admitted,
-      ev_adm + jnp.sum(ev >= 0)])
+      ev_adm + jnp.sum(ev >= 0) + ev_trim])
   step = jnp.stack([n(FETCH), n(HOST), n_adm, jnp.sum(ex >= 0).astype(jnp.float32)])
-  return state, pending, stats, step.astype(jnp.int8)
+  decisions = dict(ids=ids, action=act, sub_ids=dec.sub_ids[0], admit=pending)
+  return state, pending, stats, step.astype(jnp.int8), decisions
 
 
 def _first_k(mask_E, k: int):
@@ -145,7 +153,7 @@ def _first_k(mask_E, k: int):
   return jnp.where(jnp.any(hit, axis=1), jnp.argmax(hit, axis=1), -1).astype(jnp.int32)
 
 
-def _prefill(cfg: ModelConfig, static: PolicyParams, state, logits_PxR, dyn_3):
+def _prefill(cfg: ModelConfig, static: PolicyParams, trim_to, state, logits_PxR, dyn_3):
   """The engine's prefill of a P-token prompt for one layer (see module docstring)."""
   _, params = _traced(static, dyn_3)
   num_e = cfg.num_experts
@@ -159,31 +167,35 @@ def _prefill(cfg: ModelConfig, static: PolicyParams, state, logits_PxR, dyn_3):
   cand = jnp.where(missing[order], order, -1).astype(jnp.int32)
   state, _ = resident_lib.insert(state, cand, {}, used & resident, params)
   p = logits_PxR.shape[0]
-  return dataclasses.replace(
+  state = dataclasses.replace(
       state, last_used=jnp.where(used, state.step, state.last_used),
       freq=state.freq * params.lfu_decay ** p + counts, step=state.step + 1)
+  if trim_to is not None:
+    state, _ = resident_lib.trim(state, trim_to, params)
+  return state
 
 
 # ------------------------------------------------------------------ jitted scans
-@functools.partial(jax.jit, static_argnames=("cfg", "static", "detail"))
-def _scan(cfg, static, states, pending, totals, logits_TxLxR, dyn_Px3, detail=False):
+@functools.partial(jax.jit, static_argnames=("cfg", "static", "trim_to", "detail"))
+def _scan(cfg, static, trim_to, states, pending, totals, logits_TxLxR, dyn_Px3, detail=False):
   """States [P, L, ...]; logits shared by the P policies."""
-  step_l = jax.vmap(functools.partial(_decode_step, cfg, static), in_axes=(0, 0, 0, None))
+  step_l = jax.vmap(functools.partial(_decode_step, cfg, static, trim_to),
+                    in_axes=(0, 0, 0, None))
   step_pl = jax.vmap(step_l, in_axes=(0, 0, None, 0))
 
   def body(carry, logits_LxR):
     st, pend, tot = carry
-    st, pend, stats, step = step_pl(st, pend, logits_LxR.astype(jnp.float32), dyn_Px3)
-    out = (step, stats, st.slot_expert) if detail else (step,)
+    st, pend, stats, step, dec = step_pl(st, pend, logits_LxR.astype(jnp.float32), dyn_Px3)
+    out = (step, dict(dec, stats=stats, resident=st.slot_expert)) if detail else (step,)
     return (st, pend, tot + stats), out
 
   (states, pending, totals), ys = jax.lax.scan(body, (states, pending, totals), logits_TxLxR)
   return states, pending, totals, ys
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "static"))
-def _prefill_all(cfg, static, states, logits_PxLxR, dyn_Px3):
-  f = jax.vmap(functools.partial(_prefill, cfg, static), in_axes=(0, 1, None))
+@functools.partial(jax.jit, static_argnames=("cfg", "static", "trim_to"))
+def _prefill_all(cfg, static, trim_to, states, logits_PxLxR, dyn_Px3):
+  f = jax.vmap(functools.partial(_prefill, cfg, static, trim_to), in_axes=(0, 1, None))
   return jax.vmap(f, in_axes=(0, None, 0))(states, logits_PxLxR.astype(jnp.float32), dyn_Px3)
 
 
@@ -224,8 +236,8 @@ def simulate(cfg: ModelConfig, logits_TxLxR, policies, *, cache_fraction: float 
 
   initial_LxS: the experts each layer's cache starts with (e.g. `profile_initial`),
   None = empty.  The first `prefill_tokens` tokens are a prompt (engine prefill);
-  the rest are decoded one by one.  detail=True also keeps every step's
-  statistics and every layer's resident set after each token (for checks).  Policies are grouped by `static_key`; each
+  the rest are decoded one by one.  detail=True also keeps every decision,
+  every step's statistics and every layer's resident set (for checks).  Policies are grouped by `static_key`; each
   group is one vmapped scan, in chunks of `chunk` tokens.
   """
   policies = [policy_lib.make_policy(p) if isinstance(p, str) else p for p in policies]
@@ -237,6 +249,7 @@ def simulate(cfg: ModelConfig, logits_TxLxR, policies, *, cache_fraction: float 
   if not 0 <= prefill_tokens < nt:
     raise ValueError(f"prefill_tokens={prefill_tokens} must be in [0, {nt})")
   budget = budget_slots(cfg, cache_fraction)
+  trim_to = budget.slots if budget.staging else None
   groups: dict[PolicyParams, list[int]] = {}
   for i, p in enumerate(policies):
     groups.setdefault(static_key(p), []).append(i)
@@ -251,18 +264,19 @@ def simulate(cfg: ModelConfig, logits_TxLxR, policies, *, cache_fraction: float 
     st = _initial_states(jnp.asarray(order), cfg.num_experts, budget.physical, static.cache)
     states = jax.tree_util.tree_map(lambda a: jnp.broadcast_to(a, (npol,) + a.shape), st)
     if prefill_tokens:
-      states = _prefill_all(cfg, static, states, jnp.asarray(logits[:prefill_tokens]), dyn)
+      states = _prefill_all(cfg, static, trim_to, states, jnp.asarray(logits[:prefill_tokens]),
+                            dyn)
     pending = jnp.full((npol, nl, cfg.top_k), -1, jnp.int32)
     totals = jnp.zeros((npol, nl, len(STAT_FIELDS)), jnp.float32)
     steps, det = [], []
     for lo in range(prefill_tokens, nt, chunk):
       xs = jnp.asarray(logits[lo:min(nt, lo + chunk)])
-      states, pending, totals, ys = _scan(cfg, static, states, pending, totals, xs, dyn,
-                                          detail=detail)
+      states, pending, totals, ys = _scan(cfg, static, trim_to, states, pending, totals, xs,
+                                          dyn, detail=detail)
       if per_step:
         steps.append(np.asarray(ys[0]))
       if detail:
-        det.append((np.asarray(ys[1]), np.asarray(ys[2])))
+        det.append(jax.tree_util.tree_map(np.asarray, ys[1]))
       if progress is not None:
         progress(min(nt, lo + chunk) - lo)
     totals = np.asarray(totals)
@@ -271,6 +285,6 @@ def simulate(cfg: ModelConfig, logits_TxLxR, policies, *, cache_fraction: float 
           policy=policies[i], slots=budget.slots, tokens=nt - prefill_tokens,
           totals_LxF=totals[j],
           steps_TxLxC=np.concatenate([s[:, j] for s in steps]) if per_step else None,
-          stats_TxLxF=np.concatenate([d[0][:, j] for d in det]) if detail else None,
-          resident_TxLxS=np.concatenate([d[1][:, j] for d in det]) if detail else None)
+          detail={k: np.concatenate([d[k][:, j] for d in det]) for k in det[0]}
+          if detail else None)
   return results

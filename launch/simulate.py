@@ -152,8 +152,12 @@ def plot(results, path):
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   profs = list(results["profiles"])
-  fig, axes = plt.subplots(1, len(profs), figsize=(4 * len(profs), 3.6), squeeze=False)
-  for ax, prof in zip(axes[0], profs):
+  cols = min(3, len(profs))
+  rows = -(-len(profs) // cols)
+  fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False)
+  for ax in axes.flat[len(profs):]:
+    ax.axis("off")
+  for ax, prof in zip(axes.flat, profs):
     for pol in results["policies"]:
       pts = [(r["substituted_mass_per_token_layer"], r["time"][prof]["tpot_ms"])
              for r in results["runs"] if r["policy_name"] == pol]
@@ -161,8 +165,9 @@ def plot(results, path):
     ax.set_title(prof, fontsize=9)
     ax.set_xlabel("substituted mass / token-layer")
     ax.set_yscale("log")
-  axes[0][0].set_ylabel("simulated time per token (ms)")
-  axes[0][-1].legend(fontsize=7)
+  for row in axes:
+    row[0].set_ylabel("simulated time per token (ms)")
+  axes.flat[0].legend(fontsize=7)
   fig.suptitle(f"SIMULATED: {results['trace']} ({results['shape']}); points: cache fractions "
                f"{', '.join(results['cache_fractions'])}", fontsize=9)
   fig.tight_layout()

@@ -96,7 +96,7 @@ def check_engine(tr, out_dir):
   import jax
   import jax.numpy as jnp
   from moejax.loader import load_model
-  from moejax.offload import engine as engine_lib
+  from moejax.offload import calibrate as calibrate_lib
   jax.config.update("jax_cpu_enable_async_dispatch", False)   # as bench_offload
   model_dir = FLAGS.model_dir or tr.meta.get("model_dir")
   cfg, params, store = load_model(model_dir, dtype=jnp.float32)
@@ -105,7 +105,7 @@ def check_engine(tr, out_dir):
   wins = [w for w in tr.windows if w[1] >= n][:2]
   if len(wins) < 2:
     raise app.UsageError(f"--check_engine needs two trace windows of >= {n} tokens")
-  link = engine_lib.resolve_link(FLAGS.check_link, cfg, params, store)
+  link = calibrate_lib.calibrated_link(FLAGS.check_link, cfg, params, store)
   names = ["baseline", "quality", "speed"]
 
   def segment(w):

@@ -1,7 +1,6 @@
 """The replay simulator: hand-checked steps, and decision-by-decision agreement with the
 OffloadEngine on the demo model (DESIGN.md, issue 14 part 4)."""
 
-import dataclasses
 import os
 
 import jax.numpy as jnp

@@ -348,6 +348,7 @@ def test_a_transfer_that_never_completes_raises_instead_of_hanging(model):
           eng.decode_step(tok)
       assert time.perf_counter() - t0 < 10
       gate.set()
+      eng.close(timeout=30)                 # the released copy finishes, the thread stops
   finally:
     gate.set()
 

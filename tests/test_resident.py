@@ -120,3 +120,23 @@ def test_slot_buffers_are_owned_copies_and_fill_takes_profile_order():
     for v in src[e].values():
       v[...] = 0
   check_consistent(st)
+
+
+def test_trim_evicts_back_to_the_budget_in_eviction_order():
+  import dataclasses
+  st = R.init_state(E, 3, SPEC)                      # S = 1 budget + 2 staging slots
+  st, _ = insert(st, [4, 6])
+  st, _ = insert(st, [1], in_use=[4, 6])
+  st = dataclasses.replace(st, last_used=jnp.asarray([0, 5, 0, 0, 2, 0, 9, 0], jnp.int32),
+                           freq=jnp.asarray([0, 1.0, 0, 0, 3.0, 0, 2.0, 0], jnp.float32))
+  lru, evicted = R.trim(st, 1, LRU)                  # oldest uses go: e4 (t=2), e1 (t=5)
+  assert lru.resident_experts() == [6]
+  assert sorted(int(e) for e in np.asarray(evicted) if e >= 0) == [1, 4]
+  check_consistent(lru)
+  lfu, _ = R.trim(st, 1, P.CacheParams(eviction="lfu"))   # smallest counts go: e1, e6
+  assert lfu.resident_experts() == [4]
+  check_consistent(lfu)
+  same, none = R.trim(st, 3, LRU)                    # within the budget: nothing happens
+  assert same.resident_experts() == [1, 4, 6] and (np.asarray(none) < 0).all()
+  two, _ = R.trim(st, 2, LRU)
+  assert two.resident_experts() == [1, 6]

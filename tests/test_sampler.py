@@ -45,3 +45,11 @@ def test_generation_stops_and_is_reproducible():
   assert c == a[:a.index(stop) + 1]
   with pytest.raises(ValueError, match="max_len"):
     s.generate(list(range(60)), sp)
+  # the jitted steps take params and experts as arguments: a dropped Sampler's device
+  # experts are freed (a method jitted with `self` static would keep them alive)
+  import gc
+  import weakref
+  ref = weakref.ref(s.experts[0]["down"])
+  del s
+  gc.collect()
+  assert ref() is None

@@ -54,16 +54,33 @@ def layer_experts(store, layer: int, dtype, device=None) -> dict[str, jax.Array]
   return out
 
 
+@functools.lru_cache(maxsize=None)
+def _repeated_layer(cfg: ModelConfig, dtype, layer_idx: int):
+  """One jitted call applying layer `layer_idx` num_layers times (one layer's experts:
+  the compute of a whole decode step's layers, without a copy of every layer)."""
+  mod = DecoderLayer(cfg, True, dtype, layer_idx)
+
+  def run(p, x, pos, kv, end, experts):
+    def body(_, carry):
+      x, kv = carry
+      x, kv, _ = mod.apply({"params": p}, x, pos, kv, end, experts)
+      return x, kv
+    return jax.lax.fori_loop(0, cfg.num_layers, body, (x, kv))
+
+  return jax.jit(run)
+
+
 def layer_compute_seconds(cfg: ModelConfig, params, store, dtype=jnp.float32,
                           steps: int = 20) -> float:
   """One MoE layer's decode compute time on this machine, its experts resident.
 
-  The first MoE layer's jitted decode step (attention, router, its selected experts)
-  with its own expert buffers, at batch 1 after a short prompt; the 25th percentile
-  of `steps` timed calls (on a shared machine the slow calls measure the others).
+  The first MoE layer's decode step (attention, router, its selected experts) at
+  batch 1, applied num_layers times in one jitted call with that layer's own expert
+  buffers, divided by num_layers; the 25th percentile of `steps` timed calls (on a
+  shared machine the slow calls measure the other processes).
   """
   l = cfg.moe_layers[0]
-  fn = _layer_fn(cfg, dtype, l)
+  fn = _repeated_layer(cfg, dtype, l)
   p = params[f"layers_{l}"]
   experts = layer_experts(store, l, dtype)
   max_len = steps + 8
@@ -73,10 +90,10 @@ def layer_compute_seconds(cfg: ModelConfig, params, store, dtype=jnp.float32,
   for i in range(steps + 3):
     pos, end = jnp.full((1, 1), i, jnp.int32), jnp.int32(i)
     t0 = time.perf_counter()
-    y, kv, _ = fn(p, x, pos, kv, end, experts)
+    y, kv = fn(p, x, pos, kv, end, experts)
     y.block_until_ready()
     times.append(time.perf_counter() - t0)
-  return float(np.percentile(times[3:], 25))
+  return float(np.percentile(times[3:], 25)) / cfg.num_layers
 
 
 def calibrated_link(spec, cfg: ModelConfig, params, store, dtype=jnp.float32) -> link_lib.Link:

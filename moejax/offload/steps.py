@@ -124,12 +124,15 @@ def _unpack_tp(tp):
 
 def layer_steps(cfg: ModelConfig, dtype, layer_idx: int, decision: policy_lib.DecideParams,
                 cache: policy_lib.CacheParams, budget_slots: int | None) -> LayerSteps:
-  """The steps of layer `layer_idx`'s kind; `budget_slots`: trim to S after each token
-  (a layer with staging slots), None: never."""
-  base = _base_steps(cfg, dtype, layer_idx)
-  if not cfg.sparse_layers[layer_idx]:
+  """The steps of layer `layer_idx`'s kind (built for the first layer of that kind and
+  shared by all of them); `budget_slots`: trim to S after each token (a layer with
+  staging slots), None: never."""
+  kind = layer_kind(cfg, layer_idx)
+  rep = next(i for i in range(cfg.num_layers) if layer_kind(cfg, i) == kind)
+  base = _base_steps(cfg, dtype, rep)
+  if not cfg.sparse_layers[rep]:
     return base
-  return base._replace(**_policy_steps(cfg, dtype, layer_idx, decision, cache, budget_slots))
+  return base._replace(**_policy_steps(cfg, dtype, rep, decision, cache, budget_slots))
 
 
 @functools.lru_cache(maxsize=None)

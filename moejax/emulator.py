@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 
 import jax
 import jax.numpy as jnp
@@ -464,13 +465,18 @@ def make(cfg: ModelConfig, params, store, policy: PolicyParams | str, *,
 
 
 def run_streams(em: Emulation, tokens_BxT: np.ndarray, pos_T: np.ndarray,
-                targets_BxT: np.ndarray, seed: int = 0) -> dict:
+                targets_BxT: np.ndarray, seed: int = 0, chunk: int = 0,
+                on_chunk=None) -> dict:
   """Teacher-forced emulation of B streams: the first token is a one-token prompt.
 
   pos_T: the positions, shared by the streams (pos_T[0] must be 0; a 0 later starts
-  a new attention context).
+  a new attention context).  chunk > 0: the scan runs `chunk` tokens per call (the
+  carry passed on; T - 1 must be a multiple of it), on_chunk(tokens) after each.
+
   Returns numpy {"nll": [B,T] (position t: nll of targets[t] after token t),
-  "stats": [B,T-1,len(STATS)] (decoded tokens), + detail arrays [B,T-1,...]}.
+  "stats": [B,T-1,len(STATS)] (decoded tokens), + detail arrays [B,T-1,...],
+  "first_logits" [B,V], "compile_s", "run_s" (seconds of the decode scan without
+  its compilation)}.
   """
   tokens_BxT = np.asarray(tokens_BxT, np.int32)
   if tokens_BxT.ndim != 2 or tokens_BxT.shape[1] < 1:
@@ -483,17 +489,34 @@ def run_streams(em: Emulation, tokens_BxT: np.ndarray, pos_T: np.ndarray,
   if np.any(pos_T >= em.setup.max_len):
     raise EmulatorError(f"a position reaches max_len={em.setup.max_len}; cut documents into "
                         f"windows of at most --max_len tokens")
-  b = tokens_BxT.shape[0]
+  b, t = tokens_BxT.shape
+  targets_BxT = np.asarray(targets_BxT, np.int32)
   logits, carry = prefill(em.setup, em.params, em.layers, em.table, em.states,
-                          tokens_BxT[:, :1],
-                          np.ones((b,), np.int32))
+                          tokens_BxT[:, :1], np.ones((b,), np.int32))
   first = -np.asarray(jax.nn.log_softmax(logits))[np.arange(b), targets_BxT[:, 0]]
-  carry, out = teacher_forced(em.setup, em.params, em.layers, em.table, carry,
-                              tokens_BxT[:, 1:],
-                              pos_T[1:],
-                              np.asarray(targets_BxT[:, 1:], np.int32),
-                              np.arange(b, dtype=np.int32) + 7919 * seed)
-  out = jax.device_get(out)
+  seeds = np.arange(b, dtype=np.int32) + 7919 * seed
+  c = chunk or (t - 1)
+  if (t - 1) % max(c, 1):
+    raise EmulatorError(f"T - 1 = {t - 1} decoded tokens is not a multiple of chunk={c}")
+  outs, compile_s, run_s = [], 0.0, 0.0
+  step = None
+  for at in range(1, t, max(c, 1)):
+    args = (em.params, em.layers, em.table, carry, tokens_BxT[:, at:at + c], pos_T[at:at + c],
+            targets_BxT[:, at:at + c], seeds + at)
+    if step is None:
+      t0 = time.perf_counter()
+      step = teacher_forced.lower(em.setup, *args).compile()
+      compile_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    carry, out = step(*args)
+    outs.append(jax.device_get(out))
+    run_s += time.perf_counter() - t0
+    if on_chunk is not None:
+      on_chunk(b * c)
+  out = {k: np.concatenate([o[k] for o in outs], axis=1) for k in outs[0]} if outs else {
+      "nll": np.zeros((b, 0), np.float32),
+      "stats": np.zeros((b, 0, len(STATS)), np.float32)}
   out["nll"] = np.concatenate([first[:, None], out["nll"]], axis=1)
   out["first_logits"] = np.asarray(logits)
+  out["compile_s"], out["run_s"] = compile_s, run_s
   return out

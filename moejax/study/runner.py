@@ -65,6 +65,7 @@ class Runner:
   chunk: int = 256
   dtype: object = jnp.float32
   log: list = dataclasses.field(default_factory=list)     # per run: tokens, compile_s, run_s
+  missing: list = dataclasses.field(default_factory=list)  # runs skipped (cached_only)
 
   def __post_init__(self):
     os.makedirs(os.path.join(self.out_dir, "runs"), exist_ok=True)
@@ -76,12 +77,17 @@ class Runner:
       self._stacked = E.stack_layers(self.cfg, self.params, self.store.to_device(self.dtype))
     return self._stacked
 
-  def run(self, key: str, policy, control=None, cache_fraction: float = 0.25) -> dict:
-    """The summary of one emulation (from DIR/runs/KEY.npz when already done)."""
+  def run(self, key: str, policy, control=None, cache_fraction: float = 0.25,
+          cached_only: bool = False) -> dict | None:
+    """The summary of one emulation (from DIR/runs/KEY.npz when already done; None
+    when it is not and cached_only)."""
     path = os.path.join(self.out_dir, "runs", f"{key}.npz")
     if os.path.exists(path):
       with np.load(path) as z:
         return {k: (z[k] if z[k].ndim else float(z[k])) for k in z.files}
+    if cached_only:
+      self.missing.append(key)
+      return None
     em = E.make(self.cfg, self.params, self.store, policy, cache_fraction=cache_fraction,
                 max_len=self.max_len, dtype=self.dtype, control=control,
                 stacked=self.stacked)

@@ -111,6 +111,7 @@ def plot_policies(res: dict, path: str, title: str):
     ax.errorbar([x], [y], yerr=[[y - lo], [hi - y]], fmt="o", capsize=3)
     ax.annotate(name, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
   ax.axhline(0, color="gray", lw=0.5)
+  ax.set_yscale("symlog", linthresh=10)
   ax.set_xlabel("% of expert calls substituted or dropped")
   ax.set_ylabel("perplexity increase over fetch_all (%), 95% CI")
   ax.set_title(title, fontsize=9)

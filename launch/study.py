@@ -233,8 +233,8 @@ class Study:
     experts = self.store.to_device(jnp.float32)
 
     @jax.jit
-    def shares(toks):
-      _, _, rl = model.apply({"params": self.params}, toks, experts)
+    def shares(params, experts, toks):      # weights as arguments, not constants
+      _, _, rl = model.apply({"params": params}, toks, experts)
       out = []
       for r in rl:
         if r is None:
@@ -245,7 +245,8 @@ class Study:
 
     w = FLAGS.window
     toks = self.st.tokens[:, 1:1 + (self.st.tokens.shape[1] - 1) // w * w].reshape(-1, w)
-    sh = np.concatenate([np.asarray(shares(toks[i:i + 8])) for i in range(0, len(toks), 8)])
+    sh = np.concatenate([np.asarray(shares(self.params, experts, toks[i:i + 8]))
+                         for i in range(0, len(toks), 8)])
     a = self._load("a")
     sweep = [(t, a["policies"][f"threshold:{t:g}"]) for t in TAUS
              if f"threshold:{t:g}" in a["policies"]]

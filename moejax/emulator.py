@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 
 import jax
 import jax.numpy as jnp
@@ -93,6 +94,7 @@ class Setup:
   policy: PolicyParams
   num_slots: int                 # physical slots per MoE layer (budget + staging)
   max_len: int                   # KV cache length (attention window)
+  trim_to: int | None            # budget slots S when there are staging slots, else None
   dtype: str = "float32"
   control: Control | None = None
   detail: bool = False           # also return per-layer actions, resident sets, logits
@@ -117,7 +119,7 @@ def init_states(cfg: ModelConfig, budget: resident_lib.Budget, policy: PolicyPar
       order = []
     else:
       raise EmulatorError(f"--initial must be auto, empty, all or profile, got {initial!r}")
-    states[l] = resident_lib.fill(st, order, lambda e: {}, policy, chunk=cfg.top_k)
+    states[l] = resident_lib.fill(st, order, lambda e: {}, policy.cache, chunk=cfg.top_k)
   return states
 
 
@@ -158,19 +160,20 @@ def _control_decision(setup: Setup, logits_1xE, state, key):
   wait = miss & ~sub
   fake_slot = state.expert_slot.at[jnp.where(wait, ids, cfg.num_experts)].set(0, mode="drop")
   dec = policy_lib.decide(logits_1xE, dataclasses.replace(state, expert_slot=fake_slot),
-                          dataclasses.replace(setup.policy, miss="substitute_all"), cfg)
+                          dataclasses.replace(setup.policy.decision, miss="substitute_all"),
+                          cfg)
   return dataclasses.replace(dec, action=jnp.where(wait, FETCH, dec.action).astype(jnp.int32))
 
 
 def _decide(setup: Setup, logits_1xE, state, key):
   if setup.control is not None:
     return _control_decision(setup, logits_1xE, state, key)
-  return policy_lib.decide(logits_1xE, state, setup.policy, setup.cfg)
+  return policy_lib.decide(logits_1xE, state, setup.policy.decision, setup.cfg)
 
 
 def _moe_layer(setup: Setup, mod, p, table, x, pos, cache, state, pending_E, key):
   """One MoE layer of one decoded token (engine order); returns x, cache, state, admit, stats."""
-  cfg, pol = setup.cfg, setup.policy
+  cfg, pol = setup.cfg, setup.policy.cache
   num_e, k = cfg.num_experts, cfg.top_k
   none_in_use = jnp.zeros((num_e,), bool)
   adm_ids = jnp.nonzero(pending_E, size=k, fill_value=-1)[0].astype(jnp.int32)
@@ -187,6 +190,10 @@ def _moe_layer(setup: Setup, mod, p, table, x, pos, cache, state, pending_E, key
   x = _apply(mod, p, h, moe_in, jnp.maximum(run_ids, 0).reshape(1, 1, k), w.reshape(1, 1, k),
              table, method="moe_residual")
   state = policy_lib.update_usage(state, dec, pol)
+  ev_trim = jnp.full((state.slot_expert.shape[0],), -1, jnp.int32)
+  if setup.trim_to is not None:         # staging slots hold the token in flight only
+    state, ev_trim = resident_lib.trim(state, setup.trim_to, pol)
+  evicted = jnp.concatenate([ev_adm, ev_fetch, ev_trim])
   share = dec.share[0]
   is_ = lambda a: (act == a).astype(jnp.float32)
   stats = jnp.stack([
@@ -194,9 +201,11 @@ def _moe_layer(setup: Setup, mod, p, table, x, pos, cache, state, pending_E, key
       jnp.sum(is_(SUBSTITUTE) * share), jnp.sum(is_(DROP)), jnp.sum(is_(DROP) * share),
       jnp.sum(is_(HOST)), jnp.sum(dec.admit.astype(jnp.float32)),
       jnp.sum(pending_E.astype(jnp.float32)),
-      jnp.sum((ev_adm >= 0).astype(jnp.float32)) + jnp.sum((ev_fetch >= 0).astype(jnp.float32)),
+      jnp.sum((evicted >= 0).astype(jnp.float32)),
       is_(SUBSTITUTE)[0] + is_(DROP)[0]])
-  detail = dict(action=act, ids=dec.ids[0], sub_ids=dec.sub_ids[0], share=share)
+  detail = dict(action=act, ids=dec.ids[0], sub_ids=dec.sub_ids[0], share=share,
+                fetched=fetch_ids, admitted=adm_ids, evicted=evicted,
+                admissions=jnp.nonzero(dec.admit, size=k, fill_value=-1)[0].astype(jnp.int32))
   return x, cache, state, dec.admit, stats, detail
 
 
@@ -300,9 +309,9 @@ def _token_step(setup: Setup, params, layers, table, carry, token, pos, key):
   return _unzip(cfg, per_layer), logits, jnp.sum(stats, axis=0), det
 
 
-def _prefill_one(setup: Setup, params, layers, table, states, tokens_P, length):
+def _prefill_one(setup: Setup, params, layers, table, states, tokens_P, length, decay_pow):
   """Exact prompt (first `length` of tokens_P) of one stream, as OffloadEngine.prefill."""
-  cfg, pol = setup.cfg, setup.policy
+  cfg, pol = setup.cfg, setup.policy.cache
   dtype = jnp.dtype(setup.dtype)
   model = Transformer(cfg, dtype)
   num_e, k = cfg.num_experts, cfg.top_k
@@ -310,7 +319,6 @@ def _prefill_one(setup: Setup, params, layers, table, states, tokens_P, length):
   valid = (jnp.arange(plen) < length).astype(jnp.float32)
   pos = jnp.arange(plen, dtype=jnp.int32)[None]
   x = model.apply({"params": params}, tokens_P[None], method="embed")
-  decay_pow = jnp.power(jnp.float32(pol.lfu_decay), length.astype(jnp.float32))
 
   def layer_fn(mod, sparse, p, t, x, pl, i):
     cache, st, pending = pl
@@ -332,6 +340,8 @@ def _prefill_one(setup: Setup, params, layers, table, states, tokens_P, length):
     st, _ = resident_lib.insert(st, ordered, {}, used & resident, pol)
     st = dataclasses.replace(st, last_used=jnp.where(used, st.step, st.last_used),
                              freq=st.freq * decay_pow + counts, step=st.step + 1)
+    if setup.trim_to is not None:
+      st, _ = resident_lib.trim(st, setup.trim_to, pol)
     return x, (cache, st, pending), jnp.zeros(())
 
   cache = init_cache(cfg, 1, setup.max_len, dtype)
@@ -348,18 +358,29 @@ def _prefill_one(setup: Setup, params, layers, table, states, tokens_P, length):
 
 
 # ------------------------------------------------------------------ jitted entry points
-@functools.partial(jax.jit, static_argnames=("setup",))
 def prefill(setup: Setup, params, layers, table, states, tokens_BxP, lengths_B):
-  """Exact prompts of B streams (each its own copy of `states`): (logits [B,V], carry)."""
+  """Exact prompts of B streams (each its own copy of `states`): (logits [B,V], carry).
+
+  The prompt of stream b is tokens_BxP[b, :lengths_B[b]] (the rest is padding).
+  """
+  lengths_B = np.asarray(lengths_B)
+  # the LFU decay over a prompt, lfu_decay ** length, rounded from f64 as the engine's
+  decay_B = (float(setup.policy.lfu_decay) ** lengths_B.astype(np.float64)).astype(np.float32)
+  return _prefill(_prefill_setup(setup), params, layers, table, states, tokens_BxP, lengths_B,
+                  decay_B)
+
+
+@functools.partial(jax.jit, static_argnames=("setup",))
+def _prefill(setup: Setup, params, layers, table, states, tokens_BxP, lengths_B, decay_B):
   one = functools.partial(_prefill_one, setup, params, layers, table, states)
-  return jax.vmap(one)(tokens_BxP, lengths_B)
+  return jax.vmap(one)(tokens_BxP, lengths_B, decay_B)
 
 
 def _prefill_setup(setup: Setup) -> Setup:
   """The prefill reads only the eviction rule and the LFU decay: one compile serves
   every policy that shares them."""
-  pol = PolicyParams(eviction=setup.policy.eviction, lfu_decay=setup.policy.lfu_decay)
-  return dataclasses.replace(setup, policy=pol, control=None, detail=False)
+  return dataclasses.replace(setup, policy=PolicyParams(cache=setup.policy.cache),
+                             control=None, detail=False)
 
 
 @functools.partial(jax.jit, static_argnames=("setup",), donate_argnums=(4,))
@@ -437,18 +458,25 @@ def make(cfg: ModelConfig, params, store, policy: PolicyParams | str, *,
   if stacked is None:
     stacked = stack_layers(cfg, params, store.to_device(dtype))
   states = _stack_states(cfg, init_states(cfg, budget, policy, initial, profile_counts))
-  setup = Setup(cfg, policy, budget.physical, max_len, jnp.dtype(dtype).name, control, detail)
+  setup = Setup(cfg, policy, budget.physical, max_len,
+                budget.slots if budget.staging else None, jnp.dtype(dtype).name, control,
+                detail)
   return Emulation(setup, params, *stacked, states, budget)
 
 
 def run_streams(em: Emulation, tokens_BxT: np.ndarray, pos_T: np.ndarray,
-                targets_BxT: np.ndarray, seed: int = 0) -> dict:
+                targets_BxT: np.ndarray, seed: int = 0, chunk: int = 0,
+                on_chunk=None) -> dict:
   """Teacher-forced emulation of B streams: the first token is a one-token prompt.
 
   pos_T: the positions, shared by the streams (pos_T[0] must be 0; a 0 later starts
-  a new attention context).
+  a new attention context).  chunk > 0: the scan runs `chunk` tokens per call (the
+  carry passed on; T - 1 must be a multiple of it), on_chunk(tokens) after each.
+
   Returns numpy {"nll": [B,T] (position t: nll of targets[t] after token t),
-  "stats": [B,T-1,len(STATS)] (decoded tokens), + detail arrays [B,T-1,...]}.
+  "stats": [B,T-1,len(STATS)] (decoded tokens), + detail arrays [B,T-1,...],
+  "first_logits" [B,V], "compile_s", "run_s" (seconds of the decode scan without
+  its compilation)}.
   """
   tokens_BxT = np.asarray(tokens_BxT, np.int32)
   if tokens_BxT.ndim != 2 or tokens_BxT.shape[1] < 1:
@@ -461,17 +489,34 @@ def run_streams(em: Emulation, tokens_BxT: np.ndarray, pos_T: np.ndarray,
   if np.any(pos_T >= em.setup.max_len):
     raise EmulatorError(f"a position reaches max_len={em.setup.max_len}; cut documents into "
                         f"windows of at most --max_len tokens")
-  b = tokens_BxT.shape[0]
-  logits, carry = prefill(_prefill_setup(em.setup), em.params, em.layers, em.table, em.states,
-                          tokens_BxT[:, :1],
-                          np.ones((b,), np.int32))
+  b, t = tokens_BxT.shape
+  targets_BxT = np.asarray(targets_BxT, np.int32)
+  logits, carry = prefill(em.setup, em.params, em.layers, em.table, em.states,
+                          tokens_BxT[:, :1], np.ones((b,), np.int32))
   first = -np.asarray(jax.nn.log_softmax(logits))[np.arange(b), targets_BxT[:, 0]]
-  carry, out = teacher_forced(em.setup, em.params, em.layers, em.table, carry,
-                              tokens_BxT[:, 1:],
-                              pos_T[1:],
-                              np.asarray(targets_BxT[:, 1:], np.int32),
-                              np.arange(b, dtype=np.int32) + 7919 * seed)
-  out = jax.device_get(out)
+  seeds = np.arange(b, dtype=np.int32) + 7919 * seed
+  c = chunk or (t - 1)
+  if (t - 1) % max(c, 1):
+    raise EmulatorError(f"T - 1 = {t - 1} decoded tokens is not a multiple of chunk={c}")
+  outs, compile_s, run_s = [], 0.0, 0.0
+  step = None
+  for at in range(1, t, max(c, 1)):
+    args = (em.params, em.layers, em.table, carry, tokens_BxT[:, at:at + c], pos_T[at:at + c],
+            targets_BxT[:, at:at + c], seeds + at)
+    if step is None:
+      t0 = time.perf_counter()
+      step = teacher_forced.lower(em.setup, *args).compile()
+      compile_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    carry, out = step(*args)
+    outs.append(jax.device_get(out))
+    run_s += time.perf_counter() - t0
+    if on_chunk is not None:
+      on_chunk(b * c)
+  out = {k: np.concatenate([o[k] for o in outs], axis=1) for k in outs[0]} if outs else {
+      "nll": np.zeros((b, 0), np.float32),
+      "stats": np.zeros((b, 0, len(STATS)), np.float32)}
   out["nll"] = np.concatenate([first[:, None], out["nll"]], axis=1)
   out["first_logits"] = np.asarray(logits)
+  out["compile_s"], out["run_s"] = compile_s, run_s
   return out

@@ -1,0 +1,1 @@
+"""The quality study around the exact emulator: token streams, metrics, experiments."""

@@ -1,0 +1,163 @@
+"""The exact emulator: agreement with OffloadEngine, exactness, controls, bad input."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from moejax import emulator as E
+from moejax.config import ModelConfig
+from moejax.loader import expert_shapes, load_model
+from moejax.model import Transformer
+from moejax.offload import policy as P
+from moejax.offload.engine import OffloadEngine
+from moejax.store import ExpertStore
+
+DEMO = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ckpts", "demo")
+POLICIES = ("baseline", "quality", "speed", "fetch_all", "threshold", "first_choice",
+            "substitute_all", "host")
+
+
+def engine_run(cfg, params, store, policy, tokens, **kw):
+  """Engine teacher-forced on `tokens` (first one as the prompt): logits and records."""
+  with OffloadEngine(cfg, params, store, policy, max_len=len(tokens) + 1, **kw) as eng:
+    out = [eng.prefill(tokens[:1])] + [eng.decode_step(t) for t in tokens[1:]]
+    final = eng.resident_sets()
+  return np.stack(out), eng.records, final
+
+
+def emulator_run(cfg, params, store, policy, tokens, **kw):
+  em = E.make(cfg, params, store, policy, max_len=len(tokens) + 1, detail=True, **kw)
+  t = len(tokens)
+  out = E.run_streams(em, np.asarray([tokens]), np.arange(t), np.asarray([tokens[1:] + [0]]))
+  logits = np.concatenate([out["first_logits"], out["logits"][0]])
+  return logits, out
+
+
+def assert_same_decisions(cfg, records, out):
+  """Per decoded token and MoE layer: ids, actions, substitutes, fetches, admissions
+  requested and inserted, evictions; and the per-token counts."""
+  valid = lambda a: sorted(int(e) for e in a if e >= 0)
+  for t, rec in enumerate(records):
+    for j, l in enumerate(cfg.moe_layers):
+      lr = rec.layers[l]
+      where = f"token {t + 1}, layer {l}"
+      assert lr.ids == out["ids"][0, t, j].tolist(), where
+      assert lr.actions == out["action"][0, t, j].tolist(), where
+      assert lr.substitutes == out["sub_ids"][0, t, j].tolist(), where
+      assert lr.fetched == [int(e) for e in out["fetched"][0, t, j] if e >= 0], where
+      assert sorted(lr.admissions) == valid(out["admissions"][0, t, j]), where
+      assert sorted(lr.admitted) == valid(out["admitted"][0, t, j]), where
+      assert sorted(lr.evicted) == valid(out["evicted"][0, t, j]), where
+    for i, k in enumerate(E.STATS[:-1]):
+      np.testing.assert_allclose(out["stats"][0, t, i], rec[k], atol=1e-4, err_msg=k)
+
+
+@pytest.fixture(scope="module")
+def demo():
+  if not os.path.exists(os.path.join(DEMO, "config.json")):
+    pytest.skip("no demo checkpoint")
+  cfg, params, store = load_model(DEMO, dtype=jnp.float32)
+  from moejax.tokenizer import Tokenizer
+  text = "def mean(xs):\n    total = 0\n    for x in xs:\n        total += x\n    return total"
+  toks = Tokenizer(DEMO).encode(text)[:24]
+  return cfg, params, store, toks
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_agrees_with_engine_on_demo_model(demo, policy):
+  cfg, params, store, toks = demo
+  ref, records, final = engine_run(cfg, params, store, policy, toks)
+  logits, out = emulator_run(cfg, params, store, policy, toks)
+  np.testing.assert_allclose(logits, ref, atol=1e-5, rtol=0)
+  assert_same_decisions(cfg, records, out)
+  st = out["stats"][0].sum(0)
+  if policy in ("quality", "threshold", "speed", "first_choice", "substitute_all"):
+    assert st[E.STATS.index("substituted")] > 0          # the policy really substituted
+  if policy in ("quality", "speed"):
+    assert st[E.STATS.index("admitted")] > 0             # and admitted in the background
+
+
+# ------------------------------------------------------------------ tiny random model
+@pytest.fixture(scope="module")
+def tiny():
+  cfg = ModelConfig(model_type="qwen3_moe", vocab_size=64, hidden_size=32, num_layers=2,
+                    num_heads=4, num_kv_heads=2, head_dim=8, num_experts=8, top_k=2,
+                    moe_intermediate_size=16, intermediate_size=48,
+                    sparse_layers=(True, True), qk_norm="head", norm_topk_prob=True).validate()
+  rng = np.random.default_rng(0)
+  exps = [{k: (rng.standard_normal((8,) + shp) * 0.3).astype(np.float32)
+           for k, shp in expert_shapes(cfg).items()} for _ in range(2)]
+  store = ExpertStore.from_stacked(exps)
+  params = jax.jit(lambda k: Transformer(cfg).init(k, jnp.zeros((1, 4), jnp.int32),
+                                                   store.to_device())["params"])(
+      jax.random.PRNGKey(1))
+  toks = [int(t) for t in rng.integers(0, 64, 16)]
+  return cfg, params, store, toks
+
+
+def test_staging_slots_trim_like_the_engine(tiny):
+  cfg, params, store, toks = tiny
+  # S = round(0.125 * 8) = 1 < K = 2: one staging slot, trimmed after each token
+  ref, records, final = engine_run(cfg, params, store, "quality", toks, cache_fraction=0.125)
+  logits, out = emulator_run(cfg, params, store, "quality", toks, cache_fraction=0.125)
+  np.testing.assert_allclose(logits, ref, atol=1e-5, rtol=0)
+  assert_same_decisions(cfg, records, out)
+  assert np.all((out["slot_expert"] >= 0).sum(-1) <= 1)  # back within the budget S = 1
+
+
+def test_streams_reset_attention_and_fetch_all_is_exact(tiny):
+  """fetch_all at 25% equals the fully resident model over each attention window;
+  two streams in one vmapped call equal each run alone."""
+  cfg, params, store, toks = tiny
+  t = len(toks)
+  pos = np.arange(t) % 8                                   # two windows of 8
+  streams = np.asarray([toks, toks[::-1]], np.int32)
+  targets = np.roll(streams, -1, axis=1)
+  em = E.make(cfg, params, store, "fetch_all", max_len=8)
+  out = E.run_streams(em, streams, pos, targets)
+  model = Transformer(cfg)
+  for b in range(2):
+    for w in range(2):
+      seg = streams[b, 8 * w:8 * w + 8]
+      lg, _, _ = model.apply({"params": params}, jnp.asarray(seg[None]), store.to_device())
+      nll = -np.asarray(jax.nn.log_softmax(lg[0]))[np.arange(8), targets[b, 8 * w:8 * w + 8]]
+      np.testing.assert_allclose(out["nll"][b, 8 * w:8 * w + 8], nll, atol=2e-5)
+  alone = E.run_streams(em, streams[1:], pos, targets[1:])
+  np.testing.assert_allclose(alone["nll"][0], out["nll"][1], atol=1e-6)
+  np.testing.assert_array_equal(alone["stats"][0], out["stats"][1])
+
+
+def test_controls(tiny):
+  cfg, params, store, toks = tiny
+  t = len(toks)
+  run = lambda pol, c: E.run_streams(E.make(cfg, params, store, pol, control=c, max_len=t),
+                                     np.asarray([toks]), np.arange(t), np.asarray([toks]))
+  base = run("fetch_all", None)
+  # substituting no miss is fetch_all; substituting every miss is substitute_all
+  none = run("substitute_all", E.Control("random", prob=0.0))
+  np.testing.assert_allclose(none["nll"], base["nll"], atol=1e-6)
+  allm = run("substitute_all", E.Control("random", prob=1.0))
+  ref = run("substitute_all", None)
+  np.testing.assert_allclose(allm["nll"], ref["nll"], atol=1e-6)
+  np.testing.assert_array_equal(allm["stats"], ref["stats"])
+  # band [0, 1) protecting the first choice is first_choice; [tau, 1) leaves light misses
+  band = run("substitute_all", E.Control("band", lo=0.0, hi=1.0, protect_first=True))
+  np.testing.assert_array_equal(band["stats"], run("first_choice", None)["stats"])
+  i = E.STATS.index("first_substituted")
+  assert band["stats"][..., i].sum() == 0 and allm["stats"][..., i].sum() > 0
+
+
+def test_bad_input_names_the_flag(tiny):
+  cfg, params, store, toks = tiny
+  with pytest.raises(P.PolicyError, match="--policy"):
+    E.make(cfg, params, store, "nonsense")
+  with pytest.raises(ValueError, match="--cache_fraction"):
+    E.make(cfg, params, store, "quality", cache_fraction=1.5)
+  em = E.make(cfg, params, store, "quality", max_len=8)
+  with pytest.raises(E.EmulatorError, match="non-empty"):
+    E.run_streams(em, np.zeros((1, 0), np.int32), np.zeros(0), np.zeros((1, 0)))
+  with pytest.raises(E.EmulatorError, match="--max_len"):
+    E.run_streams(em, np.zeros((1, 9), np.int32), np.arange(9), np.zeros((1, 9)))

@@ -48,6 +48,7 @@ from moejax.model import DecoderLayer, Transformer, init_cache
 from moejax.offload import policy as policy_lib
 from moejax.offload import resident as resident_lib
 from moejax.offload.policy import DROP, FETCH, HIT, HOST, SUBSTITUTE, PolicyParams
+from moejax.offload.steps import _attend_route, _dense  # shared with the engine's steps
 
 # per-token statistics, summed over MoE layers (the engine's record keys)
 STATS = ("expert_calls", "hits", "fetches", "substituted", "substituted_mass", "dropped",
@@ -129,17 +130,6 @@ def _layers(cfg: ModelConfig, dtype):
 
 def _apply(mod, p, *args, method):
   return mod.apply({"params": p}, *args, method=method)
-
-
-def _attend_route(mdl, x, pos, cache, end):
-  h, cache = mdl.attend(x, pos, cache, end)
-  moe_in, logits = mdl.route_logits(h)
-  return h, moe_in, logits, cache
-
-
-def _dense(mdl, x, pos, cache, end):
-  h, cache = mdl.attend(x, pos, cache, end)
-  return mdl.dense_residual(h), cache
 
 
 # ------------------------------------------------------------------ decisions

@@ -29,7 +29,7 @@ from tqdm import tqdm
 from moejax import corpus, data
 from moejax.config import ModelConfig
 from moejax.loader import init_random, save_hf
-from moejax.train import TrainConfig, make_optimizer, train_step
+from moejax.train import TrainConfig, make_optimizer, revive_experts, train_step
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("workdir", "runs/demo_train", "Checkpoints, tokenizer and token cache.")
@@ -54,6 +54,11 @@ flags.DEFINE_float("logit_balance_coef", 0.1,
                    "Weight of the logit-balance loss that revives unused experts.")
 flags.DEFINE_enum("locality_loss", "cosine", ["cosine", "tv"],
                   "Consistency measure (moejax.train.aux_losses).")
+flags.DEFINE_integer("revive_every", 50,
+                     "Every N steps, split the most loaded experts into dead ones (0 = off); "
+                     "a multiple of --save_every keeps resumed runs identical.")
+flags.DEFINE_float("revive_threshold", 0.25, "Dead = share of the window's picks below this / E.")
+flags.DEFINE_float("revive_until", 0.8, "No revival after this fraction of --steps.")
 flags.DEFINE_integer("save_every", 50, "Checkpoint interval in steps.")
 flags.DEFINE_float("max_hours", 0.0, "Stop (checkpointed, exported) after this long; 0 = no limit.")
 flags.DEFINE_integer("vocab", 8192, "BPE vocabulary size.")
@@ -141,6 +146,7 @@ def run_training(cfg, tc: TrainConfig, stream: np.ndarray, ckpt_dir: str, save_e
     trainable, opt_state = state["trainable"], state["opt_state"]
     logging.info("resumed from step %d", step)
   t0 = time.time()
+  load_sum, load_n = None, 0  # expert loads since the last revival (a window starts at resume)
   end = tc.steps if stop_at is None else min(stop_at, tc.steps)
   if not export_only and step < end:
     bar = tqdm(total=tc.steps, initial=step, desc="train", unit="step", mininterval=5)
@@ -149,13 +155,25 @@ def run_training(cfg, tc: TrainConfig, stream: np.ndarray, ckpt_dir: str, save_e
       ts = time.time()
       trainable, opt_state, m = train_step(cfg, tc, opt, trainable, opt_state, jnp.asarray(batch),
                                            jnp.asarray(step, jnp.int32))
+      load = np.asarray(m.pop("load"))
+      load_sum, load_n = (load if load_sum is None else load_sum + load), load_n + 1
       m = {k: float(v) for k, v in m.items()}
       step += 1
       dt = time.time() - ts
       bar.update(1)
       bar.set_postfix(loss=f"{m['ce']:.3f}", bal=f"{m['balance']:.3f}", loc=f"{m['locality']:.3f}",
                       tok_s=f"{(batch.size - batch.shape[0]) / dt:.0f}")
-      if log_path:
+      if tc.revive_every and step % tc.revive_every == 0:
+        share = load_sum / load_n
+        m["min_share_x_E"] = float(share.min() * share.shape[-1])
+        if step <= tc.revive_until * tc.steps:
+          trainable, revived = revive_experts(trainable, share, tc.revive_threshold,
+                                              tc.revive_noise, seed=tc.seed * 100_003 + step)
+          m["revived"] = revived
+          if sum(revived):
+            logging.info("step %d: revived %s experts per layer", step, revived)
+        load_sum, load_n = None, 0
+      if log_path:  # after revival, so its counts are logged with the step
         with open(log_path, "a") as f:
           f.write(json.dumps(dict(m, step=step, lr=float(sched(step)), sec=dt,
                                   elapsed=time.time() - t0)) + "\n")
@@ -186,7 +204,9 @@ def main(_):
                    balance_switch_step=FLAGS.balance_switch_step,
                    balance_scope=FLAGS.balance_scope, locality_coef=FLAGS.locality_coef,
                    locality_loss=FLAGS.locality_loss,
-                   logit_balance_coef=FLAGS.logit_balance_coef)
+                   logit_balance_coef=FLAGS.logit_balance_coef,
+                   revive_every=FLAGS.revive_every, revive_threshold=FLAGS.revive_threshold,
+                   revive_until=FLAGS.revive_until)
   logging.info("train tokens %d, config %s", stream.size, cfg)
   trainable, step = run_training(cfg, tc, stream, os.path.join(wd, "ckpt"), FLAGS.save_every,
                                  max_hours=FLAGS.max_hours, log_path=os.path.join(wd, "train_log.jsonl"),

@@ -12,6 +12,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from moejax import routing
@@ -35,6 +36,10 @@ class TrainConfig:
   locality_loss: str = "cosine"     # "cosine" (scale-free) or "tv" (rewards flat routers)
   logit_balance_coef: float = 0.0   # pulls every expert's mean centred logit to 0 (revives dead)
   z_coef: float = 1e-3
+  revive_every: int = 0             # split loaded experts into dead ones every N steps (0 = off)
+  revive_threshold: float = 0.25    # dead = share of the window's picks below this / E
+  revive_until: float = 0.8         # no revival after this fraction of the steps
+  revive_noise: float = 0.1         # router-row perturbation, relative to the row's RMS
   batch: int = 16
   seq: int = 256
   seed: int = 0
@@ -101,6 +106,60 @@ def aux_losses(cfg: ModelConfig, router_logits: list, scope: str = "batch",
   return bal / n, z / n, loc / n, lbal / n
 
 
+def expert_loads(cfg: ModelConfig, router_logits: list):
+  """Share of each layer's top-k picks per expert, [MoE layers, E] (rows sum to 1)."""
+  loads = []
+  for rl in router_logits:
+    if rl is None:
+      continue
+    ids, _, _ = routing.route(cfg, rl.astype(jnp.float32).reshape(-1, cfg.num_experts))
+    loads.append(jnp.mean(jax.nn.one_hot(ids, cfg.num_experts).sum(1), axis=0) / cfg.top_k)
+  return jnp.stack(loads)
+
+
+def revive_experts(trainable, load_LxE, threshold: float, noise: float, seed: int):
+  """Splits the most loaded experts into the dead ones: (trainable, revived per layer).
+
+  An expert whose share of its layer's picks is below `threshold / E` is dead.  Each dead
+  expert d takes a donor j, the layer's most loaded experts in order: d gets j's expert
+  weights, and the two router rows become w_j + n and w_j - n with n a Gaussian of
+  `noise` times the row's RMS, so d and j split j's tokens along a random direction and
+  both keep learning.  The Switch loss cannot do this: an expert nobody picks gets no
+  gradient through its top-k share, and its softmax probability is too small to
+  pull it back.  Optimizer moments are left as they are (the dead row's are near zero).
+  `load_LxE` covers the MoE layers in order; `seed` makes the noise reproducible.
+  """
+  params, experts = trainable
+  load_LxE = np.asarray(load_LxE)
+  E = load_LxE.shape[-1]
+  rng = np.random.default_rng(seed)
+  params = dict(params)  # new dicts along the changed paths; the arrays are immutable
+  experts = list(experts)
+  revived = []
+  moe_layers = [i for i, e in enumerate(experts) if e is not None]
+  for row, li in enumerate(moe_layers):
+    load = load_LxE[row]
+    dead = np.flatnonzero(load < threshold / E)
+    donors = [j for j in np.argsort(-load, kind="stable") if j not in set(dead)]
+    revived.append(int(dead.size))
+    if dead.size == 0:
+      continue
+    name = f"layers_{li}"
+    w_ExD = params[name]["mlp"]["gate"]["weight"]
+    ex = dict(experts[li])
+    for n, d in enumerate(dead):
+      j = donors[n % len(donors)]
+      rms = jnp.sqrt(jnp.mean(w_ExD[j] ** 2))
+      eps = jnp.asarray(rng.standard_normal(w_ExD.shape[1]), w_ExD.dtype) * noise * rms
+      w_ExD = w_ExD.at[d].set(w_ExD[j] + eps).at[j].set(w_ExD[j] - eps)
+      ex = {k: v.at[d].set(v[j]) for k, v in ex.items()}
+    layer = dict(params[name])
+    layer["mlp"] = dict(layer["mlp"], gate=dict(layer["mlp"]["gate"], weight=w_ExD))
+    params[name] = layer
+    experts[li] = ex
+  return (params, experts), revived
+
+
 def loss_fn(trainable, cfg: ModelConfig, tc: TrainConfig, tokens_BxT1, step):
   params, experts = trainable
   x, y = tokens_BxT1[:, :-1], tokens_BxT1[:, 1:]
@@ -109,7 +168,8 @@ def loss_fn(trainable, cfg: ModelConfig, tc: TrainConfig, tokens_BxT1, step):
   bal, z, loc, lbal = aux_losses(cfg, rl, tc.balance_scope, tc.locality_loss)
   loss = (ce + balance_schedule(tc, step) * bal + tc.z_coef * z + tc.locality_coef * loc
           + tc.logit_balance_coef * lbal)
-  return loss, {"ce": ce, "balance": bal, "z": z, "locality": loc, "logit_balance": lbal}
+  return loss, {"ce": ce, "balance": bal, "z": z, "locality": loc, "logit_balance": lbal,
+                "load": expert_loads(cfg, rl)}
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(3, 4))

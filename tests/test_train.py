@@ -8,7 +8,7 @@ import pytest
 
 from launch.train_demo import run_training
 from moejax.config import ModelConfig
-from moejax.train import TrainConfig, aux_losses, balance_schedule
+from moejax.train import TrainConfig, aux_losses, balance_schedule, revive_experts
 
 TINY = ModelConfig(model_type="qwen3_moe", vocab_size=64, hidden_size=32, num_layers=2,
                    num_heads=4, num_kv_heads=2, head_dim=8, num_experts=8, top_k=2,
@@ -68,7 +68,9 @@ def stream():
 
 
 def test_training_learns_and_resumes_exactly(stream, tmp_path):
-  tc = TrainConfig(steps=16, warmup=2, lr=1e-2, batch=4, seq=32, seed=0)
+  # expert revival every 4 steps (threshold high enough that it fires) is part of the run
+  tc = TrainConfig(steps=16, warmup=2, lr=1e-2, batch=4, seq=32, seed=0, revive_every=4,
+                   revive_threshold=0.9, revive_until=1.0)
   log_a = tmp_path / "a.jsonl"
   (pa, ea), step = run_training(TINY, tc, stream, str(tmp_path / "a"), save_every=8,
                                 log_path=str(log_a))
@@ -76,6 +78,8 @@ def test_training_learns_and_resumes_exactly(stream, tmp_path):
   import json
   ce = [json.loads(l)["ce"] for l in open(log_a)]
   assert ce[-1] < ce[0] - 0.5, ce   # it learns the repeated pattern
+  revived = [sum(json.loads(l).get("revived", [0])) for l in open(log_a)]
+  assert sum(revived) > 0, revived
 
   # killed after step 8 (checkpointed), restarted: same data order, same result
   _, s8 = run_training(TINY, tc, stream, str(tmp_path / "b"), save_every=8, stop_at=8)
@@ -83,3 +87,28 @@ def test_training_learns_and_resumes_exactly(stream, tmp_path):
   (pb, eb), step_b = run_training(TINY, tc, stream, str(tmp_path / "b"), save_every=8)
   assert step_b == 16
   chex.assert_trees_all_close((pa, ea), (pb, eb), atol=0, rtol=0)
+
+
+def test_revive_experts_splits_the_most_loaded_expert_into_the_dead_one():
+  # one MoE layer (layer 1; layer 0 dense), E = 4: expert 2 is dead, expert 0 the most loaded
+  D, E = 3, 4
+  w_ExD = jnp.arange(E * D, dtype=jnp.float32).reshape(E, D) + 1.0
+  params = {"layers_1": {"mlp": {"gate": {"weight": w_ExD}}}, "other": jnp.ones(2)}
+  ex = {"gate_up": jnp.arange(E * 2 * 5, dtype=jnp.float32).reshape(E, 2, 5),
+        "down": -jnp.arange(E * 5 * 1, dtype=jnp.float32).reshape(E, 5, 1)}
+  load_LxE = np.array([[0.5, 0.3, 0.01, 0.19]])  # 0.01 < 0.25 / 4
+  (p2, (_, ex2)), revived = revive_experts((params, [None, ex]), load_LxE, threshold=0.25,
+                                      noise=0.1, seed=0)
+  assert revived == [1]
+  w2 = p2["layers_1"]["mlp"]["gate"]["weight"]
+  # the dead row and the donor row are the donor's row -/+ the same perturbation
+  np.testing.assert_allclose((w2[0] + w2[2]) / 2, w_ExD[0], rtol=1e-6)
+  assert float(jnp.abs(w2[2] - w2[0]).max()) > 0
+  np.testing.assert_array_equal(np.asarray(w2)[[1, 3]], np.asarray(w_ExD)[[1, 3]])      # other experts untouched
+  for k in ex:
+    np.testing.assert_array_equal(ex2[k][2], ex[k][0])          # dead expert = donor's weights
+    np.testing.assert_array_equal(np.asarray(ex2[k])[[0, 1, 3]], np.asarray(ex[k])[[0, 1, 3]])
+  assert params["layers_1"]["mlp"]["gate"]["weight"] is w_ExD   # input not mutated
+  # nothing dead: nothing changes
+  (_, ex3), revived = revive_experts((params, [None, ex]), np.full((1, E), 0.25), 0.25, 0.1, 0)
+  assert revived == [0] and ex3[1] is ex

@@ -52,7 +52,7 @@ flags.DEFINE_enum("balance_scope", "batch", ["batch", "sequence"],
 flags.DEFINE_float("locality_coef", 0.1, "Weight of the adjacent-token routing consistency loss.")
 flags.DEFINE_float("logit_balance_coef", 0.1,
                    "Weight of the logit-balance loss that revives unused experts.")
-flags.DEFINE_enum("locality_loss", "cosine", ["cosine", "tv"],
+flags.DEFINE_enum("locality_loss", "cosine", ["cosine", "tv", "mi"],
                   "Consistency measure (moejax.train.aux_losses).")
 flags.DEFINE_integer("revive_every", 50,
                      "Every N steps, split the most loaded experts into dead ones (0 = off); "

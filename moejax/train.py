@@ -33,7 +33,7 @@ class TrainConfig:
   balance_switch_step: int = 0
   balance_scope: str = "batch"      # "batch": f, P over the whole step; "sequence": per sequence
   locality_coef: float = 0.0        # router consistency between adjacent tokens (0 = off)
-  locality_loss: str = "cosine"     # "cosine" (scale-free) or "tv" (rewards flat routers)
+  locality_loss: str = "cosine"     # "cosine" | "tv" (adjacent tokens) | "mi" (sequence vs batch)
   logit_balance_coef: float = 0.0   # pulls every expert's mean centred logit to 0 (revives dead)
   z_coef: float = 1e-3
   revive_every: int = 0             # split loaded experts into dead ones every N steps (0 = off)
@@ -72,6 +72,11 @@ def aux_losses(cfg: ModelConfig, router_logits: list, scope: str = "batch",
       neither rewards flat nor sharp routers, only a persistent direction of preference;
     "tv": total variation 0.5 * sum_e |p_t,e - p_t-1,e| of the router softmax, which
       is smallest for flat routers (kept for comparison; pilots flattened the gates).
+    "mi": H(p_b) - H(p), the mean entropy of each sequence's mean router softmax p_b
+      minus the entropy of the whole step's mean p; minus the mutual information
+      between sequence and expert.  It asks each sequence (one document window) to use
+      few experts and the step as a whole to use all of them evenly, so, unlike the
+      adjacent-token forms, a constant routing preference does not minimise it.
   logit_balance: mean over experts of the squared batch-mean centred logit,
     mean_e (mean_t (l_t,e - mean_e' l_t,e'))^2.  The Switch loss cannot revive an expert
     nobody selects (its f_e = 0, and its probability is too small for the softmax to
@@ -92,7 +97,12 @@ def aux_losses(cfg: ModelConfig, router_logits: list, scope: str = "batch",
     p = jnp.mean(probs_BxTxE, axis=axes)
     bal += cfg.num_experts * jnp.mean(jnp.sum(f * p, axis=-1))
     z += jnp.mean(jax.nn.logsumexp(logits_BxTxE, axis=-1) ** 2)
-    if locality == "tv":
+    if locality == "mi":
+      soft_BxTxE = jax.nn.softmax(logits_BxTxE, axis=-1)
+      entropy = lambda p: -jnp.sum(p * jnp.log(p + 1e-9), axis=-1)
+      loc += jnp.mean(entropy(jnp.mean(soft_BxTxE, axis=1))) - entropy(
+          jnp.mean(soft_BxTxE, axis=(0, 1)))
+    elif locality == "tv":
       soft_BxTxE = jax.nn.softmax(logits_BxTxE, axis=-1)
       loc += 0.5 * jnp.mean(jnp.sum(jnp.abs(soft_BxTxE[:, 1:] - soft_BxTxE[:, :-1]), axis=-1))
     else:

@@ -112,3 +112,17 @@ def test_revive_experts_splits_the_most_loaded_expert_into_the_dead_one():
   # nothing dead: nothing changes
   (_, ex3), revived = revive_experts((params, [None, ex]), np.full((1, E), 0.25), 0.25, 0.1, 0)
   assert revived == [0] and ex3[1] is ex
+
+
+def test_mutual_information_locality_hand_checked():
+  """Two sequences, softmax [.9, .1] and [.1, .9] on both tokens: each sequence's entropy
+  h(.9) = 0.3251 nats, the batch mean [.5, .5] has ln 2; loss = h(.9) - ln 2.  The same
+  preference in both sequences (a constant router) gains nothing: loss 0."""
+  cfg = ModelConfig(**{**TINY.__dict__, "num_experts": 2, "top_k": 1})
+  l9 = float(np.log(9.0))
+  a, b = [[l9, 0.0], [l9, 0.0]], [[0.0, l9], [0.0, l9]]
+  h9 = -(0.9 * np.log(0.9) + 0.1 * np.log(0.1))
+  loc = aux_losses(cfg, [jnp.array([a, b])], locality="mi")[2]
+  np.testing.assert_allclose(float(loc), h9 - np.log(2.0), rtol=1e-5)
+  loc_same = aux_losses(cfg, [jnp.array([a, a])], locality="mi")[2]
+  np.testing.assert_allclose(float(loc_same), 0.0, atol=1e-6)

@@ -49,16 +49,17 @@ flags.DEFINE_float("balance_coef_start", 0.03, "Balance coefficient before --bal
 flags.DEFINE_integer("balance_switch_step", 0, "Step at which --balance_coef takes over.")
 flags.DEFINE_enum("balance_scope", "batch", ["batch", "sequence"],
                   "Balance over all tokens of a step, or per sequence.")
-flags.DEFINE_float("locality_coef", 0.1, "Weight of the adjacent-token routing consistency loss.")
-flags.DEFINE_float("logit_balance_coef", 0.1,
+flags.DEFINE_float("locality_coef", 0.5, "Weight of the routing-locality loss (--locality_loss).")
+flags.DEFINE_float("logit_balance_coef", 0.0,
                    "Weight of the logit-balance loss that revives unused experts.")
-flags.DEFINE_enum("locality_loss", "cosine", ["cosine", "tv", "mi"],
-                  "Consistency measure (moejax.train.aux_losses).")
+flags.DEFINE_enum("locality_loss", "mi", ["cosine", "tv", "mi"],
+                  "Locality measure (moejax.train.aux_losses): mutual information between "
+                  "sequence and expert, or adjacent-token consistency (cosine, tv).")
 flags.DEFINE_integer("revive_every", 50,
                      "Every N steps, split the most loaded experts into dead ones (0 = off); "
                      "a multiple of --save_every keeps resumed runs identical.")
 flags.DEFINE_float("revive_threshold", 0.25, "Dead = share of the window's picks below this / E.")
-flags.DEFINE_float("revive_until", 0.8, "No revival after this fraction of --steps.")
+flags.DEFINE_float("revive_until", 0.95, "No revival after this fraction of --steps.")
 flags.DEFINE_integer("save_every", 50, "Checkpoint interval in steps.")
 flags.DEFINE_float("max_hours", 0.0, "Stop (checkpointed, exported) after this long; 0 = no limit.")
 flags.DEFINE_integer("vocab", 8192, "BPE vocabulary size.")

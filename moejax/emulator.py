@@ -44,7 +44,10 @@ import numpy as np
 
 from moejax import routing
 from moejax.config import ModelConfig
-from moejax.model import DecoderLayer, Transformer, init_cache
+from moejax import controls, layer_stack
+from moejax.controls import Control  # noqa: F401  (public: emulator.Control)
+from moejax.layer_stack import stack_layers  # noqa: F401  (public: emulator.stack_layers)
+from moejax.model import Transformer, init_cache
 from moejax.offload import policy as policy_lib
 from moejax.offload import resident as resident_lib
 from moejax.offload.policy import DROP, FETCH, HIT, HOST, SUBSTITUTE, PolicyParams
@@ -58,34 +61,6 @@ STATS = ("expert_calls", "hits", "fetches", "substituted", "substituted_mass", "
 
 class EmulatorError(ValueError):
   """Bad emulator input; the message names the flag or argument."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Control:
-  """An emulator-only *control* miss rule (for experiments, not a policy preset).
-
-  Which misses are waited for is chosen here; everything else (substitutes,
-  admission, eviction) is `policy.decide` with the `substitute_all` rule seeing
-  the waited-for misses as resident, so substitutes follow the spec exactly.
-
-    random:  each miss is substituted with probability `prob` (the first
-             choice too, unless protect_first), independently per call.
-    band:    misses whose share g / sum(g) is in [lo, hi) are substituted with
-             probability `prob`, the first choice never (unless protect_first
-             is False); all other misses are waited for.
-  """
-  kind: str = "random"
-  prob: float = 1.0
-  lo: float = 0.0
-  hi: float = 1.0
-  protect_first: bool = False
-  seed: int = 0
-
-  def __post_init__(self):
-    if self.kind not in ("random", "band"):
-      raise EmulatorError(f"control kind must be 'random' or 'band', got {self.kind!r}")
-    if not 0.0 <= self.prob <= 1.0:
-      raise EmulatorError(f"control prob must be in [0, 1], got {self.prob}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,40 +99,15 @@ def init_states(cfg: ModelConfig, budget: resident_lib.Budget, policy: PolicyPar
   return states
 
 
-def _layers(cfg: ModelConfig, dtype):
-  return [DecoderLayer(cfg, s, dtype, i) for i, s in enumerate(cfg.sparse_layers)]
-
-
 def _apply(mod, p, *args, method):
   return mod.apply({"params": p}, *args, method=method)
 
 
 # ------------------------------------------------------------------ decisions
-def _control_decision(setup: Setup, logits_1xE, state, key):
-  """decide(substitute_all) with the control's waited-for misses seen as resident."""
-  cfg, c = setup.cfg, setup.control
-  ids, gates, _ = routing.route(cfg, logits_1xE)
-  share = gates / jnp.sum(gates, axis=-1, keepdims=True)     # as decide's share
-  miss = state.expert_slot[ids] < 0
-  first = jnp.arange(ids.shape[-1])[None, :] == 0
-  coin = jax.random.uniform(key, ids.shape) < c.prob
-  if c.kind == "random":
-    sub = miss & coin
-  else:
-    sub = miss & coin & (share >= c.lo) & (share < c.hi)
-  if c.protect_first:
-    sub = sub & ~first
-  wait = miss & ~sub
-  fake_slot = state.expert_slot.at[jnp.where(wait, ids, cfg.num_experts)].set(0, mode="drop")
-  dec = policy_lib.decide(logits_1xE, dataclasses.replace(state, expert_slot=fake_slot),
-                          dataclasses.replace(setup.policy.decision, miss="substitute_all"),
-                          cfg)
-  return dataclasses.replace(dec, action=jnp.where(wait, FETCH, dec.action).astype(jnp.int32))
-
-
 def _decide(setup: Setup, logits_1xE, state, key):
   if setup.control is not None:
-    return _control_decision(setup, logits_1xE, state, key)
+    return controls.decide(setup.control, logits_1xE, state, setup.policy.decision,
+                           setup.cfg, key)
   return policy_lib.decide(logits_1xE, state, setup.policy.decision, setup.cfg)
 
 
@@ -199,76 +149,6 @@ def _moe_layer(setup: Setup, mod, p, table, x, pos, cache, state, pending_E, key
   return x, cache, state, dec.admit, stats, detail
 
 
-# ------------------------------------------------------------------ layers
-def uniform(cfg: ModelConfig) -> bool:
-  """Every layer sparse and of one kind: the layers run as a `lax.scan` (one compiled
-  layer body instead of one per layer)."""
-  kinds = {(cfg.layer_types[i] if cfg.layer_types else "") for i in range(cfg.num_layers)}
-  return all(cfg.sparse_layers) and len(kinds) == 1
-
-
-def stack_layers(cfg: ModelConfig, params, table):
-  """(layers, table) as the jitted functions take them: stacked [L, ...] for uniform
-  models, else lists over layers."""
-  layers = [params[f"layers_{i}"] for i in range(cfg.num_layers)]
-  if not uniform(cfg):
-    return layers, list(table)
-  stack = lambda *a: jnp.stack(a)
-  return jax.tree_util.tree_map(stack, *layers), jax.tree_util.tree_map(stack, *table)
-
-
-def _stack_states(cfg: ModelConfig, states: dict):
-  if not uniform(cfg):
-    return states
-  return jax.tree_util.tree_map(lambda *a: jnp.stack(a), *[states[l] for l in cfg.moe_layers])
-
-
-def _run_layers(cfg: ModelConfig, dtype, layer_fn, layers, table, x, per_layer):
-  """x through every layer: layer_fn(mod, sparse, p, table_l, x, per_layer_l, i) ->
-  (x, per_layer_l, out_l).  per_layer: stacked [L, ...] (uniform) or a list; returns
-  (x, per_layer, outs stacked over MoE layers)."""
-  mods = _layers(cfg, dtype)
-  if uniform(cfg):
-    # the KV cache rides in the loop carry and is updated in place, one layer at a
-    # time (as scanned xs/ys it would be copied whole at every layer)
-    cache, rest = per_layer[0], per_layer[1:]
-
-    def body(carry, xs):
-      x, cache = carry
-      p, t, st, pend, i = xs
-      cache_l = jax.tree_util.tree_map(lambda c: c[i], cache)
-      x, (cache_l, st, pend), out = layer_fn(mods[0], True, p, t, x, (cache_l, st, pend), i)
-      cache = jax.tree_util.tree_map(lambda c, n: c.at[i].set(n), cache, cache_l)
-      return (x, cache), (st, pend, out)
-
-    (x, cache), (st, pend, outs) = jax.lax.scan(
-        body, (x, cache), (layers, table) + tuple(rest) + (jnp.arange(cfg.num_layers),))
-    return x, (cache, st, pend), outs
-  per_layer, outs = list(per_layer), []
-  for i, mod in enumerate(mods):
-    x, per_layer[i], out = layer_fn(mod, cfg.sparse_layers[i], layers[i], table[i], x,
-                                    per_layer[i], i)
-    if cfg.sparse_layers[i]:
-      outs.append(out)
-  return x, per_layer, jax.tree_util.tree_map(lambda *a: jnp.stack(a), *outs)
-
-
-def _per_layer(cfg: ModelConfig, cache, states, pending):
-  """Zips the carry into per-layer tuples (dense layers get None state)."""
-  if uniform(cfg):
-    return (cache, states, pending)
-  return [(cache[i], states.get(i), pending.get(i)) for i in range(cfg.num_layers)]
-
-
-def _unzip(cfg: ModelConfig, per_layer):
-  if uniform(cfg):
-    return per_layer
-  cache = [c for c, _, _ in per_layer]
-  states = {i: s for i, (_, s, _) in enumerate(per_layer) if s is not None}
-  pending = {i: a for i, (_, _, a) in enumerate(per_layer) if a is not None}
-  return cache, states, pending
-
-
 # ------------------------------------------------------------------ one stream
 def _token_step(setup: Setup, params, layers, table, carry, token, pos, key):
   """One decoded token of one stream: returns (carry, logits [V], stats, detail)."""
@@ -291,12 +171,12 @@ def _token_step(setup: Setup, params, layers, table, carry, token, pos, key):
       det = {}
     return x, (cache, state, pending), (stats, det)
 
-  x, per_layer, (stats, det) = _run_layers(cfg, dtype, layer_fn, layers, table, x,
-                                           _per_layer(cfg, *carry))
+  x, per_layer, (stats, det) = layer_stack.run_layers(
+      cfg, dtype, layer_fn, layers, table, x, layer_stack.zip_carry(cfg, *carry))
   logits = model.apply({"params": params}, x[:, -1], method="logits")[0]
   if setup.detail:
     det["logits"] = logits
-  return _unzip(cfg, per_layer), logits, jnp.sum(stats, axis=0), det
+  return layer_stack.unzip_carry(cfg, per_layer), logits, jnp.sum(stats, axis=0), det
 
 
 def _prefill_one(setup: Setup, params, layers, table, states, tokens_P, length, decay_pow):
@@ -334,17 +214,13 @@ def _prefill_one(setup: Setup, params, layers, table, states, tokens_P, length, 
       st, _ = resident_lib.trim(st, setup.trim_to, pol)
     return x, (cache, st, pending), jnp.zeros(())
 
-  cache = init_cache(cfg, 1, setup.max_len, dtype)
-  if uniform(cfg):
-    cache = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *cache)
-    pending = jnp.zeros((cfg.num_layers, num_e), bool)
-  else:
-    pending = {l: jnp.zeros((num_e,), bool) for l in cfg.moe_layers}
-  x, per_layer, _ = _run_layers(cfg, dtype, layer_fn, layers, table, x,
-                                _per_layer(cfg, cache, states, pending))
+  cache, pending = layer_stack.empty_carry(cfg, init_cache(cfg, 1, setup.max_len, dtype),
+                                           num_e)
+  x, per_layer, _ = layer_stack.run_layers(
+      cfg, dtype, layer_fn, layers, table, x, layer_stack.zip_carry(cfg, cache, states, pending))
   logits = model.apply({"params": params}, jax.lax.dynamic_index_in_dim(x[0], length - 1),
                        method="logits")[0]
-  return logits, _unzip(cfg, per_layer)
+  return logits, layer_stack.unzip_carry(cfg, per_layer)
 
 
 # ------------------------------------------------------------------ jitted entry points
@@ -447,7 +323,8 @@ def make(cfg: ModelConfig, params, store, policy: PolicyParams | str, *,
                                     nbytes=cache_bytes)
   if stacked is None:
     stacked = stack_layers(cfg, params, store.to_device(dtype))
-  states = _stack_states(cfg, init_states(cfg, budget, policy, initial, profile_counts))
+  states = layer_stack.stack_states(
+      cfg, init_states(cfg, budget, policy, initial, profile_counts))
   setup = Setup(cfg, policy, budget.physical, max_len,
                 budget.slots if budget.staging else None, jnp.dtype(dtype).name, control,
                 detail)

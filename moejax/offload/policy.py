@@ -281,19 +281,30 @@ def eviction_order(resident, protected_S: jax.Array, params: CacheParams | Polic
   protected slots (in use by the current token) last and never overwritten.
   Inserting J experts one after another, each protecting the one before,
   overwrites exactly the first J slots of this order.
+
+  The order is the lexicographic order of the keys (protected, freq [lfu], last
+  use, slot), computed as each slot's rank = the number of slots whose keys come
+  before its own (S x S comparisons, then a scatter): the same permutation as a
+  lexsort, and many times faster than XLA's sort on CPU for the slot counts of a
+  cache (the simulator calls this twice per token and layer).
   """
   params = cache_params(params)
   slot_e = resident.slot_expert
   e = jnp.maximum(slot_e, 0)
   empty = slot_e < 0
   last = jnp.where(empty, -2, resident.last_used[e])    # never-used resident: -1
+  idx = jnp.arange(slot_e.shape[0])
+  # before[i, j]: slot j comes before slot i; keys compared from the least significant up
+  before = idx[None, :] < idx[:, None]
+  before = (last[None, :] < last[:, None]) | ((last[None, :] == last[:, None]) & before)
   if params.eviction == "lfu":
     freq = jnp.where(empty, -jnp.inf, resident.freq[e])
-  else:
-    freq = jnp.zeros(slot_e.shape, jnp.float32)
-  idx = jnp.arange(slot_e.shape[0])
-  order = jnp.lexsort((idx, last, freq, protected_S.astype(jnp.int32)))
-  return order.astype(jnp.int32), jnp.sum(~protected_S)
+    before = (freq[None, :] < freq[:, None]) | ((freq[None, :] == freq[:, None]) & before)
+  prot = protected_S.astype(bool)
+  before = (~prot[None, :] & prot[:, None]) | ((prot[None, :] == prot[:, None]) & before)
+  rank = jnp.sum(before, axis=1, dtype=jnp.int32)
+  order = jnp.zeros_like(idx).at[rank].set(idx, unique_indices=True)
+  return order.astype(jnp.int32), jnp.sum(~prot)
 
 
 def victim_slot(resident, protected_S: jax.Array,

@@ -94,8 +94,8 @@ def test_quasi_offset_and_view_hand_checked():
   np.testing.assert_array_equal(np.asarray(v.expert_slot), [-1, 0, -1, 3])
 
 
-@pytest.mark.parametrize("speculative", ["predicted_weights", "true_router"])
-@pytest.mark.parametrize("streaming", [True, False])
+@pytest.mark.parametrize("speculative,streaming", [("predicted_weights", True),
+                                                   ("true_router", False)])
 def test_speculative_with_true_predictions_is_exact(model, speculative, streaming):
   """The oracle predicts each layer's true routing: speculative execution then runs the
   exact model, and every prediction is prefetched and used."""
@@ -144,17 +144,20 @@ def test_speculative_with_a_wrong_predictor_runs_the_predicted_set(model):
   assert eng.stats()["recall_at_k"] < 1.0 or np.allclose(out, ref, atol=2e-5)
 
 
-@pytest.mark.parametrize("policy", ["quality", "speed", "baseline"])
-def test_cache_presets_with_hybrid_prefetch(model, tmp_path, policy):
+@pytest.mark.parametrize("policy", ["quality"])
+def test_cache_preset_with_prefetch(model, policy):
+  """With a cache, the executed prefetches are inserted like fetches: within the budget,
+  and held copies stay bounded by the transfers in flight."""
   cfg, params, store, _ = model
-  preds = _vectors(cfg)
-  preds["estimators"] = [None] * (len(cfg.moe_layers) - 1)
   eng, out, held = _run(cfg, params, store, PROMPT, STREAM, policy=policy, prefetch="quasi",
-                        predictors=preds, cache_fraction=0.5)
+                        predictors=_vectors(cfg), cache_fraction=0.5)
   assert np.all(np.isfinite(out))
-  for st in eng.states.values():                      # never above the budget
+  for st in eng.states.values():
     assert len(st.resident_experts()) <= eng.budget.physical
-  assert held == 0
+  for r in eng.records:        # a prefetch is requested only for an expert not resident
+    for l in cfg.moe_layers[1:]:
+      assert set(r.layers[l].prefetched) <= set(r.layers[l].predicted)
+  assert held <= 2 * cfg.top_k * len(cfg.moe_layers) * store.expert_nbytes()
 
 
 def _save_vectors(tmp_path, cfg, h=None):
@@ -203,3 +206,23 @@ def test_every_family_prefetches_and_speculates(family, tmp_path):
   s = eng.stats()
   if len(cfg.moe_layers) > 1:
     assert s["prefetches_per_token"] > 0 and 0.0 <= s["recall_at_k"] <= 1.0
+
+
+@pytest.mark.parametrize("kw", [
+    dict(policy="baseline", streaming=True, prefetch="quasi", speculative="predicted_weights"),
+    dict(policy="baseline", streaming=True, prefetch="reuse", speculative="true_router"),
+    dict(policy="quality", cache_fraction=0.5, prefetch="quasi", speculative="off"),
+], ids=["stream-quasi-predicted", "stream-reuse-true", "quality-quasi"])
+def test_emulator_prefetch_equals_the_engine(model, kw):
+  """The one emulator runs the engine's prefetch and speculative decisions: same logits,
+  same per-layer actions, fetches, evictions and prefetch counts."""
+  from tests.test_emulator import assert_same_decisions, emulator_run, engine_run
+  cfg, params, store, _ = model
+  kw = dict(kw, predictors=_vectors(cfg))
+  policy = kw.pop("policy")
+  toks = PROMPT[:1] + STREAM
+  ref, records, _ = engine_run(cfg, params, store, policy, toks, **kw)
+  logits, out = emulator_run(cfg, params, store, policy, toks, **kw)
+  np.testing.assert_allclose(logits, ref, atol=2e-5, rtol=1e-5)
+  assert_same_decisions(cfg, records, out)
+  assert sum(r.prefetches for r in records) > 0

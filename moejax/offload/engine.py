@@ -256,7 +256,8 @@ class OffloadEngine:
       p = self.params[f"layers_{i}"]
       copy = lambda: jax.tree_util.tree_map(jnp.copy, self.states[i])
       kv = self._put(init_cache(self.cfg, 1, self.max_len, self.dtype)[i])
-      h, moe_in, _, dec, _ = pst["attend_decide"](p, x, tp, kv, copy(), sp.no_pf, sp.no_pred)
+      h, moe_in, _, dec, _ = pst["attend_decide"](p, x, tp, kv, copy(), sp.no_pf, sp.no_pred,
+                                                  np.bool_(False))
       jax.block_until_ready(pst["moe"](p, h, moe_in, dec, self._zero_x, copy(), sp.no_pf,
                                        self._zero_rows))
       if nxt is None:
@@ -391,9 +392,9 @@ class OffloadEngine:
       if fused is not None:
         self.states[i], ev = st.insert(self.states[i], *fused)
         self._slots.evicted.append((i, ev))
-      pf_ids, pred, pf_tickets = sp.take(i, rec)
+      pf_ids, pred, has_pred, pf_tickets = sp.take(i, rec)
       h, moe_in, self.cache[i], dec, packed = pst["attend_decide"](
-          p, x, tp, self.cache[i], self.states[i], pf_ids, pred)
+          p, x, tp, self.cache[i], self.states[i], pf_ids, pred, has_pred)
       packed = np.asarray(packed)
       d = steps_lib.unpack_decision(packed[:-kk], kk)
       sp.count_recall(i, packed[-kk:].astype(np.int32), rec)

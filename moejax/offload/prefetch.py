@@ -124,11 +124,12 @@ class Speculator:
     return self.moe_layers[j + 1] if j + 1 < len(self.moe_layers) else None
 
   def take(self, l: int, rec):
-    """(pf_ids [K], predicted logits [1, E'], tickets) for layer l: what layer l-1 asked."""
+    """(pf_ids [K], predicted logits [1, E'], whether there is a prediction, tickets) for
+    layer l: what the MoE layer before it asked for."""
     ids, tickets, pred = self.pending.pop(l, ([], [], None))
     pf = self.no_pf.copy()
     pf[:len(ids)] = ids
-    return pf, (self.no_pred if pred is None else pred), tickets
+    return pf, (self.no_pred if pred is None else pred), np.bool_(pred is not None), tickets
 
   def request(self, n: int, pred_logits, pred_ids, rec):
     """Requests layer n's predicted experts that are not resident (background)."""
@@ -178,6 +179,7 @@ class Speculator:
 
   def count_recall(self, l: int, true_ids: np.ndarray, rec):
     pred = rec.layer(l).predicted
+    rec.layer(l).true_ids = [int(e) for e in true_ids]
     if pred:
       rec.recall_hits += len(set(pred) & set(int(e) for e in true_ids))
       rec.predicted_calls += len(true_ids)

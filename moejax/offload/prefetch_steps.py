@@ -144,8 +144,9 @@ def layer_steps(cfg: ModelConfig, dtype, layer_idx: int, decision, cache, mode: 
                 budget_slots: int | None, first: bool) -> dict:
   """The prefetch versions of a MoE layer's decide and moe steps.
 
-    attend_decide(p, x, tp, kv, state, pf_ids_R, pred_1xE)
-        -> h, moe_in, kv, dec, packed [5K + E + K] (the decision, then the true ids)
+    attend_decide(p, x, tp, kv, state, pf_ids_R, pred_1xE, has_pred)
+        -> h, moe_in, kv, dec, packed [5K + E + K] (the decision, then the true ids);
+           has_pred False: no prediction reached the layer, its true routing decides
     moe(p, h, moe_in, dec, host_out, state, pf_ids_R, rows)
         -> y, state, evicted: experts from `buffers ++ rows`, usage update, the used
            prefetched experts inserted into the cache (mode.keep), trim to the budget.
@@ -156,11 +157,15 @@ def layer_steps(cfg: ModelConfig, dtype, layer_idx: int, decision, cache, mode: 
   num_e = cfg.num_experts
 
   @functools.partial(jax.jit, donate_argnums=(3,))
-  def attend_decide(p, x, tp, kv, state, pf_ids_R, pred_1xE):
+  def attend_decide(p, x, tp, kv, state, pf_ids_R, pred_1xE, has_pred):
     pos, end = tp[1].reshape(1, 1), tp[1]
     h, moe_in, logits, kv = mod.apply({"params": p}, x, pos, kv, end, method=_attend_route)
     true = logits.reshape(1, -1)
-    dec = speculative_decision(cfg, true, pred_1xE, view(state, pf_ids_R), decision, spec)
+    v = view(state, pf_ids_R)
+    dec = speculative_decision(cfg, true, pred_1xE, v, decision, spec)
+    if spec != "off":        # a layer no prediction reached decides on its true routing
+      off = speculative_decision(cfg, true, pred_1xE, v, decision, "off")
+      dec = jax.tree_util.tree_map(lambda a, b: jnp.where(has_pred, a, b), dec, off)
     true_ids = routing.route(cfg, true)[0][0]
     return h, moe_in, kv, dec, jnp.concatenate([pack_decision(dec), true_ids.astype(jnp.float32)])
 

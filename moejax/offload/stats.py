@@ -39,6 +39,8 @@ class LayerRecord:
   predicted    the experts predicted for this layer at the layer before (speculative
                prefetch; empty: no prediction)
   prefetched   the predicted experts that were not resident and were requested
+  true_ids     the true router's top-k (with prefetch on; `ids` are the predicted ones
+               under speculative execution)
   """
   ids: list[int] = dataclasses.field(default_factory=list)
   actions: list[int] = dataclasses.field(default_factory=list)
@@ -49,6 +51,7 @@ class LayerRecord:
   evicted: list[int] = dataclasses.field(default_factory=list)
   predicted: list[int] = dataclasses.field(default_factory=list)
   prefetched: list[int] = dataclasses.field(default_factory=list)
+  true_ids: list[int] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -161,5 +164,13 @@ def format_stats(s: dict, link_desc: str) -> str:
       ("admissions / evictions per token", f"{s['admissions_per_token']:.2f} / "
                                            f"{s['evictions_per_token']:.2f}"),
   ]
+  if s.get("recall_at_k") is not None:
+    rows += [
+        ("waiting for prefetches", f"{s['prefetch_wait_ms_per_token']:.2f} ms"),
+        ("prefetches / token", f"{s['prefetches_per_token']:.2f} requested, "
+                               f"{s['useful_prefetches_per_token']:.2f} executed"),
+        ("prefetch recall@k", f"{100 * s['recall_at_k']:.1f} %"),
+        ("wasted prefetch bytes / token", f"{s['wasted_bytes_per_token'] / 2**20:.3f} MiB"),
+    ]
   w = max(len(a) for a, _ in rows)
   return "\n".join(f"{a.ljust(w)}  {b}" for a, b in rows)

@@ -55,6 +55,12 @@ flags.DEFINE_integer("streams", 8, "Emulator streams (vmapped).")
 flags.DEFINE_integer("gen_prompts", 32, "HumanEval prompts for greedy agreement (0: none).")
 flags.DEFINE_integer("gen_tokens", 32, "Greedy tokens per prompt.")
 flags.DEFINE_list("only", [], "Run only these modes (default: all).")
+flags.DEFINE_string("runs_dir", "", "Emulator runs and greedy tokens, kept to resume "
+                    "(default: <out without .json>_runs).")
+flags.DEFINE_string("speed_from", "", "Take the engine half from this earlier output "
+                    "instead of running it (with --decode_tokens=0: no engine half at all).")
+flags.DEFINE_list("gen_modes", ["stream_hybrid_spec", "stream_hybrid_spec_true_router"],
+                  "Modes whose greedy agreement is measured (each costs a compile).")
 
 STREAM = dict(streaming=True, policy="fetch_all")
 CACHE = dict(policy="quality")
@@ -87,13 +93,13 @@ def time_mode(cfg, params, store, link, mode: dict, preds: dict, tokens: np.ndar
     eng.warmup()
     eng.prefill([int(t) for t in tokens[:p]])
     for i, t in enumerate(tokens[p:p + n]):
-      if i == FLAGS.skip_tokens:
+      if i == min(FLAGS.skip_tokens, n - 1):
         t0 = eng.transfer_stats()
       eng.decode_step(int(t))
     t1 = eng.transfer_stats()
   s = eng.stats(skip=FLAGS.skip_tokens)
   k = s["tokens"]
-  link_ms = 1e3 * (t1["link_busy_us"] - t0.get("link_busy_us", 0)) / 1e6 / k
+  link_ms = 1e3 * (t1["link_busy_s"] - t0["link_busy_s"]) / k
   stall_ms = s["wait_ms_per_token"] + s["prefetch_wait_ms_per_token"] + s[
       "admission_wait_ms_per_token"]
   recall = {}
@@ -123,11 +129,11 @@ def _per_source(run: dict, base: dict, streams, src: str) -> float:
   return M.relative_increase(sub(run), sub(base), reps=200)[0]
 
 
-def quality(cfg, params, store, preds: dict, names: list[str], tok) -> dict:
+def quality(cfg, params, store, preds: dict, names: list[str], tok, save=None) -> dict:
   """ΔPPL against exact (fetch_all) per mode through the emulator, and greedy agreement."""
   docs = S.documents(tok)
   st = S.build(docs, FLAGS.streams, FLAGS.ppl_tokens, 256, 0, 1024, round_to=64)
-  out_dir = os.path.splitext(FLAGS.out)[0] + "_runs"
+  out_dir = FLAGS.runs_dir or os.path.splitext(FLAGS.out)[0] + "_runs"
   runner = R.Runner(cfg, params, store, st, out_dir, max_len=256, chunk=64)
   tag = f"_{st.tokens.shape[0]}x{st.tokens.shape[1]}"
   base = runner.run("exact" + tag, P.make_policy("fetch_all"))
@@ -136,7 +142,8 @@ def quality(cfg, params, store, preds: dict, names: list[str], tok) -> dict:
   if FLAGS.gen_prompts:
     from launch.study_gen import problems   # pylint: disable=g-import-not-at-top
     prompts = [tok.encode(p["prompt"]) for p in problems(FLAGS.gen_prompts)]
-    ref = greedy(cfg, params, store, dict(STREAM), preds, prompts, runner.stacked)
+    ref = greedy(cfg, params, store, dict(STREAM), preds, prompts, runner.stacked,
+                 os.path.join(out_dir, "runs", f"gen_exact_{len(prompts)}x{FLAGS.gen_tokens}.npy"))
     gen = {"prompts": len(prompts), "tokens": FLAGS.gen_tokens}
   for name in names:
     mode = MODES[name]
@@ -151,17 +158,24 @@ def quality(cfg, params, store, preds: dict, names: list[str], tok) -> dict:
                         if tot["predicted_calls"] else None)
     m["ppl_increase_stdlib_pct"] = _per_source(run, base, st, "stdlib")
     m["ppl_increase_humaneval_pct"] = _per_source(run, base, st, "humaneval")
-    if gen["prompts"]:
-      g = greedy(cfg, params, store, mode, preds, prompts, runner.stacked)
+    if gen["prompts"] and name in FLAGS.gen_modes:
+      g = greedy(cfg, params, store, mode, preds, prompts, runner.stacked,
+                 os.path.join(out_dir, "runs", f"gen_{name}_{len(prompts)}x{FLAGS.gen_tokens}.npy"))
       same = g == ref
       m["greedy_token_agreement"] = float(same.mean())
       m["greedy_exact_match_rate"] = float(same.all(1).mean())
     res["modes"][name] = {k: v for k, v in m.items() if k != "loss_by_offset"}
+    res["greedy"] = gen
+    if save is not None:
+      save(res)
   res["greedy"] = gen
   return res
 
 
-def greedy(cfg, params, store, mode, preds, prompts, stacked) -> np.ndarray:
+def greedy(cfg, params, store, mode, preds, prompts, stacked, path: str) -> np.ndarray:
+  """Greedy tokens [N, gen_tokens] of the prompts under `mode` (cached at `path`)."""
+  if os.path.exists(path):
+    return np.load(path)
   plen = max(len(p) for p in prompts)
   em = E.make(cfg, params, store, mode["policy"], max_len=plen + FLAGS.gen_tokens + 1,
               stacked=stacked, **_engine_kw(mode, preds))
@@ -172,6 +186,7 @@ def greedy(cfg, params, store, mode, preds, prompts, stacked) -> np.ndarray:
   logits, carry = E.prefill(em.setup, em.params, em.layers, em.table, em.states, toks, lengths)
   gen, _ = E.greedy(em.setup, em.params, em.layers, em.table, carry, logits, lengths,
                     steps=FLAGS.gen_tokens)
+  np.save(path, np.asarray(gen))
   return np.asarray(gen)
 
 
@@ -194,14 +209,24 @@ def main(_):
   link = calibrate.calibrated_link(FLAGS.link, cfg, params, store, jnp.float32)
   res = {"model_dir": FLAGS.model_dir, "link": link.describe(), "modes": {},
          "load_average_before": os.getloadavg()}
-  for name in tqdm(names, desc="engine modes", unit="mode"):
-    res["modes"][name] = dict(MODES[name], **time_mode(cfg, params, store, link, MODES[name],
-                                                       preds, tokens))
+  if FLAGS.speed_from:
+    res = json.load(open(FLAGS.speed_from))
+    res.pop("quality", None)
+    names = [n for n in names if n in res["modes"]]
+  elif FLAGS.decode_tokens:
+    for name in tqdm(names, desc="engine modes", unit="mode"):
+      res["modes"][name] = dict(MODES[name], **time_mode(cfg, params, store, link, MODES[name],
+                                                         preds, tokens))
   res["load_average_after_speed"] = os.getloadavg()
+  os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
+  R.save_json(FLAGS.out, res)          # the speed half, in case the quality half fails
   if FLAGS.ppl_tokens:
-    res["quality"] = quality(cfg, params, store, preds, names, tok)
+    def save(q):
+      R.save_json(FLAGS.out, dict(res, quality=q))
+    res["quality"] = quality(cfg, params, store, preds, names, tok, save)
     for name, q in res["quality"]["modes"].items():
-      res["modes"][name]["ppl_increase_pct"] = q["ppl_increase_pct"]
+      if name in res["modes"]:
+        res["modes"][name]["ppl_increase_pct"] = q["ppl_increase_pct"]
   est_json = os.path.join(FLAGS.estimators or prefetch_lib.estimators_dir(FLAGS.model_dir),
                           "estimators.json")
   if os.path.exists(est_json):
@@ -209,7 +234,8 @@ def main(_):
   summarize(res)
   os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
   R.save_json(FLAGS.out, res)
-  plot(res, os.path.splitext(FLAGS.out)[0] + ".png")
+  if res["modes"]:
+    plot(res, os.path.splitext(FLAGS.out)[0] + ".png")
   print(format_table(res))
   print(f"wrote {FLAGS.out} and {os.path.splitext(FLAGS.out)[0]}.png")
 

@@ -15,7 +15,28 @@ import os
 import jax.numpy as jnp
 import numpy as np
 
-from moejax import speculation
+from moejax import corpus, speculation
+from moejax import data as corpus_data
+from moejax.tokenizer import Tokenizer
+
+
+def train_stream(model_dir: str, tokens_file: str = "") -> np.ndarray:
+  """The training token stream: `tokens_file` (an encoded .npy, e.g. launch.train_demo's
+  <data_dir>/train_tokens.npy), else the corpus' train split of every domain encoded."""
+  if tokens_file:
+    return np.load(tokens_file, mmap_mode="r")
+  tok = Tokenizer(model_dir)
+  parts, _ = corpus.build()
+  return np.concatenate([corpus_data.encode_stream(tok._tok, tr) for tr, _ in parts.values()])
+
+
+def heldout_python(model_dir: str, tokens_file: str = "") -> np.ndarray:
+  """The held-out stdlib stream: heldout_python.npy next to `tokens_file`, else encoded."""
+  path = os.path.join(os.path.dirname(tokens_file), "heldout_python.npy") if tokens_file else ""
+  if path and os.path.exists(path):
+    return np.load(path)
+  tok = Tokenizer(model_dir)
+  return corpus_data.encode_stream(tok._tok, corpus.build(domains=("python",))[0]["python"][1])
 
 
 def record(cfg, params, experts, vecs, wins_NxT: np.ndarray, out_dir: str, batch: int = 8,

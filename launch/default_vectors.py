@@ -19,9 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from moejax import corpus, data, speculation
+from estimators import data as est_data
+from moejax import data, speculation
 from moejax.loader import load_model
-from moejax.tokenizer import Tokenizer
 from moejax.traces import config_hash
 from moejax.speculation import default_vectors_dir, save_default_vectors
 
@@ -32,14 +32,15 @@ flags.DEFINE_integer("windows", 256, "Training windows to average over.")
 flags.DEFINE_integer("seq", 256, "Window length.")
 flags.DEFINE_integer("batch", 8, "Windows per jitted pass.")
 flags.DEFINE_integer("seed", 0, "Window sampling seed.")
+flags.DEFINE_string("tokens_file", "", "The encoded training stream as .npy (e.g. "
+                    "<data_dir>/train_tokens.npy of launch.train_demo, same tokenizer); default: "
+                    "encode the corpus' train split (slow).")
 
 
 def main(_):
   cfg, params, store = load_model(FLAGS.model_dir, dtype=jnp.float32)
   experts = store.to_device(jnp.float32)
-  tok = Tokenizer(FLAGS.model_dir)
-  parts, _ = corpus.build()
-  stream = np.concatenate([data.encode_stream(tok._tok, tr) for tr, _ in parts.values()])
+  stream = est_data.train_stream(FLAGS.model_dir, FLAGS.tokens_file)
   order = data.window_order(stream.size, FLAGS.seq, FLAGS.seed, epochs=1)[:FLAGS.windows]
   wins = np.stack([stream[i * FLAGS.seq:(i + 1) * FLAGS.seq] for i in order]).astype(np.int32)
   vecs, counts = speculation.default_vectors(

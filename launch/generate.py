@@ -29,7 +29,7 @@ FLAGS = flags.FLAGS
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO_DIR = os.path.join(REPO, "ckpts", "demo")
 OFFLOAD_FLAGS = ("cache_fraction", "cache_bytes", "store", "link", "tau", "admission_beta",
-                 "eviction")
+                 "eviction", "prefetch", "speculative", "estimators", "streaming")
 
 flags.DEFINE_string("model_dir", None, "Hugging Face model folder (config.json, "
                     "model.safetensors or its sharded index, tokenizer.json). "
@@ -64,6 +64,17 @@ flags.DEFINE_float("tau", None, "With --policy=threshold or quality: normalised 
 flags.DEFINE_float("admission_beta", None, "With --policy: background admission threshold (> 0).")
 flags.DEFINE_enum("eviction", None, ["lru", "lfu"], "With --policy: eviction rule (default: "
                   "the preset's).")
+flags.DEFINE_enum("prefetch", None, ["none", "reuse", "quasi", "hybrid"], "With --policy: "
+                  "speculative prefetch of the next layer's predicted experts (quasi, hybrid: "
+                  "the files of launch.default_vectors / launch.train_estimators, loaded from "
+                  "<model_dir>-estimators or --estimators).")
+flags.DEFINE_enum("speculative", None, ["off", "predicted_weights", "true_router"],
+                  "With --prefetch: run each layer on its predicted experts without refetching "
+                  "a wrong prediction (predicted or true router weights).")
+flags.DEFINE_string("estimators", None, "With --prefetch=quasi/hybrid: the folder holding "
+                    "default_vectors/ and the estimators (default: <model_dir>-estimators).")
+flags.DEFINE_bool("streaming", None, "With --policy: no expert cache; each layer's experts are "
+                  "streamed in and none is kept across tokens.")
 flags.adopt_module_key_flags(cli)
 
 
@@ -81,6 +92,11 @@ def check_flags():
   if cli.given("cache_fraction") and cli.given("cache_bytes"):
     raise cli.UsageError("--cache_fraction and --cache_bytes both set the expert budget; "
                          "give one")
+  if cli.given("speculative") and FLAGS.speculative != "off" and FLAGS.prefetch in (None, "none"):
+    raise cli.UsageError("--speculative executes the predicted experts: it needs "
+                         "--prefetch=reuse, quasi or hybrid")
+  if FLAGS.streaming and (cli.given("cache_fraction") or cli.given("cache_bytes")):
+    raise cli.UsageError("--streaming keeps no expert cache: drop --cache_fraction/--cache_bytes")
   if FLAGS.max_new_tokens < 1:
     raise cli.UsageError(f"--max_new_tokens must be >= 1, got {FLAGS.max_new_tokens}")
   if FLAGS.max_len is not None and FLAGS.max_len < 2:
@@ -257,9 +273,17 @@ def generate_offloaded(cfg, params, store, tok, ids, sp, dtype, seq):
     jax.config.update("jax_cpu_enable_async_dispatch", False)
   from moejax.offload.calibrate import calibrated_link
   link = calibrated_link(link_spec(), cfg, params, store, dtype)   # scaled: measures a layer
+  from moejax.offload import prefetch as prefetch_lib
+  kind = FLAGS.prefetch or "none"
+  try:
+    preds = prefetch_lib.load_predictors(kind, cfg, FLAGS.model_dir, FLAGS.estimators)
+  except prefetch_lib.PrefetchError as e:
+    raise cli.UsageError(str(e)) from None
   eng = OffloadEngine(cfg, params, store, make_policy(),
                       cache_fraction=None if FLAGS.cache_bytes else cache_fraction(),
-                      cache_bytes=FLAGS.cache_bytes, link=link, max_len=seq, dtype=dtype)
+                      cache_bytes=FLAGS.cache_bytes, link=link, max_len=seq, dtype=dtype,
+                      prefetch=kind, speculative=FLAGS.speculative or "off",
+                      predictors=preds, streaming=bool(FLAGS.streaming))
   with eng:
     print(f"[moejax] {eng.describe()}", file=sys.stderr)
     if not link.emulated and jax.devices()[0].platform == "cpu":

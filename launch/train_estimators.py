@@ -24,20 +24,22 @@ from tqdm import tqdm
 
 from estimators import data as est_data
 from estimators.train import EstimatorConfig, train_pair
-from moejax import corpus, data
+from moejax import data
 from moejax.speculation import load_default_vectors
 from moejax.loader import load_model
-from moejax.tokenizer import Tokenizer
 from moejax.traces import config_hash
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model_dir", "ckpts/demo", "HF-format model folder with tokenizer.json.")
 flags.DEFINE_string("out", "", "Estimators folder (default: <model_dir>-estimators).")
-flags.DEFINE_string("data_dir", "runs/estimator_pairs", "Recorded training pairs (shards).")
+flags.DEFINE_string("data_dir", "runs/estimator_pairs", "Recorded training pairs (shards) and "
+                    "the resumable training checkpoints (kept out of --out, which ships).")
 flags.DEFINE_integer("train_windows", 256, "Training windows of 256 tokens.")
 flags.DEFINE_integer("held_windows", 32, "Held-out stdlib windows.")
 flags.DEFINE_integer("hidden", 64, "Estimator hidden width.")
 flags.DEFINE_integer("epochs", 8, "Maximum epochs per estimator.")
+flags.DEFINE_string("tokens_file", "", "The encoded training stream as .npy (see "
+                    "launch.default_vectors --tokens_file); default: encode the train split.")
 flags.DEFINE_float("drift_threshold", 0.0,
                    "Use an estimator only where held-out drift (1 - exact match) is >= this.")
 
@@ -53,10 +55,8 @@ def main(_):
   experts = store.to_device(jnp.float32)
   out = FLAGS.out or FLAGS.model_dir.rstrip("/") + "-estimators"
   vecs = load_default_vectors(os.path.join(out, "default_vectors"), cfg)
-  tok = Tokenizer(FLAGS.model_dir)
-  parts, _ = corpus.build()
-  train_stream = np.concatenate([data.encode_stream(tok._tok, tr) for tr, _ in parts.values()])
-  held_stream = data.encode_stream(tok._tok, parts["python"][1])
+  train_stream = est_data.train_stream(FLAGS.model_dir, FLAGS.tokens_file)
+  held_stream = est_data.heldout_python(FLAGS.model_dir, FLAGS.tokens_file)
   meta = {"config_hash": config_hash(cfg)}
   bar = lambda desc: (lambda it: tqdm(it, desc=desc, unit="shard"))
   tr_dir, he_dir = os.path.join(FLAGS.data_dir, "train"), os.path.join(FLAGS.data_dir, "held")
@@ -70,7 +70,8 @@ def main(_):
   rows, trees = [], []
   for j in range(len(layers) - 1):
     train, held = est_data.load(tr_dir, pair=j), est_data.load(he_dir, pair=j)
-    p, hist = train_pair(cfg, train, held, ec, os.path.join(out, "runs", f"pair_{j}"),
+    p, hist = train_pair(cfg, train, held, ec,
+                         os.path.join(FLAGS.data_dir, "checkpoints", f"pair_{j}"),
                          progress=lambda it: tqdm(it, desc=f"estimator {layers[j]}->{layers[j + 1]}"))
     base, best = hist[0], min(hist, key=lambda h: h["kl"])
     drift = 1.0 - base["exact_match"]

@@ -49,14 +49,15 @@ from moejax.controls import Control  # noqa: F401  (public: emulator.Control)
 from moejax.layer_stack import stack_layers  # noqa: F401  (public: emulator.stack_layers)
 from moejax.model import Transformer, init_cache
 from moejax.offload import policy as policy_lib
+from moejax.offload import prefetch_steps as pf_steps
 from moejax.offload import resident as resident_lib
 from moejax.offload.policy import DROP, FETCH, HIT, HOST, SUBSTITUTE, PolicyParams
 from moejax.offload.steps import _attend_route, _dense  # shared with the engine's steps
 
 # per-token statistics, summed over MoE layers (the engine's record keys)
 STATS = ("expert_calls", "hits", "fetches", "substituted", "substituted_mass", "dropped",
-         "dropped_mass", "host_calls", "admissions", "admitted", "evictions",
-         "first_substituted")
+         "dropped_mass", "host_calls", "admissions", "admitted", "evictions", "prefetches",
+         "useful_prefetches", "recall_hits", "predicted_calls", "first_substituted")
 
 
 class EmulatorError(ValueError):
@@ -74,6 +75,9 @@ class Setup:
   dtype: str = "float32"
   control: Control | None = None
   detail: bool = False           # also return per-layer actions, resident sets, logits
+  prefetch: str = "none"         # speculative prefetch predictor (prefetch_steps.PREFETCH)
+  speculative: str = "off"       # prefetch_steps.SPECULATIVE
+  keep: bool = True              # executed prefetches enter the cache (False: streaming)
 
 
 # ------------------------------------------------------------------ state
@@ -111,15 +115,46 @@ def _decide(setup: Setup, logits_1xE, state, key):
   return policy_lib.decide(logits_1xE, state, setup.policy.decision, setup.cfg)
 
 
-def _moe_layer(setup: Setup, mod, p, table, x, pos, cache, state, pending_E, key):
-  """One MoE layer of one decoded token (engine order); returns x, cache, state, admit, stats."""
+def _speculate(setup: Setup, mod, p, spec, prev, logits_1xE, state, key):
+  """The decision with speculative prefetch (`prefetch_steps`, as the engine's steps):
+  this layer's routing predicted from the previous MoE layer's (r, d), the predicted
+  experts not resident prefetched (seen as resident), the decision on the view.
+  Returns (decision, prefetched ids [K] (-1: none), prefetch stats [4])."""
+  cfg = setup.cfg
+  r_prev, d_prev, has = prev
+  est = spec["est"] if setup.prefetch == "hybrid" else None
+  pred = pf_steps.predict_logits(mod, p, r_prev, d_prev, est, setup.prefetch)
+  pred_ids = routing.route(cfg, pred)[0][0]
+  pf_ids = jnp.where(has & (state.expert_slot[pred_ids] < 0), pred_ids, -1)
+  dec_spec = pf_steps.speculative_decision(cfg, logits_1xE, pred, pf_steps.view(state, pf_ids),
+                                           setup.policy.decision, setup.speculative)
+  dec_true = _decide(setup, logits_1xE, state, key)
+  dec = jax.tree_util.tree_map(lambda a, b: jnp.where(has, a, b), dec_spec, dec_true)
+  true_ids = routing.route(cfg, logits_1xE)[0][0]
+  used = jnp.any(pf_ids[:, None] == dec.exec_ids[0][None, :], axis=1) & (pf_ids >= 0)
+  hits = jnp.sum(jnp.any(pred_ids[:, None] == true_ids[None, :], axis=1))
+  f = jnp.float32
+  stats = jnp.stack([jnp.sum(pf_ids >= 0).astype(f), jnp.sum(used).astype(f),
+                     jnp.where(has, hits, 0).astype(f), jnp.where(has, cfg.top_k, 0).astype(f)])
+  return dec, jnp.where(used, pf_ids, -1).astype(jnp.int32), stats
+
+
+def _moe_layer(setup: Setup, mod, p, table, x, pos, cache, state, pending_E, key,
+               spec=None, prev=None):
+  """One MoE layer of one decoded token (engine order); returns x, cache, state, admit, stats
+  (with prefetch on: x is (x, r, d, has_prev): what the next MoE layer predicts from)."""
   cfg, pol = setup.cfg, setup.policy.cache
   num_e, k = cfg.num_experts, cfg.top_k
   none_in_use = jnp.zeros((num_e,), bool)
   adm_ids = jnp.nonzero(pending_E, size=k, fill_value=-1)[0].astype(jnp.int32)
   state, ev_adm = resident_lib.insert(state, adm_ids, {}, none_in_use, pol)
   h, moe_in, logits, cache = _apply(mod, p, x, pos, cache, pos[0, 0], method=_attend_route)
-  dec = _decide(setup, logits.reshape(1, num_e), state, key)
+  pf_used, pf_stats = jnp.full((k,), -1, jnp.int32), jnp.zeros((4,), jnp.float32)
+  if setup.prefetch == "none":
+    dec = _decide(setup, logits.reshape(1, num_e), state, key)
+  else:
+    dec, pf_used, pf_stats = _speculate(setup, mod, p, spec, prev, logits.reshape(1, -1),
+                                        state, key)
   act = dec.action[0]
   fetch_ids = jnp.where(act == FETCH, dec.ids[0], -1)
   in_use = none_in_use.at[jnp.where(dec.exec_ids[0] >= 0, dec.exec_ids[0], num_e)].set(
@@ -130,10 +165,13 @@ def _moe_layer(setup: Setup, mod, p, table, x, pos, cache, state, pending_E, key
   x = _apply(mod, p, h, moe_in, jnp.maximum(run_ids, 0).reshape(1, 1, k), w.reshape(1, 1, k),
              table, method="moe_residual")
   state = policy_lib.update_usage(state, dec, pol)
+  ev_pf = jnp.full((k,), -1, jnp.int32)
+  if setup.prefetch != "none" and setup.keep:   # executed prefetches enter the cache
+    state, ev_pf = resident_lib.insert(state, pf_used, {}, in_use, pol)
   ev_trim = jnp.full((state.slot_expert.shape[0],), -1, jnp.int32)
   if setup.trim_to is not None:         # staging slots hold the token in flight only
     state, ev_trim = resident_lib.trim(state, setup.trim_to, pol)
-  evicted = jnp.concatenate([ev_adm, ev_fetch, ev_trim])
+  evicted = jnp.concatenate([ev_adm, ev_fetch, ev_pf, ev_trim])
   share = dec.share[0]
   is_ = lambda a: (act == a).astype(jnp.float32)
   stats = jnp.stack([
@@ -141,11 +179,14 @@ def _moe_layer(setup: Setup, mod, p, table, x, pos, cache, state, pending_E, key
       jnp.sum(is_(SUBSTITUTE) * share), jnp.sum(is_(DROP)), jnp.sum(is_(DROP) * share),
       jnp.sum(is_(HOST)), jnp.sum(dec.admit.astype(jnp.float32)),
       jnp.sum(pending_E.astype(jnp.float32)),
-      jnp.sum((evicted >= 0).astype(jnp.float32)),
+      jnp.sum((evicted >= 0).astype(jnp.float32)), *pf_stats,
       is_(SUBSTITUTE)[0] + is_(DROP)[0]])
   detail = dict(action=act, ids=dec.ids[0], sub_ids=dec.sub_ids[0], share=share,
                 fetched=fetch_ids, admitted=adm_ids, evicted=evicted,
                 admissions=jnp.nonzero(dec.admit, size=k, fill_value=-1)[0].astype(jnp.int32))
+  if setup.prefetch != "none":
+    d = pf_steps.quasi_offset(dec.exec_ids[0], dec.weights[0], spec["vectors"])
+    x = (x, h.reshape(1, -1), d, jnp.bool_(True))
   return x, cache, state, dec.admit, stats, detail
 
 
@@ -157,14 +198,24 @@ def _token_step(setup: Setup, params, layers, table, carry, token, pos, key):
   model = Transformer(cfg, dtype)
   x = model.apply({"params": params}, token.reshape(1, 1), method="embed")
   pos_11 = pos.reshape(1, 1)
+  spec_on = setup.prefetch != "none"
+  if spec_on:   # (x, r and d of the previous MoE layer, whether there was one)
+    x = (x, jnp.zeros((1, cfg.hidden_size), dtype), jnp.zeros((cfg.hidden_size,), jnp.float32),
+         jnp.bool_(False))
 
   def layer_fn(mod, sparse, p, t, x, pl, i):
     cache, state, pending = pl
     if not sparse:
+      if spec_on:
+        xd, cache = _apply(mod, p, x[0], pos_11, cache, pos, method=_dense)
+        return (xd,) + x[1:], (cache, state, pending), None
       x, cache = _apply(mod, p, x, pos_11, cache, pos, method=_dense)
       return x, (cache, state, pending), None
+    t, spec = t if spec_on else (t, None)
+    xin, prev = (x[0], x[1:]) if spec_on else (x, None)
     x, cache, state, pending, stats, det = _moe_layer(
-        setup, mod, p, t, x, pos_11, cache, state, pending, jax.random.fold_in(key, i))
+        setup, mod, p, t, xin, pos_11, cache, state, pending, jax.random.fold_in(key, i),
+        spec, prev)
     if setup.detail:
       det["slot_expert"] = state.slot_expert
     else:
@@ -173,6 +224,7 @@ def _token_step(setup: Setup, params, layers, table, carry, token, pos, key):
 
   x, per_layer, (stats, det) = layer_stack.run_layers(
       cfg, dtype, layer_fn, layers, table, x, layer_stack.zip_carry(cfg, *carry))
+  x = x[0] if spec_on else x
   logits = model.apply({"params": params}, x[:, -1], method="logits")[0]
   if setup.detail:
     det["logits"] = logits
@@ -192,6 +244,7 @@ def _prefill_one(setup: Setup, params, layers, table, states, tokens_P, length, 
 
   def layer_fn(mod, sparse, p, t, x, pl, i):
     cache, st, pending = pl
+    t = t[0] if setup.prefetch != "none" else t        # the expert table (not the predictors)
     if not sparse:
       x, cache = _apply(mod, p, x, pos, cache, 0, method=_dense)
       return x, (cache, st, pending), None
@@ -308,27 +361,63 @@ def make(cfg: ModelConfig, params, store, policy: PolicyParams | str, *,
          cache_fraction: float | None = 0.25, cache_bytes: int | None = None,
          max_len: int = 512, dtype=jnp.float32, initial: str = "auto",
          profile_counts: dict | None = None, control: Control | None = None,
-         detail: bool = False, stacked: tuple | None = None) -> Emulation:
+         detail: bool = False, stacked: tuple | None = None, prefetch: str = "none",
+         speculative: str = "off", predictors: dict | None = None,
+         streaming: bool = False) -> Emulation:
   """An Emulation of `policy` with the engine's budget and initial cache contents.
 
   `stacked`: `stack_layers(cfg, params, store.to_device(dtype))`, to share one
-  copy of the layers and the expert table between emulations.
+  copy of the layers and the expert table between emulations.  `prefetch`,
+  `speculative`, `predictors` (`prefetch.load_predictors`) and `streaming` as the
+  engine's (`prefetch="oracle"` is the engine's check only).
   """
+  mode = pf_steps.Mode(prefetch, speculative, keep=not streaming)
+  if prefetch == "oracle" or (mode.on and control is not None):
+    raise EmulatorError("the emulator's prefetch takes --prefetch=reuse, quasi or hybrid, "
+                        "without a control rule")
   if isinstance(policy, str):
     policy = policy_lib.make_policy(policy)
   if max_len < 2:
     raise EmulatorError(f"--max_len must be >= 2, got {max_len}")
-  budget = resident_lib.make_budget(cfg.num_experts, cfg.top_k, store.expert_nbytes(),
-                                    len(cfg.moe_layers), fraction=cache_fraction,
-                                    nbytes=cache_bytes)
+  if streaming:
+    budget = resident_lib.Budget(cfg.num_experts, cfg.top_k, 0, cfg.top_k, store.expert_nbytes(),
+                                 len(cfg.moe_layers), "streaming: no expert kept across tokens")
+  else:
+    budget = resident_lib.make_budget(cfg.num_experts, cfg.top_k, store.expert_nbytes(),
+                                      len(cfg.moe_layers), fraction=cache_fraction,
+                                      nbytes=cache_bytes)
   if stacked is None:
     stacked = stack_layers(cfg, params, store.to_device(dtype))
+  if mode.on:
+    stacked = (stacked[0], (stacked[1], _predictor_xs(cfg, prefetch, predictors)))
   states = layer_stack.stack_states(
       cfg, init_states(cfg, budget, policy, initial, profile_counts))
   setup = Setup(cfg, policy, budget.physical, max_len,
                 budget.slots if budget.staging else None, jnp.dtype(dtype).name, control,
-                detail)
+                detail, prefetch, speculative, not streaming)
   return Emulation(setup, params, *stacked, states, budget)
+
+
+def _predictor_xs(cfg: ModelConfig, kind: str, predictors: dict | None):
+  """Per layer: the default vectors D_l (to form d_l) and the estimator that predicts
+  layer l from the MoE layer before it (zero correction where none: W_out = 0 is the
+  plain quasi prediction), stacked like the layers (`stack_layers`)."""
+  from moejax.offload.prefetch import load_predictors   # pylint: disable=g-import-not-at-top
+  preds = predictors or load_predictors(kind, cfg)
+  if kind in ("quasi", "hybrid") and preds["vectors"] is None:
+    raise EmulatorError(f"--prefetch={kind} needs default vectors: run "
+                        f"`python -m launch.default_vectors --model_dir=<the model>`")
+  zero_v = jnp.zeros((cfg.num_experts, cfg.hidden_size), jnp.float32)
+  moe = list(cfg.moe_layers)
+  vec = {l: (jnp.asarray(preds["vectors"][j], jnp.float32) if preds["vectors"] is not None
+             else zero_v) for j, l in enumerate(moe)}
+  ests = [e for e in preds["estimators"] if e is not None]
+  zero_e = jax.tree_util.tree_map(jnp.zeros_like, ests[0]) if ests else None
+  est = {l: (preds["estimators"][j - 1] if j and preds["estimators"][j - 1] is not None
+             else zero_e) for j, l in enumerate(moe)}
+  xs = [{"vectors": vec.get(i, zero_v), "est": est.get(i, zero_e)}
+        for i in range(cfg.num_layers)]
+  return jax.tree_util.tree_map(lambda *a: jnp.stack(a), *xs) if uniform(cfg) else xs
 
 
 def run_streams(em: Emulation, tokens_BxT: np.ndarray, pos_T: np.ndarray,

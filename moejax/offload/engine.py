@@ -50,6 +50,8 @@ from moejax.offload import host_experts
 from moejax.offload import inserts
 from moejax.offload import link as link_lib
 from moejax.offload import policy as policy_lib
+from moejax.offload import prefetch as prefetch_lib
+from moejax.offload import prefetch_steps as pf_steps
 from moejax.offload import resident as resident_lib
 from moejax.offload import steps as steps_lib
 from moejax.offload import tickets as tickets_lib
@@ -75,7 +77,9 @@ class OffloadEngine:
                cache_fraction: float | None = 0.25, cache_bytes: int | None = None,
                link: Any = "native", max_len: int = 512, dtype=jnp.float32,
                initial: Any = "auto", profile_counts: dict | None = None,
-               transfer_timeout_s: float = 120.0, verbose: bool = False):
+               transfer_timeout_s: float = 120.0, verbose: bool = False,
+               prefetch: str = "none", speculative: str = "off",
+               predictors: dict | None = None, streaming: bool = False):
     if isinstance(policy, str):
       policy = policy_lib.make_policy(policy)
     if isinstance(link, str) and link.strip().lower().startswith("scaled"):
@@ -90,9 +94,15 @@ class OffloadEngine:
     self.dtype, self.max_len = dtype, max_len
     self.transfer_timeout_s = float(transfer_timeout_s)
     self.moe_layers = tuple(cfg.moe_layers)
-    self.budget = resident_lib.make_budget(
-        cfg.num_experts, cfg.top_k, store.expert_nbytes(), len(self.moe_layers),
-        fraction=cache_fraction, nbytes=cache_bytes)
+    if streaming:      # no cache: K staging slots, emptied after every token
+      self.budget = resident_lib.Budget(cfg.num_experts, cfg.top_k, 0, cfg.top_k,
+                                        store.expert_nbytes(), len(self.moe_layers),
+                                        "streaming: no expert kept across tokens")
+    else:
+      self.budget = resident_lib.make_budget(
+          cfg.num_experts, cfg.top_k, store.expert_nbytes(), len(self.moe_layers),
+          fraction=cache_fraction, nbytes=cache_bytes)
+    self.mode = pf_steps.Mode(prefetch, speculative, keep=not streaming)
     if policy.miss == "host":
       host_experts.check_supported(store.get(self.moe_layers[0], 0), cfg.model_type)
     self.link = link if isinstance(link, link_lib.Link) else link_lib.parse_link(
@@ -120,6 +130,15 @@ class OffloadEngine:
     self._finalizer = weakref.finalize(self, _shutdown, self.prefetcher)
     self._slots = inserts.SlotWriter(self.states, self._steps, self.moe_layers, cfg.top_k,
                                      cfg.num_experts, self._zero_rows, self.transfer_timeout_s)
+    self._spec = None
+    if self.mode.on:
+      self._spec = prefetch_lib.Speculator(
+          cfg, dtype, self.mode, predictors, self.prefetcher, self.states, self._put,
+          self._host_rows, self._zero_rows, self.transfer_timeout_s, store.expert_nbytes())
+      self._pf_steps = {l: pf_steps.layer_steps(cfg, dtype, steps_lib.representative(cfg, l),
+                                                policy.decision, policy.cache, self.mode,
+                                                self._trim_to, l == self.moe_layers[0])
+                        for l in self.moe_layers}
     self.cache = None
     self.end_index = 0
     self.records: list[TokenRecord] = []
@@ -148,8 +167,10 @@ class OffloadEngine:
                                          chunk=self.cfg.top_k)
 
   def describe(self) -> str:
+    pf = (f"; prefetch {self.mode.prefetch}, speculative {self.mode.speculative}"
+          if self.mode.on else "")
     return (f"policy {self.policy.describe()}; {self.budget.describe()}; "
-            f"link {self.link.describe()}")
+            f"link {self.link.describe()}{pf}")
 
   # -------------------------------------------------------------- lifetime
   def close(self, timeout: float | None = None):
@@ -157,6 +178,8 @@ class OffloadEngine:
     does not stop within `timeout` seconds, default `transfer_timeout_s`, or
     re-raising a thread failure)."""
     self._slots.cancel_pending()
+    if self._spec is not None:
+      self._spec.cancel_pending()
     self._finalizer.detach()
     self.prefetcher.close(self.transfer_timeout_s if timeout is None else timeout)
 
@@ -218,6 +241,36 @@ class OffloadEngine:
           st, self.params[f"layers_{i}"], x, tp, kv, self.states.get(i), self._zero_x,
           self._zero_rows, self._slots.row_buckets, self._host_rows)
       self._slots.insert_s = min(self._slots.insert_s, insert_s)
+    if self._spec is not None:
+      self._warm_prefetch(x, tp)
+
+  def _warm_prefetch(self, x, tp):
+    """Compiles the prefetch steps of every MoE layer kind on throwaway copies."""
+    sp, done = self._spec, set()
+    for i in self.moe_layers:
+      pst, nxt = self._pf_steps[i], sp.next_layer(i)
+      key = (id(pst), steps_lib.layer_kind(self.cfg, nxt) if nxt is not None else None)
+      if key in done:
+        continue
+      done.add(key)
+      p = self.params[f"layers_{i}"]
+      copy = lambda: jax.tree_util.tree_map(jnp.copy, self.states[i])
+      kv = self._put(init_cache(self.cfg, 1, self.max_len, self.dtype)[i])
+      h, moe_in, _, dec, _ = pst["attend_decide"](p, x, tp, kv, copy(), sp.no_pf, sp.no_pred,
+                                                  np.bool_(False))
+      jax.block_until_ready(pst["moe"](p, h, moe_in, dec, self._zero_x, copy(), sp.no_pf,
+                                       self._zero_rows))
+      if nxt is None:
+        continue
+      rep, pn = steps_lib.representative(self.cfg, nxt), self.params[f"layers_{nxt}"]
+      if self.mode.prefetch == "oracle":
+        kvn = self._put(init_cache(self.cfg, 1, self.max_len, self.dtype)[nxt])
+        jax.block_until_ready(pf_steps.oracle_step(self.cfg, self.dtype, rep)(pn, x, tp, kvn))
+      else:
+        est = sp.estimators.get(i)
+        jax.block_until_ready(pf_steps.predict_step(
+            self.cfg, self.dtype, rep, self.mode.prefetch, est is not None)(
+                pn, h, dec, sp.vectors[i], est))
 
   # -------------------------------------------------------------- prefill
   def prefill(self, prompt_ids) -> np.ndarray:
@@ -310,7 +363,6 @@ class OffloadEngine:
     mark = ((lambda ev, l: tr.append((ev, l, time.perf_counter()))) if tr is not None
             else (lambda ev, l: None))
     x, tp = self._model.embed_decode(self.params, np.asarray([token, self.end_index], np.int32))
-    num_e, kk = self.cfg.num_experts, self.cfg.top_k
     for i, st in enumerate(self._steps):
       p = self.params[f"layers_{i}"]
       if not self.cfg.sparse_layers[i]:
@@ -318,59 +370,7 @@ class OffloadEngine:
         x, self.cache[i] = st.dense_decode(p, x, tp, self.cache[i])
         continue
       mark("attend", i)
-      self._slots.collect_carried(i, rec)               # inserted ahead, due now
-      fused = self._slots.admit(i, carry=False, rec=rec)
-      if fused is None:
-        h, moe_in, self.cache[i], dec, packed = st.attend_decide(p, x, tp, self.cache[i],
-                                                                 self.states[i])
-      else:
-        h, moe_in, self.cache[i], dec, packed, self.states[i], ev = st.insert_attend_decide(
-            p, x, tp, self.cache[i], self.states[i], *fused)
-        self._slots.evicted.append((i, ev))
-      d = steps_lib.unpack_decision(np.asarray(packed), kk)
-      mark("decided", i)
-      fetch = [int(e) for e in d.ids[d.action == FETCH]]
-      if fetch:
-        mark("fetch", i)
-        tickets, rows = self.prefetcher.fetch(i, fetch, pad_to=self._slots.rows(len(fetch)))
-        in_use = np.zeros(num_e, bool)
-        in_use[d.exec_ids[d.exec_ids >= 0]] = True     # never evicted for a fetched expert
-        r = self._slots.rows(len(fetch))
-        ins = steps_lib.pack_insert(fetch, in_use, r)
-      if d.admit.any():          # queued behind the sync fetches: they never delay them
-        adm_ids = [int(e) for e in np.flatnonzero(d.admit)]
-        self._slots.request(i, self.prefetcher.request_many(
-            i, adm_ids, "background", pad_to=self._slots.rows(min(len(adm_ids), kk))))
-        rec.admissions += len(adm_ids)
-        rec.layer(i).admissions = adm_ids
-      rec.count_decision(i, d.action, d.ids, d.exec_ids, d.gates)
-      rec.fetches += len(fetch)
-      if fetch:
-        rec.layer(i).fetched = fetch
-        if rows is not None:     # placed while the link time elapses
-          self._slots.insert_packed(i, ins, rows)
-          self._slots.admit_arrived(after=i, deadline=max(t.finished_s for t in tickets))
-        tw = time.perf_counter()
-        arrived = tickets_lib.wait_stacked(tickets, r, timeout=self.transfer_timeout_s)
-        rec.wait_s += time.perf_counter() - tw
-        mark("arrived", i)
-        rec.fetch_bytes += sum(tk.nbytes for tk in tickets)
-        if rows is None:         # some came from a background transfer: insert them now
-          self._slots.insert_packed(i, ins, arrived)
-      host_out = self._zero_x
-      host_mask = d.action == HOST
-      if host_mask.any():
-        th = time.perf_counter()
-        y = host_experts.host_moe(np.asarray(moe_in).reshape(-1), d.ids[host_mask],
-                                  d.weights[host_mask], functools.partial(self.store.get, i))
-        host_out = y.reshape(x.shape).astype(x.dtype)
-        rec.host_s += time.perf_counter() - th
-      mark("moe", i)
-      x, self.states[i], ev = st.moe(p, h, moe_in, dec, host_out, self.states[i])
-      if self._trim_to is not None:
-        self._slots.evicted.append((i, ev))
-      if tr is not None:
-        jax.block_until_ready(x)
+      x = self._moe_layer(i, st, p, x, tp, rec, mark)
       mark("moe_done", i)
     mark("head", -1)
     out = np.asarray(self._model.head_decode(self.params, x))
@@ -380,6 +380,95 @@ class OffloadEngine:
       tr.append(("end", -1, t0 + rec.wall_s))
       self.traces.append(tr)
     return out
+
+  def _moe_layer(self, i: int, st, p, x, tp, rec: TokenRecord, mark):
+    """One MoE layer of a decode step (module docstring, steps 1-3; with prefetch on,
+    the prefetch module's steps 1-3 too)."""
+    num_e, kk, sp = self.cfg.num_experts, self.cfg.top_k, self._spec
+    self._slots.collect_carried(i, rec)               # inserted ahead, due now
+    fused = self._slots.admit(i, carry=False, rec=rec)
+    if sp is not None:
+      pst = self._pf_steps[i]
+      if fused is not None:
+        self.states[i], ev = st.insert(self.states[i], *fused)
+        self._slots.evicted.append((i, ev))
+      pf_ids, pred, has_pred, pf_tickets = sp.take(i, rec)
+      h, moe_in, self.cache[i], dec, packed = pst["attend_decide"](
+          p, x, tp, self.cache[i], self.states[i], pf_ids, pred, has_pred)
+      packed = np.asarray(packed)
+      d = steps_lib.unpack_decision(packed[:-kk], kk)
+      sp.count_recall(i, packed[-kk:].astype(np.int32), rec)
+    elif fused is None:
+      h, moe_in, self.cache[i], dec, packed = st.attend_decide(p, x, tp, self.cache[i],
+                                                               self.states[i])
+      d = steps_lib.unpack_decision(np.asarray(packed), kk)
+    else:
+      h, moe_in, self.cache[i], dec, packed, self.states[i], ev = st.insert_attend_decide(
+          p, x, tp, self.cache[i], self.states[i], *fused)
+      self._slots.evicted.append((i, ev))
+      d = steps_lib.unpack_decision(np.asarray(packed), kk)
+    mark("decided", i)
+    fetch = [int(e) for e in d.ids[d.action == FETCH]]
+    if fetch:
+      mark("fetch", i)
+      tickets, rows = self.prefetcher.fetch(i, fetch, pad_to=self._slots.rows(len(fetch)))
+      in_use = np.zeros(num_e, bool)
+      in_use[d.exec_ids[d.exec_ids >= 0]] = True     # never evicted for a fetched expert
+      r = self._slots.rows(len(fetch))
+      ins = steps_lib.pack_insert(fetch, in_use, r)
+    nxt = sp.next_layer(i) if sp is not None else None
+    if nxt is not None and self.mode.prefetch != "oracle":   # behind the sync fetches
+      rep = steps_lib.representative(self.cfg, nxt)
+      logits, ids = pf_steps.predict_step(self.cfg, self.dtype, rep, self.mode.prefetch,
+                                          sp.estimators.get(i) is not None)(
+          self.params[f"layers_{nxt}"], h, dec, sp.vectors[i], sp.estimators.get(i))
+      sp.request(nxt, logits, ids, rec)
+    if d.admit.any():          # queued behind the sync fetches: they never delay them
+      adm_ids = [int(e) for e in np.flatnonzero(d.admit)]
+      self._slots.request(i, self.prefetcher.request_many(
+          i, adm_ids, "background", pad_to=self._slots.rows(min(len(adm_ids), kk))))
+      rec.admissions += len(adm_ids)
+      rec.layer(i).admissions = adm_ids
+    rec.count_decision(i, d.action, d.ids, d.exec_ids, d.gates)
+    rec.fetches += len(fetch)
+    if fetch:
+      rec.layer(i).fetched = fetch
+      if rows is not None:     # placed while the link time elapses
+        self._slots.insert_packed(i, ins, rows)
+        self._slots.admit_arrived(after=i, deadline=max(t.finished_s for t in tickets))
+      tw = time.perf_counter()
+      arrived = tickets_lib.wait_stacked(tickets, r, timeout=self.transfer_timeout_s)
+      rec.wait_s += time.perf_counter() - tw
+      mark("arrived", i)
+      rec.fetch_bytes += sum(tk.nbytes for tk in tickets)
+      if rows is None:         # some came from a background transfer: insert them now
+        self._slots.insert_packed(i, ins, arrived)
+    host_out = self._zero_x
+    host_mask = d.action == HOST
+    if host_mask.any():
+      th = time.perf_counter()
+      y = host_experts.host_moe(np.asarray(moe_in).reshape(-1), d.ids[host_mask],
+                                d.weights[host_mask], functools.partial(self.store.get, i))
+      host_out = y.reshape(x.shape).astype(x.dtype)
+      rec.host_s += time.perf_counter() - th
+    mark("moe", i)
+    if sp is not None:
+      pf_rows, pf_used = sp.rows(i, pf_ids, pf_tickets, d.exec_ids, rec)
+      x, self.states[i], ev = pst["moe"](p, h, moe_in, dec, host_out, self.states[i],
+                                         pf_used, pf_rows)
+      self._slots.evicted.append((i, ev))
+      if nxt == i + 1 and self.mode.prefetch == "oracle":   # the check: true routing of i+1
+        logits, ids = pf_steps.oracle_step(self.cfg, self.dtype,
+                                           steps_lib.representative(self.cfg, nxt))(
+            self.params[f"layers_{nxt}"], x, tp, self.cache[nxt])
+        sp.request(nxt, logits, ids, rec)
+    else:
+      x, self.states[i], ev = st.moe(p, h, moe_in, dec, host_out, self.states[i])
+      if self._trim_to is not None:
+        self._slots.evicted.append((i, ev))
+    if self.trace:
+      jax.block_until_ready(x)
+    return x
 
   def generate(self, prompt_ids, sp: SamplingParams, seed: int = 0, on_token=None) -> list[int]:
     """Prefill + up to sp.max_new_tokens sampled tokens (batch 1)."""

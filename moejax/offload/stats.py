@@ -19,8 +19,9 @@ from moejax.offload.policy import DROP, HIT, HOST, SUBSTITUTE
 
 COUNT_KEYS = ("expert_calls", "hits", "misses", "fetches", "fetch_bytes", "substituted",
               "substituted_mass", "dropped", "dropped_mass", "host_calls", "admissions",
-              "admitted", "evictions")
-TIME_KEYS = ("wait_s", "admission_wait_s", "host_s", "compute_s", "wall_s")
+              "admitted", "evictions", "prefetches", "useful_prefetches", "prefetch_bytes",
+              "wasted_bytes", "recall_hits", "predicted_calls")
+TIME_KEYS = ("wait_s", "admission_wait_s", "prefetch_wait_s", "host_s", "compute_s", "wall_s")
 STAT_KEYS = COUNT_KEYS + TIME_KEYS
 
 
@@ -35,6 +36,11 @@ class LayerRecord:
   admissions   experts requested in the background (inserted at the next token)
   admitted     background admissions inserted before this layer's decision
   evicted      experts evicted by this layer's inserts and by its end-of-token trim
+  predicted    the experts predicted for this layer at the layer before (speculative
+               prefetch; empty: no prediction)
+  prefetched   the predicted experts that were not resident and were requested
+  true_ids     the true router's top-k (with prefetch on; `ids` are the predicted ones
+               under speculative execution)
   """
   ids: list[int] = dataclasses.field(default_factory=list)
   actions: list[int] = dataclasses.field(default_factory=list)
@@ -43,6 +49,9 @@ class LayerRecord:
   admissions: list[int] = dataclasses.field(default_factory=list)
   admitted: list[int] = dataclasses.field(default_factory=list)
   evicted: list[int] = dataclasses.field(default_factory=list)
+  predicted: list[int] = dataclasses.field(default_factory=list)
+  prefetched: list[int] = dataclasses.field(default_factory=list)
+  true_ids: list[int] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -61,8 +70,15 @@ class TokenRecord:
   admissions: float = 0.0
   admitted: float = 0.0
   evictions: float = 0.0
+  prefetches: float = 0.0         # speculative prefetches requested (experts)
+  useful_prefetches: float = 0.0  # ... that the layer then executed
+  prefetch_bytes: float = 0.0     # bytes of the prefetches requested
+  wasted_bytes: float = 0.0       # bytes of prefetches not executed and not cancelled in time
+  recall_hits: float = 0.0        # predicted experts in the true top-k (layers with a prediction)
+  predicted_calls: float = 0.0    # K per layer with a prediction
   wait_s: float = 0.0             # blocked on synchronous fetches
   admission_wait_s: float = 0.0   # blocked on admissions not arrived by their insert
+  prefetch_wait_s: float = 0.0    # blocked on prefetches not arrived by their layer
   host_s: float = 0.0             # host-computed experts
   compute_s: float = 0.0          # the rest of wall_s
   wall_s: float = 0.0
@@ -98,7 +114,8 @@ class TokenRecord:
     self.evictions = float(sum(len(r.evicted) for r in self.layers.values()))
     self.admitted = float(sum(len(r.admitted) for r in self.layers.values()))
     self.wall_s = wall_s
-    self.compute_s = wall_s - self.wait_s - self.admission_wait_s - self.host_s
+    self.compute_s = (wall_s - self.wait_s - self.admission_wait_s - self.prefetch_wait_s
+                      - self.host_s)
 
 
 def summarize(records: list[TokenRecord], cfg: ModelConfig) -> dict:
@@ -118,6 +135,8 @@ def summarize(records: list[TokenRecord], cfg: ModelConfig) -> dict:
   s["substituted_call_pct"] = 100.0 * tot["substituted"] / calls
   s["substituted_mass_per_token_layer"] = tot["substituted_mass"] / (n * moe_layers)
   s["substituted_mass_per_token"] = tot["substituted_mass"] / n
+  s["recall_at_k"] = (tot["recall_hits"] / tot["predicted_calls"] if tot["predicted_calls"]
+                      else None)
   return s
 
 
@@ -145,5 +164,13 @@ def format_stats(s: dict, link_desc: str) -> str:
       ("admissions / evictions per token", f"{s['admissions_per_token']:.2f} / "
                                            f"{s['evictions_per_token']:.2f}"),
   ]
+  if s.get("recall_at_k") is not None:
+    rows += [
+        ("waiting for prefetches", f"{s['prefetch_wait_ms_per_token']:.2f} ms"),
+        ("prefetches / token", f"{s['prefetches_per_token']:.2f} requested, "
+                               f"{s['useful_prefetches_per_token']:.2f} executed"),
+        ("prefetch recall@k", f"{100 * s['recall_at_k']:.1f} %"),
+        ("wasted prefetch bytes / token", f"{s['wasted_bytes_per_token'] / 2**20:.3f} MiB"),
+    ]
   w = max(len(a) for a, _ in rows)
   return "\n".join(f"{a.ljust(w)}  {b}" for a, b in rows)

@@ -42,6 +42,11 @@ def layer_kind(cfg: ModelConfig, i: int) -> tuple[bool, str]:
   return bool(cfg.sparse_layers[i]), lt
 
 
+def representative(cfg: ModelConfig, i: int) -> int:
+  """The first layer of layer i's kind (the one its kind's steps are built for)."""
+  return next(j for j in range(cfg.num_layers) if layer_kind(cfg, j) == layer_kind(cfg, i))
+
+
 # ------------------------------------------------------------------ packings
 class HostDecision(NamedTuple):
   """One token's decision at one layer, as the host reads it."""
@@ -127,8 +132,7 @@ def layer_steps(cfg: ModelConfig, dtype, layer_idx: int, decision: policy_lib.De
   """The steps of layer `layer_idx`'s kind (built for the first layer of that kind and
   shared by all of them); `budget_slots`: trim to S after each token (a layer with
   staging slots), None: never."""
-  kind = layer_kind(cfg, layer_idx)
-  rep = next(i for i in range(cfg.num_layers) if layer_kind(cfg, i) == kind)
+  rep = representative(cfg, layer_idx)
   base = _base_steps(cfg, dtype, rep)
   if not cfg.sparse_layers[rep]:
     return base

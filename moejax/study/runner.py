@@ -78,9 +78,10 @@ class Runner:
     return self._stacked
 
   def run(self, key: str, policy, control=None, cache_fraction: float = 0.25,
-          cached_only: bool = False) -> dict | None:
+          cached_only: bool = False, **make_kw) -> dict | None:
     """The summary of one emulation (from DIR/runs/KEY.npz when already done; None
-    when it is not and cached_only)."""
+    when it is not and cached_only).  make_kw: more `emulator.make` arguments (prefetch,
+    speculative, predictors, streaming)."""
     path = os.path.join(self.out_dir, "runs", f"{key}.npz")
     if os.path.exists(path):
       with np.load(path) as z:
@@ -90,7 +91,7 @@ class Runner:
       return None
     em = E.make(self.cfg, self.params, self.store, policy, cache_fraction=cache_fraction,
                 max_len=self.max_len, dtype=self.dtype, control=control,
-                stacked=self.stacked)
+                stacked=self.stacked, **make_kw)
     s = self.streams
     t = s.tokens.shape[1]
     with tqdm(total=s.tokens.shape[0] * (t - 1), desc=key, unit="tok", leave=False) as bar:

@@ -1,0 +1,207 @@
+"""Speculative expert prefetch in the engine: the predictors' files and the host side.
+
+  preds = prefetch.load_predictors("quasi", cfg, "ckpts/demo")   # default vectors (+ estimators)
+  OffloadEngine(..., prefetch="quasi", speculative="true_router", predictors=preds)
+
+Per decoded token and MoE layer l (see `prefetch_steps` for the jitted parts):
+  1. the layer decides on the view in which the experts prefetched for it count as
+     resident (requested at layer l-1; the engine waits for them if they have not
+     arrived, `prefetch_wait_s`);
+  2. right after the decision, layer l+1's experts are predicted from r_l (and d_l) and
+     those not resident in l+1's cache are requested on the prefetch thread (background
+     priority, behind the synchronous fetches) into l+1's K reserved prefetch rows: a
+     prefetch never takes a slot, so it never evicts an expert this token needs;
+  3. the layer's experts run from `slots ++ prefetch rows`; prefetched experts it did
+     not execute are cancelled if still queued (else their bytes are *wasted*); the
+     executed ones are inserted into the cache like fetched experts (not in streaming).
+Prefetched experts are not kept past their layer: an expert predicted again at the next
+token is requested again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+
+from moejax import speculation
+from moejax.config import ModelConfig
+from moejax.offload import prefetch_steps as pf_steps
+from moejax.offload import tickets as tickets_lib
+
+
+class PrefetchError(ValueError):
+  """Missing or mismatched predictor files; the message names the command that makes them."""
+
+
+def estimators_dir(model_dir: str) -> str:
+  return model_dir.rstrip("/") + "-estimators"
+
+
+def load_predictors(kind: str, cfg: ModelConfig, model_dir: str | None = None,
+                    directory: str | None = None) -> dict:
+  """{"vectors": [E, D] per MoE layer, "estimators": params or None per layer pair}.
+
+  quasi and hybrid need the default vectors (launch.default_vectors), hybrid also the
+  estimators (launch.train_estimators), both made for this model (config hash)."""
+  from moejax.traces import config_hash  # pylint: disable=g-import-not-at-top
+  n_moe = len(cfg.moe_layers)
+  out = {"vectors": None, "estimators": [None] * max(0, n_moe - 1)}
+  if kind not in ("quasi", "hybrid"):
+    return out
+  if directory is None and model_dir is None:
+    raise PrefetchError(f"--prefetch={kind} needs the model's default vectors: pass "
+                        f"--estimators=DIR or the model folder")
+  d = directory or estimators_dir(model_dir)
+  vdir = os.path.join(d, "default_vectors")
+  try:
+    out["vectors"] = speculation.load_default_vectors(vdir, cfg)
+  except (FileNotFoundError, ValueError) as e:
+    raise PrefetchError(f"--prefetch={kind}: {e}") from None
+  if kind == "quasi":
+    return out
+  meta_path = os.path.join(d, "estimators.json")
+  if not os.path.exists(meta_path):
+    raise PrefetchError(f"--prefetch=hybrid: no trained estimators in {d} (no estimators.json): "
+                        f"run `python -m launch.train_estimators --model_dir=<the model> "
+                        f"--out={d}`")
+  meta = json.load(open(meta_path))
+  if meta.get("config_hash") != config_hash(cfg):
+    raise PrefetchError(f"--prefetch=hybrid: {meta_path} was trained for another model "
+                        f"(config hash {meta.get('config_hash')}, this model "
+                        f"{config_hash(cfg)}); rerun launch.train_estimators for this model")
+  with ocp.StandardCheckpointer() as ckptr:
+    tree = ckptr.restore(os.path.abspath(os.path.join(d, "estimators")))
+  pairs = tree["pairs"]
+  if len(pairs) != n_moe - 1:
+    raise PrefetchError(f"{d}: {len(pairs)} estimators for {n_moe - 1} MoE layer pairs; rerun "
+                        f"launch.train_estimators for this model")
+  for j, row in enumerate(meta["per_layer"]):
+    if row["hybrid_uses_estimator"]:
+      kernel = np.asarray(pairs[j]["params"]["w_out"]["kernel"])
+      if kernel.shape[-1] != cfg.num_experts:
+        raise PrefetchError(f"{d}: estimator {j} predicts {kernel.shape[-1]} experts, the "
+                            f"model has {cfg.num_experts}; rerun launch.train_estimators")
+      out["estimators"][j] = jax.tree_util.tree_map(jnp.asarray, pairs[j])
+  return out
+
+
+class Speculator:
+  """The engine's prefetch state for the token in flight (host side)."""
+
+  def __init__(self, cfg: ModelConfig, dtype, mode: pf_steps.Mode, predictors: dict | None,
+               prefetcher, states: dict, put, host_rows: bool, zero_rows: dict,
+               timeout_s: float, expert_nbytes: int):
+    self.cfg, self.dtype, self.mode = cfg, dtype, mode
+    self.moe_layers = tuple(cfg.moe_layers)
+    self.prefetcher, self.states, self.put = prefetcher, states, put
+    self.host_rows, self.zero_rows, self.timeout_s = host_rows, zero_rows, timeout_s
+    self.expert_nbytes = expert_nbytes
+    k, e, d = cfg.top_k, cfg.num_experts, cfg.hidden_size
+    preds = predictors or load_predictors(mode.prefetch, cfg)
+    if mode.prefetch in ("quasi", "hybrid") and preds["vectors"] is None:
+      raise PrefetchError(f"--prefetch={mode.prefetch} needs default vectors: run "
+                          f"`python -m launch.default_vectors --model_dir=<the model>`")
+    zero_v = np.zeros((e, d), np.float32)
+    self.vectors = {l: put(np.asarray(preds["vectors"][j]) if preds["vectors"] is not None
+                           else zero_v) for j, l in enumerate(self.moe_layers)}
+    self.estimators = {self.moe_layers[j]: (put(t) if t is not None and mode.prefetch == "hybrid"
+                                            else None)
+                       for j, t in enumerate(preds["estimators"])}
+    self.no_pf = np.full(k, -1, np.int32)
+    self.no_pred = put(np.zeros((1, e * (2 if cfg.router == "sigmoid_group" else 1)),
+                                np.float32))
+    self.pending: dict[int, tuple[list[int], list, object]] = {}
+    self.drain: list = []
+
+  def next_layer(self, l: int) -> int | None:
+    j = self.moe_layers.index(l)
+    return self.moe_layers[j + 1] if j + 1 < len(self.moe_layers) else None
+
+  def take(self, l: int, rec):
+    """(pf_ids [K], predicted logits [1, E'], whether there is a prediction, tickets) for
+    layer l: what the MoE layer before it asked for."""
+    ids, tickets, pred = self.pending.pop(l, ([], [], None))
+    pf = self.no_pf.copy()
+    pf[:len(ids)] = ids
+    return pf, (self.no_pred if pred is None else pred), np.bool_(pred is not None), tickets
+
+  def request(self, n: int, pred_logits, pred_ids, rec):
+    """Requests layer n's predicted experts that are not resident (background)."""
+    self._collect_drained()
+    ids = [int(e) for e in np.asarray(pred_ids)]
+    slot = np.asarray(self.states[n].expert_slot)
+    missing = [e for e in ids if slot[e] < 0]
+    tickets = (self.prefetcher.request_many(n, missing, tickets_lib.BACKGROUND,
+                                            pad_to=self.cfg.top_k) if missing else [])
+    self.pending[n] = (missing, tickets, pred_logits)
+    rec.prefetches += len(missing)
+    rec.prefetch_bytes += len(missing) * self.expert_nbytes
+    rec.layer(n).predicted = ids
+    rec.layer(n).prefetched = missing
+
+  def rows(self, l: int, pf_ids: np.ndarray, tickets: list, exec_ids: np.ndarray, rec):
+    """Waits for the prefetched experts layer l executes; cancels the others if still
+    queued.  Returns the prefetch rows {name: [K, ...]} (zeros where unused) and pf_ids
+    with the unused ones cleared."""
+    used = set(int(e) for e in exec_ids if e >= 0)
+    k = self.cfg.top_k
+    rows = None
+    pf_used = np.full(k, -1, np.int32)
+    t0 = time.perf_counter()
+    for j, t in enumerate(tickets):
+      e = int(pf_ids[j])
+      if e not in used:
+        if not t.cancel():
+          self.drain.append(t)
+          rec.wasted_bytes += self.expert_nbytes
+        continue
+      arr = t.wait(self.timeout_s)
+      if rows is None:
+        rows = {n: np.zeros((k,) + np.shape(v), np.asarray(v).dtype) if self.host_rows
+                else [None] * k for n, v in arr.items()}
+      for n, v in arr.items():
+        rows[n][j] = v
+      pf_used[j] = e
+      rec.useful_prefetches += 1
+    rec.prefetch_wait_s += time.perf_counter() - t0
+    if rows is None:
+      return self.zero_rows, pf_used
+    if not self.host_rows:
+      rows = {n: jnp.stack([r if r is not None else self.zero_rows[n][0] for r in rs])
+              for n, rs in rows.items()}
+    return rows, pf_used
+
+  def count_recall(self, l: int, true_ids: np.ndarray, rec):
+    pred = rec.layer(l).predicted
+    rec.layer(l).true_ids = [int(e) for e in true_ids]
+    if pred:
+      rec.recall_hits += len(set(pred) & set(int(e) for e in true_ids))
+      rec.predicted_calls += len(true_ids)
+
+  def _collect_drained(self):
+    """Collects the wasted prefetches whose link time has passed (they hold copies)."""
+    keep = []
+    for t in self.drain:
+      if t.done():
+        try:
+          t.wait(self.timeout_s)
+        except tickets_lib.TransferCancelled:
+          pass
+      else:
+        keep.append(t)
+    self.drain = keep
+
+  def cancel_pending(self):
+    for _, tickets, _ in self.pending.values():
+      for t in tickets:
+        t.cancel()
+    self.pending = {}
+    for t in self.drain:
+      t.cancel()
+    self.drain = []

@@ -1,0 +1,226 @@
+"""Speculative prefetch: the pure prediction and decision functions and the engine's steps.
+
+At MoE layer l, once attention is done (r_l = h), layer l+1's routing is predicted
+(DESIGN.md, quasi-hidden state):
+
+  reuse:   router_{l+1}(Norm_{l+1}(r_l))
+  quasi:   router_{l+1}(Norm_{l+1}(r_l + d_l)),  d_l = sum_k w_k D_l[e_k]
+  hybrid:  quasi, plus the trained estimator's correction on the pairs chosen for it
+
+where e_k, w_k are the experts *executed* at layer l and their weights, and D_l the
+default vectors.  Every predictor goes through the next layer's own `route_logits`
+(its pre-MoE norm and router) and `routing.route`, so each family's rule applies.
+
+Prefetched experts live in R = K rows next to the slot buffers (never in a slot the
+cache holds): for the policy they count as resident through a *view* of the layer's
+`ResidentState` whose `expert_slot` maps prefetched expert j to row P + 1 + j of the
+table `buffers ++ rows` (P physical slots, then the scratch row).
+
+Speculative execution (`speculative`):
+  off                the true router decides, through `policy.decide` on the view (a
+                     mispredicted expert goes through the miss rule);
+  predicted_weights  `decide` on the *predicted* logits: layer l+1 runs the predicted
+                     experts with the predictor's own gates (the family's rule applied
+                     to the predicted logits); the true router is evaluated for the
+                     statistics only;
+  true_router        the predicted experts, with the true router's weights restricted
+                     to them (`restricted_gates`).
+The first MoE layer always uses its true routing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from estimators.model import LogitCorrection
+from moejax import routing
+from moejax.config import ModelConfig
+from moejax.model import DecoderLayer
+from moejax.offload import policy as policy_lib
+from moejax.offload import resident as resident_lib
+from moejax.offload.policy import FETCH, HIT, HOST, SUBSTITUTE
+from moejax.offload.steps import _attend_route, pack_decision
+
+PREFETCH = ("none", "reuse", "quasi", "hybrid", "oracle")
+SPECULATIVE = ("off", "predicted_weights", "true_router")
+
+
+# ------------------------------------------------------------------ pure functions
+def restricted_gates(cfg: ModelConfig, logits_NxE: jax.Array, ids_NxK: jax.Array) -> jax.Array:
+  """The true router's gate weights applied to the experts `ids` (not its own top-k).
+
+  softmax: p = softmax(logits) over all experts, p[ids], divided by their sum when the
+  family renormalises (norm_topk_prob, mixtral); topk_softmax (gpt_oss): softmax over
+  logits[ids]; sigmoid_group: sigmoid(logits)[ids] (unbiased), normalised when
+  norm_topk_prob, times routed_scaling_factor.  With ids = the true top-k these are
+  exactly `routing.route`'s gates."""
+  logits = logits_NxE.astype(jnp.float32)
+  take = lambda a: jnp.take_along_axis(a, ids_NxK, axis=-1)
+  if cfg.router == "softmax":
+    g = take(jax.nn.softmax(logits, axis=-1))
+    if cfg.norm_topk_prob or cfg.model_type == "mixtral":
+      g = g / jnp.sum(g, axis=-1, keepdims=True)
+    return g
+  if cfg.router == "topk_softmax":
+    return jax.nn.softmax(take(logits), axis=-1)
+  if cfg.router == "sigmoid_group":
+    g = take(jax.nn.sigmoid(logits[..., :cfg.num_experts]))
+    if cfg.norm_topk_prob:
+      g = g / (jnp.sum(g, axis=-1, keepdims=True) + 1e-20)
+    return g * cfg.routed_scaling_factor
+  raise ValueError(f"unknown router rule {cfg.router!r} for model_type {cfg.model_type}")
+
+
+def quasi_offset(exec_ids_K: jax.Array, weights_K: jax.Array, vectors_ExD: jax.Array):
+  """d_l = sum_k w_k D_l[e_k] over the executed experts (e_k >= 0) -> [D]."""
+  w = jnp.where(exec_ids_K >= 0, weights_K, 0.0)
+  return jnp.einsum("k,kd->d", w, vectors_ExD[jnp.maximum(exec_ids_K, 0)].astype(jnp.float32))
+
+
+def predict_logits(mod_next: DecoderLayer, p_next, r_1xD, d_D, estimator, kind: str):
+  """Layer l+1's predicted router logits [1, E'] from r_l (and d_l unless `reuse`)."""
+  x = r_1xD if kind == "reuse" else r_1xD + d_D.astype(r_1xD.dtype)[None]
+  q, logits = mod_next.apply({"params": p_next}, x, method="route_logits")
+  if estimator is not None:
+    hidden = estimator["params"]["w_in"]["kernel"].shape[-1]
+    logits = LogitCorrection(logits.shape[-1], hidden).apply(estimator, q, logits)
+  return logits.astype(jnp.float32)
+
+
+def view(state: resident_lib.ResidentState, pf_ids_R: jax.Array) -> resident_lib.ResidentState:
+  """The state the policy sees: prefetched expert j (pf_ids_R[j] >= 0, not in a slot)
+  resident at table row P + 1 + j."""
+  num_e, num_p = state.expert_slot.shape[0], state.slot_expert.shape[0]
+  pf = jnp.where(pf_ids_R >= 0, pf_ids_R, num_e)
+  row = num_p + 1 + jnp.arange(pf_ids_R.shape[0], dtype=jnp.int32)
+  free = state.expert_slot[jnp.minimum(pf, num_e - 1)] < 0
+  slot = state.expert_slot.at[jnp.where(free, pf, num_e)].set(row, mode="drop")
+  return dataclasses.replace(state, expert_slot=slot)
+
+
+def speculative_decision(cfg: ModelConfig, true_1xE, pred_1xE, state_view, decision,
+                         speculative: str) -> policy_lib.Decision:
+  """The decision of a layer under `speculative` (see the module docstring)."""
+  if speculative == "off":
+    return policy_lib.decide(true_1xE, state_view, decision, cfg)
+  dec = policy_lib.decide(pred_1xE, state_view, decision, cfg)
+  if speculative == "true_router":
+    g = restricted_gates(cfg, true_1xE, dec.ids)
+    runs = (dec.action == HIT) | (dec.action == FETCH) | (dec.action == SUBSTITUTE) | (
+        dec.action == HOST)
+    dec = dataclasses.replace(dec, gates=g, weights=jnp.where(runs, g, 0.0))
+  return dec
+
+
+# ------------------------------------------------------------------ engine steps
+@dataclasses.dataclass(frozen=True)
+class Mode:
+  """What the engine's prefetch does (hashable: keys the jitted steps)."""
+  prefetch: str = "none"
+  speculative: str = "off"
+  keep: bool = True            # insert the prefetched experts used into the cache
+
+  def __post_init__(self):
+    if self.prefetch not in PREFETCH:
+      raise ValueError(f"--prefetch must be one of {', '.join(PREFETCH)}, got {self.prefetch!r}")
+    if self.speculative not in SPECULATIVE:
+      raise ValueError(f"--speculative must be one of {', '.join(SPECULATIVE)}, got "
+                       f"{self.speculative!r}")
+    if self.speculative != "off" and self.prefetch == "none":
+      raise ValueError(f"--speculative={self.speculative} executes predicted experts: it "
+                       f"needs --prefetch=reuse, quasi or hybrid")
+
+  @property
+  def on(self) -> bool:
+    return self.prefetch != "none"
+
+
+@functools.lru_cache(maxsize=None)
+def layer_steps(cfg: ModelConfig, dtype, layer_idx: int, decision, cache, mode: Mode,
+                budget_slots: int | None, first: bool) -> dict:
+  """The prefetch versions of a MoE layer's decide and moe steps.
+
+    attend_decide(p, x, tp, kv, state, pf_ids_R, pred_1xE, has_pred)
+        -> h, moe_in, kv, dec, packed [5K + E + K] (the decision, then the true ids);
+           has_pred False: no prediction reached the layer, its true routing decides
+    moe(p, h, moe_in, dec, host_out, state, pf_ids_R, rows)
+        -> y, state, evicted: experts from `buffers ++ rows`, usage update, the used
+           prefetched experts inserted into the cache (mode.keep), trim to the budget.
+  `first`: the first MoE layer (no prediction reaches it: the true router decides).
+  """
+  mod = DecoderLayer(cfg, True, dtype, layer_idx)
+  spec = "off" if first else mode.speculative
+  num_e = cfg.num_experts
+
+  @functools.partial(jax.jit, donate_argnums=(3,))
+  def attend_decide(p, x, tp, kv, state, pf_ids_R, pred_1xE, has_pred):
+    pos, end = tp[1].reshape(1, 1), tp[1]
+    h, moe_in, logits, kv = mod.apply({"params": p}, x, pos, kv, end, method=_attend_route)
+    true = logits.reshape(1, -1)
+    v = view(state, pf_ids_R)
+    dec = speculative_decision(cfg, true, pred_1xE, v, decision, spec)
+    if spec != "off":        # a layer no prediction reached decides on its true routing
+      off = speculative_decision(cfg, true, pred_1xE, v, decision, "off")
+      dec = jax.tree_util.tree_map(lambda a, b: jnp.where(has_pred, a, b), dec, off)
+    true_ids = routing.route(cfg, true)[0][0]
+    return h, moe_in, kv, dec, jnp.concatenate([pack_decision(dec), true_ids.astype(jnp.float32)])
+
+  @functools.partial(jax.jit, donate_argnums=(5,))
+  def moe(p, h, moe_in, dec, host_out, state, pf_ids_R, rows):
+    e = dec.exec_ids
+    row = view(state, pf_ids_R).expert_slot[jnp.maximum(e, 0)]
+    w = jnp.where(e >= 0, dec.weights, 0.0)
+    table = {k: jnp.concatenate([state.buffers[k], rows[k].astype(state.buffers[k].dtype)])
+             for k in state.buffers}
+    y = mod.apply({"params": p}, h, moe_in, row.reshape(1, 1, -1), w.reshape(1, 1, -1), table,
+                  method="moe_residual")
+    state = policy_lib.update_usage(state, dec, cache)
+    evicted = [jnp.full((pf_ids_R.shape[0],), -1, jnp.int32)]
+    if mode.keep:
+      used = jnp.any(pf_ids_R[:, None] == e.reshape(1, -1), axis=1) & (pf_ids_R >= 0)
+      in_use = jnp.zeros((num_e + 1,), bool).at[jnp.where(e >= 0, e, num_e).reshape(-1)].set(
+          True)[:num_e]
+      state, evicted[0] = resident_lib.insert(state, jnp.where(used, pf_ids_R, -1), rows,
+                                              in_use, cache)
+    if budget_slots is not None:
+      state, ev = resident_lib.trim(state, budget_slots, cache)
+      evicted.append(ev)
+    return y + host_out.astype(y.dtype), state, jnp.concatenate(evicted)
+
+  return dict(attend_decide=attend_decide, moe=moe)
+
+
+@functools.lru_cache(maxsize=None)
+def predict_step(cfg: ModelConfig, dtype, next_idx: int, kind: str, with_estimator: bool):
+  """predict(p_next, h, dec, vectors_ExD, estimator) -> (pred logits [1, E'], ids [K]):
+  layer `next_idx`'s routing predicted at the MoE layer before it."""
+  mod = DecoderLayer(cfg, True, dtype, next_idx)
+
+  @jax.jit
+  def predict(p_next, h, dec, vectors, estimator):
+    r = h.reshape(1, -1)
+    d = quasi_offset(dec.exec_ids[0], dec.weights[0], vectors)
+    logits = predict_logits(mod, p_next, r, d, estimator if with_estimator else None, kind)
+    return logits, routing.route(cfg, logits)[0][0]
+
+  return predict
+
+
+@functools.lru_cache(maxsize=None)
+def oracle_step(cfg: ModelConfig, dtype, next_idx: int):
+  """The true router logits of layer `next_idx` from its input x (its attention run on
+  a copy of its cache, not donated): a check of speculative execution, not a predictor."""
+  mod = DecoderLayer(cfg, True, dtype, next_idx)
+
+  @jax.jit
+  def oracle(p_next, x, tp, kv):
+    pos, end = tp[1].reshape(1, 1), tp[1]
+    _, _, logits, _ = mod.apply({"params": p_next}, x, pos, kv, end, method=_attend_route)
+    logits = logits.reshape(1, -1).astype(jnp.float32)
+    return logits, routing.route(cfg, logits)[0][0]
+
+  return oracle

@@ -1,0 +1,228 @@
+"""Speculative prefetch in the engine (issue 13): modes, exactness, statistics, bad input."""
+
+import json
+import os
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from moejax import routing
+from moejax.config import ModelConfig
+from moejax.loader import expert_shapes, load_model
+from moejax.model import Transformer
+from moejax.offload import prefetch as prefetch_lib
+from moejax.offload import prefetch_steps as pf_steps
+from moejax.offload.engine import OffloadEngine
+from moejax.speculation import save_default_vectors
+from moejax.store import ExpertStore
+from moejax.traces import config_hash
+from tests import hf_models
+
+PROMPT = [3, 17, 5, 60, 22]
+STREAM = [int(t) for t in np.random.default_rng(3).integers(0, 64, 10)]
+
+
+@pytest.fixture(scope="module")
+def model():
+  cfg = ModelConfig(model_type="qwen3_moe", vocab_size=64, hidden_size=32, num_layers=3,
+                    num_heads=4, num_kv_heads=2, head_dim=8, num_experts=8, top_k=2,
+                    moe_intermediate_size=16, intermediate_size=48,
+                    sparse_layers=(True, True, True), qk_norm="head",
+                    norm_topk_prob=True).validate()
+  rng = np.random.default_rng(0)
+  exps = [{k: (rng.standard_normal((8,) + shp) * 0.2).astype(np.float32)
+           for k, shp in expert_shapes(cfg).items()} for _ in cfg.sparse_layers]
+  store = ExpertStore.from_stacked(exps)
+  seq = jnp.asarray([PROMPT + STREAM], jnp.int32)
+  model = Transformer(cfg)
+  params = jax.jit(lambda k: model.init(k, seq, store.to_device())["params"])(
+      jax.random.PRNGKey(0))
+  logits, _, _ = jax.jit(lambda p, e: model.apply({"params": p}, seq, e))(params,
+                                                                         store.to_device())
+  return cfg, params, store, np.asarray(logits[0, len(PROMPT) - 1:])
+
+
+def _vectors(cfg, seed=1):
+  rng = np.random.default_rng(seed)
+  return {"vectors": [rng.standard_normal((cfg.num_experts, cfg.hidden_size)).astype(np.float32)
+                      * 0.1 for _ in cfg.moe_layers],
+          "estimators": [None] * (len(cfg.moe_layers) - 1)}
+
+
+def _run(cfg, params, store, prompt, stream, **kw):
+  kw.setdefault("cache_fraction", 0.25)
+  with OffloadEngine(cfg, params, store, kw.pop("policy", "baseline"), max_len=32, **kw) as eng:
+    eng.warmup()
+    out = [eng.prefill(prompt)] + [eng.decode_step(t) for t in stream]
+    held = eng.held_bytes()
+  return eng, np.stack(out), held
+
+
+def _cfg(**kw):
+  base = dict(vocab_size=8, hidden_size=4, num_layers=1, num_heads=1, num_kv_heads=1,
+              head_dim=4, moe_intermediate_size=4, intermediate_size=4, sparse_layers=(True,),
+              num_experts=4, top_k=2)
+  return ModelConfig(**dict(base, **kw))
+
+
+def test_restricted_gates_hand_checked():
+  cfg = _cfg(model_type="olmoe", norm_topk_prob=False)
+  logits = jnp.log(jnp.asarray([[0.1, 0.2, 0.3, 0.4]]))
+  g = pf_steps.restricted_gates(cfg, logits, jnp.asarray([[0, 2]]))
+  np.testing.assert_allclose(np.asarray(g), [[0.1, 0.3]], rtol=1e-6)   # p[ids], not renormalised
+  cfg_n = _cfg(model_type="qwen3_moe", norm_topk_prob=True)
+  g = pf_steps.restricted_gates(cfg_n, logits, jnp.asarray([[0, 2]]))
+  np.testing.assert_allclose(np.asarray(g), [[0.25, 0.75]], rtol=1e-6)
+  ids, gates, _ = routing.route(cfg_n, logits)                          # the true top-k: route's
+  np.testing.assert_allclose(np.asarray(pf_steps.restricted_gates(cfg_n, logits, ids)),
+                             np.asarray(gates), rtol=1e-6)
+
+
+def test_quasi_offset_and_view_hand_checked():
+  vec = jnp.asarray([[1.0, 0.0], [0.0, 1.0], [5.0, 5.0]])
+  d = pf_steps.quasi_offset(jnp.asarray([1, -1, 0]), jnp.asarray([0.5, 9.0, 0.25]), vec)
+  np.testing.assert_allclose(np.asarray(d), [0.25, 0.5])                # -1 (nothing run) skipped
+  from moejax.offload import resident as R
+  st = R.init_state(4, 2, {}, buffers=False)
+  st = st.__class__(**{**st.__dict__, "expert_slot": jnp.asarray([-1, 0, -1, -1]),
+                       "slot_expert": jnp.asarray([1, -1])})
+  v = pf_steps.view(st, jnp.asarray([3, 1, -1]))
+  # expert 3 -> row P + 1 + 0 = 3; expert 1 already in slot 0 keeps it; -1 ignored
+  np.testing.assert_array_equal(np.asarray(v.expert_slot), [-1, 0, -1, 3])
+
+
+@pytest.mark.parametrize("speculative,streaming", [("predicted_weights", True),
+                                                   ("true_router", False)])
+def test_speculative_with_true_predictions_is_exact(model, speculative, streaming):
+  """The oracle predicts each layer's true routing: speculative execution then runs the
+  exact model, and every prediction is prefetched and used."""
+  cfg, params, store, ref = model
+  eng, out, held = _run(cfg, params, store, PROMPT, STREAM, prefetch="oracle",
+                        speculative=speculative, streaming=streaming)
+  np.testing.assert_allclose(out, ref, atol=2e-5, rtol=1e-5)
+  s = eng.stats()
+  assert s["recall_at_k"] == 1.0
+  assert s["prefetches_per_token"] > 0
+  assert s["useful_prefetches_per_token"] == s["prefetches_per_token"]
+  assert s["wasted_bytes_per_token"] == 0
+  if streaming:   # nothing kept: every layer after the first is served by prefetches
+    assert s["fetches_per_token"] == cfg.top_k
+    assert s["prefetches_per_token"] == cfg.top_k * (len(cfg.moe_layers) - 1)
+  assert held == 0
+
+
+@pytest.mark.parametrize("prefetch", ["reuse", "quasi"])
+def test_prefetch_without_speculation_is_exact_and_counts(model, prefetch):
+  """Without speculative execution a misprediction goes through the miss rule (fetch):
+  the output is the exact model's whatever the predictor."""
+  cfg, params, store, ref = model
+  eng, out, _ = _run(cfg, params, store, PROMPT, STREAM, prefetch=prefetch, streaming=True,
+                     predictors=_vectors(cfg))
+  np.testing.assert_allclose(out, ref, atol=2e-5, rtol=1e-5)
+  for r in eng.records:
+    for l in cfg.moe_layers[1:]:
+      lr = r.layers[l]
+      assert len(lr.predicted) == cfg.top_k and lr.prefetched == lr.predicted  # nothing kept
+      fetched = set(lr.fetched)
+      assert fetched == set(lr.ids) - set(lr.predicted)    # the mispredicted ones, no more
+    assert r.useful_prefetches == sum(len(set(r.layers[l].ids) & set(r.layers[l].predicted))
+                                      for l in cfg.moe_layers[1:])
+    assert r.wasted_bytes <= (r.prefetches - r.useful_prefetches) * store.expert_nbytes()
+
+
+def test_speculative_with_a_wrong_predictor_runs_the_predicted_set(model):
+  cfg, params, store, ref = model
+  eng, out, _ = _run(cfg, params, store, PROMPT, STREAM, prefetch="reuse",
+                     speculative="predicted_weights", streaming=True)
+  for r in eng.records:
+    for l in cfg.moe_layers[1:]:
+      assert sorted(r.layers[l].ids) == sorted(r.layers[l].predicted)    # executed = predicted
+      assert not r.layers[l].fetched                                      # never refetched
+  assert eng.stats()["recall_at_k"] < 1.0 or np.allclose(out, ref, atol=2e-5)
+
+
+@pytest.mark.parametrize("policy", ["quality"])
+def test_cache_preset_with_prefetch(model, policy):
+  """With a cache, the executed prefetches are inserted like fetches: within the budget,
+  and held copies stay bounded by the transfers in flight."""
+  cfg, params, store, _ = model
+  eng, out, held = _run(cfg, params, store, PROMPT, STREAM, policy=policy, prefetch="quasi",
+                        predictors=_vectors(cfg), cache_fraction=0.5)
+  assert np.all(np.isfinite(out))
+  for st in eng.states.values():
+    assert len(st.resident_experts()) <= eng.budget.physical
+  for r in eng.records:        # a prefetch is requested only for an expert not resident
+    for l in cfg.moe_layers[1:]:
+      assert set(r.layers[l].prefetched) <= set(r.layers[l].predicted)
+  assert held <= 2 * cfg.top_k * len(cfg.moe_layers) * store.expert_nbytes()
+
+
+def _save_vectors(tmp_path, cfg, h=None):
+  d = tmp_path / "m-estimators"
+  save_default_vectors(str(d / "default_vectors"), _vectors(cfg)["vectors"],
+                       [np.ones(cfg.num_experts)] * len(cfg.moe_layers),
+                       {"config_hash": h or config_hash(cfg)})
+  return tmp_path / "m", d
+
+
+def test_missing_or_foreign_predictor_files_are_refused(model, tmp_path):
+  cfg = model[0]
+  with pytest.raises(prefetch_lib.PrefetchError, match="launch.default_vectors"):
+    prefetch_lib.load_predictors("quasi", cfg, str(tmp_path / "none"))
+  m, d = _save_vectors(tmp_path, cfg, h="0123456789abcdef")
+  with pytest.raises(prefetch_lib.PrefetchError, match="another model"):
+    prefetch_lib.load_predictors("quasi", cfg, str(m))
+  m, d = _save_vectors(tmp_path, cfg)
+  assert len(prefetch_lib.load_predictors("quasi", cfg, str(m))["vectors"]) == 3
+  with pytest.raises(prefetch_lib.PrefetchError, match="launch.train_estimators"):
+    prefetch_lib.load_predictors("hybrid", cfg, str(m))
+  (d / "estimators.json").write_text(json.dumps({"config_hash": "feedfeedfeedfeed"}))
+  with pytest.raises(prefetch_lib.PrefetchError, match="another model"):
+    prefetch_lib.load_predictors("hybrid", cfg, str(m))
+  with pytest.raises(ValueError, match="--speculative"):
+    OffloadEngine(cfg, model[1], model[2], speculative="true_router")
+  with pytest.raises(ValueError, match="--prefetch must be"):
+    pf_steps.Mode("sometimes")
+
+
+FAMILIES = ["qwen3_moe", "mixtral", "olmoe", "qwen3_next", "gpt_oss", "glm4_moe"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_prefetches_and_speculates(family, tmp_path):
+  d = hf_models.save(hf_models.build(family), str(tmp_path / family), "per_expert")
+  cfg, params, store = load_model(d)
+  prompt, stream = [3, 17, 5, 60, 22, 9], [4, 8, 15, 16, 23, 42]
+  _, ref, _ = _run(cfg, params, store, prompt, stream, cache_fraction=1.0)
+  _, out, _ = _run(cfg, params, store, prompt, stream, prefetch="oracle",
+                   speculative="true_router", streaming=True)
+  np.testing.assert_allclose(out, ref, atol=1e-4, rtol=1e-4)
+  eng, out, _ = _run(cfg, params, store, prompt, stream, prefetch="quasi",
+                     speculative="predicted_weights", streaming=True, predictors=_vectors(cfg))
+  chex.assert_tree_all_finite(out)
+  s = eng.stats()
+  if len(cfg.moe_layers) > 1:
+    assert s["prefetches_per_token"] > 0 and 0.0 <= s["recall_at_k"] <= 1.0
+
+
+@pytest.mark.parametrize("kw", [
+    dict(policy="baseline", streaming=True, prefetch="quasi", speculative="predicted_weights"),
+    dict(policy="baseline", streaming=True, prefetch="reuse", speculative="true_router"),
+    dict(policy="quality", cache_fraction=0.5, prefetch="quasi", speculative="off"),
+], ids=["stream-quasi-predicted", "stream-reuse-true", "quality-quasi"])
+def test_emulator_prefetch_equals_the_engine(model, kw):
+  """The one emulator runs the engine's prefetch and speculative decisions: same logits,
+  same per-layer actions, fetches, evictions and prefetch counts."""
+  from tests.test_emulator import assert_same_decisions, emulator_run, engine_run
+  cfg, params, store, _ = model
+  kw = dict(kw, predictors=_vectors(cfg))
+  policy = kw.pop("policy")
+  toks = PROMPT[:1] + STREAM
+  ref, records, _ = engine_run(cfg, params, store, policy, toks, **kw)
+  logits, out = emulator_run(cfg, params, store, policy, toks, **kw)
+  np.testing.assert_allclose(logits, ref, atol=2e-5, rtol=1e-5)
+  assert_same_decisions(cfg, records, out)
+  assert sum(r.prefetches for r in records) > 0

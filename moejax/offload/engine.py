@@ -17,6 +17,7 @@ Public surface (benchmarks and tests use only this):
   eng.held_bytes()              bytes of expert copies held outside the slot buffers
   eng.transfer_stats()          transfer counters (requests, bytes, link busy time)
   eng.describe(), eng.budget, eng.link, eng.policy, eng.states (read-only pytrees)
+  eng.cfg, eng.store, eng.moe_layers, eng.max_len, eng.end_index   (read-only)
   eng.trace = True              each decode step appends its timeline to eng.traces
   eng.close()
 

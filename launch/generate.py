@@ -211,7 +211,7 @@ def main(_):
     if "pinned_host" not in memory_kinds():
       raise cli.UsageError(f"--store=pinned_host: {jax.devices()[0]} offers no pinned_host "
                            f"memory (it offers {', '.join(memory_kinds())}); use numpy or mmap")
-  mxfp4 = folder is not None and cfg.model_type == "gpt_oss" and memory.checkpoint_is_mxfp4(folder)
+  mxfp4 = folder is not None and memory.checkpoint_is_mxfp4(folder)
   plan = memory.plan_memory(cfg, dtype, store=store_kind, offload=FLAGS.policy is not None,
                             cache_fraction=cache_fraction(),
                             cache_bytes=FLAGS.cache_bytes, kv_len=seq, mxfp4=mxfp4)

@@ -2,7 +2,9 @@
 
 The model never owns routed experts: callers pass a dict of stacked arrays
 ``{"gate_up": [E, 2I, D], "down": [E, D, I]}`` (the full table, or the offload
-engine's slot buffers, in which case ``ids`` are slot indices).
+engine's slot buffers, in which case ``ids`` are slot indices).  A family with
+another expert layout (``Family.expert_ffn``, e.g. GPT-OSS's biased, clamped
+SwiGLU) is recognised by its dict's keys (``families.for_experts``).
 
 Two exact dispatch strategies, chosen statically from the token count:
   * sliced: one dynamic slice + matvec per (token, expert) pair; for decode.
@@ -16,21 +18,15 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from moejax.families import gpt_oss
+from moejax import families
 
-ExpertWeights = dict  # {"gate_up": [E, 2I, D], "down": [E, D, I]}; gpt_oss: see families.gpt_oss
+ExpertWeights = dict  # {"gate_up": [E, 2I, D], "down": [E, D, I]}, or a family's own layout
 SLICED_MAX_PAIRS = 64   # up to this many (token, expert) pairs: the sliced path
 SWIGLU = (1.702, 7.0)  # gpt_oss clamped-SwiGLU (alpha, limit) unless the caller passes cfg's
 
 
 def _num_experts(w: ExpertWeights) -> int:
-  return gpt_oss.num_experts(w) if gpt_oss.is_expert_dict(w) else w["gate_up"].shape[0]
-
-
-def _ffn(x_NxD, gate_up_Nx2IxD, down_NxDxI):
-  h = jnp.einsum("nd,nid->ni", x_NxD, gate_up_Nx2IxD)
-  g, u = jnp.split(h, 2, axis=-1)
-  return jnp.einsum("ni,ndi->nd", jax.nn.silu(g) * u, down_NxDxI)
+  return next(iter(w.values())).shape[0]
 
 
 def experts_sliced(x_NxD, ids_NxK, gates_NxK, w: ExpertWeights, swiglu=SWIGLU):
@@ -38,15 +34,15 @@ def experts_sliced(x_NxD, ids_NxK, gates_NxK, w: ExpertWeights, swiglu=SWIGLU):
   in place through a dynamic slice (XLA CPU fuses it into the dot), instead of first
   gathering copies of the selected experts (faster on CPU for a decode token)."""
   n, k = ids_NxK.shape
-  is_oss = gpt_oss.is_expert_dict(w)
+  ffn = families.for_experts(w).expert_ffn
   rows = []
   for i in range(n):
     acc = None
     for j in range(k):
       e = ids_NxK[i, j]
-      if is_oss:  # biases, clamped SwiGLU; MXFP4 dequantised for this expert only
+      if ffn is not None:  # the family's own expert (e.g. MXFP4 dequantised for it only)
         we = {kk: jax.lax.dynamic_index_in_dim(v, e, keepdims=True) for kk, v in w.items()}
-        y = gpt_oss.expert_ffn(x_NxD[i][None, None], we, *swiglu)[0, 0]
+        y = ffn(x_NxD[i][None, None], we, *swiglu)[0, 0]
       else:  # plain matvecs: XLA CPU reads the sliced weights in place
         gu_2IxD = jax.lax.dynamic_index_in_dim(w["gate_up"], e, keepdims=False)
         dn_DxI = jax.lax.dynamic_index_in_dim(w["down"], e, keepdims=False)
@@ -95,8 +91,9 @@ def experts_grouped(x_NxD, ids_NxK, gates_NxK, w: ExpertWeights, block: int | No
   block_e = jnp.searchsorted(pad_end, jnp.arange(num_blocks) * b, side="right")
   block_e = jnp.minimum(block_e, num_e - 1)
 
-  if gpt_oss.is_expert_dict(w):
-    yb = gpt_oss.expert_ffn(xb, {kk: v[block_e] for kk, v in w.items()}, *swiglu)
+  ffn = families.for_experts(w).expert_ffn
+  if ffn is not None:
+    yb = ffn(xb, {kk: v[block_e] for kk, v in w.items()}, *swiglu)
   else:
     h = jnp.einsum("nbd,nid->nbi", xb, w["gate_up"][block_e])
     g, u = jnp.split(h, 2, axis=-1)
@@ -108,7 +105,8 @@ def experts_grouped(x_NxD, ids_NxK, gates_NxK, w: ExpertWeights, block: int | No
 def apply_experts(x_NxD, ids_NxK, gates_NxK, w: ExpertWeights, swiglu=SWIGLU):
   """Exact weighted sum of the selected experts' outputs, [N, D].
 
-  ``swiglu`` = (alpha, limit) of gpt_oss expert dicts (ignored for the others).
+  ``swiglu`` = (alpha, limit) passed to a family's ``expert_ffn`` (gpt_oss's clamped
+  SwiGLU; unused by plain SwiGLU experts).
   """
   n, k = ids_NxK.shape
   if n * k <= SLICED_MAX_PAIRS:

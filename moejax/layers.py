@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -145,3 +147,29 @@ def apply_rope(x_BxTxHxK: jax.Array, cos_BxTxK: jax.Array, sin_BxTxK: jax.Array)
   rot = jnp.concatenate([-x2, x1], axis=-1)
   cos, sin = cos_BxTxK[:, :, None, :], sin_BxTxK[:, :, None, :]
   return (x_BxTxHxK * cos + rot * sin).astype(x_BxTxHxK.dtype)
+
+
+class Attention(nn.Module):
+  """GQA with RoPE over the whole head (qk norm / clipping per the config); {"k", "v"} cache."""
+  cfg: Any
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x_BxTxD, positions_BxT, cache, end_index):
+    c = self.cfg
+    q, k, v = project_qkv(c, x_BxTxD, self.dtype)
+    cos, sin = rope_cos_sin(positions_BxT, c.head_dim, c.rope_theta)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    o, cache = cached_attention(q, k, v, positions_BxT, cache, end_index)
+    return Linear(c.hidden_size, use_bias=c.attention_bias, dtype=self.dtype,
+                  name="o_proj")(o), cache
+
+
+class Router(nn.Module):
+  """``mlp.gate``: the router logits of a sparse layer."""
+  cfg: Any
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x):
+    return Linear(self.cfg.num_experts, dtype=self.dtype, name="gate")(x)

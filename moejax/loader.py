@@ -17,22 +17,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moejax import families
 from moejax.config import ModelConfig
-from moejax.families import gpt_oss
 from moejax.model import Transformer
 from moejax.safetensors_io import CheckpointError, SafetensorsFile, save_file
 from moejax.store import ExpertStore, LayerExperts
 
-_MIXTRAL = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 _FLOAT_SRC = ("F32", "F16", "BF16", "F64")
 
 
 def expert_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
   """Per-expert tensor shapes of the (dequantised) expert dict, without the expert axis."""
-  if cfg.model_type == "gpt_oss":
-    return gpt_oss.expert_shapes(cfg)  # + biases; MXFP4 dicts: gpt_oss.expert_shapes(cfg, "mxfp4")
-  d, i = cfg.hidden_size, cfg.moe_intermediate_size
-  return {"gate_up": (2 * i, d), "down": (d, i)}
+  return families.of(cfg).expert_shapes(cfg)
 
 
 def abstract_experts(cfg: ModelConfig, dtype=jnp.float32) -> list:
@@ -67,13 +63,12 @@ def init_random(cfg: ModelConfig, seed: int = 0, dtype=jnp.float32, scale: float
 
 # --------------------------------------------------------------------- names
 def _split(name: str):
-  """HF tensor name -> ("dense", path tuple) | ("expert", layer, expert|None, kind)."""
+  """HF tensor name (after `Family.rename_tensor`) -> ("dense", path tuple) |
+  ("expert", layer, expert|None, kind)."""
   n = name[len("model."):] if name.startswith("model.") else name
-  n = n.replace(".block_sparse_moe.", ".mlp.")
   m = re.fullmatch(r"layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)\.weight", n)
   if m:
-    kind = _MIXTRAL.get(m.group(3), m.group(3))
-    return ("expert", int(m.group(1)), int(m.group(2)), kind)
+    return ("expert", int(m.group(1)), int(m.group(2)), m.group(3))
   m = re.fullmatch(r"layers\.(\d+)\.mlp\.experts\.((?:gate_up|down)_proj(?:_bias|_blocks|_scales)?)", n)
   if m:
     return ("expert", int(m.group(1)), None, m.group(2))
@@ -139,10 +134,12 @@ def load_model(model_dir: str, dtype=jnp.float32, mmap: bool = False, check_fini
                dequantize_mxfp4: bool = False):
   """Returns (cfg, params on device, ExpertStore on host).
 
-  MXFP4 experts (gpt_oss ``*_blocks``/``*_scales``) stay MXFP4 in the store (a fetch
+  A family's own expert layout is read by its ``load_layer_experts``; MXFP4 experts
+  (gpt_oss ``*_blocks``/``*_scales``) stay MXFP4 in the store (a fetch
   moves the 4-bit bytes; the device dequantises) unless ``dequantize_mxfp4``.
   """
   cfg = ModelConfig.from_json_file(model_dir)
+  family = families.of(cfg)
   idx = _Index(model_dir)
   np_dtype = np.dtype(jnp.dtype(dtype))
   expected = abstract_params(cfg, dtype)
@@ -155,7 +152,7 @@ def load_model(model_dir: str, dtype=jnp.float32, mmap: bool = False, check_fini
   per_expert: dict[int, dict[int, dict[str, str]]] = {}
   fused: dict[int, dict[str, str]] = {}
   for name in idx.where:
-    kind = _split(name)
+    kind = _split(family.rename_tensor(name))
     if kind[0] == "dense":
       if kind[1] in flat_expected:
         dense[kind[1]] = name
@@ -200,8 +197,8 @@ def load_model(model_dir: str, dtype=jnp.float32, mmap: bool = False, check_fini
   d_, i_ = cfg.hidden_size, cfg.moe_intermediate_size
   layers = {}
   for layer in cfg.moe_layers:
-    if cfg.model_type == "gpt_oss":
-      st = gpt_oss.load_layer_experts(
+    if family.load_layer_experts is not None:  # the family's own tensor layout
+      st = family.load_layer_experts(
           idx, fused.get(layer, {}), cfg, layer, np_dtype, dequantize_mxfp4=dequantize_mxfp4,
           mmap=mmap, check_finite=check_finite, check=_check, error=CheckpointError,
           model_dir=model_dir)

@@ -54,13 +54,12 @@ def checkpoint_is_mxfp4(model_dir: str) -> bool:
 def expert_nbytes(cfg: ModelConfig, dtype, mxfp4: bool = False) -> int:
   """Bytes of one routed expert as the store holds it: every tensor in `dtype`, except
   gpt_oss MXFP4 blocks and scales, which stay one byte per element (biases in `dtype`)."""
-  from moejax.loader import expert_shapes
+  from moejax import families
   item = jnp.dtype(dtype).itemsize
-  if cfg.model_type == "gpt_oss" and mxfp4:
-    from moejax.families import gpt_oss
-    shapes = gpt_oss.expert_shapes(cfg, "mxfp4")
+  if mxfp4:
+    shapes = families.of(cfg).expert_shapes(cfg, "mxfp4")
     return int(sum(np.prod(s) * (item if k.endswith("bias") else 1) for k, s in shapes.items()))
-  return int(sum(np.prod(s) * item for s in expert_shapes(cfg).values()))
+  return int(sum(np.prod(s) * item for s in families.of(cfg).expert_shapes(cfg).values()))
 
 
 @dataclasses.dataclass(frozen=True)

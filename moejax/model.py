@@ -1,4 +1,4 @@
-"""The pure-functional Flax MoE transformer (qwen3_moe, mixtral, olmoe).
+"""The pure-functional Flax MoE transformer of every family (``moejax.families``).
 
 Parameter names follow Hugging Face (``layers_3/self_attn/q_proj/weight`` is
 ``model.layers.3.self_attn.q_proj.weight``), with ``weight`` as [out, in].
@@ -24,53 +24,16 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from moejax import experts as experts_lib
+from moejax import families
 from moejax import routing
 from moejax.config import ModelConfig
-from moejax.families import glm
-from moejax.families import gpt_oss
-from moejax.families import qwen3_next
-from moejax.layers import (Linear, RMSNorm, SwiGLU, apply_rope, cached_attention, project_qkv,
-                           rope_cos_sin)
+from moejax.layers import Linear, SwiGLU
 
 Cache = list  # list over layers of {"k": [B,S,Hkv,K], "v": [B,S,Hkv,K]}
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> Cache:
-  if cfg.router == "sigmoid_group":  # glm4_moe / MLA latent caches
-    return glm.init_cache(cfg, batch, max_len, dtype)
-  shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
-  return [qwen3_next.init_linear_cache(cfg, batch, dtype) if qwen3_next.is_linear_layer(cfg, i)
-          else {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
-          for i in range(cfg.num_layers)]
-
-
-def _norm(c: ModelConfig, dtype):
-  """The family's RMSNorm: zero-centred (x * (1 + w)) for qwen3_next, else x * w."""
-  return (qwen3_next.ZeroCentredRMSNorm if c.zero_centred_norm else RMSNorm)(c.rms_norm_eps, dtype)
-
-
-class Attention(nn.Module):
-  cfg: ModelConfig
-  dtype: Any = jnp.float32
-
-  @nn.compact
-  def __call__(self, x_BxTxD, positions_BxT, cache, end_index):
-    c = self.cfg
-    q, k, v = project_qkv(c, x_BxTxD, self.dtype)
-    cos, sin = rope_cos_sin(positions_BxT, c.head_dim, c.rope_theta)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    o, cache = cached_attention(q, k, v, positions_BxT, cache, end_index)
-    return Linear(c.hidden_size, use_bias=c.attention_bias, dtype=self.dtype,
-                  name="o_proj")(o), cache
-
-
-class Router(nn.Module):
-  cfg: ModelConfig
-  dtype: Any = jnp.float32
-
-  @nn.compact
-  def __call__(self, x):
-    return Linear(self.cfg.num_experts, dtype=self.dtype, name="gate")(x)
+  return families.of(cfg).init_cache(cfg, batch, max_len, dtype)
 
 
 class DecoderLayer(nn.Module):
@@ -82,34 +45,19 @@ class DecoderLayer(nn.Module):
 
   def setup(self):
     c = self.cfg
-    self.input_layernorm = _norm(c, self.dtype)
-    if qwen3_next.is_linear_layer(c, self.layer_idx):
-      self.linear_attn = qwen3_next.GatedDeltaNet(c, self.dtype)
-    elif c.attn_output_gate:
-      self.self_attn = qwen3_next.GatedAttention(c, self.dtype)
-    elif c.model_type == "gpt_oss":  # sinks, biases, YaRN; "sliding_attention" layers windowed
-      self.self_attn = gpt_oss.Attention(
-          c, c.layer_types[self.layer_idx] == "sliding_attention", self.dtype)
-    elif c.router == "sigmoid_group":  # glm4_moe partial-RoPE GQA, or MLA
-      self.self_attn = glm.attention(c, self.dtype)
+    family = families.of(c)
+    self.input_layernorm = family.norm(c, self.dtype)
+    # named like the hub tensors: self_attn (attention) or linear_attn (Gated DeltaNet)
+    setattr(self, family.mixer_name(c, self.layer_idx), family.mixer(c, self.layer_idx, self.dtype))
+    self.post_attention_layernorm = family.norm(c, self.dtype)
+    if self.sparse:
+      self.mlp = family.sparse_mlp(c, self.dtype)
     else:
-      self.self_attn = Attention(c, self.dtype)
-    self.post_attention_layernorm = _norm(c, self.dtype)
-    if not self.sparse:
       self.mlp = SwiGLU(c.hidden_size, c.intermediate_size, self.dtype)
-    elif c.model_type == "qwen3_next":
-      self.mlp = qwen3_next.SparseMoeBlock(c, self.dtype)
-    elif c.model_type == "gpt_oss":
-      self.mlp = gpt_oss.Router(c, self.dtype)           # mlp.router.{weight,bias}
-    elif c.router == "sigmoid_group":
-      self.mlp = glm.SigmoidMoE(c, self.dtype)           # mlp.gate + mlp.shared_experts
-    else:
-      self.mlp = Router(c, self.dtype)
 
   def attend(self, x_BxTxD, positions_BxT, cache, end_index):
-    """(a1) h = x + attn(norm(x)); returns (h, new_cache)."""
-    mixer = (self.linear_attn if qwen3_next.is_linear_layer(self.cfg, self.layer_idx)
-             else self.self_attn)
+    """(a1) h = x + mixer(norm(x)); returns (h, new_cache)."""
+    mixer = getattr(self, families.of(self.cfg).mixer_name(self.cfg, self.layer_idx))
     a, cache = mixer(self.input_layernorm(x_BxTxD), positions_BxT, cache, end_index)
     return x_BxTxD + a, cache
 
@@ -132,17 +80,16 @@ class DecoderLayer(nn.Module):
   def moe_residual(self, h_BxTxD, moe_in_BxTxD, ids_BxTxK, gates_BxTxK, expert_weights):
     """(b) h + sum_k g_k * expert_k(moe_in); ids index into `expert_weights` (table or slots).
 
-    Families with shared experts add them here (they are dense, resident parameters).
+    Families with shared experts add them here (the ``mlp``'s ``shared_output``: dense,
+    resident parameters).
     """
     b, t, d = h_BxTxD.shape
     y = experts_lib.apply_experts(moe_in_BxTxD.reshape(b * t, d), ids_BxTxK.reshape(b * t, -1),
                                   gates_BxTxK.reshape(b * t, -1), expert_weights,
                                   swiglu=(self.cfg.swiglu_alpha, self.cfg.swiglu_limit))
     y = y.reshape(b, t, d).astype(h_BxTxD.dtype)
-    if self.cfg.shared_expert_intermediate_size and hasattr(self.mlp, "shared_output"):
-      y = y + self.mlp.shared_output(moe_in_BxTxD)        # qwen3_next: sigmoid-gated
-    if self.cfg.n_shared_experts and hasattr(self.mlp, "shared"):
-      y = y + self.mlp.shared(moe_in_BxTxD)               # glm / deepseek: ungated
+    if hasattr(self.mlp, "shared_output"):
+      y = y + self.mlp.shared_output(moe_in_BxTxD)
     return h_BxTxD + y
 
 
@@ -155,7 +102,7 @@ class Transformer(nn.Module):
     self.embed_tokens = nn.Embed(c.vocab_size, c.hidden_size, param_dtype=self.dtype,
                                  dtype=self.dtype, embedding_init=nn.initializers.normal(0.02))
     self.layers = [DecoderLayer(c, s, self.dtype, i) for i, s in enumerate(c.sparse_layers)]
-    self.norm = _norm(c, self.dtype)
+    self.norm = families.of(c).norm(c, self.dtype)
     if not c.tie_word_embeddings:
       self.lm_head = Linear(c.vocab_size, dtype=self.dtype)
 

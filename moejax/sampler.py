@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moejax import families
 from moejax.config import ModelConfig
-from moejax.families.qwen3_next import has_recurrent_state
 from moejax.model import Transformer, init_cache
 
 
@@ -95,7 +95,7 @@ class Sampler:
     if t + 1 > self.max_len:
       raise ValueError(f"prompt of {t} tokens does not fit max_len={self.max_len}")
     # A recurrent (DeltaNet) state would absorb padding tokens: prefill those models unpadded.
-    tb = t if has_recurrent_state(self.cfg) else min(bucket(t), self.max_len)
+    tb = t if families.of(self.cfg).has_recurrent_state(self.cfg) else min(bucket(t), self.max_len)
     padded = np.zeros((b, tb), np.int32)
     padded[:, :t] = prompt_BxT
     cache = init_cache(self.cfg, b, self.max_len, self.dtype)

@@ -191,12 +191,3 @@ def train_step(cfg: ModelConfig, tc: TrainConfig, opt, trainable, opt_state, tok
   trainable = optax.apply_updates(trainable, updates)
   metrics = dict(metrics, loss=loss, grad_norm=optax.global_norm(grads))
   return trainable, opt_state, metrics
-
-
-@functools.partial(jax.jit, static_argnums=(0,))
-def eval_nll(cfg: ModelConfig, params, experts, tokens_BxT1):
-  """Sum of token NLL and token count for a batch (teacher forced)."""
-  x, y = tokens_BxT1[:, :-1], tokens_BxT1[:, 1:]
-  logits, _, _ = Transformer(cfg).apply({"params": params}, x, experts)
-  nll = optax.softmax_cross_entropy_with_integer_labels(logits, y)
-  return jnp.sum(nll), nll.size

@@ -55,6 +55,9 @@ def test_demo_table_json_and_png(tmp_path):
 def test_demo_usage_errors():
   for args, needle in ((["--presets=quality,baseline"], "must start with baseline"),
                        (["--max_new_tokens=1"], "--max_new_tokens must be >= 2"),
+                       (["--presets=baseline,quality,quality"], "names a preset twice"),
+                       (["--eval_tokens=-1"], "--eval_tokens must be >= 0"),
+                       (["--block=0"], "--block must be >= 1, got 0"),
                        (["--model_dir=/nonexistent"], "has no config.json")):
     proc = subprocess.run([sys.executable, "-m", "launch.demo", *args], cwd=REPO,
                           capture_output=True, text=True, timeout=300)

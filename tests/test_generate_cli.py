@@ -73,8 +73,9 @@ def test_random_model_and_model_dir_together():
 
 
 # ------------------------------------------------------------------ flag combinations
-@pytest.mark.parametrize("flag", ["--cache_fraction=0.5", "--link=scaled", "--tau=0.2",
-                                  "--store=mmap"])
+@pytest.mark.parametrize("flag", ["--cache_fraction=0.5", "--cache_bytes=1000000", "--link=scaled",
+                                  "--tau=0.2", "--store=mmap", "--admission_beta=0.5",
+                                  "--eviction=lfu"])
 def test_offload_flag_without_policy(flag):
   assert_usage_error([flag], flag.split("=")[0] + " applies only with --policy",
                      "--policy=quality")
@@ -111,6 +112,10 @@ def test_sampling_flags_with_greedy():
     (["--policy=quality", "--link=fast", "--dry_run"], "--link='fast': cannot parse"),
     (["--policy=nope"], "--policy: unknown policy or preset 'nope'"),
     (["--max_new_tokens=0"], "--max_new_tokens must be >= 1"),
+    (["--max_len=1"], "--max_len must be >= 2, got 1"),
+    (["--temperature=-1"], "--temperature must be >= 0, got -1.0"),
+    (["--temperature=1", "--top_p=1.5"], "--top_p must be in (0, 1], got 1.5"),
+    (["--random_model", "--prompt="], "--prompt encodes to no tokens"),
 ])
 def test_bad_values_name_their_flag(args, needle):
   assert_usage_error(args, needle)

@@ -32,7 +32,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from moejax.config import ConfigError, ModelConfig, field_getter
+from moejax.families.base import ConfigError, Family, eos_ids
 from moejax.layers import (Linear, RMSNorm, SwiGLU, apply_rope, cache_positions, cached_attention,
                            gqa_attention, project_qkv, rope_cos_sin, write_cache)
 
@@ -41,11 +41,9 @@ MLA_TYPES = ("glm4_moe_lite", "deepseek_v3")
 
 
 # ------------------------------------------------------------------ config
-def config_from_hf(cls, d: dict[str, Any], source: str) -> ModelConfig:
-  """ModelConfig for one of MODEL_TYPES from a config.json dict (hub or v5 spelling)."""
+def config_fields(d: dict[str, Any], get, source: str) -> dict[str, Any]:
+  """ModelConfig fields for one of MODEL_TYPES from a config.json dict (hub or v5 spelling)."""
   mt = d["model_type"]
-
-  get = field_getter(d, source)
 
   hidden = int(get("hidden_size"))
   heads = int(get("num_attention_heads"))
@@ -72,8 +70,6 @@ def config_from_hf(cls, d: dict[str, Any], source: str) -> ModelConfig:
     if d.get(f) not in (None, ok):   # DeepSeek hub configs name the rule moejax implements
       raise ConfigError(f"{source}: field '{f}' is {d[f]!r}; only {ok!r} routing is "
                         f"implemented for {mt}")
-  eos = d.get("eos_token_id")
-  eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
 
   if mt == "glm4_moe_lite":
     types = get("mlp_layer_types", default=None)
@@ -112,7 +108,7 @@ def config_from_hf(cls, d: dict[str, Any], source: str) -> ModelConfig:
     head_dim = int(get("head_dim", default=hidden // heads))
     qk_norm = "head" if bool(get("use_qk_norm", default=False)) else "none"
 
-  cfg = cls(model_type=mt, vocab_size=int(get("vocab_size")), hidden_size=hidden,
+  return dict(vocab_size=int(get("vocab_size")), hidden_size=hidden,
             num_layers=layers, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
             num_experts=experts, top_k=int(get("num_experts_per_tok")),
             moe_intermediate_size=int(get("moe_intermediate_size")),
@@ -124,17 +120,16 @@ def config_from_hf(cls, d: dict[str, Any], source: str) -> ModelConfig:
             tie_word_embeddings=bool(get("tie_word_embeddings", default=False)),
             attention_bias=bool(get("attention_bias", default=False)),
             qk_norm=qk_norm, router="sigmoid_group",
-            bos_token_id=d.get("bos_token_id"), eos_token_ids=eos_ids,
+            bos_token_id=d.get("bos_token_id"), eos_token_ids=eos_ids(d),
             n_group=int(get("n_group", default=1)), topk_group=int(get("topk_group", default=1)),
             routed_scaling_factor=float(get("routed_scaling_factor", default=1.0)),
             n_shared_experts=int(get("n_shared_experts", default=1)),   # HF default
             partial_rotary_factor=partial,
             num_mtp_layers=int(get("num_nextn_predict_layers", "num_mtp_layers", default=1)),
             **kw)
-  return cfg.validate()
 
 
-def validate(cfg: ModelConfig, need) -> None:
+def validate(cfg: Any, need) -> None:
   """Family checks called from ModelConfig.validate (``need(cond, field, msg)``)."""
   e, g = cfg.num_experts, cfg.n_group
   need(g > 0 and e % g == 0, "n_group", f"{g} groups do not divide {e} experts")
@@ -153,12 +148,62 @@ def validate(cfg: ModelConfig, need) -> None:
     need(cfg.qk_rope_head_dim % 2 == 0, "qk_rope_head_dim", "must be even")
 
 
-def rotary_dim(cfg: ModelConfig) -> int:
+def rotary_dim(cfg: Any) -> int:
   return int(cfg.head_dim * cfg.partial_rotary_factor)
 
 
+# ------------------------------------------------------------------ router rule
+def _split_bias(cfg: Any, logits):
+  """A sigmoid_group router output [..., 2E] -> (logits, correction bias)."""
+  e = cfg.num_experts
+  if logits.shape[-1] == 2 * e:
+    return logits[..., :e], logits[..., e:]
+  if logits.shape[-1] == e:
+    return logits, jnp.zeros_like(logits)
+  raise ValueError(f"router output has {logits.shape[-1]} columns; a sigmoid_group router "
+                   f"of {e} experts gives {2 * e} (logits, correction bias) or {e}")
+
+
+def route_sigmoid_group(cfg: Any, logits):
+  """DeepSeek-V3 / GLM-4.5 routing (``cfg.router == "sigmoid_group"``).
+
+  The router output is ``[..., 2E]``: raw logits, then the layer's
+  ``e_score_correction_bias`` (a plain ``[..., E]`` means a zero bias).  Scores
+  are sigmoid(logits) + bias; the best ``topk_group`` of ``n_group`` groups
+  (ranked by the sum of their two best scores) are kept and the top-k taken
+  among them.  Gates are the *unbiased* sigmoids of the selected experts,
+  divided by their sum (+1e-20) if ``norm_topk_prob``, times
+  ``routed_scaling_factor``: they need not sum to 1.  The returned scores are
+  the biased scores over all experts (before the group mask); `rank_scores`
+  gives the same for ranking substitutes.
+  """
+  e, g = cfg.num_experts, cfg.n_group
+  logits, bias = _split_bias(cfg, logits)
+  sig = jax.nn.sigmoid(logits)
+  scores = sig + bias
+  choice = scores
+  if g > 1:
+    per = scores.reshape(scores.shape[:-1] + (g, e // g))
+    group_scores = jnp.sum(jax.lax.top_k(per, 2)[0], axis=-1)                 # [..., G]
+    _, keep = jax.lax.top_k(group_scores, cfg.topk_group)
+    group_mask = jnp.any(jax.nn.one_hot(keep, g, dtype=jnp.bool_), axis=-2)    # [..., G]
+    choice = jnp.where(jnp.repeat(group_mask, e // g, axis=-1), scores, -jnp.inf)
+  _, ids = jax.lax.top_k(choice, cfg.top_k)
+  w = jnp.take_along_axis(sig, ids, axis=-1)
+  if cfg.norm_topk_prob:
+    w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20)
+  return ids.astype(jnp.int32), w * cfg.routed_scaling_factor, scores
+
+
+def rank_sigmoid_group(cfg: Any, logits_NxE):
+  """The biased sigmoid score sigmoid(logit) + bias: the family's own selection score,
+  before its gates are normalised (ranks substitutes)."""
+  logits, bias = _split_bias(cfg, logits_NxE.astype(jnp.float32))
+  return jax.nn.sigmoid(logits) + bias
+
+
 # ------------------------------------------------------------------ cache
-def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> list:
+def init_cache(cfg: Any, batch: int, max_len: int, dtype=jnp.float32) -> list:
   """Per layer: {"k", "v"} (glm4_moe) or the MLA latent cache {"kv": [B,S,R], "k_rot": [B,S,Dr]}."""
   if cfg.model_type in MLA_TYPES:
     return [{"kv": jnp.zeros((batch, max_len, cfg.kv_lora_rank), dtype),
@@ -172,7 +217,7 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) ->
 # ------------------------------------------------------------------ attention
 class Glm4MoeAttention(nn.Module):
   """GQA with partial RoPE (rotate_half on the first rotary_dim dims), q/k/v biases, no o bias."""
-  cfg: ModelConfig
+  cfg: Any
   dtype: Any = jnp.float32
 
   @nn.compact
@@ -187,7 +232,7 @@ class Glm4MoeAttention(nn.Module):
     return Linear(c.hidden_size, dtype=self.dtype, name="o_proj")(o), cache
 
 
-def _mla_rope(c: ModelConfig, positions_BxT):
+def _mla_rope(c: Any, positions_BxT):
   """cos/sin [B,T,qk_rope_head_dim] and the softmax scale of MLA (default RoPE or YaRN).
 
   YaRN as transformers computes it for DeepSeek-V3: frequencies and the cos/sin
@@ -226,7 +271,7 @@ class MLAttention(nn.Module):
   per-head keys [k_nope | k_rot] and values are expanded from c_kv by kv_b_proj.
   The low-rank norms use eps 1e-6 (HF builds them without the config's eps).
   """
-  cfg: ModelConfig
+  cfg: Any
   dtype: Any = jnp.float32
 
   @nn.compact
@@ -307,7 +352,7 @@ def _mla_absorbed(q_pass_BxTxHxN, q_rot_BxTxHxR, kv_BxSxC, krot_BxSxR, w_HxOxC, 
   return o.reshape(b, t, -1)
 
 
-def attention(cfg: ModelConfig, dtype):
+def attention(cfg: Any, dtype):
   """The attention module of a layer of this family (named ``self_attn`` by the caller)."""
   if cfg.model_type in MLA_TYPES:
     return MLAttention(cfg, dtype)
@@ -317,7 +362,7 @@ def attention(cfg: ModelConfig, dtype):
 # ------------------------------------------------------------------ MoE block
 class SigmoidRouter(nn.Module):
   """``mlp.gate``: weight [E, D] and e_score_correction_bias [E], kept and computed in f32."""
-  cfg: ModelConfig
+  cfg: Any
   dtype: Any = jnp.float32
 
   @nn.compact
@@ -335,10 +380,10 @@ class SigmoidRouter(nn.Module):
 class SigmoidMoE(nn.Module):
   """``mlp`` of a sparse layer: the router (``gate``) and the shared experts.
 
-  ``__call__`` gives the packed router output [..., 2E]; ``shared`` the shared
+  ``__call__`` gives the packed router output [..., 2E]; ``shared_output`` the shared
   experts' output, added ungated to the routed sum by ``DecoderLayer.moe_residual``.
   """
-  cfg: ModelConfig
+  cfg: Any
   dtype: Any = jnp.float32
 
   def setup(self):
@@ -351,8 +396,31 @@ class SigmoidMoE(nn.Module):
   def __call__(self, x_BxTxD):
     return self.gate(x_BxTxD)
 
-  def shared(self, x_BxTxD):
+  def shared_output(self, x_BxTxD):
     if self.cfg.n_shared_experts == 0:
       return jnp.zeros_like(x_BxTxD)
     return self.shared_experts(x_BxTxD)
 
+
+class Glm(Family):
+  """glm4_moe (GQA, partial RoPE), glm4_moe_lite and deepseek_v3 (MLA)."""
+  model_types = MODEL_TYPES
+  router_rules = {"sigmoid_group": (route_sigmoid_group, rank_sigmoid_group)}
+
+  def config_fields(self, d, get, source):
+    return config_fields(d, get, source)
+
+  def validate(self, cfg, need):
+    validate(cfg, need)
+
+  def mixer(self, cfg, layer_idx, dtype):
+    return attention(cfg, dtype)
+
+  def sparse_mlp(self, cfg, dtype):
+    return SigmoidMoE(cfg, dtype)          # mlp.gate + mlp.shared_experts
+
+  def init_cache(self, cfg, batch, max_len, dtype=jnp.float32):
+    return init_cache(cfg, batch, max_len, dtype)
+
+
+FAMILY = Glm()

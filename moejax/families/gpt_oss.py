@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moejax.families import mxfp4
+from moejax.families.base import ConfigError, Family, common_fields
 from moejax.layers import Linear, apply_rope, cached_attention, project_qkv
 
 MODEL_TYPE = "gpt_oss"
@@ -40,14 +41,16 @@ DEFAULT_ROPE_THETA = 150000.0
 # transformers' GptOssConfig default when a config names no rope scaling.
 DEFAULT_YARN = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
                 "truncate": False, "original_max_position_embeddings": 4096}
-FLOAT_KEYS = ("gate_up", "gate_up_bias", "down", "down_bias")
 MXFP4_KEYS = ("gate_up_blocks", "gate_up_scales", "gate_up_bias",
               "down_blocks", "down_scales", "down_bias")
 
 
 # ----------------------------------------------------------------------- config
-def config_kwargs(d: dict, num_layers: int, source: str, error: type) -> dict:
+def config_fields(d: dict, get, source: str) -> dict:
   """ModelConfig fields for a gpt_oss config.json (hub and transformers-v5 spellings)."""
+  error = ConfigError
+  fields = common_fields(d, get, source)
+  num_layers = fields["num_layers"]
   inter = d.get("intermediate_size")
   if inter is None:
     raise error(f"{source}: missing field 'intermediate_size'")
@@ -78,6 +81,8 @@ def config_kwargs(d: dict, num_layers: int, source: str, error: type) -> dict:
   scaling = tuple(sorted((str(k), v) for k, v in rope.items()
                          if isinstance(v, (int, float, str, bool)) or v is None))
   return dict(
+      fields, sparse_layers=(True,) * num_layers,
+      attention_bias=bool(get("attention_bias", default=True)),
       moe_intermediate_size=int(inter), intermediate_size=int(inter), norm_topk_prob=True,
       qk_norm="none", rms_norm_eps=float(d.get("rms_norm_eps") or 1e-5),
       router=ROUTER, rope_theta=theta, layer_types=tuple(types),
@@ -85,6 +90,20 @@ def config_kwargs(d: dict, num_layers: int, source: str, error: type) -> dict:
       rope_scaling=scaling,
       swiglu_alpha=float(d.get("swiglu_alpha") or 1.702),
       swiglu_limit=float(d.get("swiglu_limit") or 7.0))
+
+
+# ------------------------------------------------------------------ router rule
+def route_topk_softmax(cfg, logits_NxE):
+  """Top-k of the raw logits (the router has a bias), softmax over those k values; scores =
+  softmax over all experts (the logits' order, bounded in [0, 1])."""
+  top_l, ids = jax.lax.top_k(logits_NxE, cfg.top_k)
+  return (ids.astype(jnp.int32), jax.nn.softmax(top_l, axis=-1),
+          jax.nn.softmax(logits_NxE, axis=-1))
+
+
+def rank_logits(cfg, logits_NxE):
+  del cfg
+  return logits_NxE
 
 
 # ------------------------------------------------------------------------- rope
@@ -283,3 +302,30 @@ def expert_forward_np(x_D: np.ndarray, w: dict, alpha: float = 1.702,
   gate, up = np.minimum(h[0::2], limit), np.clip(h[1::2], -limit, limit)
   a = (up + 1) * gate / (1 + np.exp(-alpha * gate))
   return weight("down") @ a + np.asarray(w["down_bias"], np.float32)
+
+
+class GptOss(Family):
+  """Attention sinks, biases, YaRN, sliding layers; clamped-SwiGLU experts (float or MXFP4)."""
+  model_types = (MODEL_TYPE,)
+  router_rules = {ROUTER: (route_topk_softmax, rank_logits)}
+  expert_ffn = staticmethod(expert_ffn)
+  expert_forward_np = staticmethod(expert_forward_np)
+  load_layer_experts = staticmethod(load_layer_experts)
+
+  def config_fields(self, d, get, source):
+    return config_fields(d, get, source)
+
+  def mixer(self, cfg, layer_idx, dtype):
+    return Attention(cfg, cfg.layer_types[layer_idx] == "sliding_attention", dtype)
+
+  def sparse_mlp(self, cfg, dtype):
+    return Router(cfg, dtype)                 # mlp.router.{weight,bias}
+
+  def expert_shapes(self, cfg, fmt="float"):
+    return expert_shapes(cfg, fmt)
+
+  def is_expert_dict(self, w):
+    return is_expert_dict(w)
+
+
+FAMILY = GptOss()

@@ -29,6 +29,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from moejax.families.base import (Family, common_fields, decoder_sparse_layers,
+                                  require_default_rope)
 from moejax.layers import Linear, SwiGLU, apply_rope, cached_attention, rope_cos_sin
 
 LINEAR, FULL = "linear_attention", "full_attention"
@@ -83,7 +85,7 @@ class GatedAttention(nn.Module):
 
   q and k get a zero-centred RMSNorm over head_dim, then RoPE on the first
   ``partial_rotary_factor * head_dim`` dims only.  Cache: {"k", "v"} as in
-  moejax.model.Attention.
+  moejax.layers.Attention.
   """
   cfg: Any
   dtype: Any = jnp.float32
@@ -305,11 +307,11 @@ class SparseMoeBlock(nn.Module):
 
 
 # ---------------------------------------------------------------- config
-def config_kwargs(d: dict, get, layers: int) -> dict:
+def config_fields(d: dict, get, source: str) -> dict:
   """ModelConfig fields of a qwen3_next config.json (hub and transformers-v5 spellings)."""
-  step = int(get("decoder_sparse_step", default=1))
-  only = set(get("mlp_only_layers", default=[]) or [])
-  sparse = tuple((i not in only) and step > 0 and (i + 1) % step == 0 for i in range(layers))
+  require_default_rope(d, source)
+  fields = common_fields(d, get, source)
+  layers = fields["num_layers"]
   lt = d.get("layer_types")
   if lt is None:                                   # hub spelling
     interval = int(get("full_attention_interval", default=4))
@@ -317,7 +319,7 @@ def config_kwargs(d: dict, get, layers: int) -> dict:
   rope = d.get("rope_parameters") or {}
   prf = rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 0.25))
   return dict(
-      sparse_layers=sparse,
+      fields, sparse_layers=decoder_sparse_layers(get, layers),
       moe_intermediate_size=int(get("moe_intermediate_size")),
       intermediate_size=int(get("intermediate_size", default=0)),
       norm_topk_prob=bool(get("norm_topk_prob", default=True)),
@@ -325,7 +327,6 @@ def config_kwargs(d: dict, get, layers: int) -> dict:
       qk_norm="head", router="softmax",
       layer_types=tuple(str(x) for x in lt),
       partial_rotary_factor=float(prf),
-      zero_centred_norm=True, attn_output_gate=True,
       linear_conv_kernel_dim=int(get("linear_conv_kernel_dim", default=4)),
       linear_num_key_heads=int(get("linear_num_key_heads")),
       linear_num_value_heads=int(get("linear_num_value_heads")),
@@ -354,3 +355,40 @@ def validate(cfg, need) -> None:
          f"{cfg.linear_num_key_heads} key heads")
   need(cfg.shared_expert_intermediate_size > 0 or not any(cfg.sparse_layers),
        "shared_expert_intermediate_size", "must be positive for qwen3_next MoE layers")
+
+
+class Qwen3Next(Family):
+  """Gated DeltaNet / gated attention layers, zero-centred norms, gated shared expert."""
+  model_types = ("qwen3_next",)
+
+  def config_fields(self, d, get, source):
+    return config_fields(d, get, source)
+
+  def validate(self, cfg, need):
+    validate(cfg, need)
+
+  def norm(self, cfg, dtype):
+    return ZeroCentredRMSNorm(cfg.rms_norm_eps, dtype)
+
+  def mixer(self, cfg, layer_idx, dtype):
+    if is_linear_layer(cfg, layer_idx):
+      return GatedDeltaNet(cfg, dtype)
+    return GatedAttention(cfg, dtype)
+
+  def mixer_name(self, cfg, layer_idx):
+    return "linear_attn" if is_linear_layer(cfg, layer_idx) else "self_attn"
+
+  def sparse_mlp(self, cfg, dtype):
+    return SparseMoeBlock(cfg, dtype)
+
+  def init_cache(self, cfg, batch, max_len, dtype=jnp.float32):
+    shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+    return [init_linear_cache(cfg, batch, dtype) if is_linear_layer(cfg, i)
+            else {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+            for i in range(cfg.num_layers)]
+
+  def has_recurrent_state(self, cfg):
+    return has_recurrent_state(cfg)
+
+
+FAMILY = Qwen3Next()

@@ -17,6 +17,7 @@ Public surface (benchmarks and tests use only this):
   eng.held_bytes()              bytes of expert copies held outside the slot buffers
   eng.transfer_stats()          transfer counters (requests, bytes, link busy time)
   eng.describe(), eng.budget, eng.link, eng.policy, eng.states (read-only pytrees)
+  eng.cfg, eng.store, eng.moe_layers, eng.max_len, eng.end_index   (read-only)
   eng.trace = True              each decode step appends its timeline to eng.traces
   eng.close()
 
@@ -43,6 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moejax import families
 from moejax.config import ModelConfig
 from moejax.model import init_cache
 from moejax.offload import copies
@@ -281,7 +283,6 @@ class OffloadEngine:
     most are inserted (never evicting an expert the prompt hit), and a layer with
     staging slots is trimmed back to the budget.
     """
-    from moejax.families.qwen3_next import has_recurrent_state  # pylint: disable=g-import-not-at-top
     t0 = time.perf_counter()
     rec = TokenRecord(tokens=len(prompt_ids))
     t = len(prompt_ids)
@@ -289,7 +290,7 @@ class OffloadEngine:
       raise ValueError("prefill needs at least one prompt token")
     if t + 1 > self.max_len:
       raise ValueError(f"prompt of {t} tokens does not fit max_len={self.max_len}")
-    tb = t if has_recurrent_state(self.cfg) else min(bucket(t), self.max_len)
+    tb = t if families.of(self.cfg).has_recurrent_state(self.cfg) else min(bucket(t), self.max_len)
     toks = np.zeros((1, tb), np.int32)
     toks[0, :t] = prompt_ids
     self.cache = self._put(init_cache(self.cfg, 1, self.max_len, self.dtype))

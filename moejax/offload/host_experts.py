@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from moejax.families import gpt_oss
-
-SUPPORTED_KEYS = frozenset({"gate_up", "down"})
+from moejax import families
 
 
 class HostComputeError(ValueError):
@@ -20,7 +18,9 @@ class HostComputeError(ValueError):
 
 
 def check_supported(expert: dict, family: str):
-  if set(expert) != SUPPORTED_KEYS and not gpt_oss.is_expert_dict(expert):
+  layout = families.for_experts(expert)
+  if not layout.is_expert_dict(expert) or (layout.expert_ffn is not None
+                                           and layout.expert_forward_np is None):
     raise HostComputeError(
         f"--policy=host: the host expert path computes SiLU-gated experts "
         f"{{gate_up, down}}; {family} experts have {sorted(expert)}")
@@ -32,8 +32,9 @@ def _silu(x):
 
 def expert_forward(x_D: np.ndarray, w: dict) -> np.ndarray:
   """One SiLU-gated expert, f32: down @ (silu(gate) * up), gate_up = [gate; up] rows."""
-  if gpt_oss.is_expert_dict(w):  # clamped SwiGLU with biases, float or MXFP4
-    return gpt_oss.expert_forward_np(x_D, w)
+  forward = families.for_experts(w).expert_forward_np
+  if forward is not None:  # the family's own layout (gpt_oss: clamped SwiGLU, MXFP4)
+    return forward(x_D, w)
   gu = np.asarray(w["gate_up"], np.float32)
   h = gu @ x_D.astype(np.float32)
   g, u = np.split(h, 2)

@@ -4,7 +4,9 @@ The model never owns routed experts: callers pass a dict of stacked arrays
 ``{"gate_up": [E, 2I, D], "down": [E, D, I]}`` (the full table, or the offload
 engine's slot buffers, in which case ``ids`` are slot indices).
 
-Two exact dispatch strategies, chosen statically from the token count:
+On the CPU backend, plain (non-gpt_oss) experts in f32/bf16 run through the C++
+kernel of ``moejax.cpu_kernel`` (in place, both cores); elsewhere, or without a
+compiler, two exact XLA dispatch strategies, chosen statically from the token count:
   * sliced: one dynamic slice + matvec per (token, expert) pair; for decode.
   * grouped: sorts (token, expert) pairs by expert into blocks of B rows, each
     block owned by one expert, and runs one batched matmul over the blocks.
@@ -16,6 +18,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from moejax import cpu_kernel
 from moejax.families import gpt_oss
 
 ExpertWeights = dict  # {"gate_up": [E, 2I, D], "down": [E, D, I]}; gpt_oss: see families.gpt_oss
@@ -110,6 +113,13 @@ def apply_experts(x_NxD, ids_NxK, gates_NxK, w: ExpertWeights, swiglu=SWIGLU):
 
   ``swiglu`` = (alpha, limit) of gpt_oss expert dicts (ignored for the others).
   """
+  if not gpt_oss.is_expert_dict(w) and cpu_kernel.supports(x_NxD, w) and cpu_kernel.available():
+    return cpu_kernel.expert_ffn(x_NxD, ids_NxK, gates_NxK, w, xla_experts)
+  return xla_experts(x_NxD, ids_NxK, gates_NxK, w, swiglu=swiglu)
+
+
+def xla_experts(x_NxD, ids_NxK, gates_NxK, w: ExpertWeights, swiglu=SWIGLU):
+  """`apply_experts` in XLA alone: sliced for a few pairs, else grouped."""
   n, k = ids_NxK.shape
   if n * k <= SLICED_MAX_PAIRS:
     return experts_sliced(x_NxD, ids_NxK, gates_NxK, w, swiglu=swiglu)

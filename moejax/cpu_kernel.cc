@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <thread>
 #include <vector>
@@ -161,21 +162,46 @@ void run_item(const Problem& p, const Item& it) {
   }
 }
 
-// Items are claimed from a shared counter by the caller and by helper tasks; the caller
-// waits only for claimed items, so a helper that starts late finds nothing left and exits.
-struct Shared {
-  std::shared_ptr<Problem> problem;
-  std::atomic<int64_t> next{0}, done{0};
-};
+// Runs fn(0..total-1) on the calling thread and on helper tasks of XLA's intra-op pool.
+// Indices are claimed from a shared counter; the caller waits only for claimed ones, so a
+// helper that starts late finds nothing left and exits without touching fn's captures.
+void parallel_for(ffi::ThreadPool& pool, int64_t total, std::function<void(int64_t)> fn) {
+  struct State {
+    std::function<void(int64_t)> fn;
+    int64_t total;
+    std::atomic<int64_t> next{0}, done{0};
+  };
+  auto s = std::make_shared<State>();
+  s->fn = std::move(fn);
+  s->total = total;
+  auto work = [](State& st) {
+    for (int64_t i; (i = st.next.fetch_add(1)) < st.total;) {
+      st.fn(i);
+      st.done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), total) - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([s, work] { work(*s); });
+  work(*s);
+  while (s->done.load(std::memory_order_acquire) < total) std::this_thread::yield();
+}
 
-void work(Shared& s) {
-  const Problem& p = *s.problem;
-  const int64_t total = static_cast<int64_t>(p.items.size());
-  for (int64_t i; (i = s.next.fetch_add(1)) < total;) {
-    if (p.w_bf16) run_item<uint16_t>(p, p.items[i]);
-    else run_item<float>(p, p.items[i]);
-    s.done.fetch_add(1, std::memory_order_release);
+void to_f32_rows(const void* x, bool bf16, int64_t count, float* out) {
+  if (!bf16) {
+    std::memcpy(out, x, count * sizeof(float));
+    return;
   }
+  const uint16_t* src = static_cast<const uint16_t*>(x);
+  for (int64_t j = 0; j < count; ++j) out[j] = to_f32(src[j]);
+}
+
+void store(const float* src, int64_t count, bool bf16, void* dst) {
+  if (!bf16) {
+    std::memcpy(dst, src, count * sizeof(float));
+    return;
+  }
+  uint16_t* out = static_cast<uint16_t*>(dst);
+  for (int64_t j = 0; j < count; ++j) out[j] = to_bf16(src[j]);
 }
 
 bool is_bf16(ffi::DataType t) { return t == ffi::DataType::BF16; }
@@ -192,7 +218,7 @@ ffi::Error ExpertFfnImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi
   if (!supported(x.element_type()) || !supported(gate_up.element_type()) ||
       gate_up.element_type() != down.element_type() || y->element_type() != x.element_type())
     return ffi::Error::InvalidArgument("moejax_expert_ffn: f32 or bf16 only");
-  auto p = std::make_shared<Problem>();
+  auto p = std::make_unique<Problem>();
   p->n = xd[0];
   p->d = xd[1];
   p->k = idd[1];
@@ -225,26 +251,60 @@ ffi::Error ExpertFfnImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi
       p->items.push_back({e, b, std::min(b + kBlock, count[e + 1])});
   p->pair_out.assign(pairs * p->d, 0.0f);
 
-  auto s = std::make_shared<Shared>();
-  s->problem = p;
-  const int64_t total = static_cast<int64_t>(p->items.size());
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), total) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([s] { work(*s); });
-  work(*s);
-  while (s->done.load(std::memory_order_acquire) < total) std::this_thread::yield();
+  const Problem& prob = *p;
+  parallel_for(pool, static_cast<int64_t>(p->items.size()), [&prob](int64_t i) {
+    if (prob.w_bf16) run_item<uint16_t>(prob, prob.items[i]);
+    else run_item<float>(prob, prob.items[i]);
+  });
 
   const int64_t n = p->n, k = p->k, d = p->d;
-  for (int64_t t = 0; t < n; ++t)
-    for (int64_t j = 0; j < d; ++j) {
-      float acc = 0.0f;
-      for (int64_t q = 0; q < k; ++q) acc += p->pair_out[(t * k + q) * d + j];
-      if (p->x_bf16) static_cast<uint16_t*>(y->untyped_data())[t * d + j] = to_bf16(acc);
-      else static_cast<float*>(y->untyped_data())[t * d + j] = acc;
+  std::vector<float> acc(d);
+  for (int64_t t = 0; t < n; ++t) {
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    for (int64_t q = 0; q < k; ++q) {
+      const float* src = p->pair_out.data() + (t * k + q) * d;
+      for (int64_t j = 0; j < d; ++j) acc[j] += src[j];
     }
+    store(acc.data(), d, p->x_bf16, static_cast<char*>(y->untyped_data()) +
+                                        t * d * (p->x_bf16 ? 2 : 4));
+  }
+  return ffi::Error::Success();
+}
+
+constexpr int64_t kLinearRows = 64;  // output rows per work item
+
+ffi::Error LinearImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                      ffi::Result<ffi::AnyBuffer> y) {
+  auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || wd[1] != xd[1])
+    return ffi::Error::InvalidArgument("moejax_linear: expected x [N,D], w [O,D]");
+  if (!supported(x.element_type()) || !supported(w.element_type()) ||
+      y->element_type() != x.element_type())
+    return ffi::Error::InvalidArgument("moejax_linear: f32 or bf16 only");
+  const int64_t n = xd[0], d = xd[1], o = wd[0];
+  const bool x_bf16 = is_bf16(x.element_type()), w_bf16 = is_bf16(w.element_type());
+  std::vector<float> xs(n * d), ys(n * o);
+  to_f32_rows(x.untyped_data(), x_bf16, n * d, xs.data());
+  const void* wp = w.untyped_data();
+  parallel_for(pool, (o + kLinearRows - 1) / kLinearRows, [&](int64_t i) {
+    const int64_t r0 = i * kLinearRows, rows = std::min(kLinearRows, o - r0);
+    if (w_bf16) rows_dot(static_cast<const uint16_t*>(wp) + r0 * d, rows, d, xs.data(), n,
+                         ys.data() + r0, o);
+    else rows_dot(static_cast<const float*>(wp) + r0 * d, rows, d, xs.data(), n,
+                  ys.data() + r0, o);
+  });
+  store(ys.data(), n * o, x_bf16, y->untyped_data());
   return ffi::Error::Success();
 }
 
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoejaxLinear, LinearImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoejaxExpertFfn, ExpertFfnImpl,
                               ffi::Ffi::Bind()

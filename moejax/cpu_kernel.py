@@ -1,9 +1,12 @@
-"""The routed-expert FFN as a small C++ kernel on XLA's CPU backend (through jax.ffi).
+"""The routed-expert FFN and decode-time matvecs as a small C++ kernel on XLA's CPU
+backend (through jax.ffi).
 
 XLA CPU copies each dynamically selected expert's weights before its dot (a loop fusion
-per slice) and runs a decode token's small matvecs on one core. ``cpu_kernel.cc`` reads
+per slice), runs a decode token's matvecs on one core, and converts bf16 weights to f32
+before each dot. ``cpu_kernel.cc`` reads
 the selected experts in place, sorts a prompt's (token, expert) pairs by expert into
-blocks, and shares the blocks with XLA's intra-op thread pool. It is compiled with the
+blocks, and shares the blocks with XLA's intra-op thread pool; ``linear`` does the same
+for a projection of a few rows (decode), bf16 weights read as bf16. It is compiled with the
 system C++ compiler on first use into ``$MOEJAX_CACHE`` (default
 ``~/.cache/moejax/kernels``), keyed by the source, flags and compiler; without a
 compiler (or with ``MOEJAX_CPU_KERNEL=0``) moejax keeps XLA's own dispatch and says so
@@ -28,6 +31,8 @@ import jax
 import jax.numpy as jnp
 
 TARGET = "moejax_expert_ffn"
+LINEAR_TARGET = "moejax_linear"
+LINEAR_MAX_TOKENS = 16   # up to this many rows of x: the kernel (decode); more: XLA's GEMM
 _SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_kernel.cc")
 _FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC"]
 _lock = threading.Lock()
@@ -78,6 +83,8 @@ def available() -> bool:
       try:
         lib = ctypes.cdll.LoadLibrary(build())
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.MoejaxExpertFfn),
+                                    platform="cpu")
+        jax.ffi.register_ffi_target(LINEAR_TARGET, jax.ffi.pycapsule(lib.MoejaxLinear),
                                     platform="cpu")
         _state["loaded"] = True
       except (RuntimeError, OSError, AttributeError) as e:
@@ -134,3 +141,37 @@ def _bwd(xla_fn, res, g_NxD):
 
 
 expert_ffn.defvjp(_fwd, _bwd)
+
+
+def _linear_call(x_NxD, w_OxD):
+  return jax.ffi.ffi_call(LINEAR_TARGET, jax.ShapeDtypeStruct(
+      (x_NxD.shape[0], w_OxD.shape[0]), x_NxD.dtype))(x_NxD, w_OxD)
+
+
+def _einsum(x_NxD, w_OxD):
+  return jnp.einsum("nd,od->no", x_NxD, w_OxD)
+
+
+@jax.custom_vjp
+def _linear_kernel(x_NxD, w_OxD):
+  return jax.lax.platform_dependent(x_NxD, w_OxD, cpu=_linear_call, default=_einsum)
+
+
+def _linear_fwd(x_NxD, w_OxD):
+  return _linear_kernel(x_NxD, w_OxD), (x_NxD, w_OxD)
+
+
+def _linear_bwd(res, g_NxO):
+  return jax.vjp(_einsum, *res)[1](g_NxO)
+
+
+_linear_kernel.defvjp(_linear_fwd, _linear_bwd)
+
+
+def linear(x_NxD, w_OxD):
+  """x @ w.T: the kernel on CPU for a few rows of matching f32/bf16 dtypes, else einsum."""
+  ok = {jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)}
+  if (x_NxD.shape[0] <= LINEAR_MAX_TOKENS and x_NxD.dtype == w_OxD.dtype
+      and jnp.dtype(x_NxD.dtype) in ok and available()):
+    return _linear_kernel(x_NxD, w_OxD)
+  return _einsum(x_NxD, w_OxD)

@@ -64,3 +64,25 @@ def test_apply_experts_uses_kernel_and_gradients_match_xla():
   got = jax.grad(loss(experts_lib.apply_experts), argnums=(0, 1, 2))(x, gates, w)
   want = jax.grad(loss(experts_lib.xla_experts), argnums=(0, 1, 2))(x, gates, w)
   chex.assert_trees_all_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_linear_hand_checked_and_matches_einsum():
+  x = jnp.array([[1.0, 2.0, 3.0]])
+  w = jnp.array([[1.0, 0.0, 0.0], [0.0, 1.0, 1.0]])
+  chex.assert_trees_all_close(jax.jit(cpu_kernel.linear)(x, w), jnp.array([[1.0, 5.0]]))
+  rng = np.random.default_rng(0)
+  for n, o, d in [(1, 130, 40), (5, 64, 72)]:
+    for dtype in (jnp.float32, jnp.bfloat16):
+      x = jnp.asarray(rng.normal(size=(n, d)), dtype)
+      w = jnp.asarray(rng.normal(size=(o, d)), dtype)
+      got = jax.jit(cpu_kernel.linear)(x, w)
+      assert got.dtype == dtype
+      want = jnp.asarray(x, jnp.float32) @ jnp.asarray(w, jnp.float32).T
+      tol = 1e-5 if dtype == jnp.float32 else 1e-2
+      chex.assert_trees_all_close(jnp.asarray(got, jnp.float32), want,
+                                  atol=tol * float(jnp.max(jnp.abs(want))), rtol=0)
+  assert cpu_kernel.LINEAR_TARGET in jax.jit(cpu_kernel.linear).lower(x, w).as_text()
+  g = jax.grad(lambda x, w: jnp.sum(jnp.sin(cpu_kernel.linear(x, w))), argnums=(0, 1))
+  gx = jax.grad(lambda x, w: jnp.sum(jnp.sin(x @ w.T)), argnums=(0, 1))
+  x32, w32 = jnp.asarray(x, jnp.float32), jnp.asarray(w, jnp.float32)
+  chex.assert_trees_all_close(g(x32, w32), gx(x32, w32), rtol=1e-4, atol=1e-4)

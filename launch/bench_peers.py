@@ -9,11 +9,14 @@ Then, per model (bench shape f32, demo f32, demo bf16):
   * greedy text agreement llama.cpp vs the moejax Sampler (models with a tokenizer);
   * --rounds interleaved rounds; in each, every engine in turn decodes
     --decode_tokens greedy tokens after a --prompt_len prompt, then prefills a
-    --prefill_len prompt.  Engines: llama.cpp (llama-bench, --threads threads),
+    --prefill_len prompt.  Engines: llama.cpp (libllama through launch/llama_timer.cpp,
+    --threads threads, logits at the last prompt position as moejax's prefill),
     the moejax Sampler, the OffloadEngine with every expert resident
     (cache_fraction 1.0, policy baseline), and transformers (torch, --threads threads).
 Reported: best round's tok/s per engine (a shared machine only slows runs down), the
-median, and ratios to llama.cpp; the load average at start and end.
+median, and ratios to llama.cpp (the faster of --threads and 1 thread: llama.cpp's
+threads spin at barriers, so on a machine busier than its cores 2 threads collapse);
+the load average at start and end.
 """
 
 from __future__ import annotations
@@ -152,15 +155,22 @@ class TransformersRunner:
 
 
 class LlamaRunner:
-  def __init__(self, bins, gguf):
-    self.bins, self.gguf = bins, gguf
+  """llama.cpp through launch/llama_timer.cpp: one process per round times both."""
 
-  def decode(self, prompt: np.ndarray) -> float:
-    return llama_cpp.bench(self.bins, self.gguf, FLAGS.threads, gen=FLAGS.decode_tokens,
-                           depth=len(prompt))
+  def __init__(self, bins, gguf, threads: int):
+    self.bins, self.gguf, self.threads = bins, gguf, threads
 
-  def prefill(self, prompt: np.ndarray) -> float:
-    return llama_cpp.bench(self.bins, self.gguf, FLAGS.threads, prompt=len(prompt))
+  def round(self, prompt: np.ndarray, long: np.ndarray) -> tuple[float, float]:
+    r = llama_cpp.time_run(self.bins, self.gguf, self.threads, len(long), len(prompt),
+                           FLAGS.decode_tokens)
+    return r["decode_tok_s"], r["prefill_tok_s"]
+
+
+def one_round(runner, prompt: np.ndarray, long: np.ndarray) -> tuple[float, float]:
+  """(decode tok/s, prefill tok/s) of one round of `runner`."""
+  if isinstance(runner, LlamaRunner):
+    return runner.round(prompt, long)
+  return runner.decode(prompt), runner.prefill(long)
 
 
 def agreement(bins, gguf, sampler: SamplerRunner, tok_path: str) -> dict:
@@ -187,7 +197,9 @@ def bench_model(name: str, bins, work: str) -> dict:
   if "llama.cpp" in FLAGS.engines and bins:
     gguf = llama_cpp.convert(FLAGS.llama_cache, hf_dir, "bf16" if dtype == jnp.bfloat16
                              else "f32", os.path.join(FLAGS.llama_cache, "gguf"))
-    runners["llama.cpp"] = LlamaRunner(bins, gguf)
+    runners["llama.cpp"] = LlamaRunner(bins, gguf, FLAGS.threads)
+    if FLAGS.threads > 1:  # its threads spin at barriers: on a busy machine 1 can win
+      runners["llama.cpp_1t"] = LlamaRunner(bins, gguf, 1)
   if "sampler" in FLAGS.engines or "llama.cpp" in runners:
     runners["sampler"] = SamplerRunner(cfg, params, store.to_device(), dtype, max_len)
   if "engine" in FLAGS.engines:
@@ -203,23 +215,24 @@ def bench_model(name: str, bins, work: str) -> dict:
   rng = np.random.default_rng(0)
   prompt = rng.integers(0, cfg.vocab_size, FLAGS.prompt_len).astype(np.int32)
   long = rng.integers(0, cfg.vocab_size, FLAGS.prefill_len).astype(np.int32)
-  for r in runners.values():  # compile / warm up (llama-bench warms up on its own)
+  for r in runners.values():  # compile / warm up (llama_timer warms up on its own)
     if not isinstance(r, LlamaRunner):
-      r.decode(prompt)
-      r.prefill(long)
+      one_round(r, prompt, long)
   rates = {e: {"decode": [], "prefill": []} for e in runners}
   for _ in tqdm(range(FLAGS.rounds), desc=f"{name}: rounds"):
     for e, r in runners.items():
-      rates[e]["decode"].append(r.decode(prompt))
-      rates[e]["prefill"].append(r.prefill(long))
+      d, p = one_round(r, prompt, long)
+      rates[e]["decode"].append(d)
+      rates[e]["prefill"].append(p)
   for e in runners:
     d, p = rates[e]["decode"], rates[e]["prefill"]
     res["engines"][e] = {"decode_tok_s": max(d), "prefill_tok_s": max(p),
                          "decode_tok_s_median": statistics.median(d),
                          "prefill_tok_s_median": statistics.median(p),
                          "decode_rounds": d, "prefill_rounds": p}
-  if "llama.cpp" in runners:
-    ref = res["engines"]["llama.cpp"]
+  if "llama.cpp" in runners:  # ratios to llama.cpp's faster thread count, per metric
+    ref = {m: max(v[m] for e, v in res["engines"].items() if e.startswith("llama.cpp"))
+           for m in ("decode_tok_s", "prefill_tok_s")}
     for e, v in res["engines"].items():
       v["decode_ratio_to_llama_cpp"] = v["decode_tok_s"] / ref["decode_tok_s"]
       v["prefill_ratio_to_llama_cpp"] = v["prefill_tok_s"] / ref["prefill_tok_s"]
@@ -253,7 +266,8 @@ def main(_):
 
 
 def table(res: dict) -> str:
-  lines = [f"tok/s, best of {res['rounds']} interleaved rounds (x = ratio to llama.cpp); "
+  lines = [f"tok/s, best of {res['rounds']} interleaved rounds (x = ratio to llama.cpp's "
+           f"faster thread count); "
            f"load average {res['loadavg_start'][0]:.1f} -> {res['loadavg_end'][0]:.1f}",
            f"{'model':<11}{'engine':<14}{'decode':>10}{'x':>7}{'prefill':>10}{'x':>7}"]
   for name, m in res["models"].items():

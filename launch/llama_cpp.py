@@ -2,7 +2,10 @@
 
 llama.cpp comes from the llama-cpp-python source distribution (its vendored copy),
 fetched with pip and built with cmake into a cache directory outside the repository
-(first run only). The converter is the vendored ``convert_hf_to_gguf.py``; it refuses
+(first run only): libllama and `llama-simple` (greedy text), plus `llama_timer.cpp`
+(next to this file) compiled against libllama, which times prefill and greedy decode
+through the C API (llama-bench needs the much larger common library: an hour more of
+building on a busy 2-core machine). The converter is the vendored ``convert_hf_to_gguf.py``; it refuses
 BPE tokenizers whose pre-tokenizer it does not know by hash, which includes the demo
 model's: a byte-level BPE with the GPT-2 split regex (``ByteLevel(use_regex=True)``), so
 ``convert`` maps an unknown pre-tokenizer to llama.cpp's ``gpt-2`` (the same regex) and
@@ -19,7 +22,8 @@ import sys
 import tarfile
 
 VERSION = "0.3.36"
-TARGETS = ("llama-bench", "llama-simple")
+TARGETS = ("llama-simple",)
+TIMER_SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "llama_timer.cpp")
 DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "moejax", "llama.cpp")
 
 # Run by `convert` in a subprocess: the vendored converter, with an unknown BPE
@@ -64,13 +68,18 @@ def source_dir(cache: str) -> str:
 
 
 def binaries(cache: str) -> dict[str, str]:
-  return {t: os.path.join(cache, "build", "bin", t) for t in TARGETS}
+  bins = {t: os.path.join(cache, "build", "bin", t) for t in TARGETS}
+  bins["llama_timer"] = os.path.join(cache, "build", "bin", "llama_timer")
+  return bins
 
 
 def build(cache: str = DEFAULT_CACHE) -> dict[str, str]:
   """Paths of the llama.cpp tools, built on the first call (long: ~30-60 min on 2 cores)."""
   bins = binaries(cache)
   if all(os.path.exists(p) for p in bins.values()):
+    return bins
+  if all(os.path.exists(bins[t]) for t in TARGETS):  # llama.cpp built: only the timer
+    _build_timer(cache, bins["llama_timer"], os.path.join(cache, "build.log"))
     return bins
   if not (os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")):
     raise Unavailable("no C++ compiler (install g++ or clang, or set CXX) to build llama.cpp")
@@ -100,7 +109,16 @@ def build(cache: str = DEFAULT_CACHE) -> dict[str, str]:
         "-DGGML_NATIVE=ON"], log, "cmake configure")
   _run([cmake, "--build", os.path.join(cache, "build"), "-j", str(os.cpu_count() or 2),
         "--target", *TARGETS], log, "cmake build")
+  _build_timer(cache, bins["llama_timer"], log)
   return bins
+
+
+def _build_timer(cache: str, out: str, log: str):
+  src, lib = source_dir(cache), os.path.join(cache, "build", "bin")
+  cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+  _run([cxx, "-O2", "-std=c++17", TIMER_SRC, "-o", out, "-I", os.path.join(src, "include"),
+        "-I", os.path.join(src, "ggml", "include"), "-L", lib, "-lllama", "-lggml",
+        "-lggml-base", f"-Wl,-rpath,{lib}"], log, "compiling llama_timer.cpp")
 
 
 def convert(cache: str, hf_dir: str, outtype: str, out_dir: str) -> str:
@@ -126,14 +144,11 @@ def greedy_text(bins: dict, gguf: str, prompt: str, n: int) -> str:
   return out[len(prompt):] if out.startswith(prompt) else out
 
 
-def bench(bins: dict, gguf: str, threads: int, prompt: int = 0, gen: int = 0,
-          depth: int = 0) -> float:
-  """tok/s of one llama-bench repetition: prefill `prompt` tokens, or decode `gen`
-  tokens after `depth` context tokens."""
-  cmd = [bins["llama-bench"], "-m", gguf, "-t", str(threads), "-p", str(prompt),
-         "-n", str(gen), "-d", str(depth), "-r", "1", "-o", "json"]
+def time_run(bins: dict, gguf: str, threads: int, prefill: int, prompt: int,
+             decode: int) -> dict:
+  """One llama_timer run: {"prefill_tok_s", "decode_tok_s"} (see llama_timer.cpp)."""
+  cmd = [bins["llama_timer"], gguf, str(threads), str(prefill), str(prompt), str(decode)]
   res = subprocess.run(cmd, capture_output=True, text=True)
   if res.returncode != 0:
     raise RuntimeError(f"{' '.join(cmd)} failed: {res.stderr[-2000:]}")
-  rows = json.loads(res.stdout)
-  return float(rows[0]["avg_ts"])
+  return json.loads(res.stdout.strip().splitlines()[-1])

@@ -12,7 +12,8 @@ system C++ compiler on first use into ``$MOEJAX_CACHE`` (default
 compiler (or with ``MOEJAX_CPU_KERNEL=0``) moejax keeps XLA's own dispatch and says so
 once on stderr.
 
-Gradients go through XLA's grouped dispatch (``custom_vjp``), so training is unchanged.
+Gradients go through XLA's grouped dispatch (``custom_vjp``), so training is unchanged;
+under ``vmap`` (the emulator's streams) the kernel runs once per batch element.
 """
 
 from __future__ import annotations
@@ -112,7 +113,8 @@ def supports(x_NxD, w: dict) -> bool:
 
 
 def _call(x_NxD, ids_NxK, gates_NxK, gate_up_Ex2IxD, down_ExDxI):
-  return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(x_NxD.shape, x_NxD.dtype))(
+  return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(x_NxD.shape, x_NxD.dtype),
+                         vmap_method="sequential")(
       x_NxD, ids_NxK.astype(jnp.int32), gates_NxK.astype(jnp.float32), gate_up_Ex2IxD,
       down_ExDxI)
 
@@ -145,7 +147,7 @@ expert_ffn.defvjp(_fwd, _bwd)
 
 def _linear_call(x_NxD, w_OxD):
   return jax.ffi.ffi_call(LINEAR_TARGET, jax.ShapeDtypeStruct(
-      (x_NxD.shape[0], w_OxD.shape[0]), x_NxD.dtype))(x_NxD, w_OxD)
+      (x_NxD.shape[0], w_OxD.shape[0]), x_NxD.dtype), vmap_method="sequential")(x_NxD, w_OxD)
 
 
 def _einsum(x_NxD, w_OxD):

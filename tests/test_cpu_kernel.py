@@ -86,3 +86,18 @@ def test_linear_hand_checked_and_matches_einsum():
   gx = jax.grad(lambda x, w: jnp.sum(jnp.sin(x @ w.T)), argnums=(0, 1))
   x32, w32 = jnp.asarray(x, jnp.float32), jnp.asarray(w, jnp.float32)
   chex.assert_trees_all_close(g(x32, w32), gx(x32, w32), rtol=1e-4, atol=1e-4)
+
+
+def test_vmap_runs_the_kernel_per_element():
+  rng = np.random.default_rng(1)
+  w = {"gate_up": jnp.asarray(rng.normal(size=(4, 8, 16)), jnp.float32),
+       "down": jnp.asarray(rng.normal(size=(4, 16, 4)), jnp.float32)}
+  x = jnp.asarray(rng.normal(size=(3, 2, 16)), jnp.float32)
+  ids = jnp.asarray(rng.integers(0, 4, (3, 2, 2)), jnp.int32)
+  gates = jnp.asarray(rng.random((3, 2, 2)), jnp.float32)
+  got = jax.jit(jax.vmap(experts_lib.apply_experts, in_axes=(0, 0, 0, None)))(x, ids, gates, w)
+  want = jnp.stack([experts_lib.xla_experts(x[b], ids[b], gates[b], w) for b in range(3)])
+  chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-5)
+  lin = jax.jit(jax.vmap(cpu_kernel.linear, in_axes=(0, None)))(x, w["gate_up"][0])
+  chex.assert_trees_all_close(lin, jnp.einsum("bnd,od->bno", x, w["gate_up"][0]), rtol=1e-5,
+                              atol=1e-5)

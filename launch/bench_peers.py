@@ -258,9 +258,9 @@ def main(_):
                       else "skipped", "models": {}}
   for name in FLAGS.models:
     res["models"][name] = bench_model(name, bins, work)
-  res["loadavg_end"] = os.getloadavg()
-  with open(FLAGS.out, "w") as f:
-    json.dump(res, f, indent=2)
+    res["loadavg_end"] = os.getloadavg()
+    with open(FLAGS.out, "w") as f:  # after every model: a long run keeps what it measured
+      json.dump(res, f, indent=2)
   print(table(res))
   print(f"wrote {FLAGS.out}")
 

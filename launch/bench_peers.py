@@ -62,7 +62,7 @@ flags.DEFINE_integer("agree_tokens", 32, "Greedy tokens compared.")
 @contextlib.contextmanager
 def _sync_dispatch():
   """The engine syncs with the host every layer: it runs dispatch on the calling thread."""
-  prev = jax.config.jax_cpu_enable_async_dispatch
+  prev = jax.config.values["jax_cpu_enable_async_dispatch"]
   jax.config.update("jax_cpu_enable_async_dispatch", False)
   try:
     yield

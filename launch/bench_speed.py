@@ -138,9 +138,9 @@ def main(_):
          "rounds": FLAGS.rounds, "models": {}}
   for name in FLAGS.models:
     res["models"][name] = bench_model(name)
-  res["loadavg_end"] = os.getloadavg()
-  with open(FLAGS.out, "w") as f:
-    json.dump(res, f, indent=2)
+    res["loadavg_end"] = os.getloadavg()
+    with open(FLAGS.out, "w") as f:  # after every model: a long run keeps what it measured
+      json.dump(res, f, indent=2)
   print(table(res))
   print(f"wrote {FLAGS.out}")
 

@@ -6,7 +6,9 @@ engine's slot buffers, in which case ``ids`` are slot indices).  A family with
 another expert layout (``Family.expert_ffn``, e.g. GPT-OSS's biased, clamped
 SwiGLU) is recognised by its dict's keys (``families.for_experts``).
 
-Two exact dispatch strategies, chosen statically from the token count:
+On the CPU backend, plain (non-gpt_oss) experts in f32/bf16 run through the C++
+kernel of ``moejax.cpu_kernel`` (in place, both cores); elsewhere, or without a
+compiler, two exact XLA dispatch strategies, chosen statically from the token count:
   * sliced: one dynamic slice + matvec per (token, expert) pair; for decode.
   * grouped: sorts (token, expert) pairs by expert into blocks of B rows, each
     block owned by one expert, and runs one batched matmul over the blocks.
@@ -18,7 +20,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from moejax import families
+from moejax import cpu_kernel, families
 
 ExpertWeights = dict  # {"gate_up": [E, 2I, D], "down": [E, D, I]}, or a family's own layout
 SLICED_MAX_PAIRS = 64   # up to this many (token, expert) pairs: the sliced path
@@ -108,6 +110,14 @@ def apply_experts(x_NxD, ids_NxK, gates_NxK, w: ExpertWeights, swiglu=SWIGLU):
   ``swiglu`` = (alpha, limit) passed to a family's ``expert_ffn`` (gpt_oss's clamped
   SwiGLU; unused by plain SwiGLU experts).
   """
+  # plain SwiGLU experts only: cpu_kernel.supports checks for exactly {"gate_up", "down"}
+  if cpu_kernel.supports(x_NxD, w) and cpu_kernel.available():
+    return cpu_kernel.expert_ffn(x_NxD, ids_NxK, gates_NxK, w, xla_experts)
+  return xla_experts(x_NxD, ids_NxK, gates_NxK, w, swiglu=swiglu)
+
+
+def xla_experts(x_NxD, ids_NxK, gates_NxK, w: ExpertWeights, swiglu=SWIGLU):
+  """`apply_experts` in XLA alone: sliced for a few pairs, else grouped."""
   n, k = ids_NxK.shape
   if n * k <= SLICED_MAX_PAIRS:
     return experts_sliced(x_NxD, ids_NxK, gates_NxK, w, swiglu=swiglu)

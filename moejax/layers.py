@@ -8,6 +8,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from moejax import cpu_kernel
+
 
 class Linear(nn.Module):
   features: int
@@ -18,7 +20,8 @@ class Linear(nn.Module):
   def __call__(self, x_NxD: jax.Array) -> jax.Array:
     w_OxD = self.param("weight", nn.initializers.normal(0.02),
                        (self.features, x_NxD.shape[-1]), self.dtype)
-    y = jnp.einsum("...d,od->...o", x_NxD, w_OxD)
+    lead = x_NxD.shape[:-1]
+    y = cpu_kernel.linear(x_NxD.reshape(-1, x_NxD.shape[-1]), w_OxD).reshape(*lead, -1)
     if self.use_bias:
       y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
     return y

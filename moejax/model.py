@@ -117,6 +117,12 @@ class Transformer(nn.Module):
 
   def __call__(self, tokens_BxT, expert_weights, cache=None, end_index=0, positions_BxT=None):
     """Full forward. Returns (logits [B,T,V] f32, new cache, router logits per layer)."""
+    x, new_cache, router_logits = self.hidden(tokens_BxT, expert_weights, cache, end_index,
+                                              positions_BxT)
+    return self.logits(x), new_cache, router_logits
+
+  def hidden(self, tokens_BxT, expert_weights, cache=None, end_index=0, positions_BxT=None):
+    """The forward before the final norm and LM head: (x [B,T,D], new cache, router logits)."""
     b, t = tokens_BxT.shape
     if positions_BxT is None:
       positions_BxT = jnp.broadcast_to(end_index + jnp.arange(t), (b, t))
@@ -127,4 +133,4 @@ class Transformer(nn.Module):
                         expert_weights[i])
       new_cache.append(ci)
       router_logits.append(rl)
-    return self.logits(x), (None if cache is None else new_cache), router_logits
+    return x, (None if cache is None else new_cache), router_logits

@@ -58,10 +58,14 @@ def bucket(n: int, minimum: int = 16) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("model",), donate_argnames=("cache",))
-def prefill_logits(model: Transformer, params, experts, cache, tokens_BxT):
-  """The prompt through the model: (logits [B, T, V], cache)."""
-  logits, cache, _ = model.apply({"params": params}, tokens_BxT, experts, cache, 0)
-  return logits, cache
+def prefill_logits(model: Transformer, params, experts, cache, tokens_BxT, last):
+  """The prompt through the model: (logits [B, V] at position `last` only, cache).
+
+  The LM head runs on one position: over a whole prompt it costs more than the layers."""
+  x_BxTxD, cache, _ = model.apply({"params": params}, tokens_BxT, experts, cache, 0,
+                                  method=Transformer.hidden)
+  x_Bx1xD = jax.lax.dynamic_slice_in_dim(x_BxTxD, last, 1, axis=1)
+  return model.apply({"params": params}, x_Bx1xD, method=Transformer.logits)[:, 0], cache
 
 
 @functools.partial(jax.jit, static_argnames=("model", "temperature", "top_p"),
@@ -99,9 +103,8 @@ class Sampler:
     padded = np.zeros((b, tb), np.int32)
     padded[:, :t] = prompt_BxT
     cache = init_cache(self.cfg, b, self.max_len, self.dtype)
-    logits, cache = prefill_logits(self.model, self.params, self.experts, cache,
-                                   jnp.asarray(padded))
-    return logits[:, t - 1], cache
+    return prefill_logits(self.model, self.params, self.experts, cache, jnp.asarray(padded),
+                          jnp.int32(t - 1))
 
   def decode_step(self, cache, token_B, end_index: int, sp: SamplingParams, key):
     return decode_sample(self.model, self.params, self.experts, cache, token_B,

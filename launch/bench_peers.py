@@ -1,0 +1,283 @@
+"""moejax beside llama.cpp and transformers on CPU, same weights, interleaved runs.
+
+  python -m launch.bench_peers --out=bench_peers.json
+
+Not part of the tests.  First run: builds llama.cpp from the llama-cpp-python
+source distribution into --llama_cache (see launch/llama_cpp.py; skipped with a
+message when there is no C++ compiler) and converts the models to GGUF there.
+Then, per model (bench shape f32, demo f32, demo bf16):
+  * greedy text agreement llama.cpp vs the moejax Sampler (models with a tokenizer);
+  * --rounds interleaved rounds; in each, every engine in turn decodes
+    --decode_tokens greedy tokens after a --prompt_len prompt, then prefills a
+    --prefill_len prompt.  Engines: llama.cpp (libllama through launch/llama_timer.cpp,
+    --threads threads, logits at the last prompt position as moejax's prefill),
+    the moejax Sampler, the OffloadEngine with every expert resident
+    (cache_fraction 1.0, policy baseline), and transformers (torch, --threads threads).
+Reported: best round's tok/s per engine (a shared machine only slows runs down), the
+median, and ratios to llama.cpp (the faster of --threads and 1 thread: llama.cpp's
+threads spin at barriers, so on a machine busier than its cores 2 threads collapse);
+the load average at start and end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import statistics
+import sys
+import time
+
+from absl import app, flags
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
+from launch import bench_models
+from launch import llama_cpp
+from moejax.offload.engine import OffloadEngine
+from moejax.sampler import Sampler, SamplingParams
+from moejax.tokenizer import Tokenizer
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("out", "bench_peers.json", "JSON results file.")
+flags.DEFINE_list("models", ["bench_f32", "demo_f32", "demo_bf16"],
+                  f"Models: {', '.join(bench_models.NAMES)}.")
+flags.DEFINE_list("engines", ["llama.cpp", "sampler", "engine", "transformers"],
+                  "Engines to time.")
+flags.DEFINE_string("demo_dir", bench_models.DEMO_DIR, "The demo checkpoint.")
+flags.DEFINE_string("llama_cache", llama_cpp.DEFAULT_CACHE,
+                    "Where llama.cpp is built and the GGUF files are written.")
+flags.DEFINE_integer("threads", 2, "Threads of llama.cpp and torch.")
+flags.DEFINE_integer("prompt_len", 64, "Prompt tokens before decoding.")
+flags.DEFINE_integer("decode_tokens", 128, "Decoded tokens timed.")
+flags.DEFINE_integer("prefill_len", 512, "Prompt length of the prefill measurement.")
+flags.DEFINE_integer("rounds", 4, "Interleaved rounds.")
+flags.DEFINE_string("agree_prompt", "def binary_search(items, target):\n",
+                    "Prompt of the greedy agreement check.")
+flags.DEFINE_integer("agree_tokens", 32, "Greedy tokens compared.")
+
+
+@contextlib.contextmanager
+def _sync_dispatch():
+  """The engine syncs with the host every layer: it runs dispatch on the calling thread."""
+  prev = jax.config.values["jax_cpu_enable_async_dispatch"]
+  jax.config.update("jax_cpu_enable_async_dispatch", False)
+  try:
+    yield
+  finally:
+    jax.config.update("jax_cpu_enable_async_dispatch", prev)
+
+
+def _rate(n: int, fn) -> float:
+  t = time.perf_counter()
+  fn()
+  return n / (time.perf_counter() - t)
+
+
+class SamplerRunner:
+  def __init__(self, cfg, params, experts, dtype, max_len):
+    self.s = Sampler(cfg, params, experts, max_len=max_len, dtype=dtype)
+
+  def decode(self, prompt: np.ndarray) -> float:
+    logits, cache = self.s.prefill(prompt[None])
+    tok = jnp.argmax(logits, -1).astype(jnp.int32)
+    key, sp, t = jax.random.PRNGKey(0), SamplingParams(), len(prompt)
+    tok.block_until_ready()
+    def run():
+      nonlocal tok, cache
+      for i in range(FLAGS.decode_tokens):
+        tok, _, cache = self.s.decode_step(cache, tok, t + i, sp, key)
+      tok.block_until_ready()
+    return _rate(FLAGS.decode_tokens, run)
+
+  def prefill(self, prompt: np.ndarray) -> float:
+    return _rate(len(prompt), lambda: self.s.prefill(prompt[None])[0].block_until_ready())
+
+
+class EngineRunner:
+  def __init__(self, cfg, params, store, dtype, max_len):
+    self.eng = OffloadEngine(cfg, params, store, "baseline", cache_fraction=1.0,
+                             max_len=max_len, dtype=dtype)
+    with _sync_dispatch():
+      self.eng.warmup()
+
+  def decode(self, prompt: np.ndarray) -> float:
+    with _sync_dispatch():
+      tok = int(np.argmax(self.eng.prefill([int(t) for t in prompt])))
+      def run():
+        nonlocal tok
+        for _ in range(FLAGS.decode_tokens):
+          tok = int(np.argmax(self.eng.decode_step(tok)))
+      return _rate(FLAGS.decode_tokens, run)
+
+  def prefill(self, prompt: np.ndarray) -> float:
+    with _sync_dispatch():
+      return _rate(len(prompt), lambda: self.eng.prefill([int(t) for t in prompt]))
+
+
+class TransformersRunner:
+  def __init__(self, hf_dir: str, dtype):
+    import torch
+    import transformers
+    torch.set_num_threads(FLAGS.threads)
+    self.torch = torch
+    tdt = torch.bfloat16 if dtype == jnp.bfloat16 else torch.float32
+    self.impl = None
+    for impl in ("grouped_mm", "eager"):  # the first this version has
+      try:
+        self.m = transformers.AutoModelForCausalLM.from_pretrained(
+            hf_dir, dtype=tdt, attn_implementation="sdpa", experts_implementation=impl).eval()
+        self.impl = impl
+        break
+      except Exception:  # pylint: disable=broad-except  (an implementation missing here)
+        continue
+    if self.impl is None:
+      raise RuntimeError(f"transformers cannot load {hf_dir}")
+
+  def decode(self, prompt: np.ndarray) -> float:
+    torch = self.torch
+    with torch.inference_mode():
+      out = self.m(torch.tensor(prompt[None]), use_cache=True, logits_to_keep=1)
+      past, tok = out.past_key_values, out.logits[:, -1:].argmax(-1)
+      def run():
+        nonlocal past, tok
+        for _ in range(FLAGS.decode_tokens):
+          o = self.m(tok, past_key_values=past, use_cache=True)
+          past, tok = o.past_key_values, o.logits[:, -1:].argmax(-1)
+      return _rate(FLAGS.decode_tokens, run)
+
+  def prefill(self, prompt: np.ndarray) -> float:
+    with self.torch.inference_mode():
+      return _rate(len(prompt), lambda: self.m(self.torch.tensor(prompt[None]), use_cache=True,
+                                               logits_to_keep=1))
+
+
+class LlamaRunner:
+  """llama.cpp through launch/llama_timer.cpp: one process per round times both."""
+
+  def __init__(self, bins, gguf, threads: int):
+    self.bins, self.gguf, self.threads = bins, gguf, threads
+
+  def round(self, prompt: np.ndarray, long: np.ndarray) -> tuple[float, float]:
+    r = llama_cpp.time_run(self.bins, self.gguf, self.threads, len(long), len(prompt),
+                           FLAGS.decode_tokens)
+    return r["decode_tok_s"], r["prefill_tok_s"]
+
+
+def one_round(runner, prompt: np.ndarray, long: np.ndarray) -> tuple[float, float]:
+  """(decode tok/s, prefill tok/s) of one round of `runner`."""
+  if isinstance(runner, LlamaRunner):
+    return runner.round(prompt, long)
+  return runner.decode(prompt), runner.prefill(long)
+
+
+def agreement(bins, gguf, sampler: SamplerRunner, tok_path: str) -> dict:
+  tok = Tokenizer(tok_path)
+  ids = sampler.s.generate(tok.encode(FLAGS.agree_prompt),  # llama-simple stops at EOS too
+                           SamplingParams(max_new_tokens=FLAGS.agree_tokens,
+                                          stop_ids=sampler.s.cfg.eos_token_ids))
+  ours = tok.decode(ids)
+  theirs = llama_cpp.greedy_text(bins, gguf, FLAGS.agree_prompt, FLAGS.agree_tokens)
+  common = len(os.path.commonprefix([ours, theirs]))
+  return {"prompt": FLAGS.agree_prompt, "tokens": FLAGS.agree_tokens, "moejax": ours,
+          "llama.cpp": theirs, "equal": ours == theirs or (
+              common >= min(len(ours), len(theirs)) and common > 0),
+          "common_prefix_chars": common}
+
+
+def bench_model(name: str, bins, work: str) -> dict:
+  kind, dtype = bench_models.split_name(name)
+  cfg, params, store, hf_dir, tok_path = bench_models.load(name, FLAGS.demo_dir)
+  if kind == "bench":
+    hf_dir = bench_models.save_bench(os.path.join(work, "bench_hf"), FLAGS.demo_dir)
+  max_len = max(FLAGS.prompt_len + FLAGS.decode_tokens, FLAGS.prefill_len) + 8
+  runners, res = {}, {"engines": {}}
+  if "llama.cpp" in FLAGS.engines and bins:
+    gguf = llama_cpp.convert(FLAGS.llama_cache, hf_dir, "bf16" if dtype == jnp.bfloat16
+                             else "f32", os.path.join(FLAGS.llama_cache, "gguf"))
+    runners["llama.cpp"] = LlamaRunner(bins, gguf, FLAGS.threads)
+    if FLAGS.threads > 1:  # its threads spin at barriers: on a busy machine 1 can win
+      runners["llama.cpp_1t"] = LlamaRunner(bins, gguf, 1)
+  if "sampler" in FLAGS.engines or "llama.cpp" in runners:
+    runners["sampler"] = SamplerRunner(cfg, params, store.to_device(), dtype, max_len)
+  if "engine" in FLAGS.engines:
+    runners["engine"] = EngineRunner(cfg, params, store, dtype, max_len)
+  if "transformers" in FLAGS.engines:
+    runners["transformers"] = TransformersRunner(hf_dir, dtype)
+    res["transformers_experts_implementation"] = runners["transformers"].impl
+  if "llama.cpp" in runners and tok_path:
+    res["agreement"] = agreement(bins, runners["llama.cpp"].gguf, runners["sampler"], tok_path)
+    print(f"[bench_peers] {name}: greedy text llama.cpp vs moejax "
+          f"{'AGREE' if res['agreement']['equal'] else 'DIFFER'} "
+          f"({res['agreement']['common_prefix_chars']} common characters)", file=sys.stderr)
+  rng = np.random.default_rng(0)
+  prompt = rng.integers(0, cfg.vocab_size, FLAGS.prompt_len).astype(np.int32)
+  long = rng.integers(0, cfg.vocab_size, FLAGS.prefill_len).astype(np.int32)
+  for r in runners.values():  # compile / warm up (llama_timer warms up on its own)
+    if not isinstance(r, LlamaRunner):
+      one_round(r, prompt, long)
+  rates = {e: {"decode": [], "prefill": []} for e in runners}
+  for _ in tqdm(range(FLAGS.rounds), desc=f"{name}: rounds"):
+    for e, r in runners.items():
+      d, p = one_round(r, prompt, long)
+      rates[e]["decode"].append(d)
+      rates[e]["prefill"].append(p)
+  for e in runners:
+    d, p = rates[e]["decode"], rates[e]["prefill"]
+    res["engines"][e] = {"decode_tok_s": max(d), "prefill_tok_s": max(p),
+                         "decode_tok_s_median": statistics.median(d),
+                         "prefill_tok_s_median": statistics.median(p),
+                         "decode_rounds": d, "prefill_rounds": p}
+  if "llama.cpp" in runners:  # ratios to llama.cpp's faster thread count, per metric
+    ref = {m: max(v[m] for e, v in res["engines"].items() if e.startswith("llama.cpp"))
+           for m in ("decode_tok_s", "prefill_tok_s")}
+    for e, v in res["engines"].items():
+      v["decode_ratio_to_llama_cpp"] = v["decode_tok_s"] / ref["decode_tok_s"]
+      v["prefill_ratio_to_llama_cpp"] = v["prefill_tok_s"] / ref["prefill_tok_s"]
+  for r in runners.values():
+    if isinstance(r, EngineRunner):
+      r.eng.close()
+  return res
+
+
+def main(_):
+  bins = None
+  if "llama.cpp" in FLAGS.engines:
+    try:
+      bins = llama_cpp.build(FLAGS.llama_cache)
+    except llama_cpp.Unavailable as e:
+      print(f"[bench_peers] llama.cpp skipped: {e}", file=sys.stderr)
+  work = os.path.join(FLAGS.llama_cache, "models")
+  res = {"device": str(jax.devices()[0]), "cpu_count": os.cpu_count(),
+         "loadavg_start": os.getloadavg(), "threads": FLAGS.threads,
+         "prompt_len": FLAGS.prompt_len, "decode_tokens": FLAGS.decode_tokens,
+         "prefill_len": FLAGS.prefill_len, "rounds": FLAGS.rounds,
+         "llama_cpp": f"llama-cpp-python {llama_cpp.VERSION} vendored llama.cpp" if bins
+                      else "skipped", "models": {}}
+  for name in FLAGS.models:
+    res["models"][name] = bench_model(name, bins, work)
+    res["loadavg_end"] = os.getloadavg()
+    with open(FLAGS.out, "w") as f:  # after every model: a long run keeps what it measured
+      json.dump(res, f, indent=2)
+  print(table(res))
+  print(f"wrote {FLAGS.out}")
+
+
+def table(res: dict) -> str:
+  lines = [f"tok/s, best of {res['rounds']} interleaved rounds (x = ratio to llama.cpp's "
+           f"faster thread count); "
+           f"load average {res['loadavg_start'][0]:.1f} -> {res['loadavg_end'][0]:.1f}",
+           f"{'model':<11}{'engine':<14}{'decode':>10}{'x':>7}{'prefill':>10}{'x':>7}"]
+  for name, m in res["models"].items():
+    for e, v in m["engines"].items():
+      rd, rp = v.get("decode_ratio_to_llama_cpp"), v.get("prefill_ratio_to_llama_cpp")
+      lines.append(f"{name:<11}{e:<14}{v['decode_tok_s']:>10.1f}"
+                   f"{f'{rd:.2f}' if rd else '-':>7}{v['prefill_tok_s']:>10.1f}"
+                   f"{f'{rp:.2f}' if rp else '-':>7}")
+  return "\n".join(lines)
+
+
+if __name__ == "__main__":
+  app.run(main)

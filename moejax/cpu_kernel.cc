@@ -1,0 +1,317 @@
+// Routed-expert SwiGLU FFN for XLA's CPU backend, called through jax.ffi.
+//
+//   y[n] = sum_k gates[n, k] * down[e] @ (silu(gate[e] @ x[n]) * up[e] @ x[n]),  e = ids[n, k]
+//
+// with gate_up[e] = [gate; up] of shape [2I, D] and down[e] of shape [D, I], read in
+// place (the table or the offload engine's slot buffers; no copy of a selected expert).
+// The (token, expert) pairs are sorted by expert and cut into blocks of up to kBlock
+// tokens; each block is one work item (both matmuls of one expert for its tokens), so a
+// decode token's top-k experts run as k items and a prompt's as ~N*K/kBlock items, shared
+// between the calling thread and XLA's intra-op thread pool. Weights and activations are
+// f32 or bf16; products are accumulated in f32.
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kBlock = 32;  // tokens of one expert per work item
+
+typedef float v8f __attribute__((vector_size(32)));
+typedef uint16_t v8h __attribute__((vector_size(16)));
+typedef uint32_t v8u __attribute__((vector_size(32)));
+
+inline float to_f32(float v) { return v; }
+inline float to_f32(uint16_t v) {
+  uint32_t u = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline uint16_t to_bf16(float f) {  // round to nearest even, like XLA's convert
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+inline v8f load8(const float* p) {
+  v8f v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline v8f load8(const uint16_t* p) {
+  v8h h;
+  std::memcpy(&h, p, sizeof(h));
+  v8u u = __builtin_convertvector(h, v8u) << 16;
+  v8f v;
+  std::memcpy(&v, &u, sizeof(v));
+  return v;
+}
+inline float hsum(v8f v) {
+  return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+}
+
+// out[t * os + r] = dot(w[r, :], x[t, :]) for R rows and T tokens; w rows and x rows
+// both have `len` contiguous elements.
+template <int R, int T, typename W>
+inline void micro(const W* w, const float* x, int64_t len, float* out, int64_t os) {
+  v8f acc[R][T];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) acc[r][t] = v8f{};
+  int64_t d = 0;
+  for (; d + 8 <= len; d += 8) {
+    v8f xv[T];
+    for (int t = 0; t < T; ++t) xv[t] = load8(x + t * len + d);
+    for (int r = 0; r < R; ++r) {
+      v8f wv = load8(w + r * len + d);
+      for (int t = 0; t < T; ++t) acc[r][t] += wv * xv[t];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) {
+      float s = hsum(acc[r][t]);
+      for (int64_t j = d; j < len; ++j) s += to_f32(w[r * len + j]) * x[t * len + j];
+      out[t * os + r] = s;
+    }
+}
+
+template <int R, typename W>
+inline void micro_t(const W* w, const float* x, int64_t len, int64_t nt, float* out,
+                    int64_t os) {
+  switch (nt) {
+    case 1: micro<R, 1>(w, x, len, out, os); break;
+    case 2: micro<R, 2>(w, x, len, out, os); break;
+    case 3: micro<R, 3>(w, x, len, out, os); break;
+    default: micro<R, 4>(w, x, len, out, os); break;
+  }
+}
+
+// out[t, r] (row stride os) = w[r, :] . x[t, :] for all rows and nt tokens.
+template <typename W>
+void rows_dot(const W* w, int64_t rows, int64_t len, const float* x, int64_t nt, float* out,
+              int64_t os) {
+  int64_t r = 0;
+  for (; r + 4 <= rows; r += 4)
+    for (int64_t t = 0; t < nt; t += 4)
+      micro_t<4>(w + r * len, x + t * len, len, std::min<int64_t>(4, nt - t), out + t * os + r, os);
+  for (; r < rows; ++r)
+    for (int64_t t = 0; t < nt; t += 4)
+      micro_t<1>(w + r * len, x + t * len, len, std::min<int64_t>(4, nt - t), out + t * os + r, os);
+}
+
+struct Item {
+  int64_t expert, begin, end;  // a run of pairs in the expert-sorted order
+};
+
+struct Problem {
+  int64_t n, k, d, inter, num_experts;
+  const void* x;
+  bool x_bf16;
+  const int32_t* ids;
+  const float* gates;
+  const void* gate_up;
+  const void* down;
+  bool w_bf16;
+  std::vector<int64_t> order;  // pair indices (n * k + j) sorted by expert
+  std::vector<Item> items;
+  std::vector<float> pair_out;  // [n * k, d], gate applied
+};
+
+template <typename W>
+void run_item(const Problem& p, const Item& it) {
+  const int64_t nt = it.end - it.begin, d = p.d, inter = p.inter;
+  thread_local std::vector<float> xs, h, a, y;
+  xs.resize(nt * d);
+  h.resize(nt * 2 * inter);
+  a.resize(nt * inter);
+  y.resize(nt * d);
+  for (int64_t t = 0; t < nt; ++t) {
+    const int64_t tok = p.order[it.begin + t] / p.k;
+    if (p.x_bf16) {
+      const uint16_t* src = static_cast<const uint16_t*>(p.x) + tok * d;
+      for (int64_t j = 0; j < d; ++j) xs[t * d + j] = to_f32(src[j]);
+    } else {
+      std::memcpy(&xs[t * d], static_cast<const float*>(p.x) + tok * d, d * sizeof(float));
+    }
+  }
+  const W* gu = static_cast<const W*>(p.gate_up) + it.expert * 2 * inter * d;
+  const W* dn = static_cast<const W*>(p.down) + it.expert * d * inter;
+  rows_dot(gu, 2 * inter, d, xs.data(), nt, h.data(), 2 * inter);
+  for (int64_t t = 0; t < nt; ++t)
+    for (int64_t j = 0; j < inter; ++j) {
+      const float g = h[t * 2 * inter + j], u = h[t * 2 * inter + inter + j];
+      a[t * inter + j] = g / (1.0f + std::exp(-g)) * u;
+    }
+  rows_dot(dn, d, inter, a.data(), nt, y.data(), d);
+  for (int64_t t = 0; t < nt; ++t) {
+    const int64_t pair = p.order[it.begin + t];
+    const float g = p.gates[pair];
+    float* dst = const_cast<float*>(p.pair_out.data()) + pair * d;
+    for (int64_t j = 0; j < d; ++j) dst[j] = g * y[t * d + j];
+  }
+}
+
+// Runs fn(0..total-1) on the calling thread and on helper tasks of XLA's intra-op pool.
+// Indices are claimed from a shared counter; the caller waits only for claimed ones, so a
+// helper that starts late finds nothing left and exits without touching fn's captures.
+void parallel_for(ffi::ThreadPool& pool, int64_t total, std::function<void(int64_t)> fn) {
+  struct State {
+    std::function<void(int64_t)> fn;
+    int64_t total;
+    std::atomic<int64_t> next{0}, done{0};
+  };
+  auto s = std::make_shared<State>();
+  s->fn = std::move(fn);
+  s->total = total;
+  auto work = [](State& st) {
+    for (int64_t i; (i = st.next.fetch_add(1)) < st.total;) {
+      st.fn(i);
+      st.done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), total) - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([s, work] { work(*s); });
+  work(*s);
+  while (s->done.load(std::memory_order_acquire) < total) std::this_thread::yield();
+}
+
+void to_f32_rows(const void* x, bool bf16, int64_t count, float* out) {
+  if (!bf16) {
+    std::memcpy(out, x, count * sizeof(float));
+    return;
+  }
+  const uint16_t* src = static_cast<const uint16_t*>(x);
+  for (int64_t j = 0; j < count; ++j) out[j] = to_f32(src[j]);
+}
+
+void store(const float* src, int64_t count, bool bf16, void* dst) {
+  if (!bf16) {
+    std::memcpy(dst, src, count * sizeof(float));
+    return;
+  }
+  uint16_t* out = static_cast<uint16_t*>(dst);
+  for (int64_t j = 0; j < count; ++j) out[j] = to_bf16(src[j]);
+}
+
+bool is_bf16(ffi::DataType t) { return t == ffi::DataType::BF16; }
+bool supported(ffi::DataType t) { return t == ffi::DataType::F32 || t == ffi::DataType::BF16; }
+
+ffi::Error ExpertFfnImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> ids,
+                         ffi::Buffer<ffi::F32> gates, ffi::AnyBuffer gate_up,
+                         ffi::AnyBuffer down, ffi::Result<ffi::AnyBuffer> y) {
+  auto xd = x.dimensions(), idd = ids.dimensions(), gud = gate_up.dimensions(),
+       dnd = down.dimensions();
+  if (xd.size() != 2 || idd.size() != 2 || gud.size() != 3 || dnd.size() != 3)
+    return ffi::Error::InvalidArgument("moejax_expert_ffn: expected x [N,D], ids [N,K], "
+                                       "gate_up [E,2I,D], down [E,D,I]");
+  if (!supported(x.element_type()) || !supported(gate_up.element_type()) ||
+      gate_up.element_type() != down.element_type() || y->element_type() != x.element_type())
+    return ffi::Error::InvalidArgument("moejax_expert_ffn: f32 or bf16 only");
+  auto p = std::make_unique<Problem>();
+  p->n = xd[0];
+  p->d = xd[1];
+  p->k = idd[1];
+  p->num_experts = gud[0];
+  p->inter = gud[1] / 2;
+  if (gud[2] != p->d || dnd[1] != p->d || dnd[2] != p->inter || dnd[0] != p->num_experts)
+    return ffi::Error::InvalidArgument("moejax_expert_ffn: expert shapes do not match x");
+  p->x = x.untyped_data();
+  p->x_bf16 = is_bf16(x.element_type());
+  p->ids = ids.typed_data();
+  p->gates = gates.typed_data();
+  p->gate_up = gate_up.untyped_data();
+  p->down = down.untyped_data();
+  p->w_bf16 = is_bf16(gate_up.element_type());
+
+  // counting sort of the pairs by expert (ids clamped like XLA's dynamic indexing)
+  const int64_t pairs = p->n * p->k, ne = p->num_experts;
+  std::vector<int64_t> count(ne + 1, 0);
+  std::vector<int64_t> expert_of(pairs);
+  for (int64_t i = 0; i < pairs; ++i) {
+    expert_of[i] = std::min<int64_t>(std::max<int64_t>(p->ids[i], 0), ne - 1);
+    ++count[expert_of[i] + 1];
+  }
+  for (int64_t e = 0; e < ne; ++e) count[e + 1] += count[e];
+  p->order.resize(pairs);
+  std::vector<int64_t> fill(count.begin(), count.end() - 1);
+  for (int64_t i = 0; i < pairs; ++i) p->order[fill[expert_of[i]]++] = i;
+  for (int64_t e = 0; e < ne; ++e)
+    for (int64_t b = count[e]; b < count[e + 1]; b += kBlock)
+      p->items.push_back({e, b, std::min(b + kBlock, count[e + 1])});
+  p->pair_out.assign(pairs * p->d, 0.0f);
+
+  const Problem& prob = *p;
+  parallel_for(pool, static_cast<int64_t>(p->items.size()), [&prob](int64_t i) {
+    if (prob.w_bf16) run_item<uint16_t>(prob, prob.items[i]);
+    else run_item<float>(prob, prob.items[i]);
+  });
+
+  const int64_t n = p->n, k = p->k, d = p->d;
+  std::vector<float> acc(d);
+  for (int64_t t = 0; t < n; ++t) {
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    for (int64_t q = 0; q < k; ++q) {
+      const float* src = p->pair_out.data() + (t * k + q) * d;
+      for (int64_t j = 0; j < d; ++j) acc[j] += src[j];
+    }
+    store(acc.data(), d, p->x_bf16, static_cast<char*>(y->untyped_data()) +
+                                        t * d * (p->x_bf16 ? 2 : 4));
+  }
+  return ffi::Error::Success();
+}
+
+constexpr int64_t kLinearRows = 64;  // output rows per work item
+
+ffi::Error LinearImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                      ffi::Result<ffi::AnyBuffer> y) {
+  auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || wd[1] != xd[1])
+    return ffi::Error::InvalidArgument("moejax_linear: expected x [N,D], w [O,D]");
+  if (!supported(x.element_type()) || !supported(w.element_type()) ||
+      y->element_type() != x.element_type())
+    return ffi::Error::InvalidArgument("moejax_linear: f32 or bf16 only");
+  const int64_t n = xd[0], d = xd[1], o = wd[0];
+  const bool x_bf16 = is_bf16(x.element_type()), w_bf16 = is_bf16(w.element_type());
+  std::vector<float> xs(n * d), ys(n * o);
+  to_f32_rows(x.untyped_data(), x_bf16, n * d, xs.data());
+  const void* wp = w.untyped_data();
+  parallel_for(pool, (o + kLinearRows - 1) / kLinearRows, [&](int64_t i) {
+    const int64_t r0 = i * kLinearRows, rows = std::min(kLinearRows, o - r0);
+    if (w_bf16) rows_dot(static_cast<const uint16_t*>(wp) + r0 * d, rows, d, xs.data(), n,
+                         ys.data() + r0, o);
+    else rows_dot(static_cast<const float*>(wp) + r0 * d, rows, d, xs.data(), n,
+                  ys.data() + r0, o);
+  });
+  store(ys.data(), n * o, x_bf16, y->untyped_data());
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoejaxLinear, LinearImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoejaxExpertFfn, ExpertFfnImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>());

@@ -1,0 +1,179 @@
+"""The routed-expert FFN and decode-time matvecs as a small C++ kernel on XLA's CPU
+backend (through jax.ffi).
+
+XLA CPU copies each dynamically selected expert's weights before its dot (a loop fusion
+per slice), runs a decode token's matvecs on one core, and converts bf16 weights to f32
+before each dot. ``cpu_kernel.cc`` reads
+the selected experts in place, sorts a prompt's (token, expert) pairs by expert into
+blocks, and shares the blocks with XLA's intra-op thread pool; ``linear`` does the same
+for a projection of a few rows (decode), bf16 weights read as bf16. It is compiled with the
+system C++ compiler on first use into ``$MOEJAX_CACHE`` (default
+``~/.cache/moejax/kernels``), keyed by the source, flags and compiler; without a
+compiler (or with ``MOEJAX_CPU_KERNEL=0``) moejax keeps XLA's own dispatch and says so
+once on stderr.
+
+Gradients go through XLA's grouped dispatch (``custom_vjp``), so training is unchanged;
+under ``vmap`` (the emulator's streams) the kernel runs once per batch element.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import threading
+
+import jax
+import jax.numpy as jnp
+
+TARGET = "moejax_expert_ffn"
+LINEAR_TARGET = "moejax_linear"
+LINEAR_MAX_TOKENS = 16   # up to this many rows of x: the kernel (decode); more: XLA's GEMM
+_SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_kernel.cc")
+_FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC"]
+_lock = threading.Lock()
+_state = {"loaded": None, "enabled": os.environ.get("MOEJAX_CPU_KERNEL", "1") != "0"}
+
+
+def _cache_dir() -> str:
+  return os.environ.get("MOEJAX_CACHE", os.path.join(os.path.expanduser("~"), ".cache",
+                                                     "moejax", "kernels"))
+
+
+def _compiler() -> str | None:
+  return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which(
+      "clang++")
+
+
+def build() -> str:
+  """Compiles cpu_kernel.cc (once per source/flags/compiler) and returns the .so path.
+
+  Raises RuntimeError with the compiler's message when it cannot.
+  """
+  cxx = _compiler()
+  if cxx is None:
+    raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
+  with open(_SRC, "rb") as f:
+    src = f.read()
+  version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+  key = hashlib.sha256(src + " ".join(_FLAGS + [cxx, version, jax.__version__]).encode())
+  out = os.path.join(_cache_dir(), f"moejax_cpu_kernel_{key.hexdigest()[:16]}.so")
+  if os.path.exists(out):
+    return out
+  os.makedirs(_cache_dir(), exist_ok=True)
+  tmp = f"{out}.{os.getpid()}.tmp"
+  cmd = [cxx, *_FLAGS, "-I", jax.ffi.include_dir(), _SRC, "-o", tmp]
+  res = subprocess.run(cmd, capture_output=True, text=True)
+  if res.returncode != 0:
+    raise RuntimeError(f"'{' '.join(cmd)}' failed:\n{res.stderr[-2000:]}")
+  os.replace(tmp, out)
+  return out
+
+
+def available() -> bool:
+  """Whether the kernel is enabled and registered (builds it on the first call)."""
+  if not _state["enabled"]:
+    return False
+  with _lock:
+    if _state["loaded"] is None:
+      try:
+        lib = ctypes.cdll.LoadLibrary(build())
+        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.MoejaxExpertFfn),
+                                    platform="cpu")
+        jax.ffi.register_ffi_target(LINEAR_TARGET, jax.ffi.pycapsule(lib.MoejaxLinear),
+                                    platform="cpu")
+        _state["loaded"] = True
+      except (RuntimeError, OSError, AttributeError) as e:
+        print(f"[moejax] CPU expert kernel unavailable, using XLA's dispatch: {e}",
+              file=sys.stderr)
+        _state["loaded"] = False
+    return _state["loaded"]
+
+
+@contextlib.contextmanager
+def enabled(on: bool):
+  """Functions *traced* inside use (or not) the kernel; compiled ones keep their choice."""
+  prev = _state["enabled"]
+  _state["enabled"] = on
+  try:
+    yield
+  finally:
+    _state["enabled"] = prev
+
+
+def supports(x_NxD, w: dict) -> bool:
+  ok = {jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)}
+  return (set(w) == {"gate_up", "down"} and jnp.dtype(x_NxD.dtype) in ok
+          and jnp.dtype(w["gate_up"].dtype) in ok and w["gate_up"].dtype == w["down"].dtype)
+
+
+def _call(x_NxD, ids_NxK, gates_NxK, gate_up_Ex2IxD, down_ExDxI):
+  return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(x_NxD.shape, x_NxD.dtype),
+                         vmap_method="sequential")(
+      x_NxD, ids_NxK.astype(jnp.int32), gates_NxK.astype(jnp.float32), gate_up_Ex2IxD,
+      down_ExDxI)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def expert_ffn(x_NxD, ids_NxK, gates_NxK, w: dict, xla_fn):
+  """sum_k gates[n,k] * expert_{ids[n,k]}(x[n]) on CPU: the kernel; elsewhere `xla_fn`.
+
+  `xla_fn(x, ids, gates, w)` is the XLA dispatch: other platforms run it, and the
+  backward pass differentiates it.
+  """
+  return jax.lax.platform_dependent(
+      x_NxD, ids_NxK, gates_NxK, w["gate_up"], w["down"],
+      cpu=_call, default=lambda x, i, g, gu, dn: xla_fn(x, i, g, {"gate_up": gu, "down": dn}))
+
+
+def _fwd(x_NxD, ids_NxK, gates_NxK, w, xla_fn):
+  return expert_ffn(x_NxD, ids_NxK, gates_NxK, w, xla_fn), (x_NxD, ids_NxK, gates_NxK, w)
+
+
+def _bwd(xla_fn, res, g_NxD):
+  x_NxD, ids_NxK, gates_NxK, w = res
+  _, vjp = jax.vjp(lambda x, g, ww: xla_fn(x, ids_NxK, g, ww), x_NxD, gates_NxK, w)
+  dx, dg, dw = vjp(g_NxD)
+  return dx, None, dg, dw
+
+
+expert_ffn.defvjp(_fwd, _bwd)
+
+
+def _linear_call(x_NxD, w_OxD):
+  return jax.ffi.ffi_call(LINEAR_TARGET, jax.ShapeDtypeStruct(
+      (x_NxD.shape[0], w_OxD.shape[0]), x_NxD.dtype), vmap_method="sequential")(x_NxD, w_OxD)
+
+
+def _einsum(x_NxD, w_OxD):
+  return jnp.einsum("nd,od->no", x_NxD, w_OxD)
+
+
+@jax.custom_vjp
+def _linear_kernel(x_NxD, w_OxD):
+  return jax.lax.platform_dependent(x_NxD, w_OxD, cpu=_linear_call, default=_einsum)
+
+
+def _linear_fwd(x_NxD, w_OxD):
+  return _linear_kernel(x_NxD, w_OxD), (x_NxD, w_OxD)
+
+
+def _linear_bwd(res, g_NxO):
+  return jax.vjp(_einsum, *res)[1](g_NxO)
+
+
+_linear_kernel.defvjp(_linear_fwd, _linear_bwd)
+
+
+def linear(x_NxD, w_OxD):
+  """x @ w.T: the kernel on CPU for a few rows of matching f32/bf16 dtypes, else einsum."""
+  ok = {jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)}
+  if (x_NxD.shape[0] <= LINEAR_MAX_TOKENS and x_NxD.dtype == w_OxD.dtype
+      and jnp.dtype(x_NxD.dtype) in ok and available()):
+    return _linear_kernel(x_NxD, w_OxD)
+  return _einsum(x_NxD, w_OxD)

@@ -1,0 +1,103 @@
+"""The C++ CPU expert kernel: a hand-checked case, agreement with XLA's dispatch, gradients."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from moejax import cpu_kernel
+from moejax import experts as experts_lib
+
+pytestmark = pytest.mark.skipif(not cpu_kernel.available(),
+                                reason="no C++ compiler: the kernel is not built")
+
+
+def _kernel(x, ids, gates, w):
+  return jax.jit(cpu_kernel.expert_ffn, static_argnums=4)(x, ids, gates, w,
+                                                          experts_lib.xla_experts)
+
+
+def test_hand_checked_single_expert():
+  # D=2, I=1: gate row [1, 0], up row [0, 1], down [[2], [3]]; x = [1, 2]
+  # h_gate = 1, h_up = 2, a = silu(1) * 2; y = gate 0.5 * [2a, 3a]
+  gu = jnp.array([[[1.0, 0.0], [0.0, 1.0]], [[9.0, 9.0], [9.0, 9.0]]])
+  dn = jnp.array([[[2.0], [3.0]], [[9.0], [9.0]]])
+  x = jnp.array([[1.0, 2.0]])
+  y = _kernel(x, jnp.array([[0]], jnp.int32), jnp.array([[0.5]]), {"gate_up": gu, "down": dn})
+  a = 1.0 / (1.0 + np.exp(-1.0)) * 2.0
+  chex.assert_trees_all_close(np.asarray(y), np.array([[0.5 * 2 * a, 0.5 * 3 * a]]), rtol=1e-6)
+
+
+@pytest.mark.parametrize("n, e, d, inter, k", [(1, 16, 64, 32, 4),      # decode
+                                               (3, 5, 20, 6, 2),        # tails (not x8)
+                                               (70, 8, 24, 16, 3)])     # blocks of 32
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_matches_xla_dispatch(n, e, d, inter, k, dtype):
+  rng = np.random.default_rng(n)
+  w = {"gate_up": jnp.asarray(rng.normal(size=(e, 2 * inter, d)) * 0.3, dtype),
+       "down": jnp.asarray(rng.normal(size=(e, d, inter)) * 0.3, dtype)}
+  x = jnp.asarray(rng.normal(size=(n, d)), dtype)
+  ids = jnp.asarray(rng.integers(0, e, (n, k)), jnp.int32)
+  gates = jnp.asarray(rng.random((n, k)), jnp.float32)
+  got = _kernel(x, ids, gates, w)
+  assert got.dtype == x.dtype
+  f32 = lambda a: jnp.asarray(a, jnp.float32)
+  want = experts_lib.xla_experts(f32(x), ids, gates, jax.tree.map(f32, w))
+  tol = 1e-5 if dtype == jnp.float32 else 1e-2    # bf16: the output's rounding
+  chex.assert_trees_all_close(f32(got), want, atol=tol * float(jnp.max(jnp.abs(want))), rtol=0)
+
+
+def test_apply_experts_uses_kernel_and_gradients_match_xla():
+  rng = np.random.default_rng(0)
+  w = {"gate_up": jnp.asarray(rng.normal(size=(6, 8, 12)) * 0.3, jnp.float32),
+       "down": jnp.asarray(rng.normal(size=(6, 12, 4)) * 0.3, jnp.float32)}
+  x = jnp.asarray(rng.normal(size=(5, 12)), jnp.float32)
+  ids = jnp.asarray(rng.integers(0, 6, (5, 2)), jnp.int32)
+  gates = jnp.asarray(rng.random((5, 2)), jnp.float32)
+  hlo = jax.jit(experts_lib.apply_experts).lower(x, ids, gates, w).as_text()
+  assert cpu_kernel.TARGET in hlo
+  with cpu_kernel.enabled(False):  # a new function: jit caches traces per function
+    assert cpu_kernel.TARGET not in jax.jit(lambda *a: experts_lib.apply_experts(*a)).lower(
+        x, ids, gates, w).as_text()
+  loss = lambda fn: lambda x, g, w: jnp.sum(jnp.sin(fn(x, ids, g, w)))
+  got = jax.grad(loss(experts_lib.apply_experts), argnums=(0, 1, 2))(x, gates, w)
+  want = jax.grad(loss(experts_lib.xla_experts), argnums=(0, 1, 2))(x, gates, w)
+  chex.assert_trees_all_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_linear_hand_checked_and_matches_einsum():
+  x = jnp.array([[1.0, 2.0, 3.0]])
+  w = jnp.array([[1.0, 0.0, 0.0], [0.0, 1.0, 1.0]])
+  chex.assert_trees_all_close(jax.jit(cpu_kernel.linear)(x, w), jnp.array([[1.0, 5.0]]))
+  rng = np.random.default_rng(0)
+  for n, o, d in [(1, 130, 40), (5, 64, 72)]:
+    for dtype in (jnp.float32, jnp.bfloat16):
+      x = jnp.asarray(rng.normal(size=(n, d)), dtype)
+      w = jnp.asarray(rng.normal(size=(o, d)), dtype)
+      got = jax.jit(cpu_kernel.linear)(x, w)
+      assert got.dtype == dtype
+      want = jnp.asarray(x, jnp.float32) @ jnp.asarray(w, jnp.float32).T
+      tol = 1e-5 if dtype == jnp.float32 else 1e-2
+      chex.assert_trees_all_close(jnp.asarray(got, jnp.float32), want,
+                                  atol=tol * float(jnp.max(jnp.abs(want))), rtol=0)
+  assert cpu_kernel.LINEAR_TARGET in jax.jit(cpu_kernel.linear).lower(x, w).as_text()
+  g = jax.grad(lambda x, w: jnp.sum(jnp.sin(cpu_kernel.linear(x, w))), argnums=(0, 1))
+  gx = jax.grad(lambda x, w: jnp.sum(jnp.sin(x @ w.T)), argnums=(0, 1))
+  x32, w32 = jnp.asarray(x, jnp.float32), jnp.asarray(w, jnp.float32)
+  chex.assert_trees_all_close(g(x32, w32), gx(x32, w32), rtol=1e-4, atol=1e-4)
+
+
+def test_vmap_runs_the_kernel_per_element():
+  rng = np.random.default_rng(1)
+  w = {"gate_up": jnp.asarray(rng.normal(size=(4, 8, 16)), jnp.float32),
+       "down": jnp.asarray(rng.normal(size=(4, 16, 4)), jnp.float32)}
+  x = jnp.asarray(rng.normal(size=(3, 2, 16)), jnp.float32)
+  ids = jnp.asarray(rng.integers(0, 4, (3, 2, 2)), jnp.int32)
+  gates = jnp.asarray(rng.random((3, 2, 2)), jnp.float32)
+  got = jax.jit(jax.vmap(experts_lib.apply_experts, in_axes=(0, 0, 0, None)))(x, ids, gates, w)
+  want = jnp.stack([experts_lib.xla_experts(x[b], ids[b], gates[b], w) for b in range(3)])
+  chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-5)
+  lin = jax.jit(jax.vmap(cpu_kernel.linear, in_axes=(0, None)))(x, w["gate_up"][0])
+  chex.assert_trees_all_close(lin, jnp.einsum("bnd,od->bno", x, w["gate_up"][0]), rtol=1e-5,
+                              atol=1e-5)

@@ -226,3 +226,14 @@ def test_emulator_prefetch_equals_the_engine(model, kw):
   np.testing.assert_allclose(logits, ref, atol=2e-5, rtol=1e-5)
   assert_same_decisions(cfg, records, out)
   assert sum(r.prefetches for r in records) > 0
+
+
+def test_shipped_predictors_load_for_the_shipped_demo_model():
+  """ckpts/demo-estimators must match ckpts/demo's config hash (a config field added or
+  removed changes the hash; the shipped files then need their hash re-stamped)."""
+  from moejax.config import ModelConfig
+  from moejax.offload.prefetch import load_predictors
+  cfg = ModelConfig.from_json_file("ckpts/demo/config.json")
+  out = load_predictors("hybrid", cfg, "ckpts/demo")
+  assert len(out["vectors"]) == len(cfg.moe_layers)
+  assert any(e is not None for e in out["estimators"])

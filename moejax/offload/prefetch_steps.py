@@ -54,7 +54,7 @@ def restricted_gates(cfg: ModelConfig, logits_NxE: jax.Array, ids_NxK: jax.Array
   """The true router's gate weights applied to the experts `ids` (not its own top-k).
 
   softmax: p = softmax(logits) over all experts, p[ids], divided by their sum when the
-  family renormalises (norm_topk_prob, mixtral); topk_softmax (gpt_oss): softmax over
+  family renormalises (norm_topk_prob; mixtral's family always sets it); topk_softmax (gpt_oss): softmax over
   logits[ids]; sigmoid_group: sigmoid(logits)[ids] (unbiased), normalised when
   norm_topk_prob, times routed_scaling_factor.  With ids = the true top-k these are
   exactly `routing.route`'s gates."""
@@ -62,7 +62,7 @@ def restricted_gates(cfg: ModelConfig, logits_NxE: jax.Array, ids_NxK: jax.Array
   take = lambda a: jnp.take_along_axis(a, ids_NxK, axis=-1)
   if cfg.router == "softmax":
     g = take(jax.nn.softmax(logits, axis=-1))
-    if cfg.norm_topk_prob or cfg.model_type == "mixtral":
+    if cfg.norm_topk_prob:  # mixtral's family sets it
       g = g / jnp.sum(g, axis=-1, keepdims=True)
     return g
   if cfg.router == "topk_softmax":

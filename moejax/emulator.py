@@ -417,7 +417,7 @@ def _predictor_xs(cfg: ModelConfig, kind: str, predictors: dict | None):
              else zero_e) for j, l in enumerate(moe)}
   xs = [{"vectors": vec.get(i, zero_v), "est": est.get(i, zero_e)}
         for i in range(cfg.num_layers)]
-  return jax.tree_util.tree_map(lambda *a: jnp.stack(a), *xs) if uniform(cfg) else xs
+  return jax.tree_util.tree_map(lambda *a: jnp.stack(a), *xs) if layer_stack.uniform(cfg) else xs
 
 
 def run_streams(em: Emulation, tokens_BxT: np.ndarray, pos_T: np.ndarray,

@@ -49,6 +49,7 @@ from moejax.controls import Control  # noqa: F401  (public: emulator.Control)
 from moejax.layer_stack import stack_layers  # noqa: F401  (public: emulator.stack_layers)
 from moejax.model import Transformer, init_cache
 from moejax.offload import policy as policy_lib
+from moejax.offload import prefetch as pf_files
 from moejax.offload import prefetch_steps as pf_steps
 from moejax.offload import resident as resident_lib
 from moejax.offload.policy import DROP, FETCH, HIT, HOST, SUBSTITUTE, PolicyParams
@@ -115,30 +116,6 @@ def _decide(setup: Setup, logits_1xE, state, key):
   return policy_lib.decide(logits_1xE, state, setup.policy.decision, setup.cfg)
 
 
-def _speculate(setup: Setup, mod, p, spec, prev, logits_1xE, state, key):
-  """The decision with speculative prefetch (`prefetch_steps`, as the engine's steps):
-  this layer's routing predicted from the previous MoE layer's (r, d), the predicted
-  experts not resident prefetched (seen as resident), the decision on the view.
-  Returns (decision, prefetched ids [K] (-1: none), prefetch stats [4])."""
-  cfg = setup.cfg
-  r_prev, d_prev, has = prev
-  est = spec["est"] if setup.prefetch == "hybrid" else None
-  pred = pf_steps.predict_logits(mod, p, r_prev, d_prev, est, setup.prefetch)
-  pred_ids = routing.route(cfg, pred)[0][0]
-  pf_ids = jnp.where(has & (state.expert_slot[pred_ids] < 0), pred_ids, -1)
-  dec_spec = pf_steps.speculative_decision(cfg, logits_1xE, pred, pf_steps.view(state, pf_ids),
-                                           setup.policy.decision, setup.speculative)
-  dec_true = _decide(setup, logits_1xE, state, key)
-  dec = jax.tree_util.tree_map(lambda a, b: jnp.where(has, a, b), dec_spec, dec_true)
-  true_ids = routing.route(cfg, logits_1xE)[0][0]
-  used = jnp.any(pf_ids[:, None] == dec.exec_ids[0][None, :], axis=1) & (pf_ids >= 0)
-  hits = jnp.sum(jnp.any(pred_ids[:, None] == true_ids[None, :], axis=1))
-  f = jnp.float32
-  stats = jnp.stack([jnp.sum(pf_ids >= 0).astype(f), jnp.sum(used).astype(f),
-                     jnp.where(has, hits, 0).astype(f), jnp.where(has, cfg.top_k, 0).astype(f)])
-  return dec, jnp.where(used, pf_ids, -1).astype(jnp.int32), stats
-
-
 def _moe_layer(setup: Setup, mod, p, table, x, pos, cache, state, pending_E, key,
                spec=None, prev=None):
   """One MoE layer of one decoded token (engine order); returns x, cache, state, admit, stats
@@ -153,8 +130,11 @@ def _moe_layer(setup: Setup, mod, p, table, x, pos, cache, state, pending_E, key
   if setup.prefetch == "none":
     dec = _decide(setup, logits.reshape(1, num_e), state, key)
   else:
-    dec, pf_used, pf_stats = _speculate(setup, mod, p, spec, prev, logits.reshape(1, -1),
-                                        state, key)
+    lg = logits.reshape(1, -1)
+    dec, pf_used, pf_stats = pf_steps.speculate(
+        setup.cfg, mod, p, spec["est"] if setup.prefetch == "hybrid" else None, prev, lg,
+        state, setup.policy.decision, setup.prefetch, setup.speculative,
+        _decide(setup, lg, state, key))
   act = dec.action[0]
   fetch_ids = jnp.where(act == FETCH, dec.ids[0], -1)
   in_use = none_in_use.at[jnp.where(dec.exec_ids[0] >= 0, dec.exec_ids[0], num_e)].set(
@@ -389,35 +369,13 @@ def make(cfg: ModelConfig, params, store, policy: PolicyParams | str, *,
   if stacked is None:
     stacked = stack_layers(cfg, params, store.to_device(dtype))
   if mode.on:
-    stacked = (stacked[0], (stacked[1], _predictor_xs(cfg, prefetch, predictors)))
+    stacked = (stacked[0], (stacked[1], pf_files.stacked_predictors(cfg, prefetch, predictors)))
   states = layer_stack.stack_states(
       cfg, init_states(cfg, budget, policy, initial, profile_counts))
   setup = Setup(cfg, policy, budget.physical, max_len,
                 budget.slots if budget.staging else None, jnp.dtype(dtype).name, control,
                 detail, prefetch, speculative, not streaming)
   return Emulation(setup, params, *stacked, states, budget)
-
-
-def _predictor_xs(cfg: ModelConfig, kind: str, predictors: dict | None):
-  """Per layer: the default vectors D_l (to form d_l) and the estimator that predicts
-  layer l from the MoE layer before it (zero correction where none: W_out = 0 is the
-  plain quasi prediction), stacked like the layers (`stack_layers`)."""
-  from moejax.offload.prefetch import load_predictors   # pylint: disable=g-import-not-at-top
-  preds = predictors or load_predictors(kind, cfg)
-  if kind in ("quasi", "hybrid") and preds["vectors"] is None:
-    raise EmulatorError(f"--prefetch={kind} needs default vectors: run "
-                        f"`python -m launch.default_vectors --model_dir=<the model>`")
-  zero_v = jnp.zeros((cfg.num_experts, cfg.hidden_size), jnp.float32)
-  moe = list(cfg.moe_layers)
-  vec = {l: (jnp.asarray(preds["vectors"][j], jnp.float32) if preds["vectors"] is not None
-             else zero_v) for j, l in enumerate(moe)}
-  ests = [e for e in preds["estimators"] if e is not None]
-  zero_e = jax.tree_util.tree_map(jnp.zeros_like, ests[0]) if ests else None
-  est = {l: (preds["estimators"][j - 1] if j and preds["estimators"][j - 1] is not None
-             else zero_e) for j, l in enumerate(moe)}
-  xs = [{"vectors": vec.get(i, zero_v), "est": est.get(i, zero_e)}
-        for i in range(cfg.num_layers)]
-  return jax.tree_util.tree_map(lambda *a: jnp.stack(a), *xs) if layer_stack.uniform(cfg) else xs
 
 
 def run_streams(em: Emulation, tokens_BxT: np.ndarray, pos_T: np.ndarray,

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from moejax import speculation
+from moejax import layer_stack, speculation
 from moejax.config import ModelConfig
 from moejax.offload import prefetch_steps as pf_steps
 from moejax.offload import tickets as tickets_lib
@@ -205,3 +205,24 @@ class Speculator:
     for t in self.drain:
       t.cancel()
     self.drain = []
+
+
+def stacked_predictors(cfg: ModelConfig, kind: str, predictors: dict | None):
+  """Per layer: the default vectors D_l (to form d_l) and the estimator that predicts
+  layer l from the MoE layer before it (zero correction where none: W_out = 0 is the
+  plain quasi prediction), stacked like the layers (`layer_stack.stack_layers`), for the emulator's scan."""
+  preds = predictors or load_predictors(kind, cfg)
+  if kind in ("quasi", "hybrid") and preds["vectors"] is None:
+    raise PrefetchError(f"--prefetch={kind} needs default vectors: run "
+                        f"`python -m launch.default_vectors --model_dir=<the model>`")
+  zero_v = jnp.zeros((cfg.num_experts, cfg.hidden_size), jnp.float32)
+  moe = list(cfg.moe_layers)
+  vec = {l: (jnp.asarray(preds["vectors"][j], jnp.float32) if preds["vectors"] is not None
+             else zero_v) for j, l in enumerate(moe)}
+  ests = [e for e in preds["estimators"] if e is not None]
+  zero_e = jax.tree_util.tree_map(jnp.zeros_like, ests[0]) if ests else None
+  est = {l: (preds["estimators"][j - 1] if j and preds["estimators"][j - 1] is not None
+             else zero_e) for j, l in enumerate(moe)}
+  xs = [{"vectors": vec.get(i, zero_v), "est": est.get(i, zero_e)}
+        for i in range(cfg.num_layers)]
+  return jax.tree_util.tree_map(lambda *a: jnp.stack(a), *xs) if layer_stack.uniform(cfg) else xs

@@ -224,3 +224,27 @@ def oracle_step(cfg: ModelConfig, dtype, next_idx: int):
     return logits, routing.route(cfg, logits)[0][0]
 
   return oracle
+
+
+def speculate(cfg, mod, p, est, prev, logits_1xE, state, decision, prefetch: str,
+              speculative: str, dec_true):
+  """The emulator's decision with speculative prefetch (the functions above, as the
+  engine's steps use them); `dec_true` is the decision on the true routing, used where
+  no previous MoE layer made a prediction (`prev`'s flag):
+  this layer's routing predicted from the previous MoE layer's (r, d), the predicted
+  experts not resident prefetched (seen as resident), the decision on the view.
+  Returns (decision, prefetched ids [K] (-1: none), prefetch stats [4])."""
+  r_prev, d_prev, has = prev
+  pred = predict_logits(mod, p, r_prev, d_prev, est, prefetch)
+  pred_ids = routing.route(cfg, pred)[0][0]
+  pf_ids = jnp.where(has & (state.expert_slot[pred_ids] < 0), pred_ids, -1)
+  dec_spec = speculative_decision(cfg, logits_1xE, pred, view(state, pf_ids), decision,
+                                  speculative)
+  dec = jax.tree_util.tree_map(lambda a, b: jnp.where(has, a, b), dec_spec, dec_true)
+  true_ids = routing.route(cfg, logits_1xE)[0][0]
+  used = jnp.any(pf_ids[:, None] == dec.exec_ids[0][None, :], axis=1) & (pf_ids >= 0)
+  hits = jnp.sum(jnp.any(pred_ids[:, None] == true_ids[None, :], axis=1))
+  f = jnp.float32
+  stats = jnp.stack([jnp.sum(pf_ids >= 0).astype(f), jnp.sum(used).astype(f),
+                     jnp.where(has, hits, 0).astype(f), jnp.where(has, cfg.top_k, 0).astype(f)])
+  return dec, jnp.where(used, pf_ids, -1).astype(jnp.int32), stats

@@ -244,35 +244,10 @@ class OffloadEngine:
           self._zero_rows, self._slots.row_buckets, self._host_rows)
       self._slots.insert_s = min(self._slots.insert_s, insert_s)
     if self._spec is not None:
-      self._warm_prefetch(x, tp)
-
-  def _warm_prefetch(self, x, tp):
-    """Compiles the prefetch steps of every MoE layer kind on throwaway copies."""
-    sp, done = self._spec, set()
-    for i in self.moe_layers:
-      pst, nxt = self._pf_steps[i], sp.next_layer(i)
-      key = (id(pst), steps_lib.layer_kind(self.cfg, nxt) if nxt is not None else None)
-      if key in done:
-        continue
-      done.add(key)
-      p = self.params[f"layers_{i}"]
-      copy = lambda: jax.tree_util.tree_map(jnp.copy, self.states[i])
-      kv = self._put(init_cache(self.cfg, 1, self.max_len, self.dtype)[i])
-      h, moe_in, _, dec, _ = pst["attend_decide"](p, x, tp, kv, copy(), sp.no_pf, sp.no_pred,
-                                                  np.bool_(False))
-      jax.block_until_ready(pst["moe"](p, h, moe_in, dec, self._zero_x, copy(), sp.no_pf,
-                                       self._zero_rows))
-      if nxt is None:
-        continue
-      rep, pn = steps_lib.representative(self.cfg, nxt), self.params[f"layers_{nxt}"]
-      if self.mode.prefetch == "oracle":
-        kvn = self._put(init_cache(self.cfg, 1, self.max_len, self.dtype)[nxt])
-        jax.block_until_ready(pf_steps.oracle_step(self.cfg, self.dtype, rep)(pn, x, tp, kvn))
-      else:
-        est = sp.estimators.get(i)
-        jax.block_until_ready(pf_steps.predict_step(
-            self.cfg, self.dtype, rep, self.mode.prefetch, est is not None)(
-                pn, h, dec, sp.vectors[i], est))
+      new_kv = lambda l: self._put(init_cache(cfg, 1, self.max_len, self.dtype)[l])
+      prefetch_lib.warm(self._spec, self._pf_steps, cfg, self.dtype, self.params, self.states,
+                        self.moe_layers, x, tp, new_kv, self._zero_x, self._zero_rows,
+                        self.mode.prefetch)
 
   # -------------------------------------------------------------- prefill
   def prefill(self, prompt_ids) -> np.ndarray:

@@ -32,6 +32,7 @@ import orbax.checkpoint as ocp
 from moejax import layer_stack, speculation
 from moejax.config import ModelConfig
 from moejax.offload import prefetch_steps as pf_steps
+from moejax.offload import steps as steps_lib
 from moejax.offload import tickets as tickets_lib
 
 
@@ -226,3 +227,30 @@ def stacked_predictors(cfg: ModelConfig, kind: str, predictors: dict | None):
   xs = [{"vectors": vec.get(i, zero_v), "est": est.get(i, zero_e)}
         for i in range(cfg.num_layers)]
   return jax.tree_util.tree_map(lambda *a: jnp.stack(a), *xs) if layer_stack.uniform(cfg) else xs
+
+
+def warm(sp: "Speculator", pf_steps_by_layer: dict, cfg: ModelConfig, dtype, params, states,
+         moe_layers, x, tp, new_kv, zero_x, zero_rows, prefetch: str):
+  """Compiles the engine's prefetch steps of every MoE layer kind on throwaway copies of
+  the resident states (`new_kv(l)`: a fresh device KV cache for layer l)."""
+  done = set()
+  for i in moe_layers:
+    pst, nxt = pf_steps_by_layer[i], sp.next_layer(i)
+    key = (id(pst), steps_lib.layer_kind(cfg, nxt) if nxt is not None else None)
+    if key in done:
+      continue
+    done.add(key)
+    p = params[f"layers_{i}"]
+    copy = lambda: jax.tree_util.tree_map(jnp.copy, states[i])
+    h, moe_in, _, dec, _ = pst["attend_decide"](p, x, tp, new_kv(i), copy(), sp.no_pf,
+                                                sp.no_pred, np.bool_(False))
+    jax.block_until_ready(pst["moe"](p, h, moe_in, dec, zero_x, copy(), sp.no_pf, zero_rows))
+    if nxt is None:
+      continue
+    rep, pn = steps_lib.representative(cfg, nxt), params[f"layers_{nxt}"]
+    if prefetch == "oracle":
+      jax.block_until_ready(pf_steps.oracle_step(cfg, dtype, rep)(pn, x, tp, new_kv(nxt)))
+    else:
+      est = sp.estimators.get(i)
+      jax.block_until_ready(pf_steps.predict_step(cfg, dtype, rep, prefetch, est is not None)(
+          pn, h, dec, sp.vectors[i], est))

@@ -7,8 +7,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 
+import jax
 import jax.numpy as jnp
 
 from moejax.config import ModelConfig
@@ -17,6 +19,22 @@ from moejax.store import ExpertStore
 
 DEMO_DIR = "ckpts/demo"
 NAMES = ("bench_f32", "bench_bf16", "demo_f32", "demo_bf16")
+
+
+def run_all(res: dict, names, bench_model, out: str, table) -> dict:
+  """res["models"][name] = bench_model(name) for each name, with the device, core count
+  and load average before and after; res is written to `out` after every model (a long
+  run keeps what it measured); prints `table(res)`."""
+  res = {"device": str(jax.devices()[0]), "cpu_count": os.cpu_count(),
+         "loadavg_start": os.getloadavg(), **res, "models": {}}
+  for name in names:
+    res["models"][name] = bench_model(name)
+    res["loadavg_end"] = os.getloadavg()
+    with open(out, "w") as f:
+      json.dump(res, f, indent=2)
+  print(table(res))
+  print(f"wrote {out}")
+  return res
 
 
 def bench_config(layers: int = 8) -> ModelConfig:

@@ -22,7 +22,6 @@ the load average at start and end.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import statistics
 import sys
@@ -250,19 +249,13 @@ def main(_):
     except llama_cpp.Unavailable as e:
       print(f"[bench_peers] llama.cpp skipped: {e}", file=sys.stderr)
   work = os.path.join(FLAGS.llama_cache, "models")
-  res = {"device": str(jax.devices()[0]), "cpu_count": os.cpu_count(),
-         "loadavg_start": os.getloadavg(), "threads": FLAGS.threads,
-         "prompt_len": FLAGS.prompt_len, "decode_tokens": FLAGS.decode_tokens,
-         "prefill_len": FLAGS.prefill_len, "rounds": FLAGS.rounds,
-         "llama_cpp": f"llama-cpp-python {llama_cpp.VERSION} vendored llama.cpp" if bins
-                      else "skipped", "models": {}}
-  for name in FLAGS.models:
-    res["models"][name] = bench_model(name, bins, work)
-    res["loadavg_end"] = os.getloadavg()
-    with open(FLAGS.out, "w") as f:  # after every model: a long run keeps what it measured
-      json.dump(res, f, indent=2)
-  print(table(res))
-  print(f"wrote {FLAGS.out}")
+  bench_models.run_all(
+      {"threads": FLAGS.threads, "prompt_len": FLAGS.prompt_len,
+       "decode_tokens": FLAGS.decode_tokens, "prefill_len": FLAGS.prefill_len,
+       "rounds": FLAGS.rounds,
+       "llama_cpp": f"llama-cpp-python {llama_cpp.VERSION} vendored llama.cpp" if bins
+                    else "skipped"},
+      FLAGS.models, lambda name: bench_model(name, bins, work), FLAGS.out, table)
 
 
 def table(res: dict) -> str:

@@ -15,8 +15,6 @@ Prefill: one --prefill_len prompt (tok/s, best round).  The load average is reco
 from __future__ import annotations
 
 import functools
-import json
-import os
 import time
 
 from absl import app, flags
@@ -132,17 +130,9 @@ def bench_model(name: str) -> dict:
 def main(_):
   if not cpu_kernel.available():
     raise SystemExit("bench_speed: the CPU kernel could not be built (see the message above)")
-  res = {"device": str(jax.devices()[0]), "cpu_count": os.cpu_count(),
-         "loadavg_start": os.getloadavg(), "decode_tokens": FLAGS.decode_tokens,
-         "prompt_len": FLAGS.prompt_len, "prefill_len": FLAGS.prefill_len,
-         "rounds": FLAGS.rounds, "models": {}}
-  for name in FLAGS.models:
-    res["models"][name] = bench_model(name)
-    res["loadavg_end"] = os.getloadavg()
-    with open(FLAGS.out, "w") as f:  # after every model: a long run keeps what it measured
-      json.dump(res, f, indent=2)
-  print(table(res))
-  print(f"wrote {FLAGS.out}")
+  bench_models.run_all({"decode_tokens": FLAGS.decode_tokens, "prompt_len": FLAGS.prompt_len,
+                        "prefill_len": FLAGS.prefill_len, "rounds": FLAGS.rounds},
+                       FLAGS.models, bench_model, FLAGS.out, table)
 
 
 def table(res: dict) -> str:

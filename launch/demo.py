@@ -5,9 +5,9 @@
 Loads ckpts/demo, keeps 25% of each layer's experts on the device, names the
 link (on a CPU-only machine an emulated link scaled to Qwen3-30B-A3B on an RTX
 3090; the real copy on an accelerator), and decodes the same prompt greedily
-under each preset.  Each preset writes its own continuation; the engines take
-turns, --block tokens at a time, so the load of a shared machine falls on all
-alike.  Prints one table (time per token, speed-up over baseline, hit rate,
+under each preset (its own text), then times every preset on the same tokens:
+the exact model's continuation, teacher-forced.  The engines take turns, --block
+tokens at a time, so the load of a shared machine falls on all alike.  Prints one table (time per token, speed-up over baseline, hit rate,
 share of expert calls substituted, substituted mass, perplexity increase over
 the exact model on a fixed held-out slice), then the quality preset's text next
 to the exact model's, and writes demo.json and demo.png under --out_dir.
@@ -92,12 +92,14 @@ def make_engines(cfg, params, store, link, dtype, max_len: int) -> dict:
   return engines
 
 
-def decode_side_by_side(engines: dict, prompt_ids: list[int], n: int, stop_ids) -> dict:
-  """Greedy continuations of the prompt, the engines taking turns --block tokens at a
-  time.  Returns {preset: generated token ids}."""
+def decode_side_by_side(engines: dict, prompt_ids: list[int], n: int, stop_ids,
+                        forced: list[int] | None = None, desc: str = "decode") -> dict:
+  """The engines take turns, --block tokens at a time, from a fresh prefill of the prompt.
+  Without `forced`: each its greedy continuation; with it: every engine is fed the same
+  tokens (teacher-forced).  Returns {preset: the tokens fed after the prompt}."""
   out = {name: [] for name in engines}
   logits = {}
-  bar = progress(n * len(engines), "decode (all presets)")
+  bar = progress(n * len(engines), desc)
   for name, eng in engines.items():
     logits[name] = eng.prefill(prompt_ids)
   live = set(engines)
@@ -106,16 +108,27 @@ def decode_side_by_side(engines: dict, prompt_ids: list[int], n: int, stop_ids) 
       if name not in live:
         continue
       for _ in range(FLAGS.block):
-        tok = int(np.argmax(logits[name]))
+        k = len(out[name])
+        tok = int(np.argmax(logits[name])) if forced is None else forced[k]
         out[name].append(tok)
         bar.update()
-        if tok in stop_ids or len(out[name]) == n:
+        if (forced is None and tok in stop_ids) or len(out[name]) == n:
           bar.update(n - len(out[name]))
           live.discard(name)
           break
         logits[name] = eng.decode_step(tok)
   bar.close()
   return out
+
+
+def time_same_tokens(engines: dict, prompt_ids: list[int], tokens: list[int]) -> dict:
+  """Every engine decodes the same `tokens` (the exact model's continuation), so the
+  timing and cache columns compare the presets on identical work.  -> {preset: the
+  index of its first record of this pass} (for `stats(skip=...)`)."""
+  first = {name: len(eng.records) for name, eng in engines.items()}
+  decode_side_by_side(engines, prompt_ids, len(tokens), (), forced=tokens,
+                      desc="time (same tokens)")
+  return first
 
 
 # ------------------------------------------------------------------ perplexity
@@ -166,11 +179,11 @@ def perplexity_increase(cfg, params, store, tokens: list[int], dtype) -> dict:
 
 
 # ------------------------------------------------------------------ output
-def rows_of(engines: dict, texts: dict, ppl: dict) -> dict:
-  base = engines[FLAGS.presets[0]].stats()["tpot_ms"]
+def rows_of(engines: dict, texts: dict, ppl: dict, skip: dict) -> dict:
+  base = engines[FLAGS.presets[0]].stats(skip[FLAGS.presets[0]])["tpot_ms"]
   rows = {}
   for name, eng in engines.items():
-    s = eng.stats()
+    s = eng.stats(skip[name])
     rows[name] = dict(
         policy=eng.policy.describe(), tokens=s["tokens"], tpot_ms=s["tpot_ms"],
         speedup_vs_baseline=base / s["tpot_ms"], hit_rate=s["hit_rate"],
@@ -277,21 +290,25 @@ def main(_):
   stop = set(cfg.eos_token_ids)
   try:
     t0 = time.time()
-    ids = decode_side_by_side(engines, prompt_ids, FLAGS.max_new_tokens, stop)
+    ids = decode_side_by_side(engines, prompt_ids, FLAGS.max_new_tokens, stop,
+                              desc="decode (each its own text)")
+    timed = ids[FLAGS.presets[0]]
+    skip = (time_same_tokens(engines, prompt_ids, timed) if len(timed) >= 2 else
+            {name: 0 for name in engines})   # the exact model stopped at once: own texts
     decode_s = time.time() - t0
     texts = {name: tok.decode(v) for name, v in ids.items()}
     t0 = time.time()
     ppl = (perplexity_increase(cfg, params, store, heldout_tokens(tok, FLAGS.eval_tokens + 1),
                                dtype) if FLAGS.eval_tokens else {"source": "n/a (--eval_tokens=0)"})
     ppl_s = time.time() - t0
-    rows = rows_of(engines, texts, ppl)
+    rows = rows_of(engines, texts, ppl, skip)
   finally:
     for eng in engines.values():
       eng.close()
 
   print()
-  print(f"time per decoded token, each preset its own greedy continuation of the prompt "
-        f"({FLAGS.max_new_tokens} tokens; link: {link.describe()})")
+  print(f"time per decoded token, every preset fed the exact model's greedy continuation "
+        f"({len(ids[FLAGS.presets[0]])} tokens; link: {link.describe()})")
   print(table(rows, ppl["source"]))
   print()
   print(side_by_side(FLAGS.prompt + texts["quality" if "quality" in texts else FLAGS.presets[-1]],
@@ -304,7 +321,7 @@ def main(_):
   result = dict(model_dir=FLAGS.model_dir, model_type=cfg.model_type, parameters=n_params,
                 dtype=FLAGS.dtype, device=str(jax.devices()[0]), link=link.describe(),
                 link_spec=spec, budget=budget.as_dict(), prompt=FLAGS.prompt,
-                max_new_tokens=FLAGS.max_new_tokens, block=FLAGS.block,
+                max_new_tokens=FLAGS.max_new_tokens, block=FLAGS.block, timed_tokens=timed,
                 perplexity={k: v for k, v in ppl.items() if k not in ("ppl", "increase_pct")},
                 presets=rows, decode_wall_s=decode_s, perplexity_wall_s=ppl_s,
                 total_wall_s=time.time() - t_start)

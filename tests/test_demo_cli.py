@@ -28,12 +28,15 @@ def test_demo_table_json_and_png(tmp_path):
   assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
   r = json.loads(json_path.read_text())
   assert list(r["presets"]) == PRESETS                        # every preset, in order
+  assert len(r["timed_tokens"]) == 3
   assert r["link"].startswith("scaled") and "link    scaled" in out
   assert r["budget"]["slots_per_layer"] == 16                 # 25% of 64 experts
   for name, p in r["presets"].items():
     s = p["stats"]
     assert f"\n{name} " in out                                # a table row
     assert s["tokens"] == 2                                   # 3 tokens: 2 decode steps
+    # timed on the exact model's tokens: every preset's timing pass fed the same ones
+    assert p["stats"]["tokens"] == len(r["timed_tokens"]) - 1
     assert abs(s["hits_per_token"] + s["misses_per_token"] - s["expert_calls_per_token"]) < 1e-9
     assert s["expert_calls_per_token"] == 8 * 8                # top-8 x 8 MoE layers
     assert 0 <= p["hit_rate"] <= 1

@@ -360,7 +360,7 @@ class OffloadEngine:
   def _moe_layer(self, i: int, st, p, x, tp, rec: TokenRecord, mark):
     """One MoE layer of a decode step (module docstring, steps 1-3; with prefetch on,
     the prefetch module's steps 1-3 too)."""
-    num_e, kk, sp = self.cfg.num_experts, self.cfg.top_k, self._spec
+    kk, sp = self.cfg.top_k, self._spec
     self._slots.collect_carried(i, rec)               # inserted ahead, due now
     fused = self._slots.admit(i, carry=False, rec=rec)
     if sp is not None:
@@ -387,18 +387,9 @@ class OffloadEngine:
     fetch = [int(e) for e in d.ids[d.action == FETCH]]
     if fetch:
       mark("fetch", i)
-      tickets, rows = self.prefetcher.fetch(i, fetch, pad_to=self._slots.rows(len(fetch)))
-      in_use = np.zeros(num_e, bool)
-      in_use[d.exec_ids[d.exec_ids >= 0]] = True     # never evicted for a fetched expert
-      r = self._slots.rows(len(fetch))
-      ins = steps_lib.pack_insert(fetch, in_use, r)
-    nxt = sp.next_layer(i) if sp is not None else None
-    if nxt is not None and self.mode.prefetch != "oracle":   # behind the sync fetches
-      rep = steps_lib.representative(self.cfg, nxt)
-      logits, ids = pf_steps.predict_step(self.cfg, self.dtype, rep, self.mode.prefetch,
-                                          sp.estimators.get(i) is not None)(
-          self.params[f"layers_{nxt}"], h, dec, sp.vectors[i], sp.estimators.get(i))
-      sp.request(nxt, logits, ids, rec)
+      pending = self._slots.fetch(self.prefetcher, i, fetch, d.exec_ids)
+    if sp is not None:         # behind the sync fetches
+      sp.predict_next(i, self.params, h, dec, rec)
     if d.admit.any():          # queued behind the sync fetches: they never delay them
       adm_ids = [int(e) for e in np.flatnonzero(d.admit)]
       self._slots.request(i, self.prefetcher.request_many(
@@ -409,35 +400,19 @@ class OffloadEngine:
     rec.fetches += len(fetch)
     if fetch:
       rec.layer(i).fetched = fetch
-      if rows is not None:     # placed while the link time elapses
-        self._slots.insert_packed(i, ins, rows)
-        self._slots.admit_arrived(after=i, deadline=max(t.finished_s for t in tickets))
-      tw = time.perf_counter()
-      arrived = tickets_lib.wait_stacked(tickets, r, timeout=self.transfer_timeout_s)
-      rec.wait_s += time.perf_counter() - tw
-      mark("arrived", i)
-      rec.fetch_bytes += sum(tk.nbytes for tk in tickets)
-      if rows is None:         # some came from a background transfer: insert them now
-        self._slots.insert_packed(i, ins, arrived)
+      self._slots.finish_fetch(i, pending, rec, mark)
     host_out = self._zero_x
     host_mask = d.action == HOST
     if host_mask.any():
-      th = time.perf_counter()
-      y = host_experts.host_moe(np.asarray(moe_in).reshape(-1), d.ids[host_mask],
-                                d.weights[host_mask], functools.partial(self.store.get, i))
-      host_out = y.reshape(x.shape).astype(x.dtype)
-      rec.host_s += time.perf_counter() - th
+      host_out = host_experts.layer_out(x, moe_in, d.ids[host_mask], d.weights[host_mask],
+                                        functools.partial(self.store.get, i), rec)
     mark("moe", i)
     if sp is not None:
       pf_rows, pf_used = sp.rows(i, pf_ids, pf_tickets, d.exec_ids, rec)
       x, self.states[i], ev = pst["moe"](p, h, moe_in, dec, host_out, self.states[i],
                                          pf_used, pf_rows)
       self._slots.evicted.append((i, ev))
-      if nxt == i + 1 and self.mode.prefetch == "oracle":   # the check: true routing of i+1
-        logits, ids = pf_steps.oracle_step(self.cfg, self.dtype,
-                                           steps_lib.representative(self.cfg, nxt))(
-            self.params[f"layers_{nxt}"], x, tp, self.cache[nxt])
-        sp.request(nxt, logits, ids, rec)
+      sp.oracle_next(i, self.params, x, tp, self.cache, rec)
     else:
       x, self.states[i], ev = st.moe(p, h, moe_in, dec, host_out, self.states[i])
       if self._trim_to is not None:

@@ -8,6 +8,8 @@ cost (the engine reports its time as `host_s`).
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from moejax import families
@@ -47,3 +49,12 @@ def host_moe(x_D: np.ndarray, ids, weights, get_expert) -> np.ndarray:
   for e, g in zip(ids, weights):
     y += np.float32(g) * expert_forward(x_D, get_expert(int(e)))
   return y
+
+
+def layer_out(x, moe_in, ids, weights, get_expert, rec):
+  """The HOST experts' share of a layer's output, shaped and typed like x (the
+  decision's ids and gate weights of its HOST actions); the time goes to rec.host_s."""
+  t0 = time.perf_counter()
+  y = host_moe(np.asarray(moe_in).reshape(-1), ids, weights, get_expert)
+  rec.host_s += time.perf_counter() - t0
+  return y.reshape(x.shape).astype(x.dtype)

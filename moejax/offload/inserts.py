@@ -107,6 +107,30 @@ class SlotWriter:
     return (steps_lib.pack_insert(ids[split:], in_use, r),
             tickets_lib.stacked(ready[split:], r))
 
+  def fetch(self, prefetcher, l: int, ids: list[int], exec_ids: np.ndarray) -> tuple:
+    """Requests layer l's FETCH experts at once (sync priority); -> the pending fetch
+    for `finish_fetch`.  Experts the layer executes are never evicted for them."""
+    r = self.rows(len(ids))
+    tickets, rows = prefetcher.fetch(l, ids, pad_to=r)
+    in_use = np.zeros(self.num_experts, bool)
+    in_use[exec_ids[exec_ids >= 0]] = True
+    return tickets, rows, steps_lib.pack_insert(ids, in_use, r), r
+
+  def finish_fetch(self, l: int, pending: tuple, rec: TokenRecord, mark):
+    """Inserts the fetched rows while their link time elapses (with other layers'
+    arrived admissions), then waits for the link; counts the wait in `rec`."""
+    tickets, rows, ins, r = pending
+    if rows is not None:       # placed while the link time elapses
+      self.insert_packed(l, ins, rows)
+      self.admit_arrived(after=l, deadline=max(t.finished_s for t in tickets))
+    tw = time.perf_counter()
+    arrived = tickets_lib.wait_stacked(tickets, r, timeout=self.timeout_s)
+    rec.wait_s += time.perf_counter() - tw
+    mark("arrived", l)
+    rec.fetch_bytes += sum(tk.nbytes for tk in tickets)
+    if rows is None:           # some came from a background transfer: insert them now
+      self.insert_packed(l, ins, arrived)
+
   def admit_arrived(self, after: int, deadline: float):
     """While a fetch of layer `after` crosses the link (until `deadline`), inserts
     other layers' arrived admissions ahead of their logical token (later layers

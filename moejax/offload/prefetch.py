@@ -146,6 +146,28 @@ class Speculator:
     rec.layer(n).predicted = ids
     rec.layer(n).prefetched = missing
 
+  def predict_next(self, l: int, layer_params: dict, h, dec, rec):
+    """Step 2 after layer l's decision: predicts the next MoE layer's experts from
+    r_l (and d_l) and requests those not resident (not for `oracle`: `oracle_next`)."""
+    n = self.next_layer(l)
+    if n is None or self.mode.prefetch == "oracle":
+      return
+    rep = steps_lib.representative(self.cfg, n)
+    step = pf_steps.predict_step(self.cfg, self.dtype, rep, self.mode.prefetch,
+                                 self.estimators.get(l) is not None)
+    logits, ids = step(layer_params[f"layers_{n}"], h, dec, self.vectors[l],
+                       self.estimators.get(l))
+    self.request(n, logits, ids, rec)
+
+  def oracle_next(self, l: int, layer_params: dict, x, tp, cache: dict, rec):
+    """The `oracle` check: layer l+1's true routing, from layer l's output x."""
+    n = self.next_layer(l)
+    if n != l + 1 or self.mode.prefetch != "oracle":
+      return
+    step = pf_steps.oracle_step(self.cfg, self.dtype, steps_lib.representative(self.cfg, n))
+    logits, ids = step(layer_params[f"layers_{n}"], x, tp, cache[n])
+    self.request(n, logits, ids, rec)
+
   def rows(self, l: int, pf_ids: np.ndarray, tickets: list, exec_ids: np.ndarray, rec):
     """Waits for the prefetched experts layer l executes; cancels the others if still
     queued.  Returns the prefetch rows {name: [K, ...]} (zeros where unused) and pf_ids

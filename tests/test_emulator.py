@@ -44,10 +44,10 @@ def assert_same_decisions(cfg, records, out):
     for j, l in enumerate(cfg.moe_layers):
       lr = rec.layers[l]
       where = f"token {t + 1}, layer {l}"
-      assert lr.ids == out["ids"][0, t, j].tolist(), where
-      assert lr.actions == out["action"][0, t, j].tolist(), where
-      assert lr.substitutes == out["sub_ids"][0, t, j].tolist(), where
-      assert lr.fetched == [int(e) for e in out["fetched"][0, t, j] if e >= 0], where
+      assert list(lr.ids) == out["ids"][0, t, j].tolist(), where
+      assert list(lr.actions) == out["action"][0, t, j].tolist(), where
+      assert list(lr.substitutes) == out["sub_ids"][0, t, j].tolist(), where
+      assert list(lr.fetched) == [int(e) for e in out["fetched"][0, t, j] if e >= 0], where
       assert sorted(lr.admissions) == valid(out["admissions"][0, t, j]), where
       assert sorted(lr.admitted) == valid(out["admitted"][0, t, j]), where
       assert sorted(lr.evicted) == valid(out["evicted"][0, t, j]), where

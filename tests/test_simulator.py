@@ -131,11 +131,11 @@ def test_simulator_equals_engine_decision_by_decision(demo, tmp_path):
     for t, rec in enumerate(records):
       for j, l in enumerate(cfg.moe_layers):
         lr, where = rec.layers[l], (name, t, l)
-        assert lr.ids == d["ids"][t, j].tolist(), where
-        assert lr.actions == d["action"][t, j].tolist(), where
-        assert lr.substitutes == d["sub_ids"][t, j].tolist(), where
-        assert lr.fetched == [e for e, a in zip(lr.ids, lr.actions) if a == P.FETCH], where
-        assert lr.admissions == [e for e in d["admit"][t, j].tolist() if e >= 0], where
+        assert list(lr.ids) == d["ids"][t, j].tolist(), where
+        assert list(lr.actions) == d["action"][t, j].tolist(), where
+        assert list(lr.substitutes) == d["sub_ids"][t, j].tolist(), where
+        assert list(lr.fetched) == [e for e, a in zip(lr.ids, lr.actions) if a == P.FETCH], where
+        assert list(lr.admissions) == [e for e in d["admit"][t, j].tolist() if e >= 0], where
         prev = d["admit"][t - 1, j].tolist() if t else []
         assert sorted(lr.admitted) == [e for e in prev if e >= 0], where
         assert len(lr.evicted) == d["stats"][t, j, f.index("evictions")], where

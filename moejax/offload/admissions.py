@@ -51,6 +51,8 @@ def arrived(adm: Admissions, layer: int) -> bool:
 def take(adm: Admissions, layer: int) -> tuple[Admissions, list]:
   """Removes the layer's pending tickets; returns those still to insert (a ticket a
   synchronous fetch took over, upgraded to "sync", was inserted by that fetch)."""
+  if not adm.pending[layer]:
+    return adm, []
   ready = [t for t in adm.pending[layer] if t.priority == BACKGROUND]
   return dataclasses.replace(adm, pending={**adm.pending, layer: ()}), ready
 
@@ -65,6 +67,8 @@ def carry(adm: Admissions, layer: int, admitted, evicted) -> Admissions:
 def collect(adm: Admissions, layer: int) -> tuple[Admissions, Carried]:
   """The layer's carried inserts, now attributed to the current token."""
   c = adm.carried[layer]
+  if not c.admitted and not c.evicted:
+    return adm, c
   return dataclasses.replace(adm, carried={**adm.carried, layer: Carried()}), c
 
 

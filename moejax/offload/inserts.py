@@ -89,7 +89,7 @@ class SlotWriter:
     if not ready:
       return None
     t0 = time.perf_counter()
-    tickets_lib.wait_stacked(ready, timeout=self.timeout_s)
+    tickets_lib.wait_all(ready, timeout=self.timeout_s)
     ids = [t.key[1] for t in ready]
     k = self.top_k
     split = len(ids) if carry else (len(ids) - 1) // k * k

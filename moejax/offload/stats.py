@@ -25,9 +25,10 @@ TIME_KEYS = ("wait_s", "admission_wait_s", "prefetch_wait_s", "host_s", "compute
 STAT_KEYS = COUNT_KEYS + TIME_KEYS
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class LayerRecord:
   """One MoE layer of one token.  Expert ids; actions are policy.HIT/FETCH/...
+  Lists while the token is decoded, tuples in the finished record (`freeze`).
 
   ids          the K selected experts, by router score
   actions      their actions
@@ -52,6 +53,12 @@ class LayerRecord:
   predicted: list[int] = dataclasses.field(default_factory=list)
   prefetched: list[int] = dataclasses.field(default_factory=list)
   true_ids: list[int] = dataclasses.field(default_factory=list)
+
+  def freeze(self):
+    """The token is done: lists become tuples (of ints, which the garbage collector
+    stops scanning, so a long run's records do not slow its collections)."""
+    for f in dataclasses.fields(self):
+      setattr(self, f.name, tuple(getattr(self, f.name)))
 
 
 @dataclasses.dataclass
@@ -113,6 +120,8 @@ class TokenRecord:
     """Counts the evictions (the layers' evicted ids) and splits the wall time."""
     self.evictions = float(sum(len(r.evicted) for r in self.layers.values()))
     self.admitted = float(sum(len(r.admitted) for r in self.layers.values()))
+    for r in self.layers.values():
+      r.freeze()
     self.wall_s = wall_s
     self.compute_s = (wall_s - self.wait_s - self.admission_wait_s - self.prefetch_wait_s
                       - self.host_s)

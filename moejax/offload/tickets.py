@@ -139,13 +139,18 @@ def wait_stacked(tickets: list[Ticket], pad_to: int = 0,
                  timeout: float | None = None) -> dict[str, Any]:
   """Waits for every ticket; their experts stacked in ticket order, [max(n, pad_to), ...].
 
-  Rows past n are unspecified.  `timeout` bounds the whole wait.  The link serves
-  tickets in order, so waiting for the last one first blocks (and sleeps) once.
+  Rows past n are unspecified.  `timeout` bounds the whole wait (`wait_all`).
   """
+  wait_all(tickets, timeout)
+  return stacked(tickets, pad_to)
+
+
+def wait_all(tickets: list[Ticket], timeout: float | None = None):
+  """Blocks until every ticket is complete (`Ticket.block`); `timeout` bounds the whole
+  wait.  The link serves tickets in order: the last one is waited for first."""
   deadline = None if timeout is None else time.perf_counter() + timeout
   for t in tickets[::-1]:
     t.block(None if deadline is None else max(0.0, deadline - time.perf_counter()))
-  return stacked(tickets, pad_to)
 
 
 def stacked(tickets: list[Ticket], pad_to: int = 0) -> dict[str, Any]:

@@ -39,7 +39,7 @@ flags.DEFINE_list("domains", ["python", "c", "english"], "Corpus domains (moejax
 flags.DEFINE_integer("domain_chars", 12_000_000, "Character cap of each non-python domain.")
 flags.DEFINE_string("tokenizer", "ckpts/demo/tokenizer.json",
                     "Reuse this tokenizer.json ('' = train a new BPE on the train split).")
-flags.DEFINE_integer("steps", 4500, "Total optimizer steps (the cosine schedule spans them).")
+flags.DEFINE_integer("steps", 3000, "Total optimizer steps (the cosine schedule spans them).")
 flags.DEFINE_integer("batch", 16, "Sequences per step.")
 flags.DEFINE_integer("seq", 256, "Tokens per sequence.")
 flags.DEFINE_float("lr", 3e-3, "Peak learning rate.")

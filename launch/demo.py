@@ -308,7 +308,7 @@ def main(_):
 
   print()
   print(f"time per decoded token, every preset fed the exact model's greedy continuation "
-        f"({len(ids[FLAGS.presets[0]])} tokens; link: {link.describe()})")
+        f"({len(timed)} tokens; link: {link.describe()})")
   print(table(rows, ppl["source"]))
   print()
   print(side_by_side(FLAGS.prompt + texts["quality" if "quality" in texts else FLAGS.presets[-1]],

@@ -92,6 +92,15 @@ def load_predictors(kind: str, cfg: ModelConfig, model_dir: str | None = None,
   return out
 
 
+def _predictors(kind: str, cfg: ModelConfig, predictors: dict | None) -> dict:
+  """The given predictors, else the shipped ones; quasi and hybrid need default vectors."""
+  preds = predictors or load_predictors(kind, cfg)
+  if kind in ("quasi", "hybrid") and preds["vectors"] is None:
+    raise PrefetchError(f"--prefetch={kind} needs default vectors: run "
+                        f"`python -m launch.default_vectors --model_dir=<the model>`")
+  return preds
+
+
 class Speculator:
   """The engine's prefetch state for the token in flight (host side)."""
 
@@ -104,10 +113,7 @@ class Speculator:
     self.host_rows, self.zero_rows, self.timeout_s = host_rows, zero_rows, timeout_s
     self.expert_nbytes = expert_nbytes
     k, e, d = cfg.top_k, cfg.num_experts, cfg.hidden_size
-    preds = predictors or load_predictors(mode.prefetch, cfg)
-    if mode.prefetch in ("quasi", "hybrid") and preds["vectors"] is None:
-      raise PrefetchError(f"--prefetch={mode.prefetch} needs default vectors: run "
-                          f"`python -m launch.default_vectors --model_dir=<the model>`")
+    preds = _predictors(mode.prefetch, cfg, predictors)
     zero_v = np.zeros((e, d), np.float32)
     self.vectors = {l: put(np.asarray(preds["vectors"][j]) if preds["vectors"] is not None
                            else zero_v) for j, l in enumerate(self.moe_layers)}
@@ -234,10 +240,7 @@ def stacked_predictors(cfg: ModelConfig, kind: str, predictors: dict | None):
   """Per layer: the default vectors D_l (to form d_l) and the estimator that predicts
   layer l from the MoE layer before it (zero correction where none: W_out = 0 is the
   plain quasi prediction), stacked like the layers (`layer_stack.stack_layers`), for the emulator's scan."""
-  preds = predictors or load_predictors(kind, cfg)
-  if kind in ("quasi", "hybrid") and preds["vectors"] is None:
-    raise PrefetchError(f"--prefetch={kind} needs default vectors: run "
-                        f"`python -m launch.default_vectors --model_dir=<the model>`")
+  preds = _predictors(kind, cfg, predictors)
   zero_v = jnp.zeros((cfg.num_experts, cfg.hidden_size), jnp.float32)
   moe = list(cfg.moe_layers)
   vec = {l: (jnp.asarray(preds["vectors"][j], jnp.float32) if preds["vectors"] is not None

@@ -57,8 +57,8 @@ class LayerRecord:
   def freeze(self):
     """The token is done: lists become tuples (of ints, which the garbage collector
     stops scanning, so a long run's records do not slow its collections)."""
-    for f in dataclasses.fields(self):
-      setattr(self, f.name, tuple(getattr(self, f.name)))
+    for name in self.__slots__:
+      setattr(self, name, tuple(getattr(self, name)))
 
 
 @dataclasses.dataclass

@@ -69,6 +69,11 @@ flags.DEFINE_integer("experts", 128, "Routed experts per layer.")
 flags.DEFINE_integer("expert_size", 16, "Expert intermediate size.")
 flags.DEFINE_integer("top_k", 8, "Experts per token.")
 flags.DEFINE_bool("export_only", False, "Only export the latest checkpoint.")
+flags.DEFINE_string("init_from", "",
+                    "A second stage: start from the latest checkpoint of this earlier run's "
+                    "--workdir (weights only; a fresh optimizer and schedule over --steps). "
+                    "Ignored once --workdir has a checkpoint of its own.")
+flags.DEFINE_integer("seed", 0, "Initialisation and data-order seed (use a new one for a stage).")
 
 
 def demo_config(vocab: int) -> ModelConfig:
@@ -122,14 +127,28 @@ def prepare_data(data_dir: str):
   return tok, stream, manifest
 
 
+def _restore(ckpt_dir: str, trainable, opt_state):
+  """(trainable, opt_state, step) from the latest checkpoint in ckpt_dir, or None."""
+  mgr = ocp.CheckpointManager(os.path.abspath(ckpt_dir))
+  step = mgr.latest_step()
+  if step is None:
+    mgr.close()
+    return None
+  state = mgr.restore(step, args=ocp.args.StandardRestore(
+      {"trainable": trainable, "opt_state": opt_state}))
+  mgr.close()
+  return state["trainable"], state["opt_state"], step
+
+
 def run_training(cfg, tc: TrainConfig, stream: np.ndarray, ckpt_dir: str, save_every: int,
                  max_hours: float = 0.0, log_path: str | None = None, export_only: bool = False,
-                 stop_at: int | None = None):
+                 stop_at: int | None = None, init_from: str = ""):
   """Trains (resuming from the latest checkpoint in ckpt_dir); returns (trainable, step).
 
   The batch of step s is a pure function of (stream, seed, s), so a run killed and
   restarted from a checkpoint sees the same data order.  `stop_at` ends the run early
-  (as a kill would) after checkpointing that step.
+  (as a kill would) after checkpointing that step.  `init_from` (another run's checkpoint
+  directory) starts a fresh run from its latest weights, with a new optimizer state.
   """
   opt, sched = make_optimizer(tc)
   params, experts = init_random(cfg, seed=tc.seed, scale=0.02)
@@ -141,11 +160,15 @@ def run_training(cfg, tc: TrainConfig, stream: np.ndarray, ckpt_dir: str, save_e
                               options=ocp.CheckpointManagerOptions(max_to_keep=2))
   step = 0
   if mgr.latest_step() is not None:
-    step = mgr.latest_step()
-    state = mgr.restore(step, args=ocp.args.StandardRestore(
-        {"trainable": trainable, "opt_state": opt_state}))
-    trainable, opt_state = state["trainable"], state["opt_state"]
+    trainable, opt_state, step = _restore(ckpt_dir, trainable, opt_state)
     logging.info("resumed from step %d", step)
+  elif init_from:
+    got = _restore(init_from, trainable, opt_state)
+    if got is None:
+      raise app.UsageError(f"--init_from={init_from}: no checkpoint there")
+    trainable = got[0]
+    opt_state = opt.init(trainable)
+    logging.info("initialised from %s at its step %d", init_from, got[2])
   t0 = time.time()
   load_sum, load_n = None, 0  # expert loads since the last revival (a window starts at resume)
   end = tc.steps if stop_at is None else min(stop_at, tc.steps)
@@ -207,11 +230,12 @@ def main(_):
                    locality_loss=FLAGS.locality_loss,
                    logit_balance_coef=FLAGS.logit_balance_coef,
                    revive_every=FLAGS.revive_every, revive_threshold=FLAGS.revive_threshold,
-                   revive_until=FLAGS.revive_until)
+                   revive_until=FLAGS.revive_until, seed=FLAGS.seed)
   logging.info("train tokens %d, config %s", stream.size, cfg)
   trainable, step = run_training(cfg, tc, stream, os.path.join(wd, "ckpt"), FLAGS.save_every,
                                  max_hours=FLAGS.max_hours, log_path=os.path.join(wd, "train_log.jsonl"),
-                                 export_only=FLAGS.export_only)
+                                 export_only=FLAGS.export_only,
+                                 init_from=os.path.join(os.path.abspath(FLAGS.init_from), "ckpt") if FLAGS.init_from else "")
   params, experts = trainable
   os.makedirs(FLAGS.export_dir, exist_ok=True)
   save_hf(cfg, params, experts, FLAGS.export_dir, dtype=jnp.bfloat16,
@@ -220,6 +244,8 @@ def main(_):
                   tokens_seen=int(step) * tc.batch * tc.seq, peak_lr=tc.lr,
                   recipe={k: v for k, v in dataclasses.asdict(tc).items()},
                   argv=" ".join(sys.argv[1:]))
+  if FLAGS.init_from:  # a second stage: keep the first stage's record
+    manifest["init_from"] = FLAGS.init_from
   json.dump(manifest, open(os.path.join(FLAGS.export_dir, "training.json"), "w"), indent=2)
   logging.info("exported %s at step %d", FLAGS.export_dir, step)
 

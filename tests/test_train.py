@@ -1,5 +1,7 @@
 """Training: hand-checked auxiliary losses, learning, and exact resume from orbax."""
 
+import dataclasses
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -87,6 +89,26 @@ def test_training_learns_and_resumes_exactly(stream, tmp_path):
   (pb, eb), step_b = run_training(TINY, tc, stream, str(tmp_path / "b"), save_every=8)
   assert step_b == 16
   chex.assert_trees_all_close((pa, ea), (pb, eb), atol=0, rtol=0)
+
+
+def test_second_stage_starts_from_the_first_stages_weights(stream, tmp_path):
+  tc = TrainConfig(steps=6, warmup=1, lr=1e-2, batch=4, seq=32, seed=0)
+  first, _ = run_training(TINY, tc, stream, str(tmp_path / "a"), save_every=6)
+  # a stage stopped before its first step holds exactly the first stage's weights ...
+  tc2 = dataclasses.replace(tc, seed=1, lr=1e-3)
+  same, step = run_training(TINY, tc2, stream, str(tmp_path / "b"), save_every=6, stop_at=0,
+                            init_from=str(tmp_path / "a"))
+  assert step == 0
+  chex.assert_trees_all_close(same, first, atol=0, rtol=0)
+  # ... and one that runs moves them (a fresh optimizer, a new schedule)
+  moved, step = run_training(TINY, tc2, stream, str(tmp_path / "c"), save_every=6,
+                             init_from=str(tmp_path / "a"))
+  assert step == 6
+  diff = jax.tree_util.tree_map(lambda a, b: float(jnp.max(jnp.abs(a - b))), moved, first)
+  assert min(jax.tree_util.tree_leaves(diff)) > 0, diff   # every array trained on
+  with pytest.raises(Exception, match="no checkpoint"):
+    run_training(TINY, tc2, stream, str(tmp_path / "d"), save_every=6,
+                 init_from=str(tmp_path / "nothing"))
 
 
 def test_revive_experts_splits_the_most_loaded_expert_into_the_dead_one():

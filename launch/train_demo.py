@@ -8,7 +8,9 @@ reused from --tokenizer when given, so perplexities stay comparable with the mod
 made it.  Nothing under ckpts/ is written unless --export_dir names it.
 
 Resumable: an orbax CheckpointManager saves every --save_every steps; rerunning the
-same command continues from the last checkpoint with the same data order.
+same command continues from the last checkpoint with the same data order.  A second
+stage (--init_from=<first stage's --workdir>, a new --seed and schedule) starts from the
+first stage's latest weights with a fresh optimizer.
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ import sys
 import time
 
 from absl import app, flags, logging
-import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp

@@ -82,30 +82,32 @@ class SlotWriter:
 
   def admit(self, l: int, carry: bool, rec: TokenRecord | None = None):
     """Takes layer l's pending admissions and inserts them, waiting for any not
-    arrived.  carry=True: ahead of their logical token (stats carried to it), all
-    inserted here; else counted in `rec` and the last <= K returned as a packed
-    (ins, rows) for the fused insert before the layer's decision (None: nothing)."""
+    arrived: all but the last <= K in chunks of K, the last ones in one insert of the
+    smallest row bucket.  carry=True: ahead of their logical token (stats carried to
+    it), all inserted here; else counted in `rec` and the last ones returned as a
+    packed (ins, rows) for the fused insert before the layer's decision (None:
+    nothing)."""
     self.adm, ready = adm_lib.take(self.adm, l)
     if not ready:
       return None
     t0 = time.perf_counter()
     tickets_lib.wait_all(ready, timeout=self.timeout_s)
     ids = [t.key[1] for t in ready]
-    k = self.top_k
-    split = len(ids) if carry else (len(ids) - 1) // k * k
+    split = (len(ids) - 1) // self.top_k * self.top_k
     in_use = np.zeros(self.num_experts, bool)
     evicted = self.insert(l, ids[:split], tickets_lib.stacked(ready[:split]), in_use) \
         if split else []
     in_use[ids[:split]] = True                         # not evicted for the rest
+    r = self.rows(len(ids) - split)
+    last = (steps_lib.pack_insert(ids[split:], in_use, r), tickets_lib.stacked(ready[split:], r))
     if carry:
-      self.adm = adm_lib.carry(self.adm, l, ids, evicted)
+      self.states[l], ev = self.steps[l].insert(self.states[l], *last)
+      self.adm = adm_lib.carry(self.adm, l, ids, evicted + [ev])
       return None
     rec.admission_wait_s += time.perf_counter() - t0
     rec.layer(l).admitted.extend(ids)
     self.evicted.extend((l, e) for e in evicted)
-    r = self.rows(len(ids) - split)
-    return (steps_lib.pack_insert(ids[split:], in_use, r),
-            tickets_lib.stacked(ready[split:], r))
+    return last
 
   def fetch(self, prefetcher, l: int, ids: list[int], exec_ids: np.ndarray) -> tuple:
     """Requests layer l's FETCH experts at once (sync priority); -> the pending fetch

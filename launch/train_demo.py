@@ -75,6 +75,29 @@ flags.DEFINE_string("init_from", "",
                     "--workdir (weights only; a fresh optimizer and schedule over --steps). "
                     "Ignored once --workdir has a checkpoint of its own.")
 flags.DEFINE_integer("seed", 0, "Initialisation and data-order seed (use a new one for a stage).")
+flags.DEFINE_string("stage2", "",
+                    "A second stage in the same command: TrainConfig fields to change, e.g. "
+                    "'steps=1000,lr=1e-3,seed=1'.  Once --steps are done, training continues "
+                    "from the final weights with a fresh optimizer and schedule, in "
+                    "<workdir>/stage2 (resumable like the first).  Empty: one stage.")
+
+
+def stage_overrides(spec: str) -> dict:
+  """'k=v,k=v' -> TrainConfig overrides typed like the fields' defaults (--stage2)."""
+  defaults = TrainConfig()
+  out = {}
+  for item in filter(None, (s.strip() for s in spec.split(","))):
+    k, sep, v = item.partition("=")
+    if not sep or not hasattr(defaults, k):
+      known = ", ".join(f.name for f in dataclasses.fields(TrainConfig))
+      raise app.UsageError(f"--stage2: {item!r} is not field=value with a field of "
+                           f"TrainConfig ({known})")
+    kind = type(getattr(defaults, k))
+    try:
+      out[k] = kind(v)
+    except ValueError:
+      raise app.UsageError(f"--stage2: {k}={v!r} is not a {kind.__name__}") from None
+  return out
 
 
 def demo_config(vocab: int) -> ModelConfig:
@@ -237,14 +260,25 @@ def main(_):
                                  max_hours=FLAGS.max_hours, log_path=os.path.join(wd, "train_log.jsonl"),
                                  export_only=FLAGS.export_only,
                                  init_from=os.path.join(os.path.abspath(FLAGS.init_from), "ckpt") if FLAGS.init_from else "")
+  stages = [dict(recipe=dataclasses.asdict(tc), steps=int(step))]
+  if FLAGS.stage2 and step >= tc.steps:
+    tc = dataclasses.replace(tc, **stage_overrides(FLAGS.stage2))
+    s2 = os.path.join(wd, "stage2")
+    logging.info("stage 2 from step %d: %s", step, FLAGS.stage2)
+    trainable, step = run_training(cfg, tc, stream, os.path.join(s2, "ckpt"), FLAGS.save_every,
+                                   max_hours=FLAGS.max_hours,
+                                   log_path=os.path.join(s2, "train_log.jsonl"),
+                                   export_only=FLAGS.export_only,
+                                   init_from=os.path.join(wd, "ckpt"))
+    stages.append(dict(recipe=dataclasses.asdict(tc), steps=int(step)))
   params, experts = trainable
   os.makedirs(FLAGS.export_dir, exist_ok=True)
   save_hf(cfg, params, experts, FLAGS.export_dir, dtype=jnp.bfloat16,
           tokenizer_json=os.path.join(dd, "tokenizer.json"))
-  manifest = dict(manifest, trained_steps=int(step), batch=tc.batch, seq=tc.seq,
-                  tokens_seen=int(step) * tc.batch * tc.seq, peak_lr=tc.lr,
-                  recipe={k: v for k, v in dataclasses.asdict(tc).items()},
-                  argv=" ".join(sys.argv[1:]))
+  trained = sum(st["steps"] for st in stages)
+  manifest = dict(manifest, trained_steps=trained, batch=tc.batch, seq=tc.seq,
+                  tokens_seen=trained * tc.batch * tc.seq, peak_lr=tc.lr,
+                  recipe=dataclasses.asdict(tc), stages=stages, argv=" ".join(sys.argv[1:]))
   if FLAGS.init_from:  # a second stage: keep the first stage's record
     manifest["init_from"] = FLAGS.init_from
   json.dump(manifest, open(os.path.join(FLAGS.export_dir, "training.json"), "w"), indent=2)

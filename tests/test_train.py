@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from launch.train_demo import run_training
+from launch.train_demo import run_training, stage_overrides
 from moejax.config import ModelConfig
 from moejax.train import TrainConfig, aux_losses, balance_schedule, revive_experts
 
@@ -109,6 +109,16 @@ def test_second_stage_starts_from_the_first_stages_weights(stream, tmp_path):
   with pytest.raises(Exception, match="no checkpoint"):
     run_training(TINY, tc2, stream, str(tmp_path / "d"), save_every=6,
                  init_from=str(tmp_path / "nothing"))
+
+
+def test_stage2_overrides_are_typed_and_checked():
+  assert stage_overrides("steps=1000, lr=1e-3,locality_loss=mi,seed=1") == dict(
+      steps=1000, lr=1e-3, locality_loss="mi", seed=1)
+  assert stage_overrides("") == {}
+  with pytest.raises(Exception, match="--stage2: 'stepz=3' is not field=value"):
+    stage_overrides("stepz=3")
+  with pytest.raises(Exception, match="--stage2: steps='ten' is not a int"):
+    stage_overrides("steps=ten")
 
 
 def test_revive_experts_splits_the_most_loaded_expert_into_the_dead_one():

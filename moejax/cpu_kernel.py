@@ -34,6 +34,11 @@ import jax.numpy as jnp
 TARGET = "moejax_expert_ffn"
 LINEAR_TARGET = "moejax_linear"
 LINEAR_MAX_TOKENS = 16   # up to this many rows of x: the kernel (decode); more: XLA's GEMM
+# f32 projections with fewer weight bytes stay with XLA: its dot is as fast there, and the
+# custom call's fixed cost (argument marshalling, waking the thread pool) is not paid per
+# projection (docs/speed.md, "Which projections go to the kernel").  bf16 always goes to the
+# kernel: XLA converts the weights to f32 before each dot.
+LINEAR_MIN_F32_BYTES = 1 << 20
 _SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_kernel.cc")
 _FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC"]
 _lock = threading.Lock()
@@ -171,9 +176,12 @@ _linear_kernel.defvjp(_linear_fwd, _linear_bwd)
 
 
 def linear(x_NxD, w_OxD):
-  """x @ w.T: the kernel on CPU for a few rows of matching f32/bf16 dtypes, else einsum."""
+  """x @ w.T: the kernel on CPU for a few rows of matching f32/bf16 dtypes (f32 only for
+  weights of at least LINEAR_MIN_F32_BYTES), else einsum."""
   ok = {jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)}
+  small_f32 = (jnp.dtype(w_OxD.dtype) == jnp.float32
+               and w_OxD.size * w_OxD.dtype.itemsize < LINEAR_MIN_F32_BYTES)
   if (x_NxD.shape[0] <= LINEAR_MAX_TOKENS and x_NxD.dtype == w_OxD.dtype
-      and jnp.dtype(x_NxD.dtype) in ok and available()):
+      and jnp.dtype(x_NxD.dtype) in ok and not small_f32 and available()):
     return _linear_kernel(x_NxD, w_OxD)
   return _einsum(x_NxD, w_OxD)

@@ -101,3 +101,22 @@ def test_vmap_runs_the_kernel_per_element():
   lin = jax.jit(jax.vmap(cpu_kernel.linear, in_axes=(0, None)))(x, w["gate_up"][0])
   chex.assert_trees_all_close(lin, jnp.einsum("bnd,od->bno", x, w["gate_up"][0]), rtol=1e-5,
                               atol=1e-5)
+
+
+def test_linear_f32_kernel_only_for_large_weights(monkeypatch):
+  """Small f32 projections stay with XLA (the custom call costs more than their dot);
+  large ones and every bf16 one go to the kernel, and all of them agree with einsum."""
+  rng = np.random.default_rng(2)
+  x = jnp.asarray(rng.normal(size=(1, 64)), jnp.float32)
+  small = jnp.asarray(rng.normal(size=(32, 64)), jnp.float32)          # 8 KiB
+  assert cpu_kernel.LINEAR_TARGET not in jax.jit(cpu_kernel.linear).lower(x, small).as_text()
+  assert cpu_kernel.LINEAR_TARGET in jax.jit(cpu_kernel.linear).lower(
+      x.astype(jnp.bfloat16), small.astype(jnp.bfloat16)).as_text()
+  big = jnp.asarray(rng.normal(size=(cpu_kernel.LINEAR_MIN_F32_BYTES // 256, 64)), jnp.float32)
+  assert cpu_kernel.LINEAR_TARGET in jax.jit(cpu_kernel.linear).lower(x, big).as_text()
+  chex.assert_trees_all_close(jax.jit(cpu_kernel.linear)(x, big), x @ big.T, rtol=1e-5,
+                              atol=1e-4)
+  monkeypatch.setattr(cpu_kernel, "LINEAR_MIN_F32_BYTES", 0)   # the kernel's f32 path, small
+  f = lambda x, w: cpu_kernel.linear(x, w)                     # a new function: a new trace
+  assert cpu_kernel.LINEAR_TARGET in jax.jit(f).lower(x, small).as_text()
+  chex.assert_trees_all_close(jax.jit(f)(x, small), x @ small.T, rtol=1e-5, atol=1e-5)

@@ -13,7 +13,8 @@ compiler (or with ``MOEJAX_CPU_KERNEL=0``) moejax keeps XLA's own dispatch and s
 once on stderr.
 
 Gradients go through XLA's grouped dispatch (``custom_vjp``), so training is unchanged;
-under ``vmap`` (the emulator's streams) the kernel runs once per batch element.
+under ``vmap`` with shared weights (the emulator's streams) the batch is folded into the
+rows of one kernel call; with batched weights it runs once per batch element.
 """
 
 from __future__ import annotations
@@ -117,11 +118,34 @@ def supports(x_NxD, w: dict) -> bool:
           and jnp.dtype(w["gate_up"].dtype) in ok and w["gate_up"].dtype == w["down"].dtype)
 
 
-def _call(x_NxD, ids_NxK, gates_NxK, gate_up_Ex2IxD, down_ExDxI):
-  return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(x_NxD.shape, x_NxD.dtype),
-                         vmap_method="sequential")(
+def _rows_vmap(fn, n_rows_args: int):
+  """`fn` with a vmap rule for kernels whose first `n_rows_args` arguments are per-row
+  (leading axis N) and the rest weights: with unbatched weights the batch axis is folded
+  into the rows (one kernel call over B*N rows), else one call per batch element."""
+  f = jax.custom_batching.custom_vmap(fn)
+
+  @f.def_vmap
+  def rule(axis_size, in_batched, *args):
+    rows, weights = args[:n_rows_args], args[n_rows_args:]
+    bcast = lambda a, b: a if b else jnp.broadcast_to(a, (axis_size,) + a.shape)
+    rows = [bcast(a, b) for a, b in zip(rows, in_batched[:n_rows_args])]
+    if not any(in_batched[n_rows_args:]):
+      n = rows[0].shape[1]
+      y = f(*[a.reshape((axis_size * n,) + a.shape[2:]) for a in rows], *weights)
+      return y.reshape((axis_size, n) + y.shape[1:]), True
+    weights = [bcast(a, b) for a, b in zip(weights, in_batched[n_rows_args:])]
+    return jax.lax.map(lambda a: f(*a), (*rows, *weights)), True
+
+  return f
+
+
+def _expert_call(x_NxD, ids_NxK, gates_NxK, gate_up_Ex2IxD, down_ExDxI):
+  return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(x_NxD.shape, x_NxD.dtype))(
       x_NxD, ids_NxK.astype(jnp.int32), gates_NxK.astype(jnp.float32), gate_up_Ex2IxD,
       down_ExDxI)
+
+
+_call = _rows_vmap(_expert_call, 3)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -150,9 +174,12 @@ def _bwd(xla_fn, res, g_NxD):
 expert_ffn.defvjp(_fwd, _bwd)
 
 
-def _linear_call(x_NxD, w_OxD):
+def _linear_ffi(x_NxD, w_OxD):
   return jax.ffi.ffi_call(LINEAR_TARGET, jax.ShapeDtypeStruct(
-      (x_NxD.shape[0], w_OxD.shape[0]), x_NxD.dtype), vmap_method="sequential")(x_NxD, w_OxD)
+      (x_NxD.shape[0], w_OxD.shape[0]), x_NxD.dtype))(x_NxD, w_OxD)
+
+
+_linear_call = _rows_vmap(_linear_ffi, 1)
 
 
 def _einsum(x_NxD, w_OxD):

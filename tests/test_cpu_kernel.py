@@ -88,18 +88,40 @@ def test_linear_hand_checked_and_matches_einsum():
   chex.assert_trees_all_close(g(x32, w32), gx(x32, w32), rtol=1e-4, atol=1e-4)
 
 
-def test_vmap_runs_the_kernel_per_element():
+def test_vmap_folds_the_batch_into_one_kernel_call(monkeypatch):
+  """vmap with shared weights (the emulator's streams): one kernel call over B*N rows,
+  no loop; with per-element weights: one call per element. Both equal XLA's result."""
+  monkeypatch.setattr(cpu_kernel, "LINEAR_MIN_F32_BYTES", 0)   # small f32 linears too
   rng = np.random.default_rng(1)
   w = {"gate_up": jnp.asarray(rng.normal(size=(4, 8, 16)), jnp.float32),
        "down": jnp.asarray(rng.normal(size=(4, 16, 4)), jnp.float32)}
   x = jnp.asarray(rng.normal(size=(3, 2, 16)), jnp.float32)
   ids = jnp.asarray(rng.integers(0, 4, (3, 2, 2)), jnp.int32)
   gates = jnp.asarray(rng.random((3, 2, 2)), jnp.float32)
-  got = jax.jit(jax.vmap(experts_lib.apply_experts, in_axes=(0, 0, 0, None)))(x, ids, gates, w)
   want = jnp.stack([experts_lib.xla_experts(x[b], ids[b], gates[b], w) for b in range(3)])
-  chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-5)
-  lin = jax.jit(jax.vmap(cpu_kernel.linear, in_axes=(0, None)))(x, w["gate_up"][0])
-  chex.assert_trees_all_close(lin, jnp.einsum("bnd,od->bno", x, w["gate_up"][0]), rtol=1e-5,
+  shared = jax.jit(jax.vmap(lambda *a: experts_lib.apply_experts(*a), in_axes=(0, 0, 0, None)))
+  hlo = shared.lower(x, ids, gates, w).as_text()
+  assert cpu_kernel.TARGET in hlo and "while" not in hlo and "6x16" in hlo   # B*N = 6 rows
+  chex.assert_trees_all_close(shared(x, ids, gates, w), want, rtol=1e-5, atol=1e-5)
+  # unbatched ids broadcast to the batch; nested vmap folds both axes
+  got = jax.jit(jax.vmap(lambda x: experts_lib.apply_experts(x, ids[0], gates[0], w)))(x)
+  want0 = jnp.stack([experts_lib.xla_experts(x[b], ids[0], gates[0], w) for b in range(3)])
+  chex.assert_trees_all_close(got, want0, rtol=1e-5, atol=1e-5)
+  nested = jax.jit(jax.vmap(jax.vmap(lambda *a: experts_lib.apply_experts(*a),
+                                     in_axes=(0, 0, 0, None)), in_axes=(0, 0, 0, None)))
+  xx, ii, gg = (jnp.stack([a, a[::-1]]) for a in (x, ids, gates))
+  chex.assert_trees_all_close(nested(xx, ii, gg, w), jnp.stack([want, want[::-1]]),
+                              rtol=1e-5, atol=1e-5)
+  # per-element weights: a loop of kernel calls
+  wb = jax.tree_util.tree_map(lambda a: jnp.stack([a, 2 * a, -a]), w)
+  per = jax.jit(jax.vmap(lambda *a: experts_lib.apply_experts(*a)))
+  wantb = jnp.stack([experts_lib.xla_experts(
+      x[b], ids[b], gates[b], jax.tree_util.tree_map(lambda a: a[b], wb)) for b in range(3)])
+  chex.assert_trees_all_close(per(x, ids, gates, wb), wantb, rtol=1e-5, atol=1e-4)
+  lin = jax.jit(jax.vmap(lambda x, w: cpu_kernel.linear(x, w), in_axes=(0, None)))
+  assert cpu_kernel.LINEAR_TARGET in lin.lower(x, w["gate_up"][0]).as_text()
+  chex.assert_trees_all_close(lin(x, w["gate_up"][0]),
+                              jnp.einsum("bnd,od->bno", x, w["gate_up"][0]), rtol=1e-5,
                               atol=1e-5)
 
 

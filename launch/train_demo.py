@@ -36,11 +36,11 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string("workdir", "runs/demo_train", "Checkpoints, tokenizer and token cache.")
 flags.DEFINE_string("export_dir", "runs/demo_export", "Where the HF-format model is written.")
 flags.DEFINE_string("data_dir", "", "Token cache (default: --workdir); pilots can share one.")
-flags.DEFINE_list("domains", ["python", "c", "english"], "Corpus domains (moejax.corpus).")
+flags.DEFINE_list("domains", ["python"], "Corpus domains (moejax.corpus: python, c, english).")
 flags.DEFINE_integer("domain_chars", 12_000_000, "Character cap of each non-python domain.")
 flags.DEFINE_string("tokenizer", "ckpts/demo/tokenizer.json",
                     "Reuse this tokenizer.json ('' = train a new BPE on the train split).")
-flags.DEFINE_integer("steps", 3000, "Total optimizer steps (the cosine schedule spans them).")
+flags.DEFINE_integer("steps", 2000, "Total optimizer steps (the cosine schedule spans them).")
 flags.DEFINE_integer("batch", 16, "Sequences per step.")
 flags.DEFINE_integer("seq", 256, "Tokens per sequence.")
 flags.DEFINE_float("lr", 3e-3, "Peak learning rate.")
@@ -50,7 +50,7 @@ flags.DEFINE_float("balance_coef_start", 0.03, "Balance coefficient before --bal
 flags.DEFINE_integer("balance_switch_step", 0, "Step at which --balance_coef takes over.")
 flags.DEFINE_enum("balance_scope", "batch", ["batch", "sequence"],
                   "Balance over all tokens of a step, or per sequence.")
-flags.DEFINE_float("locality_coef", 0.5, "Weight of the routing-locality loss (--locality_loss).")
+flags.DEFINE_float("locality_coef", 0.4, "Weight of the routing-locality loss (--locality_loss).")
 flags.DEFINE_float("logit_balance_coef", 0.0,
                    "Weight of the logit-balance loss that revives unused experts.")
 flags.DEFINE_enum("locality_loss", "mi", ["cosine", "tv", "mi"],
@@ -60,14 +60,14 @@ flags.DEFINE_integer("revive_every", 50,
                      "Every N steps, split the most loaded experts into dead ones (0 = off); "
                      "a multiple of --save_every keeps resumed runs identical.")
 flags.DEFINE_float("revive_threshold", 0.25, "Dead = share of the window's picks below this / E.")
-flags.DEFINE_float("revive_until", 0.95, "No revival after this fraction of --steps.")
+flags.DEFINE_float("revive_until", 1.0, "No revival after this fraction of --steps.")
 flags.DEFINE_integer("save_every", 50, "Checkpoint interval in steps.")
 flags.DEFINE_float("max_hours", 0.0, "Stop (checkpointed, exported) after this long; 0 = no limit.")
 flags.DEFINE_integer("vocab", 8192, "BPE vocabulary size.")
 flags.DEFINE_integer("hidden", 128, "Hidden size.")
 flags.DEFINE_integer("layers", 8, "Decoder layers.")
-flags.DEFINE_integer("experts", 128, "Routed experts per layer.")
-flags.DEFINE_integer("expert_size", 16, "Expert intermediate size.")
+flags.DEFINE_integer("experts", 64, "Routed experts per layer.")
+flags.DEFINE_integer("expert_size", 32, "Expert intermediate size.")
 flags.DEFINE_integer("top_k", 8, "Experts per token.")
 flags.DEFINE_bool("export_only", False, "Only export the latest checkpoint.")
 flags.DEFINE_string("init_from", "",

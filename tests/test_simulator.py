@@ -140,8 +140,10 @@ def test_simulator_equals_engine_decision_by_decision(demo, tmp_path):
         assert sorted(lr.admitted) == [e for e in prev if e >= 0], where
         assert len(lr.evicted) == d["stats"][t, j, f.index("evictions")], where
       per = d["stats"][t].sum(axis=0)
+      # the trace's router logits come from a whole-sequence forward, the engine's from
+      # its per-token steps: equal to ~1e-6, so the masses agree to float32 rounding
       np.testing.assert_allclose(per[f.index("substituted_mass")], rec.substituted_mass,
-                                 atol=1e-5)
+                                 rtol=2e-5, atol=1e-5)
     # the engine's final sets include the last token's admissions (inserted on request)
     for j, l in enumerate(cfg.moe_layers):
       sim_set = {int(e) for e in d["resident"][-1, j] if e >= 0}

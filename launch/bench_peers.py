@@ -12,7 +12,8 @@ Then, per model (bench shape f32, demo f32, demo bf16):
     --prefill_len prompt.  Engines: llama.cpp (libllama through launch/llama_timer.cpp,
     --threads threads, logits at the last prompt position as moejax's prefill),
     the moejax Sampler, the OffloadEngine with every expert resident
-    (cache_fraction 1.0, policy baseline), and transformers (torch, --threads threads).
+    (cache_fraction 1.0, policy baseline; `engine_unfused`: the same with separate
+    moe and decision calls, fuse_layers=False), and transformers (torch, --threads threads).
 Reported: best round's tok/s per engine (a shared machine only slows runs down), the
 median, and ratios to llama.cpp (the faster of --threads and 1 thread: llama.cpp's
 threads spin at barriers, so on a machine busier than its cores 2 threads collapse);
@@ -44,7 +45,8 @@ flags.DEFINE_string("out", "bench_peers.json", "JSON results file.")
 flags.DEFINE_list("models", ["bench_f32", "demo_f32", "demo_bf16"],
                   f"Models: {', '.join(bench_models.NAMES)}.")
 flags.DEFINE_list("engines", ["llama.cpp", "sampler", "engine", "transformers"],
-                  "Engines to time.")
+                  "Engines to time (also: engine_unfused, the OffloadEngine with "
+                  "fuse_layers=False).")
 flags.DEFINE_string("demo_dir", bench_models.DEMO_DIR, "The demo checkpoint.")
 flags.DEFINE_string("llama_cache", llama_cpp.DEFAULT_CACHE,
                     "Where llama.cpp is built and the GGUF files are written.")
@@ -96,9 +98,9 @@ class SamplerRunner:
 
 
 class EngineRunner:
-  def __init__(self, cfg, params, store, dtype, max_len):
+  def __init__(self, cfg, params, store, dtype, max_len, fuse_layers=True):
     self.eng = OffloadEngine(cfg, params, store, "baseline", cache_fraction=1.0,
-                             max_len=max_len, dtype=dtype)
+                             max_len=max_len, dtype=dtype, fuse_layers=fuse_layers)
     with _sync_dispatch():
       self.eng.warmup()
 
@@ -203,6 +205,8 @@ def bench_model(name: str, bins, work: str) -> dict:
     runners["sampler"] = SamplerRunner(cfg, params, store.to_device(), dtype, max_len)
   if "engine" in FLAGS.engines:
     runners["engine"] = EngineRunner(cfg, params, store, dtype, max_len)
+  if "engine_unfused" in FLAGS.engines:   # separate moe and decision calls (before fusion)
+    runners["engine_unfused"] = EngineRunner(cfg, params, store, dtype, max_len, False)
   if "transformers" in FLAGS.engines:
     runners["transformers"] = TransformersRunner(hf_dir, dtype)
     res["transformers_experts_implementation"] = runners["transformers"].impl
@@ -235,6 +239,11 @@ def bench_model(name: str, bins, work: str) -> dict:
     for e, v in res["engines"].items():
       v["decode_ratio_to_llama_cpp"] = v["decode_tok_s"] / ref["decode_tok_s"]
       v["prefill_ratio_to_llama_cpp"] = v["prefill_tok_s"] / ref["prefill_tok_s"]
+  if "sampler" in res["engines"]:          # the engine's targets are ratios to the Sampler
+    ref = res["engines"]["sampler"]
+    for e, v in res["engines"].items():
+      v["decode_ratio_to_sampler"] = v["decode_tok_s"] / ref["decode_tok_s"]
+      v["prefill_ratio_to_sampler"] = v["prefill_tok_s"] / ref["prefill_tok_s"]
   for r in runners.values():
     if isinstance(r, EngineRunner):
       r.eng.close()
@@ -260,14 +269,17 @@ def main(_):
 
 def table(res: dict) -> str:
   lines = [f"tok/s, best of {res['rounds']} interleaved rounds (x = ratio to llama.cpp's "
-           f"faster thread count); "
+           f"faster thread count, x smp = decode ratio to the moejax Sampler); "
            f"load average {res['loadavg_start'][0]:.1f} -> {res['loadavg_end'][0]:.1f}",
-           f"{'model':<11}{'engine':<14}{'decode':>10}{'x':>7}{'prefill':>10}{'x':>7}"]
+           f"{'model':<11}{'engine':<16}{'decode':>10}{'x':>7}{'x smp':>7}{'prefill':>10}"
+           f"{'x':>7}"]
   for name, m in res["models"].items():
     for e, v in m["engines"].items():
       rd, rp = v.get("decode_ratio_to_llama_cpp"), v.get("prefill_ratio_to_llama_cpp")
-      lines.append(f"{name:<11}{e:<14}{v['decode_tok_s']:>10.1f}"
-                   f"{f'{rd:.2f}' if rd else '-':>7}{v['prefill_tok_s']:>10.1f}"
+      rs = v.get("decode_ratio_to_sampler")
+      lines.append(f"{name:<11}{e:<16}{v['decode_tok_s']:>10.1f}"
+                   f"{f'{rd:.2f}' if rd else '-':>7}{f'{rs:.2f}' if rs else '-':>7}"
+                   f"{v['prefill_tok_s']:>10.1f}"
                    f"{f'{rp:.2f}' if rp else '-':>7}")
   return "\n".join(lines)
 

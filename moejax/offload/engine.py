@@ -81,7 +81,8 @@ class OffloadEngine:
                initial: Any = "auto", profile_counts: dict | None = None,
                transfer_timeout_s: float = 120.0, verbose: bool = False,
                prefetch: str = "none", speculative: str = "off",
-               predictors: dict | None = None, streaming: bool = False):
+               predictors: dict | None = None, streaming: bool = False,
+               fuse_layers: bool = True):
     if isinstance(policy, str):
       policy = policy_lib.make_policy(policy)
     if isinstance(link, str) and link.strip().lower().startswith("scaled"):
@@ -113,6 +114,10 @@ class OffloadEngine:
     self._model = steps_lib.model_steps(cfg, dtype)
     self._steps = [steps_lib.layer_steps(cfg, dtype, i, policy.decision, policy.cache,
                                          self._trim_to) for i in range(cfg.num_layers)]
+    # MoE layer i's moe call fused with layer i+1's decision (None: separate calls)
+    self._fused = {i: steps_lib.fused_steps(cfg, dtype, i, policy.decision, policy.cache,
+                                            self._trim_to) if fuse_layers else None
+                   for i in self.moe_layers}
     first = store.get(self.moe_layers[0], 0)
     self._zero_rows = self._put({k: np.zeros((cfg.top_k,) + np.shape(v), np.asarray(v).dtype)
                                  for k, v in first.items()})
@@ -141,6 +146,7 @@ class OffloadEngine:
                                                 policy.decision, policy.cache, self.mode,
                                                 self._trim_to, l == self.moe_layers[0])
                         for l in self.moe_layers}
+      self._fused = {i: None for i in self.moe_layers}     # prefetch: its own steps
     self.cache = None
     self.end_index = 0
     self.records: list[TokenRecord] = []
@@ -243,6 +249,19 @@ class OffloadEngine:
           st, self.params[f"layers_{i}"], x, tp, kv, self.states.get(i), self._zero_x,
           self._zero_rows, self._slots.row_buckets, self._host_rows)
       self._slots.insert_s = min(self._slots.insert_s, insert_s)
+    done = set()
+    for i, fs in self._fused.items():
+      if fs is None:
+        continue
+      key = (steps_lib.representative(cfg, i), steps_lib.representative(cfg, i + 1))
+      if key in done:
+        continue
+      done.add(key)
+      kv = lambda j: (lambda: self._put(init_cache(cfg, 1, self.max_len, self.dtype)[j]))
+      steps_lib.warm_fused(fs, self._steps[i], self.params[f"layers_{i}"],
+                           self.params[f"layers_{i + 1}"], x, tp, kv(i), kv(i + 1),
+                           self.states[i], self.states[i + 1], self._zero_x, self._zero_rows,
+                           self._slots.row_buckets, self._host_rows)
     if self._spec is not None:
       new_kv = lambda l: self._put(init_cache(cfg, 1, self.max_len, self.dtype)[l])
       prefetch_lib.warm(self._spec, self._pf_steps, cfg, self.dtype, self.params, self.states,
@@ -339,15 +358,23 @@ class OffloadEngine:
     mark = ((lambda ev, l: tr.append((ev, l, time.perf_counter()))) if tr is not None
             else (lambda ev, l: None))
     x, tp = self._model.embed_decode(self.params, np.asarray([token, self.end_index], np.int32))
+    pend = None     # the previous MoE layer's moe call, to be fused with this layer's decision
     for i, st in enumerate(self._steps):
       p = self.params[f"layers_{i}"]
+      if pend is not None and (not self.cfg.sparse_layers[i] or self._fused[pend[0]] is None):
+        x, pend = self._moe_call(pend, mark), None
       if not self.cfg.sparse_layers[i]:
         mark("dense", i)
         x, self.cache[i] = st.dense_decode(p, x, tp, self.cache[i])
         continue
-      mark("attend", i)
-      x = self._moe_layer(i, st, p, x, tp, rec, mark)
-      mark("moe_done", i)
+      if self._spec is not None:
+        mark("attend", i)
+        x = self._spec_layer(i, st, p, x, tp, rec, mark)
+        mark("moe_done", i)
+      else:
+        pend = self._moe_layer(i, st, p, x, tp, rec, mark, pend)
+    if pend is not None:
+      x = self._moe_call(pend, mark)
     mark("head", -1)
     out = np.asarray(self._model.head_decode(self.params, x))
     self.end_index += 1
@@ -357,40 +384,90 @@ class OffloadEngine:
       self.traces.append(tr)
     return out
 
-  def _moe_layer(self, i: int, st, p, x, tp, rec: TokenRecord, mark):
-    """One MoE layer of a decode step (module docstring, steps 1-3; with prefetch on,
-    the prefetch module's steps 1-3 too)."""
-    kk, sp = self.cfg.top_k, self._spec
+  def _moe_call(self, pend: tuple, mark):
+    """Runs a pending moe call alone (no next MoE layer to fuse it with); -> x."""
+    i, st, p, h, moe_in, dec, host_out = pend
+    mark("moe", i)
+    x, self.states[i], ev = st.moe(p, h, moe_in, dec, host_out, self.states[i])
+    if self._trim_to is not None:
+      self._slots.evicted.append((i, ev))
+    if self.trace:
+      jax.block_until_ready(x)
+    mark("moe_done", i)
+    return x
+
+  def _moe_layer(self, i: int, st, p, x, tp, rec: TokenRecord, mark, pend):
+    """One MoE layer of a decode step (module docstring, steps 1-3); `pend`: the
+    previous MoE layer's moe call, run in the same call as this layer's decision
+    (`steps.fused_steps`).  Returns this layer's moe call, pending."""
+    if pend is not None:   # the previous layer's moe call runs inside this layer's call
+      mark("moe", pend[0])
+      mark("moe_done", pend[0])
+    mark("attend", i)
     self._slots.collect_carried(i, rec)               # inserted ahead, due now
     fused = self._slots.admit(i, carry=False, rec=rec)
-    if sp is not None:
-      pst = self._pf_steps[i]
-      if fused is not None:
-        self.states[i], ev = st.insert(self.states[i], *fused)
-        self._slots.evicted.append((i, ev))
-      pf_ids, pred, has_pred, pf_tickets = sp.take(i, rec)
-      h, moe_in, self.cache[i], dec, packed = pst["attend_decide"](
-          p, x, tp, self.cache[i], self.states[i], pf_ids, pred, has_pred)
-      packed = np.asarray(packed)
-      d = steps_lib.unpack_decision(packed[:-kk], kk)
-      sp.count_recall(i, packed[-kk:].astype(np.int32), rec)
+    if pend is not None:
+      j, _, pp, ph, pmoe_in, pdec, phost = pend
+      fs, args = self._fused[j], (pp, ph, pmoe_in, pdec, phost, self.states[j], p, tp,
+                                  self.cache[i], self.states[i])
+      if fused is None:
+        h, moe_in, self.cache[i], dec, packed, self.states[j], ev = fs.moe_attend_decide(*args)
+      else:
+        (h, moe_in, self.cache[i], dec, packed, self.states[j], ev, self.states[i],
+         ev_i) = fs.moe_insert_attend_decide(*args, *fused)
+        self._slots.evicted.append((i, ev_i))
+      if self._trim_to is not None:
+        self._slots.evicted.append((j, ev))
     elif fused is None:
       h, moe_in, self.cache[i], dec, packed = st.attend_decide(p, x, tp, self.cache[i],
                                                                self.states[i])
-      d = steps_lib.unpack_decision(np.asarray(packed), kk)
     else:
       h, moe_in, self.cache[i], dec, packed, self.states[i], ev = st.insert_attend_decide(
           p, x, tp, self.cache[i], self.states[i], *fused)
       self._slots.evicted.append((i, ev))
-      d = steps_lib.unpack_decision(np.asarray(packed), kk)
+    d = steps_lib.unpack_decision(np.asarray(packed), self.cfg.top_k)
     mark("decided", i)
+    host_out = self._serve(i, d, h, moe_in, dec, rec, mark)
+    return (i, st, p, h, moe_in, dec, host_out)
+
+  def _spec_layer(self, i: int, st, p, x, tp, rec: TokenRecord, mark):
+    """One MoE layer with speculative prefetch on (`prefetch` module, steps 1-3)."""
+    kk, sp, pst = self.cfg.top_k, self._spec, self._pf_steps[i]
+    self._slots.collect_carried(i, rec)
+    fused = self._slots.admit(i, carry=False, rec=rec)
+    if fused is not None:
+      self.states[i], ev = st.insert(self.states[i], *fused)
+      self._slots.evicted.append((i, ev))
+    pf_ids, pred, has_pred, pf_tickets = sp.take(i, rec)
+    h, moe_in, self.cache[i], dec, packed = pst["attend_decide"](
+        p, x, tp, self.cache[i], self.states[i], pf_ids, pred, has_pred)
+    packed = np.asarray(packed)
+    d = steps_lib.unpack_decision(packed[:-kk], kk)
+    sp.count_recall(i, packed[-kk:].astype(np.int32), rec)
+    mark("decided", i)
+    host_out = self._serve(i, d, h, moe_in, dec, rec, mark)
+    mark("moe", i)
+    pf_rows, pf_used = sp.rows(i, pf_ids, pf_tickets, d.exec_ids, rec)
+    x, self.states[i], ev = pst["moe"](p, h, moe_in, dec, host_out, self.states[i],
+                                       pf_used, pf_rows)
+    self._slots.evicted.append((i, ev))
+    sp.oracle_next(i, self.params, x, tp, self.cache, rec)
+    if self.trace:
+      jax.block_until_ready(x)
+    return x
+
+  def _serve(self, i: int, d, h, moe_in, dec, rec: TokenRecord, mark):
+    """The host's part of a MoE layer after its decision: the sync fetches (copied,
+    inserted, waited for), the next layer's prediction (prefetch on), background
+    admissions, the statistics, and the HOST experts; -> the host experts' output."""
     fetch = [int(e) for e in d.ids[d.action == FETCH]]
     if fetch:
       mark("fetch", i)
       pending = self._slots.fetch(self.prefetcher, i, fetch, d.exec_ids)
-    if sp is not None:         # behind the sync fetches
-      sp.predict_next(i, self.params, h, dec, rec)
+    if self._spec is not None:         # behind the sync fetches
+      self._spec.predict_next(i, self.params, h, dec, rec)
     if d.admit.any():          # queued behind the sync fetches: they never delay them
+      kk = self.cfg.top_k
       adm_ids = [int(e) for e in np.flatnonzero(d.admit)]
       self._slots.request(i, self.prefetcher.request_many(
           i, adm_ids, "background", pad_to=self._slots.rows(min(len(adm_ids), kk))))
@@ -401,25 +478,12 @@ class OffloadEngine:
     if fetch:
       rec.layer(i).fetched = fetch
       self._slots.finish_fetch(i, pending, rec, mark)
-    host_out = self._zero_x
     host_mask = d.action == HOST
-    if host_mask.any():
-      host_out = host_experts.layer_out(x, moe_in, d.ids[host_mask], d.weights[host_mask],
-                                        functools.partial(self.store.get, i), rec)
-    mark("moe", i)
-    if sp is not None:
-      pf_rows, pf_used = sp.rows(i, pf_ids, pf_tickets, d.exec_ids, rec)
-      x, self.states[i], ev = pst["moe"](p, h, moe_in, dec, host_out, self.states[i],
-                                         pf_used, pf_rows)
-      self._slots.evicted.append((i, ev))
-      sp.oracle_next(i, self.params, x, tp, self.cache, rec)
-    else:
-      x, self.states[i], ev = st.moe(p, h, moe_in, dec, host_out, self.states[i])
-      if self._trim_to is not None:
-        self._slots.evicted.append((i, ev))
-    if self.trace:
-      jax.block_until_ready(x)
-    return x
+    if not host_mask.any():
+      return self._zero_x
+    return host_experts.layer_out(h, moe_in, d.ids[host_mask],
+                                  d.weights[host_mask], functools.partial(self.store.get, i),
+                                  rec)
 
   def generate(self, prompt_ids, sp: SamplingParams, seed: int = 0, on_token=None) -> list[int]:
     """Prefill + up to sp.max_new_tokens sampled tokens (batch 1)."""

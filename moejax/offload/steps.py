@@ -11,7 +11,8 @@ Per MoE layer and decoded token the engine makes two device calls:
 
 `insert_attend_decide` is attend_decide preceded by an insert of arrived
 background admissions (one dispatch), and `insert` the insert alone; both take
-the insert packed by `pack_insert`.  Every function takes its state as arguments
+the insert packed by `pack_insert`.  `fused_steps` joins a MoE layer's moe call
+with the next MoE layer's (insert +) attend_decide: one dispatch per layer.  Every function takes its state as arguments
 (nothing is closed over but the module and the static policy parts), states
 and caches are donated, and each is built once per layer *kind* (sparse or
 dense, and the family's layer type) and policy part, so compile count does not
@@ -140,27 +141,23 @@ def layer_steps(cfg: ModelConfig, dtype, layer_idx: int, decision: policy_lib.De
 
 
 @functools.lru_cache(maxsize=None)
-def _policy_steps(cfg: ModelConfig, dtype, layer_idx: int, decision: policy_lib.DecideParams,
-                  cache: policy_lib.CacheParams, budget_slots: int | None) -> dict:
+def _policy_fns(cfg: ModelConfig, dtype, layer_idx: int, decision: policy_lib.DecideParams,
+                cache: policy_lib.CacheParams, budget_slots: int | None) -> dict:
+  """The un-jitted attend/decide, insert and moe functions of a layer kind (composed
+  into the jitted steps below and into the fused steps of `fused_steps`)."""
   mod = _module(cfg, dtype, layer_idx)
   num_e = cfg.num_experts
 
-  def _attend_decide(p, x, tp, kv, state):
+  def attend_decide(p, x, tp, kv, state):
     pos, end = _unpack_tp(tp)
     h, moe_in, logits, kv = mod.apply({"params": p}, x, pos, kv, end, method=_attend_route)
     dec = policy_lib.decide(logits.reshape(-1, logits.shape[-1]), state, decision, cfg)
     return h, moe_in, kv, dec, pack_decision(dec)
 
-  def _insert(state, ins, rows):
+  def insert(state, ins, rows):
     ids, in_use = unpack_insert(ins, num_e)
     return resident_lib.insert(state, ids, rows, in_use, cache)
 
-  @functools.partial(jax.jit, donate_argnums=(3, 4))
-  def insert_attend_decide(p, x, tp, kv, state, ins, rows):
-    state, evicted = _insert(state, ins, rows)
-    return _attend_decide(p, x, tp, kv, state) + (state, evicted)
-
-  @functools.partial(jax.jit, donate_argnums=(5,))
   def moe(p, h, moe_in, dec, host_out, state):
     e = dec.exec_ids
     slot = state.expert_slot[jnp.maximum(e, 0)]
@@ -174,9 +171,92 @@ def _policy_steps(cfg: ModelConfig, dtype, layer_idx: int, decision: policy_lib.
       state, evicted = resident_lib.trim(state, budget_slots, cache)
     return y + host_out.astype(y.dtype), state, evicted
 
-  return dict(attend_decide=jax.jit(_attend_decide, donate_argnums=(3,)),
-              insert_attend_decide=insert_attend_decide, moe=moe,
-              insert=jax.jit(_insert, donate_argnums=(0,)))
+  return dict(attend_decide=attend_decide, insert=insert, moe=moe)
+
+
+@functools.lru_cache(maxsize=None)
+def _policy_steps(cfg: ModelConfig, dtype, layer_idx: int, decision: policy_lib.DecideParams,
+                  cache: policy_lib.CacheParams, budget_slots: int | None) -> dict:
+  f = _policy_fns(cfg, dtype, layer_idx, decision, cache, budget_slots)
+
+  @functools.partial(jax.jit, donate_argnums=(3, 4))
+  def insert_attend_decide(p, x, tp, kv, state, ins, rows):
+    state, evicted = f["insert"](state, ins, rows)
+    return f["attend_decide"](p, x, tp, kv, state) + (state, evicted)
+
+  return dict(attend_decide=jax.jit(f["attend_decide"], donate_argnums=(3,)),
+              insert_attend_decide=insert_attend_decide,
+              moe=jax.jit(f["moe"], donate_argnums=(5,)),
+              insert=jax.jit(f["insert"], donate_argnums=(0,)))
+
+
+class FusedSteps(NamedTuple):
+  """One call for MoE layer i's experts and MoE layer i+1's attention and decision:
+
+    moe_attend_decide(p, h, moe_in, dec, host_out, state, p_next, tp, kv_next, state_next)
+      -> (h', moe_in', kv_next, dec', packed', state, evicted)
+    moe_insert_attend_decide(..., state_next, ins, rows)
+      -> (h', moe_in', kv_next, dec', packed', state, evicted, state_next, evicted_next)
+
+  the same functions as the separate steps, in the same order (bit-identical
+  results), one dispatch and one host read per layer instead of two calls."""
+  moe_attend_decide: Callable
+  moe_insert_attend_decide: Callable
+
+
+@functools.lru_cache(maxsize=None)
+def _fused(cfg, dtype, rep_i: int, rep_j: int, decision, cache, budget_slots) -> FusedSteps:
+  fi = _policy_fns(cfg, dtype, rep_i, decision, cache, budget_slots)
+  fj = _policy_fns(cfg, dtype, rep_j, decision, cache, budget_slots)
+
+  @functools.partial(jax.jit, donate_argnums=(5, 8))     # state_next is only read
+  def moe_attend_decide(p, h, moe_in, dec, host_out, state, p_next, tp, kv_next, state_next):
+    y, state, evicted = fi["moe"](p, h, moe_in, dec, host_out, state)
+    return fj["attend_decide"](p_next, y, tp, kv_next, state_next) + (state, evicted)
+
+  @functools.partial(jax.jit, donate_argnums=(5, 8, 9))
+  def moe_insert_attend_decide(p, h, moe_in, dec, host_out, state, p_next, tp, kv_next,
+                               state_next, ins, rows):
+    y, state, evicted = fi["moe"](p, h, moe_in, dec, host_out, state)
+    state_next, ev_next = fj["insert"](state_next, ins, rows)
+    return (fj["attend_decide"](p_next, y, tp, kv_next, state_next)
+            + (state, evicted, state_next, ev_next))
+
+  return FusedSteps(moe_attend_decide, moe_insert_attend_decide)
+
+
+def fusable(cfg: ModelConfig, i: int) -> bool:
+  """Layer i and layer i+1 are both MoE layers (their calls can be fused)."""
+  return i + 1 < cfg.num_layers and bool(cfg.sparse_layers[i] and cfg.sparse_layers[i + 1])
+
+
+def fused_steps(cfg: ModelConfig, dtype, i: int, decision: policy_lib.DecideParams,
+                cache: policy_lib.CacheParams, budget_slots: int | None) -> FusedSteps | None:
+  """The fused steps of MoE layer i and layer i+1 (None unless `fusable`), built once
+  per pair of layer kinds."""
+  if not fusable(cfg, i):
+    return None
+  return _fused(cfg, dtype, representative(cfg, i), representative(cfg, i + 1), decision,
+                cache, budget_slots)
+
+
+def warm_fused(fs: FusedSteps, st: LayerSteps, p, p_next, x, tp, kv, kv_next, state,
+               state_next, zero_x, zero_rows: dict, row_buckets: tuple[int, ...],
+               host_rows: bool):
+  """Compiles a pair's fused steps on throwaway copies (states untouched; `kv()` and
+  `kv_next()` fresh caches of the two layers, donated)."""
+  copy = lambda s: jax.tree_util.tree_map(jnp.copy, s)
+  h, moe_in, _, dec, _ = st.attend_decide(p, x, tp, kv(), copy(state))
+  jax.block_until_ready(fs.moe_attend_decide(p, h, moe_in, dec, zero_x, copy(state), p_next,
+                                             tp, kv_next(), copy(state_next)))
+  num_e = state.expert_slot.shape[0]
+  for r in row_buckets:
+    ins = pack_insert([], np.zeros(num_e, bool), r)
+    rows = {k: v[:r] for k, v in zero_rows.items()}
+    for kind in ([rows, jax.device_get(rows)] if host_rows else [rows]):
+      jax.block_until_ready(fs.moe_insert_attend_decide(
+          p, h, moe_in, dec, zero_x, copy(state), p_next, tp, kv_next(), copy(state_next), ins,
+          kind))
 
 
 @functools.lru_cache(maxsize=None)

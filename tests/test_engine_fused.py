@@ -1,0 +1,92 @@
+"""The engine's fused calls (a MoE layer's experts and the next layer's decision in one
+call, `steps.fused_steps`) give bit-identical outputs and records to separate calls."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from moejax.loader import load_model
+from moejax.offload import link as link_lib
+from moejax.offload import policy as P
+from moejax.offload import steps as steps_lib
+from moejax.offload.engine import OffloadEngine
+from moejax.offload.stats import COUNT_KEYS
+from tests import hf_models
+
+PROMPT = [3, 17, 5, 60, 22, 9]
+STREAM = [int(t) for t in np.random.default_rng(5).integers(0, 64, 12)]
+
+
+def _run(cfg, params, store, policy, fuse, **kw):
+  with OffloadEngine(cfg, params, store, policy, max_len=32, fuse_layers=fuse, **kw) as eng:
+    eng.warmup()
+    eng.trace = True
+    out = [eng.prefill(PROMPT)] + [eng.decode_step(t) for t in STREAM]
+  return eng, np.stack(out)
+
+
+def _layers(rec):
+  return {l: {f.name: getattr(r, f.name) for f in dataclasses.fields(r)}
+          for l, r in rec.layers.items()}
+
+
+# qwen3_moe: every layer MoE, one kind; qwen3_next: DeltaNet and full-attention MoE layers
+# (pairs of two kinds); glm4_moe: a dense first layer, then MoE layers with a shared expert
+@pytest.mark.parametrize("family,over", [("qwen3_moe", dict(mlp_only_layers=[])),
+                                         ("qwen3_next", dict(mlp_only_layers=[])),
+                                         ("glm4_moe", dict(num_hidden_layers=3))])
+@pytest.mark.parametrize("policy,kw", [
+    ("baseline", dict(cache_fraction=0.25)),
+    (P.make_policy("quality", admission_beta=0.05), dict(cache_fraction=0.25, link="20MB/s")),
+    ("speed", dict(cache_fraction=0.125)),          # 1 slot < top-k: staging and trim
+    ("host", dict(cache_fraction=0.5)),
+], ids=["baseline", "quality-link", "speed-staging", "host"])
+def test_fused_calls_equal_separate_calls(family, over, policy, kw, tmp_path):
+  d = hf_models.save(hf_models.build(family, **over), str(tmp_path / family), "per_expert")
+  cfg, params, store = load_model(d)
+  if "link" in kw:
+    kw = dict(kw, link=link_lib.parse_link(kw["link"], expert_bytes=store.expert_nbytes()))
+  pairs = [i for i in cfg.moe_layers if steps_lib.fusable(cfg, i)]
+  assert pairs, "the model must have consecutive MoE layers"
+  sep, out_sep = _run(cfg, params, store, policy, False, **kw)
+  fus, out_fus = _run(cfg, params, store, policy, True, **kw)
+  np.testing.assert_array_equal(out_fus, out_sep)
+  for a, b in zip(fus.records, sep.records):
+    assert {k: a[k] for k in COUNT_KEYS} == {k: b[k] for k in COUNT_KEYS}
+    assert _layers(a) == _layers(b)
+  assert fus.resident_sets() == sep.resident_sets()
+  if isinstance(policy, P.PolicyParams) and family == "qwen3_moe":   # admissions inserted
+    # in the fused call (glm4's few substitutions accumulate no admission here)
+    assert sum(r["admitted"] for r in fus.records) > 0
+  # the timeline still has every layer's marks, in order; a fused layer's moe call
+  # is marked at the start of the next layer's call
+  for tr in fus.traces:
+    times = [t for _, _, t in tr]
+    assert times == sorted(times)
+    evs = [(ev, l) for ev, l, _ in tr]
+    for l in cfg.moe_layers:
+      mine = [ev for ev, ll in evs if ll == l]
+      assert mine[:2] == ["attend", "decided"] and mine[-2:] == ["moe", "moe_done"]
+    for i in pairs:
+      assert evs.index(("moe_done", i)) < evs.index(("attend", i + 1))
+
+
+def test_fused_steps_compile_once_per_pair_of_kinds(tmp_path):
+  d = hf_models.save(hf_models.build("qwen3_moe", mlp_only_layers=[], num_hidden_layers=3),
+                     str(tmp_path / "m"), "per_expert")
+  cfg, params, store = load_model(d)
+  policy = P.make_policy("quality", admission_beta=0.05)
+  with OffloadEngine(cfg, params, store, policy, cache_fraction=0.25, max_len=32) as eng:
+    eng.warmup()
+    fs = steps_lib.fused_steps(cfg, eng.dtype, 0, eng.policy.decision, eng.policy.cache,
+                               None)
+    assert fs is steps_lib.fused_steps(cfg, eng.dtype, 1, eng.policy.decision,
+                                       eng.policy.cache, None)
+    before = {n: f._cache_size() for n, f in fs._asdict().items()}
+    eng.prefill(PROMPT)
+    for t in STREAM:
+      eng.decode_step(t)
+    assert {n: f._cache_size() for n, f in fs._asdict().items()} == before
+    assert before["moe_attend_decide"] == 1
+    assert sum(r["admitted"] for r in eng.records) > 0    # the insert variant ran

@@ -27,8 +27,10 @@ Per MoE layer and decoded token (jitted steps: `steps`; inserts: `inserts`):
   2. copy the FETCH experts at once (`Prefetcher.fetch`) and insert them while
      their link time elapses, with other layers' arrived admissions; queue new
      admissions; compute HOST experts in numpy;
-  3. the experts from slot indices, usage update, trim back to the budget S.
-Waits time out after `transfer_timeout_s` (TransferError naming layer and expert).
+  3. the experts from slot indices, usage update, trim back to the budget S: run in
+     the same dispatch as the next MoE layer's step 1 when the two layers are
+     consecutive (`steps.fused_steps`; `fuse_layers=False` keeps separate calls).
+The layer itself is `layer_decode.LayerDecoder`.  Waits time out after `transfer_timeout_s` (TransferError naming layer and expert).
 Batch size 1.  Every printed time names the link (`Link.describe()`).
 """
 
@@ -50,6 +52,7 @@ from moejax.model import init_cache
 from moejax.offload import copies
 from moejax.offload import host_experts
 from moejax.offload import inserts
+from moejax.offload import layer_decode
 from moejax.offload import link as link_lib
 from moejax.offload import policy as policy_lib
 from moejax.offload import prefetch as prefetch_lib
@@ -58,7 +61,6 @@ from moejax.offload import resident as resident_lib
 from moejax.offload import steps as steps_lib
 from moejax.offload import tickets as tickets_lib
 from moejax.offload import transfer as transfer_lib
-from moejax.offload.policy import FETCH, HOST
 from moejax.offload.stats import TokenRecord, format_stats, summarize  # noqa: F401 (re-export)
 from moejax.sampler import SamplingParams, bucket, sample_token
 
@@ -147,6 +149,9 @@ class OffloadEngine:
                                                 self._trim_to, l == self.moe_layers[0])
                         for l in self.moe_layers}
       self._fused = {i: None for i in self.moe_layers}     # prefetch: its own steps
+    self._layers = layer_decode.LayerDecoder(
+        cfg, self.states, self._slots, self.prefetcher, store, self._fused,
+        self._trim_to, self._zero_x, self._spec, getattr(self, "_pf_steps", None))
     self.cache = None
     self.end_index = 0
     self.records: list[TokenRecord] = []
@@ -362,19 +367,20 @@ class OffloadEngine:
     for i, st in enumerate(self._steps):
       p = self.params[f"layers_{i}"]
       if pend is not None and (not self.cfg.sparse_layers[i] or self._fused[pend[0]] is None):
-        x, pend = self._moe_call(pend, mark), None
+        x, pend = self._layers.moe_call(pend, mark, self.trace), None
       if not self.cfg.sparse_layers[i]:
         mark("dense", i)
         x, self.cache[i] = st.dense_decode(p, x, tp, self.cache[i])
         continue
       if self._spec is not None:
         mark("attend", i)
-        x = self._spec_layer(i, st, p, x, tp, rec, mark)
+        x = self._layers.spec_layer(i, st, p, x, tp, self.cache, self.params, rec, mark,
+                                    self.trace)
         mark("moe_done", i)
       else:
-        pend = self._moe_layer(i, st, p, x, tp, rec, mark, pend)
+        pend = self._layers.moe_layer(i, st, p, x, tp, self.cache, rec, mark, pend)
     if pend is not None:
-      x = self._moe_call(pend, mark)
+      x = self._layers.moe_call(pend, mark, self.trace)
     mark("head", -1)
     out = np.asarray(self._model.head_decode(self.params, x))
     self.end_index += 1
@@ -383,107 +389,6 @@ class OffloadEngine:
       tr.append(("end", -1, t0 + rec.wall_s))
       self.traces.append(tr)
     return out
-
-  def _moe_call(self, pend: tuple, mark):
-    """Runs a pending moe call alone (no next MoE layer to fuse it with); -> x."""
-    i, st, p, h, moe_in, dec, host_out = pend
-    mark("moe", i)
-    x, self.states[i], ev = st.moe(p, h, moe_in, dec, host_out, self.states[i])
-    if self._trim_to is not None:
-      self._slots.evicted.append((i, ev))
-    if self.trace:
-      jax.block_until_ready(x)
-    mark("moe_done", i)
-    return x
-
-  def _moe_layer(self, i: int, st, p, x, tp, rec: TokenRecord, mark, pend):
-    """One MoE layer of a decode step (module docstring, steps 1-3); `pend`: the
-    previous MoE layer's moe call, run in the same call as this layer's decision
-    (`steps.fused_steps`).  Returns this layer's moe call, pending."""
-    if pend is not None:   # the previous layer's moe call runs inside this layer's call
-      mark("moe", pend[0])
-      mark("moe_done", pend[0])
-    mark("attend", i)
-    self._slots.collect_carried(i, rec)               # inserted ahead, due now
-    fused = self._slots.admit(i, carry=False, rec=rec)
-    if pend is not None:
-      j, _, pp, ph, pmoe_in, pdec, phost = pend
-      fs, args = self._fused[j], (pp, ph, pmoe_in, pdec, phost, self.states[j], p, tp,
-                                  self.cache[i], self.states[i])
-      if fused is None:
-        h, moe_in, self.cache[i], dec, packed, self.states[j], ev = fs.moe_attend_decide(*args)
-      else:
-        (h, moe_in, self.cache[i], dec, packed, self.states[j], ev, self.states[i],
-         ev_i) = fs.moe_insert_attend_decide(*args, *fused)
-        self._slots.evicted.append((i, ev_i))
-      if self._trim_to is not None:
-        self._slots.evicted.append((j, ev))
-    elif fused is None:
-      h, moe_in, self.cache[i], dec, packed = st.attend_decide(p, x, tp, self.cache[i],
-                                                               self.states[i])
-    else:
-      h, moe_in, self.cache[i], dec, packed, self.states[i], ev = st.insert_attend_decide(
-          p, x, tp, self.cache[i], self.states[i], *fused)
-      self._slots.evicted.append((i, ev))
-    d = steps_lib.unpack_decision(np.asarray(packed), self.cfg.top_k)
-    mark("decided", i)
-    host_out = self._serve(i, d, h, moe_in, dec, rec, mark)
-    return (i, st, p, h, moe_in, dec, host_out)
-
-  def _spec_layer(self, i: int, st, p, x, tp, rec: TokenRecord, mark):
-    """One MoE layer with speculative prefetch on (`prefetch` module, steps 1-3)."""
-    kk, sp, pst = self.cfg.top_k, self._spec, self._pf_steps[i]
-    self._slots.collect_carried(i, rec)
-    fused = self._slots.admit(i, carry=False, rec=rec)
-    if fused is not None:
-      self.states[i], ev = st.insert(self.states[i], *fused)
-      self._slots.evicted.append((i, ev))
-    pf_ids, pred, has_pred, pf_tickets = sp.take(i, rec)
-    h, moe_in, self.cache[i], dec, packed = pst["attend_decide"](
-        p, x, tp, self.cache[i], self.states[i], pf_ids, pred, has_pred)
-    packed = np.asarray(packed)
-    d = steps_lib.unpack_decision(packed[:-kk], kk)
-    sp.count_recall(i, packed[-kk:].astype(np.int32), rec)
-    mark("decided", i)
-    host_out = self._serve(i, d, h, moe_in, dec, rec, mark)
-    mark("moe", i)
-    pf_rows, pf_used = sp.rows(i, pf_ids, pf_tickets, d.exec_ids, rec)
-    x, self.states[i], ev = pst["moe"](p, h, moe_in, dec, host_out, self.states[i],
-                                       pf_used, pf_rows)
-    self._slots.evicted.append((i, ev))
-    sp.oracle_next(i, self.params, x, tp, self.cache, rec)
-    if self.trace:
-      jax.block_until_ready(x)
-    return x
-
-  def _serve(self, i: int, d, h, moe_in, dec, rec: TokenRecord, mark):
-    """The host's part of a MoE layer after its decision: the sync fetches (copied,
-    inserted, waited for), the next layer's prediction (prefetch on), background
-    admissions, the statistics, and the HOST experts; -> the host experts' output."""
-    fetch = [int(e) for e in d.ids[d.action == FETCH]]
-    if fetch:
-      mark("fetch", i)
-      pending = self._slots.fetch(self.prefetcher, i, fetch, d.exec_ids)
-    if self._spec is not None:         # behind the sync fetches
-      self._spec.predict_next(i, self.params, h, dec, rec)
-    if d.admit.any():          # queued behind the sync fetches: they never delay them
-      kk = self.cfg.top_k
-      adm_ids = [int(e) for e in np.flatnonzero(d.admit)]
-      self._slots.request(i, self.prefetcher.request_many(
-          i, adm_ids, "background", pad_to=self._slots.rows(min(len(adm_ids), kk))))
-      rec.admissions += len(adm_ids)
-      rec.layer(i).admissions = adm_ids
-    rec.count_decision(i, d.action, d.ids, d.exec_ids, d.gates)
-    rec.fetches += len(fetch)
-    if fetch:
-      rec.layer(i).fetched = fetch
-      self._slots.finish_fetch(i, pending, rec, mark)
-    host_mask = d.action == HOST
-    if not host_mask.any():
-      return self._zero_x
-    return host_experts.layer_out(h, moe_in, d.ids[host_mask],
-                                  d.weights[host_mask], functools.partial(self.store.get, i),
-                                  rec)
 
   def generate(self, prompt_ids, sp: SamplingParams, seed: int = 0, on_token=None) -> list[int]:
     """Prefill + up to sp.max_new_tokens sampled tokens (batch 1)."""

@@ -1,0 +1,137 @@
+"""One MoE layer of the engine's decode step (the engine's module docstring, steps 1-3).
+
+`LayerDecoder` holds what the engine shares with it (the per-layer ResidentStates,
+the SlotWriter, the prefetcher, the jitted steps) and runs a layer:
+
+  moe_layer   insert arrived admissions + attention + router + `policy.decide` (with the
+              previous MoE layer's moe call in the same dispatch when the two are
+              consecutive: `steps.fused_steps`), then the host's part (`serve`); the
+              layer's own moe call is returned pending, for the next layer's call or
+              `moe_call`
+  spec_layer  the same with speculative prefetch on (`prefetch`, `prefetch_steps`)
+  serve       sync fetches, background admission requests, statistics, HOST experts
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+
+from moejax.offload import host_experts
+from moejax.offload import steps as steps_lib
+from moejax.offload.policy import FETCH, HOST
+from moejax.offload.stats import TokenRecord
+
+
+class LayerDecoder:
+  """Runs MoE layers of a decode step on the engine's shared state (see above)."""
+
+  def __init__(self, cfg, states: dict, slots, prefetcher, store, fused: dict, trim_to,
+               zero_x, spec=None, pf_steps=None):
+    self.cfg, self.states, self.slots, self.prefetcher = cfg, states, slots, prefetcher
+    self.store, self.fused, self.trim_to = store, fused, trim_to
+    self.zero_x, self.spec, self.pf_steps = zero_x, spec, pf_steps
+
+  def moe_call(self, pend: tuple, mark, trace: bool):
+    """Runs a pending moe call alone (no next MoE layer to fuse it with); -> x."""
+    i, st, p, h, moe_in, dec, host_out = pend
+    mark("moe", i)
+    x, self.states[i], ev = st.moe(p, h, moe_in, dec, host_out, self.states[i])
+    if self.trim_to is not None:
+      self.slots.evicted.append((i, ev))
+    if trace:
+      jax.block_until_ready(x)
+    mark("moe_done", i)
+    return x
+
+  def moe_layer(self, i: int, st, p, x, tp, cache: dict, rec: TokenRecord, mark, pend):
+    """One MoE layer of a decode step (module docstring, steps 1-3); `pend`: the
+    previous MoE layer's moe call, run in the same call as this layer's decision
+    (`steps.fused_steps`).  Returns this layer's moe call, pending."""
+    if pend is not None:   # the previous layer's moe call runs inside this layer's call
+      mark("moe", pend[0])
+      mark("moe_done", pend[0])
+    mark("attend", i)
+    self.slots.collect_carried(i, rec)               # inserted ahead, due now
+    fused = self.slots.admit(i, carry=False, rec=rec)
+    if pend is not None:
+      j, _, pp, ph, pmoe_in, pdec, phost = pend
+      fs, args = self.fused[j], (pp, ph, pmoe_in, pdec, phost, self.states[j], p, tp,
+                                  cache[i], self.states[i])
+      if fused is None:
+        h, moe_in, cache[i], dec, packed, self.states[j], ev = fs.moe_attend_decide(*args)
+      else:
+        (h, moe_in, cache[i], dec, packed, self.states[j], ev, self.states[i],
+         ev_i) = fs.moe_insert_attend_decide(*args, *fused)
+        self.slots.evicted.append((i, ev_i))
+      if self.trim_to is not None:
+        self.slots.evicted.append((j, ev))
+    elif fused is None:
+      h, moe_in, cache[i], dec, packed = st.attend_decide(p, x, tp, cache[i],
+                                                               self.states[i])
+    else:
+      h, moe_in, cache[i], dec, packed, self.states[i], ev = st.insert_attend_decide(
+          p, x, tp, cache[i], self.states[i], *fused)
+      self.slots.evicted.append((i, ev))
+    d = steps_lib.unpack_decision(np.asarray(packed), self.cfg.top_k)
+    mark("decided", i)
+    host_out = self.serve(i, d, h, moe_in, dec, rec, mark)
+    return (i, st, p, h, moe_in, dec, host_out)
+
+  def spec_layer(self, i: int, st, p, x, tp, cache: dict, params, rec: TokenRecord, mark,
+                 trace: bool):
+    """One MoE layer with speculative prefetch on (`prefetch` module, steps 1-3)."""
+    kk, sp, pst = self.cfg.top_k, self.spec, self.pf_steps[i]
+    self.slots.collect_carried(i, rec)
+    fused = self.slots.admit(i, carry=False, rec=rec)
+    if fused is not None:
+      self.states[i], ev = st.insert(self.states[i], *fused)
+      self.slots.evicted.append((i, ev))
+    pf_ids, pred, has_pred, pf_tickets = sp.take(i, rec)
+    h, moe_in, cache[i], dec, packed = pst["attend_decide"](
+        p, x, tp, cache[i], self.states[i], pf_ids, pred, has_pred)
+    packed = np.asarray(packed)
+    d = steps_lib.unpack_decision(packed[:-kk], kk)
+    sp.count_recall(i, packed[-kk:].astype(np.int32), rec)
+    mark("decided", i)
+    host_out = self.serve(i, d, h, moe_in, dec, rec, mark, params)
+    mark("moe", i)
+    pf_rows, pf_used = sp.rows(i, pf_ids, pf_tickets, d.exec_ids, rec)
+    x, self.states[i], ev = pst["moe"](p, h, moe_in, dec, host_out, self.states[i],
+                                       pf_used, pf_rows)
+    self.slots.evicted.append((i, ev))
+    sp.oracle_next(i, params, x, tp, cache, rec)
+    if trace:
+      jax.block_until_ready(x)
+    return x
+
+  def serve(self, i: int, d, h, moe_in, dec, rec: TokenRecord, mark, params=None):
+    """The host's part of a MoE layer after its decision: the sync fetches (copied,
+    inserted, waited for), the next layer's prediction (prefetch on), background
+    admissions, the statistics, and the HOST experts; -> the host experts' output."""
+    fetch = [int(e) for e in d.ids[d.action == FETCH]]
+    if fetch:
+      mark("fetch", i)
+      pending = self.slots.fetch(self.prefetcher, i, fetch, d.exec_ids)
+    if self.spec is not None:         # behind the sync fetches
+      self.spec.predict_next(i, params, h, dec, rec)
+    if d.admit.any():          # queued behind the sync fetches: they never delay them
+      kk = self.cfg.top_k
+      adm_ids = [int(e) for e in np.flatnonzero(d.admit)]
+      self.slots.request(i, self.prefetcher.request_many(
+          i, adm_ids, "background", pad_to=self.slots.rows(min(len(adm_ids), kk))))
+      rec.admissions += len(adm_ids)
+      rec.layer(i).admissions = adm_ids
+    rec.count_decision(i, d.action, d.ids, d.exec_ids, d.gates)
+    rec.fetches += len(fetch)
+    if fetch:
+      rec.layer(i).fetched = fetch
+      self.slots.finish_fetch(i, pending, rec, mark)
+    host_mask = d.action == HOST
+    if not host_mask.any():
+      return self.zero_x
+    return host_experts.layer_out(h, moe_in, d.ids[host_mask],
+                                  d.weights[host_mask], functools.partial(self.store.get, i),
+                                  rec)

@@ -53,6 +53,8 @@ flags.DEFINE_string("model_dir", None, "Model for --check_engine (default: the t
 flags.DEFINE_integer("check_tokens", 96, "Decode tokens timed per engine run (--check_engine).")
 flags.DEFINE_integer("check_skip", 16, "Untimed decode tokens first (--check_engine).")
 flags.DEFINE_string("check_link", "scaled", "Engine --link for the comparison.")
+flags.DEFINE_integer("check_repeats", 3, "Engine runs per timing of --check_engine (the "
+                     "fastest counts: a busy machine only slows runs down).")
 
 
 def trace_shape(cfg) -> profiles.ModelShape:
@@ -118,12 +120,14 @@ def check_engine(tr, out_dir):
   tp = timemodel.calibrate_engine(
       cfg, params, store, cal_tokens, prompt, link,
       {k: s.steps_TxLxC for k, s in cal_steps.items()}, skip=skip,
-      time_host="host" in FLAGS.policies and profiles.CALIBRATED in FLAGS.profiles)
+      time_host="host" in FLAGS.policies and profiles.CALIBRATED in FLAGS.profiles,
+      repeats=FLAGS.check_repeats)
   print(f"[check] calibrated: {tp}", file=sys.stderr)
   tokens, sims = segment(wins[0])
   rows = {}
   for name in names:
-    meas = timemodel.run_engine(cfg, params, store, name, tokens, prompt, link, skip=skip)
+    meas = timemodel.run_engine(cfg, params, store, name, tokens, prompt, link, skip=skip,
+                                repeats=FLAGS.check_repeats)
     s = sims[name]
     sim_ms = timemodel.mean_ms(s.steps_TxLxC, tp, skip)
     rows[name] = dict(measured_tpot_ms=meas["tpot_ms"], simulated_tpot_ms=sim_ms,
@@ -141,7 +145,7 @@ def check_engine(tr, out_dir):
     json.dump(cal, f, indent=1)
   return dict(link=link.describe(), calibration=cal, presets=rows,
               calibration_tokens=[wins[1][0], n], check_tokens=[wins[0][0], n],
-              load_average=os.getloadavg(),
+              load_average=os.getloadavg(), repeats=FLAGS.check_repeats,
               note="measured: the engine on this machine on the trace's first window; "
                    "simulated: time model with this_machine calibrated on its second window "
                    "(resident, baseline, quality runs)"), cal

@@ -141,16 +141,23 @@ def breakdown(steps_TxLxC: np.ndarray, tp: TimeParams) -> dict:
 
 # ------------------------------------------------------------------ calibration
 def run_engine(cfg, params, store, policy, tokens, prompt: int, link, *, fraction=0.25,
-               skip: int = 8, dtype=jnp.float32) -> dict:
-  """The engine's statistics on teacher-forced `tokens` (public API only)."""
+               skip: int = 8, dtype=jnp.float32, repeats: int = 1) -> dict:
+  """The engine's statistics on teacher-forced `tokens` (public API only): of the
+  fastest of `repeats` runs (a shared machine only slows a run down; decisions are
+  the same in every run)."""
   from moejax.offload.engine import OffloadEngine    # the engine only when timing it
-  with OffloadEngine(cfg, params, store, policy, cache_fraction=fraction, link=link,
-                     max_len=len(tokens) + 8, dtype=dtype) as eng:
-    eng.warmup()
-    eng.prefill(tokens[:prompt])
-    for t in tokens[prompt:]:
-      eng.decode_step(t)
-    return eng.stats(skip=skip)
+  best = None
+  for _ in range(max(1, repeats)):
+    with OffloadEngine(cfg, params, store, policy, cache_fraction=fraction, link=link,
+                       max_len=len(tokens) + 8, dtype=dtype) as eng:
+      eng.warmup()
+      eng.prefill(tokens[:prompt])
+      for t in tokens[prompt:]:
+        eng.decode_step(t)
+      s = eng.stats(skip=skip)
+    if best is None or s["tpot_ms"] < best["tpot_ms"]:
+      best = s
+  return best
 
 
 def mean_ms(steps_TxLxC, tp: TimeParams, skip: int) -> float:
@@ -158,7 +165,8 @@ def mean_ms(steps_TxLxC, tp: TimeParams, skip: int) -> float:
 
 
 def calibrate_engine(cfg, params, store, tokens, prompt: int, link, steps: dict, *,
-                     skip: int = 8, time_host: bool = False, dtype=jnp.float32) -> TimeParams:
+                     skip: int = 8, time_host: bool = False, dtype=jnp.float32,
+                     repeats: int = 1) -> TimeParams:
   """This machine's TimeParams, from timing the engine here on `tokens` with `link`.
 
   `steps`: the simulator's per-step counts of "baseline" and "quality" on the same
@@ -168,13 +176,14 @@ def calibrate_engine(cfg, params, store, tokens, prompt: int, link, steps: dict,
     baseline             -> fetch_overhead_s: host time per layer with sync fetches
                             beyond the link time (copy, insert, slower device calls)
     quality              -> admission_overhead_s: host time per background admission
-  plus one `host` run for host_expert_s when time_host.  Calibrate on other tokens
-  than those a comparison uses.
+  plus one `host` run for host_expert_s when time_host; each run the fastest of
+  `repeats`.  Calibrate on other tokens than those a comparison uses.
   """
   t0 = time.time()
   nl = len(cfg.moe_layers)
   run = lambda pol, frac=0.25: run_engine(cfg, params, store, pol, tokens, prompt, link,
-                                          fraction=frac, skip=skip, dtype=dtype)
+                                          fraction=frac, skip=skip, dtype=dtype,
+                                          repeats=repeats)
   ebytes = store.expert_nbytes()
   res = run("baseline", 1.0)
   tp = TimeParams(profiles.CALIBRATED, head_s=0.0, layer_s=res["tpot_ms"] * 1e-3 / nl,

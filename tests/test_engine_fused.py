@@ -31,20 +31,35 @@ def _layers(rec):
           for l, r in rec.layers.items()}
 
 
-# qwen3_moe: every layer MoE, one kind; qwen3_next: DeltaNet and full-attention MoE layers
-# (pairs of two kinds); glm4_moe: a dense first layer, then MoE layers with a shared expert
-@pytest.mark.parametrize("family,over", [("qwen3_moe", dict(mlp_only_layers=[])),
-                                         ("qwen3_next", dict(mlp_only_layers=[])),
-                                         ("glm4_moe", dict(num_hidden_layers=3))])
-@pytest.mark.parametrize("policy,kw", [
-    ("baseline", dict(cache_fraction=0.25)),
-    (P.make_policy("quality", admission_beta=0.05), dict(cache_fraction=0.25, link="20MB/s")),
-    ("speed", dict(cache_fraction=0.125)),          # 1 slot < top-k: staging and trim
-    ("host", dict(cache_fraction=0.5)),
-], ids=["baseline", "quality-link", "speed-staging", "host"])
-def test_fused_calls_equal_separate_calls(family, over, policy, kw, tmp_path):
-  d = hf_models.save(hf_models.build(family, **over), str(tmp_path / family), "per_expert")
-  cfg, params, store = load_model(d)
+QUALITY = P.make_policy("quality", admission_beta=0.05)
+CASES = [   # (family, model overrides, policy, engine kwargs)
+    ("qwen3_moe", {}, "baseline", dict(cache_fraction=0.25)),
+    ("qwen3_moe", {}, QUALITY, dict(cache_fraction=0.25, link="20MB/s")),
+    ("qwen3_moe", {}, "speed", dict(cache_fraction=0.125)),     # 1 slot < top-k: staging, trim
+    ("qwen3_moe", {}, "host", dict(cache_fraction=0.5)),
+    ("qwen3_next", {}, QUALITY, dict(cache_fraction=0.25)),     # DeltaNet + full attention
+    ("qwen3_next", {}, "speed", dict(cache_fraction=0.125)),
+    ("glm4_moe", dict(num_hidden_layers=3), QUALITY, dict(cache_fraction=0.25)),  # dense first
+]
+_BUILT = {}
+
+
+def _model(family, over, tmp_path_factory):
+  """Each family's tiny random model with every layer after the first MoE, built once."""
+  key = (family, tuple(sorted(over.items())))
+  if key not in _BUILT:
+    kw = dict(over) if family == "glm4_moe" else dict(over, mlp_only_layers=[])
+    d = hf_models.save(hf_models.build(family, **kw),
+                       str(tmp_path_factory.mktemp(family)), "per_expert")
+    _BUILT[key] = load_model(d)
+  return _BUILT[key]
+
+
+@pytest.mark.parametrize("family,over,policy,kw", CASES,
+                         ids=[f"{c[0]}-{c[2] if isinstance(c[2], str) else 'quality'}-{i}"
+                              for i, c in enumerate(CASES)])
+def test_fused_calls_equal_separate_calls(family, over, policy, kw, tmp_path_factory):
+  cfg, params, store = _model(family, over, tmp_path_factory)
   if "link" in kw:
     kw = dict(kw, link=link_lib.parse_link(kw["link"], expert_bytes=store.expert_nbytes()))
   pairs = [i for i in cfg.moe_layers if steps_lib.fusable(cfg, i)]
@@ -56,8 +71,7 @@ def test_fused_calls_equal_separate_calls(family, over, policy, kw, tmp_path):
     assert {k: a[k] for k in COUNT_KEYS} == {k: b[k] for k in COUNT_KEYS}
     assert _layers(a) == _layers(b)
   assert fus.resident_sets() == sep.resident_sets()
-  if isinstance(policy, P.PolicyParams) and family == "qwen3_moe":   # admissions inserted
-    # in the fused call (glm4's few substitutions accumulate no admission here)
+  if policy is QUALITY and family == "qwen3_moe":   # admissions inserted in the fused call
     assert sum(r["admitted"] for r in fus.records) > 0
   # the timeline still has every layer's marks, in order; a fused layer's moe call
   # is marked at the start of the next layer's call
@@ -72,12 +86,9 @@ def test_fused_calls_equal_separate_calls(family, over, policy, kw, tmp_path):
       assert evs.index(("moe_done", i)) < evs.index(("attend", i + 1))
 
 
-def test_fused_steps_compile_once_per_pair_of_kinds(tmp_path):
-  d = hf_models.save(hf_models.build("qwen3_moe", mlp_only_layers=[], num_hidden_layers=3),
-                     str(tmp_path / "m"), "per_expert")
-  cfg, params, store = load_model(d)
-  policy = P.make_policy("quality", admission_beta=0.05)
-  with OffloadEngine(cfg, params, store, policy, cache_fraction=0.25, max_len=32) as eng:
+def test_fused_steps_compile_once_per_pair_of_kinds(tmp_path_factory):
+  cfg, params, store = _model("qwen3_moe", {}, tmp_path_factory)
+  with OffloadEngine(cfg, params, store, QUALITY, cache_fraction=0.25, max_len=32) as eng:
     eng.warmup()
     fs = steps_lib.fused_steps(cfg, eng.dtype, 0, eng.policy.decision, eng.policy.cache,
                                None)

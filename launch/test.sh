@@ -10,7 +10,7 @@
 MOEJAX_EXTRAS=test
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 echo "[test] python -m pytest tests, one process per file: parity with transformers, engine" \
-     "invariants, policy rules, command lines (about 15 minutes on 2 CPU cores)" >&2
+     "invariants, policy rules, command lines (about 20-25 minutes on 2 CPU cores)" >&2
 if [ "$#" -gt 0 ]; then
   exec python -m pytest "$@"
 fi

@@ -30,7 +30,8 @@ Per MoE layer and decoded token (jitted steps: `steps`; inserts: `inserts`):
   3. the experts from slot indices, usage update, trim back to the budget S: run in
      the same dispatch as the next MoE layer's step 1 when the two layers are
      consecutive (`steps.fused_steps`; `fuse_layers=False` keeps separate calls).
-The layer itself is `layer_decode.LayerDecoder`.  Waits time out after `transfer_timeout_s` (TransferError naming layer and expert).
+The layer itself is `layer_decode.LayerDecoder`.  Waits time out after
+`transfer_timeout_s` (TransferError naming layer and expert).
 Batch size 1.  Every printed time names the link (`Link.describe()`).
 """
 
@@ -116,9 +117,11 @@ class OffloadEngine:
     self._model = steps_lib.model_steps(cfg, dtype)
     self._steps = [steps_lib.layer_steps(cfg, dtype, i, policy.decision, policy.cache,
                                          self._trim_to) for i in range(cfg.num_layers)]
-    # MoE layer i's moe call fused with layer i+1's decision (None: separate calls)
+    # MoE layer i's moe call fused with layer i+1's decision (None: separate calls; the
+    # prefetch path has its own steps)
+    fuse = fuse_layers and not self.mode.on
     self._fused = {i: steps_lib.fused_steps(cfg, dtype, i, policy.decision, policy.cache,
-                                            self._trim_to) if fuse_layers else None
+                                            self._trim_to) if fuse else None
                    for i in self.moe_layers}
     first = store.get(self.moe_layers[0], 0)
     self._zero_rows = self._put({k: np.zeros((cfg.top_k,) + np.shape(v), np.asarray(v).dtype)
@@ -139,7 +142,7 @@ class OffloadEngine:
     self._finalizer = weakref.finalize(self, _shutdown, self.prefetcher)
     self._slots = inserts.SlotWriter(self.states, self._steps, self.moe_layers, cfg.top_k,
                                      cfg.num_experts, self._zero_rows, self.transfer_timeout_s)
-    self._spec = None
+    self._spec, self._pf_steps = None, None
     if self.mode.on:
       self._spec = prefetch_lib.Speculator(
           cfg, dtype, self.mode, predictors, self.prefetcher, self.states, self._put,
@@ -148,10 +151,9 @@ class OffloadEngine:
                                                 policy.decision, policy.cache, self.mode,
                                                 self._trim_to, l == self.moe_layers[0])
                         for l in self.moe_layers}
-      self._fused = {i: None for i in self.moe_layers}     # prefetch: its own steps
     self._layers = layer_decode.LayerDecoder(
         cfg, self.states, self._slots, self.prefetcher, store, self._fused,
-        self._trim_to, self._zero_x, self._spec, getattr(self, "_pf_steps", None))
+        self._trim_to, self._zero_x, self._spec, self._pf_steps)
     self.cache = None
     self.end_index = 0
     self.records: list[TokenRecord] = []
@@ -366,17 +368,15 @@ class OffloadEngine:
     pend = None     # the previous MoE layer's moe call, to be fused with this layer's decision
     for i, st in enumerate(self._steps):
       p = self.params[f"layers_{i}"]
-      if pend is not None and (not self.cfg.sparse_layers[i] or self._fused[pend[0]] is None):
+      if pend is not None and (not self.cfg.sparse_layers[i] or self._fused[pend.layer] is None):
         x, pend = self._layers.moe_call(pend, mark, self.trace), None
       if not self.cfg.sparse_layers[i]:
         mark("dense", i)
         x, self.cache[i] = st.dense_decode(p, x, tp, self.cache[i])
         continue
       if self._spec is not None:
-        mark("attend", i)
         x = self._layers.spec_layer(i, st, p, x, tp, self.cache, self.params, rec, mark,
                                     self.trace)
-        mark("moe_done", i)
       else:
         pend = self._layers.moe_layer(i, st, p, x, tp, self.cache, rec, mark, pend)
     if pend is not None:

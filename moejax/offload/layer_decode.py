@@ -15,6 +15,7 @@ the SlotWriter, the prefetcher, the jitted steps) and runs a layer:
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -23,6 +24,17 @@ from moejax.offload import host_experts
 from moejax.offload import steps as steps_lib
 from moejax.offload.policy import FETCH, HOST
 from moejax.offload.stats import TokenRecord
+
+
+class PendingMoe(NamedTuple):
+  """A MoE layer's moe call, decided and served, not yet run."""
+  layer: int
+  st: object            # the layer's steps.LayerSteps
+  p: dict               # the layer's parameters
+  h: object
+  moe_in: object
+  dec: object
+  host_out: object
 
 
 class LayerDecoder:
@@ -34,11 +46,12 @@ class LayerDecoder:
     self.store, self.fused, self.trim_to = store, fused, trim_to
     self.zero_x, self.spec, self.pf_steps = zero_x, spec, pf_steps
 
-  def moe_call(self, pend: tuple, mark, trace: bool):
+  def moe_call(self, pend: PendingMoe, mark, trace: bool):
     """Runs a pending moe call alone (no next MoE layer to fuse it with); -> x."""
-    i, st, p, h, moe_in, dec, host_out = pend
+    i = pend.layer
     mark("moe", i)
-    x, self.states[i], ev = st.moe(p, h, moe_in, dec, host_out, self.states[i])
+    x, self.states[i], ev = pend.st.moe(pend.p, pend.h, pend.moe_in, pend.dec, pend.host_out,
+                                        self.states[i])
     if self.trim_to is not None:
       self.slots.evicted.append((i, ev))
     if trace:
@@ -46,20 +59,21 @@ class LayerDecoder:
     mark("moe_done", i)
     return x
 
-  def moe_layer(self, i: int, st, p, x, tp, cache: dict, rec: TokenRecord, mark, pend):
+  def moe_layer(self, i: int, st, p, x, tp, cache: dict, rec: TokenRecord, mark,
+                pend: PendingMoe | None) -> PendingMoe:
     """One MoE layer of a decode step (module docstring, steps 1-3); `pend`: the
     previous MoE layer's moe call, run in the same call as this layer's decision
     (`steps.fused_steps`).  Returns this layer's moe call, pending."""
     if pend is not None:   # the previous layer's moe call runs inside this layer's call
-      mark("moe", pend[0])
-      mark("moe_done", pend[0])
+      mark("moe", pend.layer)
+      mark("moe_done", pend.layer)
     mark("attend", i)
     self.slots.collect_carried(i, rec)               # inserted ahead, due now
     fused = self.slots.admit(i, carry=False, rec=rec)
     if pend is not None:
-      j, _, pp, ph, pmoe_in, pdec, phost = pend
-      fs, args = self.fused[j], (pp, ph, pmoe_in, pdec, phost, self.states[j], p, tp,
-                                  cache[i], self.states[i])
+      j = pend.layer
+      fs, args = self.fused[j], (pend.p, pend.h, pend.moe_in, pend.dec, pend.host_out,
+                                 self.states[j], p, tp, cache[i], self.states[i])
       if fused is None:
         h, moe_in, cache[i], dec, packed, self.states[j], ev = fs.moe_attend_decide(*args)
       else:
@@ -69,8 +83,7 @@ class LayerDecoder:
       if self.trim_to is not None:
         self.slots.evicted.append((j, ev))
     elif fused is None:
-      h, moe_in, cache[i], dec, packed = st.attend_decide(p, x, tp, cache[i],
-                                                               self.states[i])
+      h, moe_in, cache[i], dec, packed = st.attend_decide(p, x, tp, cache[i], self.states[i])
     else:
       h, moe_in, cache[i], dec, packed, self.states[i], ev = st.insert_attend_decide(
           p, x, tp, cache[i], self.states[i], *fused)
@@ -78,12 +91,13 @@ class LayerDecoder:
     d = steps_lib.unpack_decision(np.asarray(packed), self.cfg.top_k)
     mark("decided", i)
     host_out = self.serve(i, d, h, moe_in, dec, rec, mark)
-    return (i, st, p, h, moe_in, dec, host_out)
+    return PendingMoe(i, st, p, h, moe_in, dec, host_out)
 
   def spec_layer(self, i: int, st, p, x, tp, cache: dict, params, rec: TokenRecord, mark,
                  trace: bool):
     """One MoE layer with speculative prefetch on (`prefetch` module, steps 1-3)."""
     kk, sp, pst = self.cfg.top_k, self.spec, self.pf_steps[i]
+    mark("attend", i)
     self.slots.collect_carried(i, rec)
     fused = self.slots.admit(i, carry=False, rec=rec)
     if fused is not None:
@@ -105,6 +119,7 @@ class LayerDecoder:
     sp.oracle_next(i, params, x, tp, cache, rec)
     if trace:
       jax.block_until_ready(x)
+    mark("moe_done", i)
     return x
 
   def serve(self, i: int, d, h, moe_in, dec, rec: TokenRecord, mark, params=None):

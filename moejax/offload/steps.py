@@ -12,8 +12,8 @@ Per MoE layer and decoded token the engine makes two device calls:
 `insert_attend_decide` is attend_decide preceded by an insert of arrived
 background admissions (one dispatch), and `insert` the insert alone; both take
 the insert packed by `pack_insert`.  `fused_steps` joins a MoE layer's moe call
-with the next MoE layer's (insert +) attend_decide: one dispatch per layer.  Every function takes its state as arguments
-(nothing is closed over but the module and the static policy parts), states
+with the next MoE layer's (insert +) attend_decide: one dispatch per layer.  Every
+function takes its state as arguments (nothing is closed over but the module and the static policy parts), states
 and caches are donated, and each is built once per layer *kind* (sparse or
 dense, and the family's layer type) and policy part, so compile count does not
 grow with depth and policies that share a part share its compiles.

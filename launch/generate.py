@@ -64,10 +64,11 @@ flags.DEFINE_float("tau", None, "With --policy=threshold or quality: normalised 
 flags.DEFINE_float("admission_beta", None, "With --policy: background admission threshold (> 0).")
 flags.DEFINE_enum("eviction", None, ["lru", "lfu"], "With --policy: eviction rule (default: "
                   "the preset's).")
-flags.DEFINE_enum("prefetch", None, ["none", "reuse", "quasi", "hybrid"], "With --policy: "
-                  "speculative prefetch of the next layer's predicted experts (quasi, hybrid: "
-                  "the files of launch.default_vectors / launch.train_estimators, loaded from "
-                  "<model_dir>-estimators or --estimators).")
+flags.DEFINE_enum("prefetch", None, ["none", "reuse", "quasi", "previous", "hybrid"],
+                  "With --policy: speculative prefetch of the next layer's predicted experts "
+                  "(previous: the experts that layer chose at the previous token; quasi, "
+                  "hybrid: the files of launch.default_vectors / launch.train_estimators, "
+                  "loaded from <model_dir>-estimators or --estimators).")
 flags.DEFINE_enum("speculative", None, ["off", "predicted_weights", "true_router"],
                   "With --prefetch: run each layer on its predicted experts without refetching "
                   "a wrong prediction (predicted or true router weights).")
@@ -94,7 +95,7 @@ def check_flags():
                          "give one")
   if cli.given("speculative") and FLAGS.speculative != "off" and FLAGS.prefetch in (None, "none"):
     raise cli.UsageError("--speculative executes the predicted experts: it needs "
-                         "--prefetch=reuse, quasi or hybrid")
+                         "--prefetch=reuse, quasi, previous or hybrid")
   if FLAGS.streaming and (cli.given("cache_fraction") or cli.given("cache_bytes")):
     raise cli.UsageError("--streaming keeps no expert cache: drop --cache_fraction/--cache_bytes")
   if FLAGS.max_new_tokens < 1:

@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from moejax import corpus, data
 from moejax.config import ModelConfig
-from moejax.loader import init_random, save_hf
+from moejax.loader import init_random, load_model, save_hf
 from moejax.train import TrainConfig, make_optimizer, revive_experts, train_step
 
 FLAGS = flags.FLAGS
@@ -72,8 +72,10 @@ flags.DEFINE_integer("top_k", 8, "Experts per token.")
 flags.DEFINE_bool("export_only", False, "Only export the latest checkpoint.")
 flags.DEFINE_string("init_from", "",
                     "A second stage: start from the latest checkpoint of this earlier run's "
-                    "--workdir (weights only; a fresh optimizer and schedule over --steps). "
-                    "Ignored once --workdir has a checkpoint of its own.")
+                    "--workdir, or from an exported model directory (config.json + "
+                    "model.safetensors of the same layout) -- weights only; a fresh optimizer "
+                    "and schedule over --steps.  Ignored once --workdir has a checkpoint of "
+                    "its own.")
 flags.DEFINE_integer("seed", 0, "Initialisation and data-order seed (use a new one for a stage).")
 flags.DEFINE_string("stage2", "",
                     "A second stage in the same command: TrainConfig fields to change, e.g. "
@@ -164,6 +166,24 @@ def _restore(ckpt_dir: str, trainable, opt_state):
   return state["trainable"], state["opt_state"], step
 
 
+def _init_weights(cfg, init_from: str, trainable, opt_state):
+  """The weights of `init_from`: an exported model directory or a checkpoint directory."""
+  if os.path.exists(os.path.join(init_from, "config.json")):
+    got_cfg, params, store = load_model(init_from, dtype=jnp.float32)
+    if got_cfg != cfg:
+      raise app.UsageError(f"--init_from={init_from}: its config.json is not this run's "
+                           f"layout ({got_cfg} vs {cfg})")
+    experts = [None if e is None else {k: jnp.asarray(store.stacked(i)[k]) for k in e}
+               for i, e in enumerate(trainable[1])]
+    logging.info("initialised from the exported model %s", init_from)
+    return params, experts
+  got = _restore(init_from, trainable, opt_state)
+  if got is None:
+    raise app.UsageError(f"--init_from={init_from}: no checkpoint there (nor a config.json)")
+  logging.info("initialised from %s at its step %d", init_from, got[2])
+  return got[0]
+
+
 def run_training(cfg, tc: TrainConfig, stream: np.ndarray, ckpt_dir: str, save_every: int,
                  max_hours: float = 0.0, log_path: str | None = None, export_only: bool = False,
                  stop_at: int | None = None, init_from: str = ""):
@@ -172,7 +192,7 @@ def run_training(cfg, tc: TrainConfig, stream: np.ndarray, ckpt_dir: str, save_e
   The batch of step s is a pure function of (stream, seed, s), so a run killed and
   restarted from a checkpoint sees the same data order.  `stop_at` ends the run early
   (as a kill would) after checkpointing that step.  `init_from` (another run's checkpoint
-  directory) starts a fresh run from its latest weights, with a new optimizer state.
+  directory, or an exported model directory) starts a fresh run from its latest weights, with a new optimizer state.
   """
   opt, sched = make_optimizer(tc)
   params, experts = init_random(cfg, seed=tc.seed, scale=0.02)
@@ -187,12 +207,8 @@ def run_training(cfg, tc: TrainConfig, stream: np.ndarray, ckpt_dir: str, save_e
     trainable, opt_state, step = _restore(ckpt_dir, trainable, opt_state)
     logging.info("resumed from step %d", step)
   elif init_from:
-    got = _restore(init_from, trainable, opt_state)
-    if got is None:
-      raise app.UsageError(f"--init_from={init_from}: no checkpoint there")
-    trainable = got[0]
+    trainable = _init_weights(cfg, init_from, trainable, opt_state)
     opt_state = opt.init(trainable)
-    logging.info("initialised from %s at its step %d", init_from, got[2])
   t0 = time.time()
   load_sum, load_n = None, 0  # expert loads since the last revival (a window starts at resume)
   end = tc.steps if stop_at is None else min(stop_at, tc.steps)
@@ -239,6 +255,14 @@ def run_training(cfg, tc: TrainConfig, stream: np.ndarray, ckpt_dir: str, save_e
   return trainable, step
 
 
+def _init_dir(init_from: str) -> str:
+  """--init_from as run_training takes it: a model directory, or a workdir's ckpt/."""
+  if not init_from:
+    return ""
+  d = os.path.abspath(init_from)
+  return d if os.path.exists(os.path.join(d, "config.json")) else os.path.join(d, "ckpt")
+
+
 def main(_):
   wd = os.path.abspath(FLAGS.workdir)
   dd = os.path.abspath(FLAGS.data_dir or FLAGS.workdir)
@@ -259,7 +283,7 @@ def main(_):
   trainable, step = run_training(cfg, tc, stream, os.path.join(wd, "ckpt"), FLAGS.save_every,
                                  max_hours=FLAGS.max_hours, log_path=os.path.join(wd, "train_log.jsonl"),
                                  export_only=FLAGS.export_only,
-                                 init_from=os.path.join(os.path.abspath(FLAGS.init_from), "ckpt") if FLAGS.init_from else "")
+                                 init_from=_init_dir(FLAGS.init_from))
   stages = [dict(recipe=dataclasses.asdict(tc), steps=int(step))]
   if FLAGS.stage2 and step >= tc.steps:
     tc = dataclasses.replace(tc, **stage_overrides(FLAGS.stage2))

@@ -7,7 +7,10 @@ logits of l+1) pairs on train windows of every corpus domain and on held-out std
 windows (shards under --data_dir), trains one estimator per MoE-layer pair
 (estimators.train), and marks a pair *hybrid* (estimator used by the engine) when its
 held-out drift under the plain quasi predictor is at least --drift_threshold and the
-estimator raises held-out recall@k there.  Resumable at every stage.
+estimator raises held-out recall@k there.  A third source, `previous` (the layer's own
+selection at the previous token: no computation), is measured on the same held-out
+pairs; `choose_source` takes, per pair, the source with the highest held-out recall@k.
+Resumable at every stage.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from tqdm import tqdm
 
 from estimators import data as est_data
 from estimators.train import EstimatorConfig, train_pair
-from moejax import data
+from moejax import data, speculation
 from moejax.speculation import load_default_vectors
 from moejax.loader import load_model
 from moejax.traces import config_hash
@@ -44,10 +47,21 @@ flags.DEFINE_float("drift_threshold", 0.0,
                    "Use an estimator only where held-out drift (1 - exact match) is >= this.")
 
 
-def _windows(stream, n, seq=256, seed=0, shuffle=True):
+SEQ = 256   # window length of the recorded pairs
+
+
+def _windows(stream, n, seq=SEQ, seed=0, shuffle=True):
   order = (data.window_order(stream.size, seq, seed, epochs=1) if shuffle
            else np.arange((stream.size - 1) // seq))[:n]
   return np.stack([stream[i * seq:(i + 1) * seq] for i in order]).astype(np.int32)
+
+
+def choose_source(drift: float, threshold: float, recall: dict) -> str:
+  """The hybrid's source of a layer pair: the highest held-out recall@k among quasi, the
+  estimator (only where drift >= threshold) and previous; ties go to the cheaper one
+  (quasi, then previous, then the estimator)."""
+  cands = ["quasi", "previous"] + (["estimator"] if drift >= threshold else [])
+  return max(cands, key=lambda c: (recall[c], -cands.index(c)))
 
 
 def main(_):
@@ -74,27 +88,36 @@ def main(_):
                          os.path.join(FLAGS.data_dir, "checkpoints", f"pair_{j}"),
                          progress=lambda it: tqdm(it, desc=f"estimator {layers[j]}->{layers[j + 1]}"))
     base, best = hist[0], min(hist, key=lambda h: h["kl"])
+    prev = speculation.previous_token_agreement(cfg, held["true"], seq=SEQ)
     drift = 1.0 - base["exact_match"]
-    use = drift >= FLAGS.drift_threshold and best["recall_at_k"] > base["recall_at_k"]
+    keys = ("recall_at_k", "exact_match", "mass_covered")
+    src = choose_source(drift, FLAGS.drift_threshold,
+                        {"quasi": base["recall_at_k"], "estimator": best["recall_at_k"],
+                         "previous": prev["recall_at_k"]})
     rows.append({"layer": int(layers[j]), "next_layer": int(layers[j + 1]), "drift": drift,
-                 "quasi": {k: base[k] for k in ("recall_at_k", "exact_match", "mass_covered")},
-                 "estimator": {k: best[k] for k in ("recall_at_k", "exact_match", "mass_covered")},
-                 "hybrid_uses_estimator": bool(use)})
+                 "quasi": {k: base[k] for k in keys}, "estimator": {k: best[k] for k in keys},
+                 "previous": {k: prev[k] for k in keys}, "hybrid_source": src,
+                 "hybrid_uses_estimator": src == "estimator"})
     trees.append(jax.tree_util.tree_map(np.asarray, p))
   with ocp.StandardCheckpointer() as ckptr:
     ckptr.save(os.path.abspath(os.path.join(out, "estimators")), {"pairs": trees}, force=True)
-  hybrid = [r["quasi"] if not r["hybrid_uses_estimator"] else r["estimator"] for r in rows]
+  hybrid = [r[r["hybrid_source"]] for r in rows]
+  mean = lambda src: float(np.mean([r[src]["recall_at_k"] for r in rows]))
   res = dict(meta, hidden=FLAGS.hidden, drift_threshold=FLAGS.drift_threshold, per_layer=rows,
              hybrid_recall_at_k=float(np.mean([h["recall_at_k"] for h in hybrid])),
-             quasi_recall_at_k=float(np.mean([r["quasi"]["recall_at_k"] for r in rows])))
+             quasi_recall_at_k=mean("quasi"), estimator_recall_at_k=mean("estimator"),
+             previous_recall_at_k=mean("previous"))
   with open(os.path.join(out, "estimators.json"), "w") as f:
     json.dump(res, f, indent=2)
-  print(f"{'pair':<8}{'drift':>8}{'quasi recall':>14}{'est. recall':>13}{'hybrid':>8}")
+  print(f"{'pair':<8}{'drift':>8}{'quasi recall':>14}{'est. recall':>13}{'prev. recall':>14}"
+        f"{'hybrid':>11}")
   for r in rows:
     print(f"{r['layer']}->{r['next_layer']:<5}{r['drift']:>8.3f}{r['quasi']['recall_at_k']:>14.3f}"
-          f"{r['estimator']['recall_at_k']:>13.3f}{'est' if r['hybrid_uses_estimator'] else 'quasi':>8}")
-  print(f"mean recall@k: quasi {res['quasi_recall_at_k']:.3f}, hybrid {res['hybrid_recall_at_k']:.3f}; "
-        f"wrote {out}")
+          f"{r['estimator']['recall_at_k']:>13.3f}{r['previous']['recall_at_k']:>14.3f}"
+          f"{r['hybrid_source']:>11}")
+  print(f"mean recall@k: quasi {res['quasi_recall_at_k']:.3f}, estimator "
+        f"{res['estimator_recall_at_k']:.3f}, previous {res['previous_recall_at_k']:.3f}, "
+        f"hybrid {res['hybrid_recall_at_k']:.3f}; wrote {out}")
 
 
 if __name__ == "__main__":

@@ -116,11 +116,14 @@ def _decide(setup: Setup, logits_1xE, state, key):
   return policy_lib.decide(logits_1xE, state, setup.policy.decision, setup.cfg)
 
 
-def _moe_layer(setup: Setup, mod, p, table, x, pos, cache, state, pending_E, key,
+def _moe_layer(setup: Setup, mod, p, table, x, pos, cache, state, pending, key,
                spec=None, prev=None):
-  """One MoE layer of one decoded token (engine order); returns x, cache, state, admit, stats
-  (with prefetch on: x is (x, r, d, has_prev): what the next MoE layer predicts from)."""
+  """One MoE layer of one decoded token (engine order); returns x, cache, state, pending,
+  stats (with prefetch on: x is (x, r, d, has_prev): what the next MoE layer predicts
+  from, and pending is (admit [E], this layer's true logits, True): see
+  `layer_stack.empty_carry`)."""
   cfg, pol = setup.cfg, setup.policy.cache
+  pending_E, last = (pending[0], pending[1:]) if setup.prefetch != "none" else (pending, None)
   num_e, k = cfg.num_experts, cfg.top_k
   none_in_use = jnp.zeros((num_e,), bool)
   adm_ids = jnp.nonzero(pending_E, size=k, fill_value=-1)[0].astype(jnp.int32)
@@ -131,10 +134,11 @@ def _moe_layer(setup: Setup, mod, p, table, x, pos, cache, state, pending_E, key
     dec = _decide(setup, logits.reshape(1, num_e), state, key)
   else:
     lg = logits.reshape(1, -1)
+    hybrid = setup.prefetch == "hybrid"
     dec, pf_used, pf_stats = pf_steps.speculate(
-        setup.cfg, mod, p, spec["est"] if setup.prefetch == "hybrid" else None, prev, lg,
+        setup.cfg, mod, p, spec["est"] if hybrid else None, prev, lg,
         state, setup.policy.decision, setup.prefetch, setup.speculative,
-        _decide(setup, lg, state, key))
+        _decide(setup, lg, state, key), last, spec["use_last"] if hybrid else None)
   act = dec.action[0]
   fetch_ids = jnp.where(act == FETCH, dec.ids[0], -1)
   in_use = none_in_use.at[jnp.where(dec.exec_ids[0] >= 0, dec.exec_ids[0], num_e)].set(
@@ -167,6 +171,8 @@ def _moe_layer(setup: Setup, mod, p, table, x, pos, cache, state, pending_E, key
   if setup.prefetch != "none":
     d = pf_steps.quasi_offset(dec.exec_ids[0], dec.weights[0], spec["vectors"])
     x = (x, h.reshape(1, -1), d, jnp.bool_(True))
+    return x, cache, state, (dec.admit, logits.reshape(1, -1).astype(jnp.float32),
+                             jnp.bool_(True)), stats, detail
   return x, cache, state, dec.admit, stats, detail
 
 
@@ -247,8 +253,9 @@ def _prefill_one(setup: Setup, params, layers, table, states, tokens_P, length, 
       st, _ = resident_lib.trim(st, setup.trim_to, pol)
     return x, (cache, st, pending), jnp.zeros(())
 
+  width = 0 if setup.prefetch == "none" else routing.router_width(cfg)
   cache, pending = layer_stack.empty_carry(cfg, init_cache(cfg, 1, setup.max_len, dtype),
-                                           num_e)
+                                           num_e, width)
   x, per_layer, _ = layer_stack.run_layers(
       cfg, dtype, layer_fn, layers, table, x, layer_stack.zip_carry(cfg, cache, states, pending))
   logits = model.apply({"params": params}, jax.lax.dynamic_index_in_dim(x[0], length - 1),
@@ -353,7 +360,7 @@ def make(cfg: ModelConfig, params, store, policy: PolicyParams | str, *,
   """
   mode = pf_steps.Mode(prefetch, speculative, keep=not streaming)
   if prefetch == "oracle" or (mode.on and control is not None):
-    raise EmulatorError("the emulator's prefetch takes --prefetch=reuse, quasi or hybrid, "
+    raise EmulatorError("the emulator's prefetch takes --prefetch=reuse, quasi, previous or hybrid, "
                         "without a control rule")
   if isinstance(policy, str):
     policy = policy_lib.make_policy(policy)

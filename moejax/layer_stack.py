@@ -82,12 +82,20 @@ def zip_carry(cfg: ModelConfig, cache, states, pending):
   return [(cache[i], states.get(i), pending.get(i)) for i in range(cfg.num_layers)]
 
 
-def empty_carry(cfg: ModelConfig, cache: list, num_experts: int):
-  """(cache, pending admissions) at the start of a stream, stacked for uniform models."""
+def empty_carry(cfg: ModelConfig, cache: list, num_experts: int, last_width: int = 0):
+  """(cache, pending) at the start of a stream, stacked for uniform models.  A layer's
+  pending is its admissions requested at the previous token [E] bool; with
+  `last_width`, (that, the layer's router logits at the previous token [1, last_width],
+  whether there was one) -- what the `previous` prefetch predictor reads."""
+  def one():
+    admit = jnp.zeros((num_experts,), bool)
+    return (admit, jnp.zeros((1, last_width), jnp.float32), jnp.bool_(False)) if last_width \
+        else admit
+
   if uniform(cfg):
     return (jax.tree_util.tree_map(lambda *a: jnp.stack(a), *cache),
-            jnp.zeros((cfg.num_layers, num_experts), bool))
-  return cache, {l: jnp.zeros((num_experts,), bool) for l in cfg.moe_layers}
+            jax.tree_util.tree_map(lambda *a: jnp.stack(a), *[one()] * cfg.num_layers))
+  return cache, {l: one() for l in cfg.moe_layers}
 
 
 def unzip_carry(cfg: ModelConfig, per_layer):

@@ -42,6 +42,12 @@ def _rule(cfg: ModelConfig):
   return RULES[cfg.router]
 
 
+def router_width(cfg: ModelConfig) -> int:
+  """The width of a router's output row: E, or 2E for sigmoid_group (logits, then the
+  correction bias)."""
+  return cfg.num_experts * (2 if cfg.router == "sigmoid_group" else 1)
+
+
 def route(cfg: ModelConfig, logits_NxE: jax.Array):
   """Returns (ids_NxK int32, gates_NxK f32, scores_NxE f32), ids sorted by score desc.
 

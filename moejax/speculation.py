@@ -127,6 +127,16 @@ def topk_agreement(cfg: ModelConfig, true_logits_NxE, pred_logits_NxE) -> dict:
           "mass_covered": float(jnp.mean(jnp.sum(jnp.where(hit_NxK, share, 0.0), -1)))}
 
 
+def previous_token_agreement(cfg: ModelConfig, true_NxE, seq: int) -> dict:
+  """`topk_agreement` of the `previous` predictor: each token's true logits against the
+  previous token's, over N tokens in windows of `seq` (a window's first token has no
+  previous one and is skipped)."""
+  t = np.arange(np.shape(true_NxE)[0])
+  t = t[t % seq != 0]
+  true = np.asarray(true_NxE, np.float32)
+  return topk_agreement(cfg, true[t], true[t - 1])
+
+
 def default_vectors_dir(model_dir: str) -> str:
   return os.path.join(model_dir.rstrip("/") + "-estimators", "default_vectors")
 

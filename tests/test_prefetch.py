@@ -133,6 +133,49 @@ def test_prefetch_without_speculation_is_exact_and_counts(model, prefetch):
     assert r.wasted_bytes <= (r.prefetches - r.useful_prefetches) * store.expert_nbytes()
 
 
+def test_previous_predicts_the_layers_selection_at_the_previous_token(model):
+  """`previous`: layer l+1's prediction is its own true top-k at the previous token (none
+  for the first decoded token after a prompt); without speculation the output is exact
+  and exactly the mispredicted experts are fetched."""
+  cfg, params, store, ref = model
+  eng, out, _ = _run(cfg, params, store, PROMPT, STREAM, prefetch="previous", streaming=True)
+  np.testing.assert_allclose(out, ref, atol=2e-5, rtol=1e-5)
+  recs = eng.records
+  for l in cfg.moe_layers:
+    assert not recs[0].layers[l].predicted          # nothing before the first decoded token
+  for prev, r in zip(recs, recs[1:]):
+    assert not r.layers[cfg.moe_layers[0]].predicted    # the first MoE layer: no pair
+    for l in cfg.moe_layers[1:]:
+      assert r.layers[l].predicted == prev.layers[l].true_ids
+      assert set(r.layers[l].fetched) == set(r.layers[l].ids) - set(r.layers[l].predicted)
+  # a new prompt forgets the previous sequence's last token
+  with OffloadEngine(cfg, params, store, "baseline", max_len=32, prefetch="previous",
+                     streaming=True) as eng2:
+    eng2.prefill(PROMPT)
+    eng2.decode_step(STREAM[0])
+    eng2.prefill(PROMPT)
+    eng2.decode_step(STREAM[0])
+  assert not any(eng2.records[-1].layers[l].predicted for l in cfg.moe_layers)
+
+
+def test_hybrid_sources_and_previous_agreement_hand_checked():
+  from launch.train_estimators import choose_source
+  from moejax.speculation import previous_token_agreement
+  rec = {"quasi": 0.5, "estimator": 0.7, "previous": 0.9}
+  assert choose_source(0.3, 0.0, rec) == "previous"
+  assert choose_source(0.3, 0.0, dict(rec, previous=0.6)) == "estimator"
+  assert choose_source(0.3, 0.5, dict(rec, previous=0.4)) == "quasi"    # drift below threshold
+  assert choose_source(0.9, 0.0, {"quasi": 0.8, "estimator": 0.8, "previous": 0.8}) == "quasi"
+  cfg = _cfg(model_type="qwen3_moe", num_experts=4, top_k=2, norm_topk_prob=True)
+  # two windows of 3 tokens: top-2 sets {0,1} {0,2} {0,2} | {3,2} {1,0} {1,0}
+  lg = np.full((6, 4), -5.0, np.float32)
+  for t, ids in enumerate([(0, 1), (0, 2), (0, 2), (3, 2), (1, 0), (1, 0)]):
+    lg[t, list(ids)] = [2.0, 1.0]
+  a = previous_token_agreement(cfg, lg, seq=3)   # pairs (1|0) (2|1) (4|3) (5|4), not (3|2)
+  assert a["recall_at_k"] == pytest.approx((1 + 2 + 0 + 2) / 8)
+  assert a["exact_match"] == pytest.approx(2 / 4)
+
+
 def test_speculative_with_a_wrong_predictor_runs_the_predicted_set(model):
   cfg, params, store, ref = model
   eng, out, _ = _run(cfg, params, store, PROMPT, STREAM, prefetch="reuse",
@@ -212,13 +255,19 @@ def test_every_family_prefetches_and_speculates(family, tmp_path):
     dict(policy="baseline", streaming=True, prefetch="quasi", speculative="predicted_weights"),
     dict(policy="baseline", streaming=True, prefetch="reuse", speculative="true_router"),
     dict(policy="quality", cache_fraction=0.5, prefetch="quasi", speculative="off"),
-], ids=["stream-quasi-predicted", "stream-reuse-true", "quality-quasi"])
+    dict(policy="baseline", streaming=True, prefetch="previous", speculative="predicted_weights"),
+    dict(policy="speed", cache_fraction=0.25, prefetch="previous", speculative="off"),
+    dict(policy="baseline", streaming=True, prefetch="hybrid", speculative="true_router",
+         sources=["previous", "quasi"]),
+], ids=["stream-quasi-predicted", "stream-reuse-true", "quality-quasi", "stream-previous-predicted",
+        "speed-previous", "stream-hybrid-previous-quasi-true"])
 def test_emulator_prefetch_equals_the_engine(model, kw):
   """The one emulator runs the engine's prefetch and speculative decisions: same logits,
   same per-layer actions, fetches, evictions and prefetch counts."""
   from tests.test_emulator import assert_same_decisions, emulator_run, engine_run
   cfg, params, store, _ = model
-  kw = dict(kw, predictors=_vectors(cfg))
+  kw = dict(kw, predictors=dict(_vectors(cfg), **({"sources": kw.pop("sources")}
+                                                  if "sources" in kw else {})))
   policy = kw.pop("policy")
   toks = PROMPT[:1] + STREAM
   ref, records, _ = engine_run(cfg, params, store, policy, toks, **kw)

@@ -111,6 +111,23 @@ def test_second_stage_starts_from_the_first_stages_weights(stream, tmp_path):
                  init_from=str(tmp_path / "nothing"))
 
 
+def test_a_stage_starts_from_an_exported_model(stream, tmp_path):
+  """--init_from=<model dir> (config.json + model.safetensors, e.g. a shipped model):
+  the same weights as the run that exported it; another layout is refused."""
+  from moejax.loader import save_hf
+  tc = TrainConfig(steps=4, warmup=1, lr=1e-2, batch=4, seq=32, seed=0)
+  (params, experts), _ = run_training(TINY, tc, stream, str(tmp_path / "a"), save_every=4)
+  save_hf(TINY, params, experts, str(tmp_path / "export"))
+  same, step = run_training(TINY, dataclasses.replace(tc, seed=1), stream, str(tmp_path / "b"),
+                            save_every=4, stop_at=0, init_from=str(tmp_path / "export"))
+  assert step == 0
+  chex.assert_trees_all_close(same, (params, experts), atol=0, rtol=0)
+  other = ModelConfig(**{**TINY.__dict__, "num_experts": 2, "top_k": 1})
+  with pytest.raises(Exception, match="not this run's layout"):
+    run_training(other, tc, stream, str(tmp_path / "c"), save_every=4,
+                 init_from=str(tmp_path / "export"))
+
+
 def test_stage2_overrides_are_typed_and_checked():
   assert stage_overrides("steps=1000, lr=1e-3,locality_loss=mi,seed=1") == dict(
       steps=1000, lr=1e-3, locality_loss="mi", seed=1)

@@ -146,7 +146,8 @@ class OffloadEngine:
     if self.mode.on:
       self._spec = prefetch_lib.Speculator(
           cfg, dtype, self.mode, predictors, self.prefetcher, self.states, self._put,
-          self._host_rows, self._zero_rows, self.transfer_timeout_s, store.expert_nbytes())
+          self._host_rows, self._zero_rows, self.transfer_timeout_s, store.expert_nbytes(),
+          self._slots.admitting)
       self._pf_steps = {l: pf_steps.layer_steps(cfg, dtype, steps_lib.representative(cfg, l),
                                                 policy.decision, policy.cache, self.mode,
                                                 self._trim_to, l == self.moe_layers[0])
@@ -295,6 +296,8 @@ class OffloadEngine:
     toks = np.zeros((1, tb), np.int32)
     toks[0, :t] = prompt_ids
     self.cache = self._put(init_cache(self.cfg, 1, self.max_len, self.dtype))
+    if self._spec is not None:
+      self._spec.new_sequence()
     pos = self._put(np.arange(tb, dtype=np.int32)[None])
     end = self._put(np.int32(0))
     x = self._model.embed(self.params, self._put(toks))

@@ -39,6 +39,10 @@ class SlotWriter:
     """Queues layer l's new background tickets (inserted at the next token)."""
     self.adm = adm_lib.request(self.adm, l, tickets)
 
+  def admitting(self, l: int) -> set[int]:
+    """The experts of layer l whose admission is queued (inserted before its decision)."""
+    return {t.key[1] for t in self.adm.pending[l]}
+
   def collect_carried(self, l: int, rec: TokenRecord):
     """Counts in `rec` what was inserted ahead of this token for layer l."""
     self.adm, carried = adm_lib.collect(self.adm, l)

@@ -104,11 +104,13 @@ class LayerDecoder:
       self.states[i], ev = st.insert(self.states[i], *fused)
       self.slots.evicted.append((i, ev))
     pf_ids, pred, has_pred, pf_tickets = sp.take(i, rec)
-    h, moe_in, cache[i], dec, packed = pst["attend_decide"](
+    h, moe_in, cache[i], dec, packed, true_logits = pst["attend_decide"](
         p, x, tp, cache[i], self.states[i], pf_ids, pred, has_pred)
     packed = np.asarray(packed)
     d = steps_lib.unpack_decision(packed[:-kk], kk)
-    sp.count_recall(i, packed[-kk:].astype(np.int32), rec)
+    true_ids = packed[-kk:].astype(np.int32)
+    sp.count_recall(i, true_ids, rec)
+    sp.remember(i, true_logits, true_ids)
     mark("decided", i)
     host_out = self.serve(i, d, h, moe_in, dec, rec, mark, params)
     mark("moe", i)

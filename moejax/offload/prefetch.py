@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from moejax import layer_stack, speculation
+from moejax import layer_stack, routing, speculation
 from moejax.config import ModelConfig
 from moejax.offload import prefetch_steps as pf_steps
 from moejax.offload import steps as steps_lib
@@ -44,15 +44,29 @@ def estimators_dir(model_dir: str) -> str:
   return model_dir.rstrip("/") + "-estimators"
 
 
+SOURCES = ("reuse", "quasi", "estimator", "previous")   # what predicts a layer pair
+
+
+def hybrid_sources(meta: dict) -> list[str]:
+  """The hybrid's per-pair sources recorded by launch.train_estimators (files made before
+  the `previous` source: the estimator where marked, quasi elsewhere)."""
+  return [row.get("hybrid_source", "estimator" if row["hybrid_uses_estimator"] else "quasi")
+          for row in meta["per_layer"]]
+
+
 def load_predictors(kind: str, cfg: ModelConfig, model_dir: str | None = None,
                     directory: str | None = None) -> dict:
-  """{"vectors": [E, D] per MoE layer, "estimators": params or None per layer pair}.
+  """{"vectors": [E, D] per MoE layer, "estimators": params or None per layer pair,
+  "sources": the predictor of each layer pair (`SOURCES`)}.
 
   quasi and hybrid need the default vectors (launch.default_vectors), hybrid also the
-  estimators (launch.train_estimators), both made for this model (config hash)."""
+  estimators and its per-pair choice (launch.train_estimators), both made for this
+  model (config hash); reuse and previous need no files."""
   from moejax.traces import config_hash  # pylint: disable=g-import-not-at-top
   n_moe = len(cfg.moe_layers)
-  out = {"vectors": None, "estimators": [None] * max(0, n_moe - 1)}
+  n_pairs = max(0, n_moe - 1)
+  out = {"vectors": None, "estimators": [None] * n_pairs,
+         "sources": [kind if kind in SOURCES else "quasi"] * n_pairs}
   if kind not in ("quasi", "hybrid"):
     return out
   if directory is None and model_dir is None:
@@ -79,11 +93,15 @@ def load_predictors(kind: str, cfg: ModelConfig, model_dir: str | None = None,
   with ocp.StandardCheckpointer() as ckptr:
     tree = ckptr.restore(os.path.abspath(os.path.join(d, "estimators")))
   pairs = tree["pairs"]
-  if len(pairs) != n_moe - 1:
-    raise PrefetchError(f"{d}: {len(pairs)} estimators for {n_moe - 1} MoE layer pairs; rerun "
+  if len(pairs) != n_pairs or len(meta["per_layer"]) != n_pairs:
+    raise PrefetchError(f"{d}: {len(pairs)} estimators for {n_pairs} MoE layer pairs; rerun "
                         f"launch.train_estimators for this model")
-  for j, row in enumerate(meta["per_layer"]):
-    if row["hybrid_uses_estimator"]:
+  out["sources"] = hybrid_sources(meta)
+  for j, src in enumerate(out["sources"]):
+    if src not in ("quasi", "estimator", "previous"):
+      raise PrefetchError(f"{meta_path}: pair {j} has hybrid source {src!r}; rerun "
+                          f"launch.train_estimators")
+    if src == "estimator":
       kernel = np.asarray(pairs[j]["params"]["w_out"]["kernel"])
       if kernel.shape[-1] != cfg.num_experts:
         raise PrefetchError(f"{d}: estimator {j} predicts {kernel.shape[-1]} experts, the "
@@ -98,6 +116,12 @@ def _predictors(kind: str, cfg: ModelConfig, predictors: dict | None) -> dict:
   if kind in ("quasi", "hybrid") and preds["vectors"] is None:
     raise PrefetchError(f"--prefetch={kind} needs default vectors: run "
                         f"`python -m launch.default_vectors --model_dir=<the model>`")
+  n_pairs = max(0, len(cfg.moe_layers) - 1)
+  if kind != "hybrid":
+    preds = dict(preds, sources=[kind] * n_pairs)
+  elif "sources" not in preds:   # a hand-made dict: the estimator wherever there is one
+    preds = dict(preds, sources=["estimator" if e is not None else "quasi"
+                                 for e in preds["estimators"]])
   return preds
 
 
@@ -106,25 +130,37 @@ class Speculator:
 
   def __init__(self, cfg: ModelConfig, dtype, mode: pf_steps.Mode, predictors: dict | None,
                prefetcher, states: dict, put, host_rows: bool, zero_rows: dict,
-               timeout_s: float, expert_nbytes: int):
+               timeout_s: float, expert_nbytes: int, admitting=lambda l: set()):
     self.cfg, self.dtype, self.mode = cfg, dtype, mode
     self.moe_layers = tuple(cfg.moe_layers)
     self.prefetcher, self.states, self.put = prefetcher, states, put
     self.host_rows, self.zero_rows, self.timeout_s = host_rows, zero_rows, timeout_s
-    self.expert_nbytes = expert_nbytes
+    self.expert_nbytes, self.admitting = expert_nbytes, admitting
     k, e, d = cfg.top_k, cfg.num_experts, cfg.hidden_size
     preds = _predictors(mode.prefetch, cfg, predictors)
     zero_v = np.zeros((e, d), np.float32)
     self.vectors = {l: put(np.asarray(preds["vectors"][j]) if preds["vectors"] is not None
                            else zero_v) for j, l in enumerate(self.moe_layers)}
-    self.estimators = {self.moe_layers[j]: (put(t) if t is not None and mode.prefetch == "hybrid"
+    self.sources = {self.moe_layers[j]: src for j, src in enumerate(preds["sources"])}
+    self.estimators = {self.moe_layers[j]: (put(t) if t is not None and
+                                            self.sources[self.moe_layers[j]] == "estimator"
                                             else None)
                        for j, t in enumerate(preds["estimators"])}
     self.no_pf = np.full(k, -1, np.int32)
-    self.no_pred = put(np.zeros((1, e * (2 if cfg.router == "sigmoid_group" else 1)),
-                                np.float32))
-    self.pending: dict[int, tuple[list[int], list, object]] = {}
+    self.no_pred = put(np.zeros((1, routing.router_width(cfg)), np.float32))
+    # layer -> (requested ids, their tickets, predicted logits, predicted ids, the
+    # layer's ResidentState at the request)
+    self.pending: dict[int, tuple] = {}
     self.drain: list = []
+    self.last: dict[int, tuple[object, list[int]]] = {}   # layer -> previous token's routing
+
+  def new_sequence(self):
+    """A new prompt: no previous token to predict from."""
+    self.last = {}
+
+  def remember(self, l: int, true_logits, true_ids: np.ndarray):
+    """Layer l's true routing at this token: the `previous` source's next prediction."""
+    self.last[l] = (true_logits, [int(e) for e in true_ids])
 
   def next_layer(self, l: int) -> int | None:
     j = self.moe_layers.index(l)
@@ -132,21 +168,53 @@ class Speculator:
 
   def take(self, l: int, rec):
     """(pf_ids [K], predicted logits [1, E'], whether there is a prediction, tickets) for
-    layer l: what the MoE layer before it asked for."""
-    ids, tickets, pred = self.pending.pop(l, ([], [], None))
+    layer l: what the MoE layer before it asked for, brought up to date with the
+    admissions inserted into layer l since (`_recheck`)."""
+    got = self.pending.pop(l, None)
+    if got is None:
+      return self.no_pf.copy(), self.no_pred, np.bool_(False), []
+    ids, tickets, pred, wanted, state = got
+    if self.states[l] is not state:   # an admission was inserted since the request
+      ids, tickets = self._recheck(l, wanted, ids, tickets, rec)
     pf = self.no_pf.copy()
     pf[:len(ids)] = ids
-    return pf, (self.no_pred if pred is None else pred), np.bool_(pred is not None), tickets
+    return pf, pred, np.bool_(True), tickets
+
+  def _recheck(self, l: int, wanted: list[int], ids: list[int], tickets: list, rec):
+    """The prefetch set is the predicted experts not resident *at the decision*: an
+    admission inserted after the request may have made a requested expert resident
+    (its prefetch is withdrawn) or evicted a predicted one (requested now).  So the
+    set does not depend on when the admission's transfer finished."""
+    slot = np.asarray(self.states[l].expert_slot)
+    need = [e for e in wanted if slot[e] < 0]
+    keep = [(e, t) for e, t in zip(ids, tickets) if e in need]
+    for e, t in zip(ids, tickets):
+      if e not in need:
+        rec.prefetches -= 1
+        if t.cancel():
+          rec.prefetch_bytes -= self.expert_nbytes
+        else:
+          self.drain.append(t)
+          rec.wasted_bytes += self.expert_nbytes
+    new = [e for e in need if e not in ids]
+    if new:
+      keep += zip(new, self.prefetcher.request_many(l, new, tickets_lib.BACKGROUND,
+                                                    pad_to=self.cfg.top_k))
+      rec.prefetches += len(new)
+      rec.prefetch_bytes += len(new) * self.expert_nbytes
+    rec.layer(l).prefetched = [e for e, _ in keep]
+    return [e for e, _ in keep], [t for _, t in keep]
 
   def request(self, n: int, pred_logits, pred_ids, rec):
-    """Requests layer n's predicted experts that are not resident (background)."""
+    """Requests layer n's predicted experts that are neither resident nor queued for
+    admission (background)."""
     self._collect_drained()
     ids = [int(e) for e in np.asarray(pred_ids)]
-    slot = np.asarray(self.states[n].expert_slot)
-    missing = [e for e in ids if slot[e] < 0]
+    slot, admitting = np.asarray(self.states[n].expert_slot), self.admitting(n)
+    missing = [e for e in ids if slot[e] < 0 and e not in admitting]
     tickets = (self.prefetcher.request_many(n, missing, tickets_lib.BACKGROUND,
                                             pad_to=self.cfg.top_k) if missing else [])
-    self.pending[n] = (missing, tickets, pred_logits)
+    self.pending[n] = (missing, tickets, pred_logits, ids, self.states[n])
     rec.prefetches += len(missing)
     rec.prefetch_bytes += len(missing) * self.expert_nbytes
     rec.layer(n).predicted = ids
@@ -157,6 +225,10 @@ class Speculator:
     r_l (and d_l) and requests those not resident (not for `oracle`: `oracle_next`)."""
     n = self.next_layer(l)
     if n is None or self.mode.prefetch == "oracle":
+      return
+    if self.sources.get(l) == "previous":   # no computation: the previous token's selection
+      if n in self.last:
+        self.request(n, *self.last[n], rec)
       return
     rep = steps_lib.representative(self.cfg, n)
     step = pf_steps.predict_step(self.cfg, self.dtype, rep, self.mode.prefetch,
@@ -227,8 +299,8 @@ class Speculator:
     self.drain = keep
 
   def cancel_pending(self):
-    for _, tickets, _ in self.pending.values():
-      for t in tickets:
+    for pend in self.pending.values():
+      for t in pend[1]:
         t.cancel()
     self.pending = {}
     for t in self.drain:
@@ -237,20 +309,24 @@ class Speculator:
 
 
 def stacked_predictors(cfg: ModelConfig, kind: str, predictors: dict | None):
-  """Per layer: the default vectors D_l (to form d_l) and the estimator that predicts
+  """Per layer: the default vectors D_l (to form d_l), the estimator that predicts
   layer l from the MoE layer before it (zero correction where none: W_out = 0 is the
-  plain quasi prediction), stacked like the layers (`layer_stack.stack_layers`), for the emulator's scan."""
+  plain quasi prediction) and whether layer l takes the previous token's routing
+  (the hybrid's `previous` source), stacked like the layers (`layer_stack.stack_layers`), for the emulator's scan."""
   preds = _predictors(kind, cfg, predictors)
   zero_v = jnp.zeros((cfg.num_experts, cfg.hidden_size), jnp.float32)
   moe = list(cfg.moe_layers)
   vec = {l: (jnp.asarray(preds["vectors"][j], jnp.float32) if preds["vectors"] is not None
              else zero_v) for j, l in enumerate(moe)}
-  ests = [e for e in preds["estimators"] if e is not None]
+  use_est = [src == "estimator" and e is not None
+             for src, e in zip(preds["sources"], preds["estimators"])]
+  ests = [e for e, u in zip(preds["estimators"], use_est) if u]
   zero_e = jax.tree_util.tree_map(jnp.zeros_like, ests[0]) if ests else None
-  est = {l: (preds["estimators"][j - 1] if j and preds["estimators"][j - 1] is not None
-             else zero_e) for j, l in enumerate(moe)}
-  xs = [{"vectors": vec.get(i, zero_v), "est": est.get(i, zero_e)}
-        for i in range(cfg.num_layers)]
+  est = {l: (preds["estimators"][j - 1] if j and use_est[j - 1] else zero_e)
+         for j, l in enumerate(moe)}
+  last = {l: jnp.bool_(j > 0 and preds["sources"][j - 1] == "previous") for j, l in enumerate(moe)}
+  xs = [{"vectors": vec.get(i, zero_v), "est": est.get(i, zero_e),
+         "use_last": last.get(i, jnp.bool_(False))} for i in range(cfg.num_layers)]
   return jax.tree_util.tree_map(lambda *a: jnp.stack(a), *xs) if layer_stack.uniform(cfg) else xs
 
 
@@ -261,16 +337,17 @@ def warm(sp: "Speculator", pf_steps_by_layer: dict, cfg: ModelConfig, dtype, par
   done = set()
   for i in moe_layers:
     pst, nxt = pf_steps_by_layer[i], sp.next_layer(i)
-    key = (id(pst), steps_lib.layer_kind(cfg, nxt) if nxt is not None else None)
+    key = (id(pst), steps_lib.layer_kind(cfg, nxt) if nxt is not None else None,
+           sp.sources.get(i))
     if key in done:
       continue
     done.add(key)
     p = params[f"layers_{i}"]
     copy = lambda: jax.tree_util.tree_map(jnp.copy, states[i])
-    h, moe_in, _, dec, _ = pst["attend_decide"](p, x, tp, new_kv(i), copy(), sp.no_pf,
-                                                sp.no_pred, np.bool_(False))
+    h, moe_in, _, dec, _, _ = pst["attend_decide"](p, x, tp, new_kv(i), copy(), sp.no_pf,
+                                                   sp.no_pred, np.bool_(False))
     jax.block_until_ready(pst["moe"](p, h, moe_in, dec, zero_x, copy(), sp.no_pf, zero_rows))
-    if nxt is None:
+    if nxt is None or sp.sources.get(i) == "previous":
       continue
     rep, pn = steps_lib.representative(cfg, nxt), params[f"layers_{nxt}"]
     if prefetch == "oracle":

@@ -3,9 +3,12 @@
 At MoE layer l, once attention is done (r_l = h), layer l+1's routing is predicted
 (DESIGN.md, quasi-hidden state):
 
-  reuse:   router_{l+1}(Norm_{l+1}(r_l))
-  quasi:   router_{l+1}(Norm_{l+1}(r_l + d_l)),  d_l = sum_k w_k D_l[e_k]
-  hybrid:  quasi, plus the trained estimator's correction on the pairs chosen for it
+  reuse:    router_{l+1}(Norm_{l+1}(r_l))
+  quasi:    router_{l+1}(Norm_{l+1}(r_l + d_l)),  d_l = sum_k w_k D_l[e_k]
+  previous: layer l+1's true router logits at the previous token (no computation: a
+            model whose routing has temporal locality repeats its selections)
+  hybrid:   per layer pair the source chosen on held-out data (launch.train_estimators):
+            quasi, quasi plus the trained estimator's correction, or previous
 
 where e_k, w_k are the experts *executed* at layer l and their weights, and D_l the
 default vectors.  Every predictor goes through the next layer's own `route_logits`
@@ -45,7 +48,7 @@ from moejax.offload import resident as resident_lib
 from moejax.offload.policy import FETCH, HIT, HOST, SUBSTITUTE
 from moejax.offload.steps import _attend_route, pack_decision
 
-PREFETCH = ("none", "reuse", "quasi", "hybrid", "oracle")
+PREFETCH = ("none", "reuse", "quasi", "previous", "hybrid", "oracle")
 SPECULATIVE = ("off", "predicted_weights", "true_router")
 
 
@@ -132,7 +135,7 @@ class Mode:
                        f"{self.speculative!r}")
     if self.speculative != "off" and self.prefetch == "none":
       raise ValueError(f"--speculative={self.speculative} executes predicted experts: it "
-                       f"needs --prefetch=reuse, quasi or hybrid")
+                       f"needs --prefetch=reuse, quasi, previous or hybrid")
 
   @property
   def on(self) -> bool:
@@ -145,7 +148,8 @@ def layer_steps(cfg: ModelConfig, dtype, layer_idx: int, decision, cache, mode: 
   """The prefetch versions of a MoE layer's decide and moe steps.
 
     attend_decide(p, x, tp, kv, state, pf_ids_R, pred_1xE, has_pred)
-        -> h, moe_in, kv, dec, packed [5K + E + K] (the decision, then the true ids);
+        -> h, moe_in, kv, dec, packed [5K + E + K] (the decision, then the true ids),
+           the true logits [1, E'] (what `previous` predicts from at the next token);
            has_pred False: no prediction reached the layer, its true routing decides
     moe(p, h, moe_in, dec, host_out, state, pf_ids_R, rows)
         -> y, state, evicted: experts from `buffers ++ rows`, usage update, the used
@@ -167,7 +171,8 @@ def layer_steps(cfg: ModelConfig, dtype, layer_idx: int, decision, cache, mode: 
       off = speculative_decision(cfg, true, pred_1xE, v, decision, "off")
       dec = jax.tree_util.tree_map(lambda a, b: jnp.where(has_pred, a, b), dec, off)
     true_ids = routing.route(cfg, true)[0][0]
-    return h, moe_in, kv, dec, jnp.concatenate([pack_decision(dec), true_ids.astype(jnp.float32)])
+    return (h, moe_in, kv, dec, jnp.concatenate([pack_decision(dec), true_ids.astype(jnp.float32)]),
+            true.astype(jnp.float32))
 
   @functools.partial(jax.jit, donate_argnums=(5,))
   def moe(p, h, moe_in, dec, host_out, state, pf_ids_R, rows):
@@ -227,15 +232,24 @@ def oracle_step(cfg: ModelConfig, dtype, next_idx: int):
 
 
 def speculate(cfg, mod, p, est, prev, logits_1xE, state, decision, prefetch: str,
-              speculative: str, dec_true):
+              speculative: str, dec_true, last=None, use_last=None):
   """The emulator's decision with speculative prefetch (the functions above, as the
   engine's steps use them); `dec_true` is the decision on the true routing, used where
-  no previous MoE layer made a prediction (`prev`'s flag):
-  this layer's routing predicted from the previous MoE layer's (r, d), the predicted
-  experts not resident prefetched (seen as resident), the decision on the view.
+  no prediction was made (`prev`'s flag: no previous MoE layer; `last`'s: no previous
+  token for a `previous` source):
+  this layer's routing predicted from the previous MoE layer's (r, d), or taken from
+  `last` = (this layer's true logits [1, E'] at the previous token, flag) where
+  `use_last` (a traced bool: the hybrid's per-layer choice), the predicted experts not
+  resident prefetched (seen as resident), the decision on the view.
   Returns (decision, prefetched ids [K] (-1: none), prefetch stats [4])."""
   r_prev, d_prev, has = prev
-  pred = predict_logits(mod, p, r_prev, d_prev, est, prefetch)
+  if prefetch == "previous":
+    pred, has = last[0], has & last[1]
+  else:
+    pred = predict_logits(mod, p, r_prev, d_prev, est, prefetch)
+    if use_last is not None:
+      pred = jnp.where(use_last, last[0], pred)
+      has = has & (~use_last | last[1])
   pred_ids = routing.route(cfg, pred)[0][0]
   pf_ids = jnp.where(has & (state.expert_slot[pred_ids] < 0), pred_ids, -1)
   dec_spec = speculative_decision(cfg, logits_1xE, pred, view(state, pf_ids), decision,

@@ -61,6 +61,8 @@ flags.DEFINE_integer("revive_every", 50,
                      "a multiple of --save_every keeps resumed runs identical.")
 flags.DEFINE_float("revive_threshold", 0.25, "Dead = share of the window's picks below this / E.")
 flags.DEFINE_float("revive_until", 1.0, "No revival after this fraction of --steps.")
+flags.DEFINE_integer("stop_at", 0, "End the first stage after this step (checkpointed, as "
+                     "a kill would), the schedule still spanning --steps; 0 = at --steps.")
 flags.DEFINE_integer("save_every", 50, "Checkpoint interval in steps.")
 flags.DEFINE_float("max_hours", 0.0, "Stop (checkpointed, exported) after this long; 0 = no limit.")
 flags.DEFINE_integer("vocab", 8192, "BPE vocabulary size.")
@@ -73,9 +75,10 @@ flags.DEFINE_bool("export_only", False, "Only export the latest checkpoint.")
 flags.DEFINE_string("init_from", "",
                     "A second stage: start from the latest checkpoint of this earlier run's "
                     "--workdir, or from an exported model directory (config.json + "
-                    "model.safetensors of the same layout) -- weights only; a fresh optimizer "
-                    "and schedule over --steps.  Ignored once --workdir has a checkpoint of "
-                    "its own.")
+                    "model.safetensors of the same layout; git:<commit>:<folder> takes it from "
+                    "this repository's history) -- weights only; a fresh optimizer and "
+                    "schedule over --steps.  Ignored once --workdir has a checkpoint of its "
+                    "own.")
 flags.DEFINE_integer("seed", 0, "Initialisation and data-order seed (use a new one for a stage).")
 flags.DEFINE_string("stage2", "",
                     "A second stage in the same command: TrainConfig fields to change, e.g. "
@@ -255,10 +258,37 @@ def run_training(cfg, tc: TrainConfig, stream: np.ndarray, ckpt_dir: str, save_e
   return trainable, step
 
 
-def _init_dir(init_from: str) -> str:
-  """--init_from as run_training takes it: a model directory, or a workdir's ckpt/."""
+def _git_model(spec: str, workdir: str) -> str:
+  """`git:<commit>:<folder>`: that commit's model folder (config.json, model.safetensors,
+  tokenizer.json) extracted from this repository's history into <workdir>/init."""
+  import subprocess   # pylint: disable=g-import-not-at-top
+  _, commit, folder = spec.split(":", 2)
+  out = os.path.join(workdir, "init")
+  os.makedirs(out, exist_ok=True)
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  for name in ("config.json", "model.safetensors", "tokenizer.json"):
+    dst = os.path.join(out, name)
+    if os.path.exists(dst):
+      continue
+    got = subprocess.run(["git", "-C", repo, "show", f"{commit}:{folder}/{name}"],
+                         capture_output=True)
+    if got.returncode:
+      raise app.UsageError(f"--init_from={spec}: `git show {commit}:{folder}/{name}` failed "
+                           f"({got.stderr.decode().strip()}); a shallow clone lacks the "
+                           "history: fetch it (git fetch --unshallow) or pass a model folder")
+    with open(dst + ".tmp", "wb") as f:
+      f.write(got.stdout)
+    os.replace(dst + ".tmp", dst)
+  return out
+
+
+def _init_dir(init_from: str, workdir: str) -> str:
+  """--init_from as run_training takes it: a model directory (`git:` ones extracted
+  first), or a workdir's ckpt/."""
   if not init_from:
     return ""
+  if init_from.startswith("git:"):
+    return _git_model(init_from, workdir)
   d = os.path.abspath(init_from)
   return d if os.path.exists(os.path.join(d, "config.json")) else os.path.join(d, "ckpt")
 
@@ -283,9 +313,10 @@ def main(_):
   trainable, step = run_training(cfg, tc, stream, os.path.join(wd, "ckpt"), FLAGS.save_every,
                                  max_hours=FLAGS.max_hours, log_path=os.path.join(wd, "train_log.jsonl"),
                                  export_only=FLAGS.export_only,
-                                 init_from=_init_dir(FLAGS.init_from))
+                                 stop_at=FLAGS.stop_at or None,
+                                 init_from=_init_dir(FLAGS.init_from, wd))
   stages = [dict(recipe=dataclasses.asdict(tc), steps=int(step))]
-  if FLAGS.stage2 and step >= tc.steps:
+  if FLAGS.stage2 and step >= (FLAGS.stop_at or tc.steps):
     tc = dataclasses.replace(tc, **stage_overrides(FLAGS.stage2))
     s2 = os.path.join(wd, "stage2")
     logging.info("stage 2 from step %d: %s", step, FLAGS.stage2)

@@ -30,13 +30,14 @@ from estimators.train import EstimatorConfig, train_pair
 from moejax import data, speculation
 from moejax.speculation import load_default_vectors
 from moejax.loader import load_model
-from moejax.traces import config_hash
+from moejax.traces import config_hash, file_sha256
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model_dir", "ckpts/demo", "HF-format model folder with tokenizer.json.")
 flags.DEFINE_string("out", "", "Estimators folder (default: <model_dir>-estimators).")
 flags.DEFINE_string("data_dir", "runs/estimator_pairs", "Recorded training pairs (shards) and "
-                    "the resumable training checkpoints (kept out of --out, which ships).")
+                    "the resumable training checkpoints (kept out of --out, which ships), in a "
+                    "subfolder named by the model weights' hash: another model's never resume.")
 flags.DEFINE_integer("train_windows", 256, "Training windows of 256 tokens.")
 flags.DEFINE_integer("held_windows", 32, "Held-out stdlib windows.")
 flags.DEFINE_integer("hidden", 64, "Estimator hidden width.")
@@ -72,8 +73,12 @@ def main(_):
   train_stream = est_data.train_stream(FLAGS.model_dir, FLAGS.tokens_file)
   held_stream = est_data.heldout_python(FLAGS.model_dir, FLAGS.tokens_file)
   meta = {"config_hash": config_hash(cfg)}
+  weights = (file_sha256(os.path.join(FLAGS.model_dir, "model.safetensors")) or
+             file_sha256(os.path.join(FLAGS.model_dir, "model.safetensors.index.json")) or
+             meta["config_hash"])
+  data_dir = os.path.join(FLAGS.data_dir, weights)
   bar = lambda desc: (lambda it: tqdm(it, desc=desc, unit="shard"))
-  tr_dir, he_dir = os.path.join(FLAGS.data_dir, "train"), os.path.join(FLAGS.data_dir, "held")
+  tr_dir, he_dir = os.path.join(data_dir, "train"), os.path.join(data_dir, "held")
   est_data.record(cfg, params, experts, vecs, _windows(train_stream, FLAGS.train_windows),
                   tr_dir, meta=meta, progress=bar("record train pairs"))
   est_data.record(cfg, params, experts, vecs,
@@ -85,7 +90,7 @@ def main(_):
   for j in range(len(layers) - 1):
     train, held = est_data.load(tr_dir, pair=j), est_data.load(he_dir, pair=j)
     p, hist = train_pair(cfg, train, held, ec,
-                         os.path.join(FLAGS.data_dir, "checkpoints", f"pair_{j}"),
+                         os.path.join(data_dir, "checkpoints", f"pair_{j}"),
                          progress=lambda it: tqdm(it, desc=f"estimator {layers[j]}->{layers[j + 1]}"))
     base, best = hist[0], min(hist, key=lambda h: h["kl"])
     prev = speculation.previous_token_agreement(cfg, held["true"], seq=SEQ)

@@ -128,6 +128,20 @@ def test_a_stage_starts_from_an_exported_model(stream, tmp_path):
                  init_from=str(tmp_path / "export"))
 
 
+def test_init_from_git_history(tmp_path):
+  """git:<commit>:<folder> extracts a model folder from the repository's history; a commit
+  it lacks is a UsageError naming the flag (not a traceback)."""
+  import subprocess
+  from absl import app
+  from launch.train_demo import _init_dir
+  with pytest.raises(app.UsageError, match="--init_from=git:0000000:ckpts/demo"):
+    _init_dir("git:0000000:ckpts/demo", str(tmp_path / "a"))
+  if subprocess.run(["git", "cat-file", "-e", "cc5f790"], capture_output=True).returncode:
+    pytest.skip("shallow clone: the first demo model's commit is not in the history")
+  d = _init_dir("git:cc5f790:ckpts/demo", str(tmp_path / "b"))
+  assert ModelConfig.from_json_file(d).num_experts == 64
+
+
 def test_stage2_overrides_are_typed_and_checked():
   assert stage_overrides("steps=1000, lr=1e-3,locality_loss=mi,seed=1") == dict(
       steps=1000, lr=1e-3, locality_loss="mi", seed=1)

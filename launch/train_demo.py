@@ -2,10 +2,13 @@
 
   python -m launch.train_demo --workdir=runs/demo_train --export_dir=ckpts/demo
 
-The defaults are the shipped model's recipe (see ckpts/demo/training.json for the figures
-of the run that produced it).  The corpus is moejax.corpus (--domains); the tokenizer is
-reused from --tokenizer when given, so perplexities stay comparable with the model that
-made it.  Nothing under ckpts/ is written unless --export_dir names it.
+The defaults are the shipped model's recipe (ckpts/demo/training.json): the first demo
+model (commit cc5f790, no locality loss) taken from this repository's history, 600 steps
+of an 800-step schedule with the mutual-information locality loss at 0.2, then a second
+stage of 500 steps at 0.5 with expert revival to the end.  A run from scratch:
+--init_from='' --stop_at=0 --stage2='' and a schedule of its own.  The corpus is
+moejax.corpus (--domains); the tokenizer is reused from --tokenizer when given, so
+perplexities stay comparable with the model that made it.  Nothing under ckpts/ is written unless --export_dir names it.
 
 Resumable: an orbax CheckpointManager saves every --save_every steps; rerunning the
 same command continues from the last checkpoint with the same data order.  A second
@@ -40,17 +43,17 @@ flags.DEFINE_list("domains", ["python"], "Corpus domains (moejax.corpus: python,
 flags.DEFINE_integer("domain_chars", 12_000_000, "Character cap of each non-python domain.")
 flags.DEFINE_string("tokenizer", "ckpts/demo/tokenizer.json",
                     "Reuse this tokenizer.json ('' = train a new BPE on the train split).")
-flags.DEFINE_integer("steps", 2000, "Total optimizer steps (the cosine schedule spans them).")
+flags.DEFINE_integer("steps", 800, "Total optimizer steps (the cosine schedule spans them).")
 flags.DEFINE_integer("batch", 16, "Sequences per step.")
 flags.DEFINE_integer("seq", 256, "Tokens per sequence.")
-flags.DEFINE_float("lr", 3e-3, "Peak learning rate.")
-flags.DEFINE_integer("warmup", 100, "Warm-up steps.")
+flags.DEFINE_float("lr", 1e-3, "Peak learning rate.")
+flags.DEFINE_integer("warmup", 30, "Warm-up steps.")
 flags.DEFINE_float("balance_coef", 0.03, "Load-balancing loss coefficient (after the switch).")
 flags.DEFINE_float("balance_coef_start", 0.03, "Balance coefficient before --balance_switch_step.")
 flags.DEFINE_integer("balance_switch_step", 0, "Step at which --balance_coef takes over.")
 flags.DEFINE_enum("balance_scope", "batch", ["batch", "sequence"],
                   "Balance over all tokens of a step, or per sequence.")
-flags.DEFINE_float("locality_coef", 0.4, "Weight of the routing-locality loss (--locality_loss).")
+flags.DEFINE_float("locality_coef", 0.2, "Weight of the routing-locality loss (--locality_loss).")
 flags.DEFINE_float("logit_balance_coef", 0.0,
                    "Weight of the logit-balance loss that revives unused experts.")
 flags.DEFINE_enum("locality_loss", "mi", ["cosine", "tv", "mi"],
@@ -59,9 +62,9 @@ flags.DEFINE_enum("locality_loss", "mi", ["cosine", "tv", "mi"],
 flags.DEFINE_integer("revive_every", 50,
                      "Every N steps, split the most loaded experts into dead ones (0 = off); "
                      "a multiple of --save_every keeps resumed runs identical.")
-flags.DEFINE_float("revive_threshold", 0.25, "Dead = share of the window's picks below this / E.")
-flags.DEFINE_float("revive_until", 1.0, "No revival after this fraction of --steps.")
-flags.DEFINE_integer("stop_at", 0, "End the first stage after this step (checkpointed, as "
+flags.DEFINE_float("revive_threshold", 0.1, "Dead = share of the window's picks below this / E.")
+flags.DEFINE_float("revive_until", 0.9, "No revival after this fraction of --steps.")
+flags.DEFINE_integer("stop_at", 600, "End the first stage after this step (checkpointed, as "
                      "a kill would), the schedule still spanning --steps; 0 = at --steps.")
 flags.DEFINE_integer("save_every", 50, "Checkpoint interval in steps.")
 flags.DEFINE_float("max_hours", 0.0, "Stop (checkpointed, exported) after this long; 0 = no limit.")
@@ -72,15 +75,16 @@ flags.DEFINE_integer("experts", 64, "Routed experts per layer.")
 flags.DEFINE_integer("expert_size", 32, "Expert intermediate size.")
 flags.DEFINE_integer("top_k", 8, "Experts per token.")
 flags.DEFINE_bool("export_only", False, "Only export the latest checkpoint.")
-flags.DEFINE_string("init_from", "",
+flags.DEFINE_string("init_from", "git:cc5f790:ckpts/demo",
                     "A second stage: start from the latest checkpoint of this earlier run's "
                     "--workdir, or from an exported model directory (config.json + "
                     "model.safetensors of the same layout; git:<commit>:<folder> takes it from "
                     "this repository's history) -- weights only; a fresh optimizer and "
                     "schedule over --steps.  Ignored once --workdir has a checkpoint of its "
                     "own.")
-flags.DEFINE_integer("seed", 0, "Initialisation and data-order seed (use a new one for a stage).")
-flags.DEFINE_string("stage2", "",
+flags.DEFINE_integer("seed", 6, "Initialisation and data-order seed (use a new one for a stage).")
+flags.DEFINE_string("stage2", "locality_coef=0.5,steps=500,warmup=20,seed=7,"
+                    "revive_threshold=0.25,revive_until=1.0",
                     "A second stage in the same command: TrainConfig fields to change, e.g. "
                     "'steps=1000,lr=1e-3,seed=1'.  Once --steps are done, training continues "
                     "from the final weights with a fresh optimizer and schedule, in "

@@ -249,6 +249,13 @@ def test_every_family_prefetches_and_speculates(family, tmp_path):
   s = eng.stats()
   if len(cfg.moe_layers) > 1:
     assert s["prefetches_per_token"] > 0 and 0.0 <= s["recall_at_k"] <= 1.0
+  # previous: the family's own router output at the previous token, through its rule
+  eng, out, _ = _run(cfg, params, store, prompt, stream, prefetch="previous",
+                     speculative="predicted_weights", streaming=True)
+  chex.assert_tree_all_finite(out)
+  for prev, r in zip(eng.records, eng.records[1:]):
+    for l in cfg.moe_layers[1:]:
+      assert r.layers[l].predicted == prev.layers[l].true_ids
 
 
 @pytest.mark.parametrize("kw", [

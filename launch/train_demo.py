@@ -8,7 +8,8 @@ of an 800-step schedule with the mutual-information locality loss at 0.2, then a
 stage of 500 steps at 0.5 with expert revival to the end.  A run from scratch:
 --init_from='' --stop_at=0 --stage2='' and a schedule of its own.  The corpus is
 moejax.corpus (--domains); the tokenizer is reused from --tokenizer when given, so
-perplexities stay comparable with the model that made it.  Nothing under ckpts/ is written unless --export_dir names it.
+perplexities stay comparable with the model that made it.  Nothing under ckpts/ is
+written unless --export_dir names it.
 
 Resumable: an orbax CheckpointManager saves every --save_every steps; rerunning the
 same command continues from the last checkpoint with the same data order.  A second
@@ -180,7 +181,8 @@ def _init_weights(cfg, init_from: str, trainable, opt_state):
     if got_cfg != cfg:
       raise app.UsageError(f"--init_from={init_from}: its config.json is not this run's "
                            f"layout ({got_cfg} vs {cfg})")
-    experts = [None if e is None else {k: jnp.asarray(store.stacked(i)[k]) for k in e}
+    experts = [None if e is None else
+               {k: jnp.asarray(v) for k, v in store.stacked(i).items() if k in e}
                for i, e in enumerate(trainable[1])]
     logging.info("initialised from the exported model %s", init_from)
     return params, experts
@@ -199,7 +201,8 @@ def run_training(cfg, tc: TrainConfig, stream: np.ndarray, ckpt_dir: str, save_e
   The batch of step s is a pure function of (stream, seed, s), so a run killed and
   restarted from a checkpoint sees the same data order.  `stop_at` ends the run early
   (as a kill would) after checkpointing that step.  `init_from` (another run's checkpoint
-  directory, or an exported model directory) starts a fresh run from its latest weights, with a new optimizer state.
+  directory, or an exported model directory) starts a fresh run from its latest weights,
+  with a new optimizer state.
   """
   opt, sched = make_optimizer(tc)
   params, experts = init_random(cfg, seed=tc.seed, scale=0.02)

@@ -44,7 +44,7 @@ def estimators_dir(model_dir: str) -> str:
   return model_dir.rstrip("/") + "-estimators"
 
 
-SOURCES = ("reuse", "quasi", "estimator", "previous")   # what predicts a layer pair
+HYBRID_SOURCES = ("quasi", "estimator", "previous")   # what the hybrid may use for a pair
 
 
 def hybrid_sources(meta: dict) -> list[str]:
@@ -57,7 +57,7 @@ def hybrid_sources(meta: dict) -> list[str]:
 def load_predictors(kind: str, cfg: ModelConfig, model_dir: str | None = None,
                     directory: str | None = None) -> dict:
   """{"vectors": [E, D] per MoE layer, "estimators": params or None per layer pair,
-  "sources": the predictor of each layer pair (`SOURCES`)}.
+  "sources": the predictor of each layer pair (`kind`; for hybrid one of `HYBRID_SOURCES`)}.
 
   quasi and hybrid need the default vectors (launch.default_vectors), hybrid also the
   estimators and its per-pair choice (launch.train_estimators), both made for this
@@ -66,7 +66,7 @@ def load_predictors(kind: str, cfg: ModelConfig, model_dir: str | None = None,
   n_moe = len(cfg.moe_layers)
   n_pairs = max(0, n_moe - 1)
   out = {"vectors": None, "estimators": [None] * n_pairs,
-         "sources": [kind if kind in SOURCES else "quasi"] * n_pairs}
+         "sources": [kind] * n_pairs}
   if kind not in ("quasi", "hybrid"):
     return out
   if directory is None and model_dir is None:
@@ -98,7 +98,7 @@ def load_predictors(kind: str, cfg: ModelConfig, model_dir: str | None = None,
                         f"launch.train_estimators for this model")
   out["sources"] = hybrid_sources(meta)
   for j, src in enumerate(out["sources"]):
-    if src not in ("quasi", "estimator", "previous"):
+    if src not in HYBRID_SOURCES:
       raise PrefetchError(f"{meta_path}: pair {j} has hybrid source {src!r}; rerun "
                           f"launch.train_estimators")
     if src == "estimator":

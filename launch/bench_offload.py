@@ -60,8 +60,11 @@ flags.DEFINE_integer("prompt_len", 16, "Prompt tokens.")
 flags.DEFINE_integer("warmup_tokens", 16, "Decoded tokens not timed (cache warm-up, compile).")
 flags.DEFINE_integer("decode_tokens", 64, "Decoded tokens timed.")
 flags.DEFINE_integer("seed", 0, "Token stream seed (random-weight model).")
-flags.DEFINE_bool("fuse_layers", True, "OffloadEngine(fuse_layers=): a MoE layer's moe call "
-                  "in the same call as the next layer's decision (False: separate calls).")
+flags.DEFINE_bool("run_layers", True, "OffloadEngine(run_layers=): the layers that need no "
+                  "host work in one call (False: one call per MoE layer, see --fuse_layers).")
+flags.DEFINE_bool("fuse_layers", True, "OffloadEngine(fuse_layers=), with --run_layers=false: "
+                  "a MoE layer's moe call in the same call as the next layer's decision "
+                  "(False: separate calls).")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute/parameter dtype.")
 flags.DEFINE_enum("scaled_compute", "model", ["model", "engine"],
                   "Layer compute time the scaled link is sized against: 'model' = one MoE "
@@ -143,7 +146,8 @@ def make_engine(stack, cfg, params, store, policy, link, stream, counts, dtype, 
   eng = stack.enter_context(OffloadEngine(cfg, params, store, policy, cache_fraction=fraction,
                                           link=link, max_len=len(stream) + 8, dtype=dtype,
                                           initial="profile", profile_counts=counts,
-                                          fuse_layers=FLAGS.fuse_layers))
+                                          fuse_layers=FLAGS.fuse_layers,
+                                          run_layers=FLAGS.run_layers))
   eng.warmup()
   eng.prefill(stream[:FLAGS.prompt_len])
   return eng

@@ -11,7 +11,9 @@ against the jitted model's layer time).  Two measurements, side by side in one r
    call, fetch window = link time + queueing and overrun, moe call, ...) and
    averaged over the timed tokens, in ms per token, for the all-resident engine and
    each preset; MoE layers with a synchronous fetch ("F") apart from those without
-   ("N").  The segments add up to `total`, the measured time per token.
+   ("N").  The segments add up to `total`, the measured time per token.  The
+   timeline needs every layer's marks, so the engines make one call per MoE layer
+   (--run_layers defaults to false here).
 2. One layer's moe call timed right after its attend call with something in
    between (nothing; 0.5 ms of Python; the engine's 0.5 ms yielding link wait; a
    resident insert; a helper thread woken to run ~50 us of Python, as the prefetch
@@ -44,6 +46,7 @@ from moejax.offload.tickets import sleep_until
 
 FLAGS = flags.FLAGS
 FLAGS.set_default("out", "bench_overhead.json")
+FLAGS.set_default("run_layers", False)
 flags.DEFINE_integer("context_reps", 200, "Repetitions of each context measurement.")
 
 def context_times(cfg, params, store, dtype, reps: int) -> dict:

@@ -12,8 +12,10 @@ Then, per model (bench shape f32, demo f32, demo bf16):
     --prefill_len prompt.  Engines: llama.cpp (libllama through launch/llama_timer.cpp,
     --threads threads, logits at the last prompt position as moejax's prefill),
     the moejax Sampler, the OffloadEngine with every expert resident
-    (cache_fraction 1.0, policy baseline; `engine_unfused`: the same with separate
-    moe and decision calls, fuse_layers=False), and transformers (torch, --threads threads).
+    (cache_fraction 1.0, policy baseline; its default: layers that need no host work in
+    one call, `runs`; `engine_layers`: one call per MoE layer, run_layers=False;
+    `engine_unfused`: two calls per MoE layer, fuse_layers=False as well), and
+    transformers (torch, --threads threads).
 Reported: best round's tok/s per engine (a shared machine only slows runs down), the
 median, and ratios to llama.cpp (the faster of --threads and 1 thread: llama.cpp's
 threads spin at barriers, so on a machine busier than its cores 2 threads collapse);
@@ -45,8 +47,8 @@ flags.DEFINE_string("out", "bench_peers.json", "JSON results file.")
 flags.DEFINE_list("models", ["bench_f32", "demo_f32", "demo_bf16"],
                   f"Models: {', '.join(bench_models.NAMES)}.")
 flags.DEFINE_list("engines", ["llama.cpp", "sampler", "engine", "transformers"],
-                  "Engines to time (also: engine_unfused, the OffloadEngine with "
-                  "fuse_layers=False).")
+                  "Engines to time (also: engine_layers, the OffloadEngine with "
+                  "run_layers=False; engine_unfused, with fuse_layers=False too).")
 flags.DEFINE_string("demo_dir", bench_models.DEMO_DIR, "The demo checkpoint.")
 flags.DEFINE_string("llama_cache", llama_cpp.DEFAULT_CACHE,
                     "Where llama.cpp is built and the GGUF files are written.")
@@ -98,9 +100,10 @@ class SamplerRunner:
 
 
 class EngineRunner:
-  def __init__(self, cfg, params, store, dtype, max_len, fuse_layers=True):
+  def __init__(self, cfg, params, store, dtype, max_len, run_layers=True, fuse_layers=True):
     self.eng = OffloadEngine(cfg, params, store, "baseline", cache_fraction=1.0,
-                             max_len=max_len, dtype=dtype, fuse_layers=fuse_layers)
+                             max_len=max_len, dtype=dtype, fuse_layers=fuse_layers,
+                             run_layers=run_layers)
     with _sync_dispatch():
       self.eng.warmup()
 
@@ -205,8 +208,10 @@ def bench_model(name: str, bins, work: str) -> dict:
     runners["sampler"] = SamplerRunner(cfg, params, store.to_device(), dtype, max_len)
   if "engine" in FLAGS.engines:
     runners["engine"] = EngineRunner(cfg, params, store, dtype, max_len)
+  if "engine_layers" in FLAGS.engines:    # one call per MoE layer (before layer runs)
+    runners["engine_layers"] = EngineRunner(cfg, params, store, dtype, max_len, False)
   if "engine_unfused" in FLAGS.engines:   # separate moe and decision calls (before fusion)
-    runners["engine_unfused"] = EngineRunner(cfg, params, store, dtype, max_len, False)
+    runners["engine_unfused"] = EngineRunner(cfg, params, store, dtype, max_len, False, False)
   if "transformers" in FLAGS.engines:
     runners["transformers"] = TransformersRunner(hf_dir, dtype)
     res["transformers_experts_implementation"] = runners["transformers"].impl

@@ -246,7 +246,7 @@ def test_trace_marks_every_layer_in_order_and_the_link_wait(model):
   cfg, params, store, _ = model
   link = link_lib.parse_link("10MB/s", expert_bytes=store.expert_nbytes())
   with OffloadEngine(cfg, params, store, "baseline", cache_fraction=0.25, max_len=32,
-                     link=link) as eng:
+                     link=link, run_layers=False) as eng:     # one call per layer
     eng.prefill(PROMPT)
     eng.decode_step(STREAM[0])
     assert eng.traces == []                           # off by default

@@ -1,5 +1,6 @@
 """The engine's fused calls (a MoE layer's experts and the next layer's decision in one
-call, `steps.fused_steps`) give bit-identical outputs and records to separate calls."""
+call, `steps.fused_steps`; run_layers=False) give bit-identical outputs and records to
+separate calls."""
 
 import dataclasses
 
@@ -19,7 +20,8 @@ STREAM = [int(t) for t in np.random.default_rng(5).integers(0, 64, 12)]
 
 
 def _run(cfg, params, store, policy, fuse, **kw):
-  with OffloadEngine(cfg, params, store, policy, max_len=32, fuse_layers=fuse, **kw) as eng:
+  with OffloadEngine(cfg, params, store, policy, max_len=32, fuse_layers=fuse, run_layers=False,
+                     **kw) as eng:
     eng.warmup()
     eng.trace = True
     out = [eng.prefill(PROMPT)] + [eng.decode_step(t) for t in STREAM]
@@ -88,7 +90,8 @@ def test_fused_calls_equal_separate_calls(family, over, policy, kw, tmp_path_fac
 
 def test_fused_steps_compile_once_per_pair_of_kinds(tmp_path_factory):
   cfg, params, store = _model("qwen3_moe", {}, tmp_path_factory)
-  with OffloadEngine(cfg, params, store, QUALITY, cache_fraction=0.25, max_len=32) as eng:
+  with OffloadEngine(cfg, params, store, QUALITY, cache_fraction=0.25, max_len=32,
+                     run_layers=False) as eng:
     eng.warmup()
     fs = steps_lib.fused_steps(cfg, eng.dtype, 0, eng.policy.decision, eng.policy.cache,
                                None)

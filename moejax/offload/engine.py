@@ -30,6 +30,9 @@ Per MoE layer and decoded token (jitted steps: `steps`; inserts: `inserts`):
   3. the experts from slot indices, usage update, trim back to the budget S: run in
      the same dispatch as the next MoE layer's step 1 when the two layers are
      consecutive (`steps.fused_steps`; `fuse_layers=False` keeps separate calls).
+By default (`run_layers=True`) the layers that need none of the host's work run
+together in one call that stops at the first that does (`runs`): a token whose
+layers all hit is one call, and the host works only where steps 1-2 have work.
 The layer itself is `layer_decode.LayerDecoder`.  Waits time out after
 `transfer_timeout_s` (TransferError naming layer and expert).
 Batch size 1.  Every printed time names the link (`Link.describe()`).
@@ -59,6 +62,7 @@ from moejax.offload import policy as policy_lib
 from moejax.offload import prefetch as prefetch_lib
 from moejax.offload import prefetch_steps as pf_steps
 from moejax.offload import resident as resident_lib
+from moejax.offload import runs as runs_lib
 from moejax.offload import steps as steps_lib
 from moejax.offload import tickets as tickets_lib
 from moejax.offload import transfer as transfer_lib
@@ -85,7 +89,7 @@ class OffloadEngine:
                transfer_timeout_s: float = 120.0, verbose: bool = False,
                prefetch: str = "none", speculative: str = "off",
                predictors: dict | None = None, streaming: bool = False,
-               fuse_layers: bool = True):
+               fuse_layers: bool = True, run_layers: bool = True):
     if isinstance(policy, str):
       policy = policy_lib.make_policy(policy)
     if isinstance(link, str) and link.strip().lower().startswith("scaled"):
@@ -119,7 +123,11 @@ class OffloadEngine:
                                          self._trim_to) for i in range(cfg.num_layers)]
     # MoE layer i's moe call fused with layer i+1's decision (None: separate calls; the
     # prefetch path has its own steps)
-    fuse = fuse_layers and not self.mode.on
+    run = run_layers and not self.mode.on
+    self._run = (runs_lib.run_fn(cfg, dtype, policy.decision, policy.cache, self._trim_to)
+                 if run else None)
+    self._no_pend = None          # a run's placeholder pending layer (built by warmup)
+    fuse = fuse_layers and not self.mode.on and not run
     self._fused = {i: steps_lib.fused_steps(cfg, dtype, i, policy.decision, policy.cache,
                                             self._trim_to) if fuse else None
                    for i in self.moe_layers}
@@ -154,7 +162,7 @@ class OffloadEngine:
                         for l in self.moe_layers}
     self._layers = layer_decode.LayerDecoder(
         cfg, self.states, self._slots, self.prefetcher, store, self._fused,
-        self._trim_to, self._zero_x, self._spec, self._pf_steps)
+        self._trim_to, self._zero_x, self._spec, self._pf_steps, self._run)
     self.cache = None
     self.end_index = 0
     self.records: list[TokenRecord] = []
@@ -270,11 +278,37 @@ class OffloadEngine:
                            self.params[f"layers_{i + 1}"], x, tp, kv(i), kv(i + 1),
                            self.states[i], self.states[i + 1], self._zero_x, self._zero_rows,
                            self._slots.row_buckets, self._host_rows)
+    if self._run is not None:
+      self._warm_run()
     if self._spec is not None:
       new_kv = lambda l: self._put(init_cache(cfg, 1, self.max_len, self.dtype)[l])
       prefetch_lib.warm(self._spec, self._pf_steps, cfg, self.dtype, self.params, self.states,
                         self.moe_layers, x, tp, new_kv, self._zero_x, self._zero_rows,
                         self.mode.prefetch)
+
+  def _placeholder(self):
+    """The run's placeholders for a token's first call (`runs.no_pending`), built once."""
+    if self._no_pend is None:
+      x, tp = self._model.embed_decode(self.params, np.zeros(2, np.int32))
+      l = self.moe_layers[0]
+      kv = self._put(init_cache(self.cfg, 1, self.max_len, self.dtype)[l])
+      x0, (h, moe_in, dec, host_out) = runs_lib.no_pending(
+          self.cfg, self.dtype, self.policy.decision, self.policy.cache, self._trim_to,
+          self.params, x, tp, kv, self.states[l], self._zero_x)
+      x0, h, moe_in, dec = self._put((x0, h, moe_in, dec))
+      self._no_pend = (x0, (h, moe_in, dec, host_out))      # host_out: numpy, as served
+    return self._no_pend
+
+  def _warm_run(self):
+    """Compiles the layer run on throwaway copies (states untouched)."""
+    copy = lambda t: jax.tree_util.tree_map(jnp.copy, t)
+    metas = {l: copy(runs_lib.split_state(s)[0]) for l, s in self.states.items()}
+    bufs = {l: s.buffers for l, s in self.states.items()}
+    caches = self._put(init_cache(self.cfg, 1, self.max_len, self.dtype))
+    stop = np.zeros(len(self.moe_layers), bool)
+    x0, pend = self._placeholder()
+    jax.block_until_ready(self._run(self.params, np.int32(-1), pend, x0,
+                                    np.zeros(2, np.int32), caches, metas, bufs, stop))
 
   # -------------------------------------------------------------- prefill
   def prefill(self, prompt_ids) -> np.ndarray:
@@ -356,7 +390,10 @@ class OffloadEngine:
 
     With `trace` on, the step's timeline goes to `traces`: (event, layer,
     perf_counter) marks "attend", "decided", "fetch", "arrived", "moe",
-    "moe_done", "dense", "head" and "end" after "start".
+    "moe_done", "dense", "head" and "end" after "start"; with layer runs
+    (run_layers=True) "run" (its first layer) and "run_done" (where it stopped;
+    num_layers: the token's end, head included) around each run call, and the
+    per-layer marks only for the layers the host serves.
     """
     if self.cache is None:
       raise ValueError("decode_step before prefill")
@@ -367,7 +404,12 @@ class OffloadEngine:
     tr = [("start", -1, t0)] if self.trace else None
     mark = ((lambda ev, l: tr.append((ev, l, time.perf_counter()))) if tr is not None
             else (lambda ev, l: None))
-    x, tp = self._model.embed_decode(self.params, np.asarray([token, self.end_index], np.int32))
+    tp_np = np.asarray([token, self.end_index], np.int32)
+    if self._run is not None:     # the embedding too
+      out = self._layers.run_token(self._steps, self.params, tp_np, self.cache,
+                                   self._placeholder(), rec, mark)
+      return self._end_step(out, rec, t0, tr)
+    x, tp = self._model.embed_decode(self.params, tp_np)
     pend = None     # the previous MoE layer's moe call, to be fused with this layer's decision
     for i, st in enumerate(self._steps):
       p = self.params[f"layers_{i}"]
@@ -386,6 +428,9 @@ class OffloadEngine:
       x = self._layers.moe_call(pend, mark, self.trace)
     mark("head", -1)
     out = np.asarray(self._model.head_decode(self.params, x))
+    return self._end_step(out, rec, t0, tr)
+
+  def _end_step(self, out: np.ndarray, rec: TokenRecord, t0: float, tr) -> np.ndarray:
     self.end_index += 1
     self.records.append(self._finish(rec, t0))
     if tr is not None:

@@ -46,6 +46,8 @@ class SlotWriter:
   def collect_carried(self, l: int, rec: TokenRecord):
     """Counts in `rec` what was inserted ahead of this token for layer l."""
     self.adm, carried = adm_lib.collect(self.adm, l)
+    if not carried.admitted and not carried.evicted:
+      return
     rec.layer(l).admitted.extend(carried.admitted)
     self.evicted.extend((l, e) for e in carried.evicted)
 

@@ -10,6 +10,9 @@ the SlotWriter, the prefetcher, the jitted steps) and runs a layer:
               `moe_call`
   spec_layer  the same with speculative prefetch on (`prefetch`, `prefetch_steps`)
   serve       sync fetches, background admission requests, statistics, HOST experts
+  run_token   the whole decode step's layers as `runs.run_fn` calls: the layers that
+              need no host work in one call, stopping at those that do (served here
+              with `serve` or `moe_layer`)
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import jax
 import numpy as np
 
 from moejax.offload import host_experts
+from moejax.offload import runs as runs_lib
 from moejax.offload import steps as steps_lib
 from moejax.offload.policy import FETCH, HOST
 from moejax.offload.stats import TokenRecord
@@ -41,10 +45,52 @@ class LayerDecoder:
   """Runs MoE layers of a decode step on the engine's shared state (see above)."""
 
   def __init__(self, cfg, states: dict, slots, prefetcher, store, fused: dict, trim_to,
-               zero_x, spec=None, pf_steps=None):
+               zero_x, spec=None, pf_steps=None, run=None):
     self.cfg, self.states, self.slots, self.prefetcher = cfg, states, slots, prefetcher
     self.store, self.fused, self.trim_to = store, fused, trim_to
-    self.zero_x, self.spec, self.pf_steps = zero_x, spec, pf_steps
+    self.zero_x, self.spec, self.pf_steps, self.run = zero_x, spec, pf_steps, run
+    self.moe_layers = tuple(cfg.moe_layers)
+
+  def run_token(self, steps: list, params, tp: np.ndarray, cache: list, no_pend,
+                rec: TokenRecord, mark):
+    """A decode step (embedding, layers, head) through `self.run` (`runs` module
+    docstring); tp: [token, position]; -> the next-token logits [V] (numpy)."""
+    cfg, kk = self.cfg, self.cfg.top_k
+    slots = next(iter(self.states.values())).slot_expert.shape[0]
+    j, (x, pend) = -1, no_pend
+    while True:
+      stop = runs_lib.stop_mask(self.moe_layers, self.slots.adm.pending)
+      metas, bufs = {}, {}
+      for l in self.moe_layers:
+        metas[l], bufs[l] = runs_lib.split_state(self.states[l])
+      mark("run", j + 1)
+      out = self.run(params, np.int32(j), pend, x, tp, cache, metas, bufs, stop)
+      cache[:] = out.caches
+      runs_lib.restate(self.states, out.metas)
+      info = runs_lib.unpack_info(np.asarray(out.info), self.moe_layers, kk, cfg.num_experts,
+                                  slots)
+      mark("run_done", info.layer)
+      served = info.layer if info.kind == runs_lib.AFTER_DECISION else None
+      if info.decided:
+        ints = np.stack([info.packed[l][:3 * kk] for l in info.decided]).astype(np.int32)
+        gates = np.stack([info.packed[l][4 * kk:5 * kk] for l in info.decided])
+      for m, l in enumerate(info.decided):
+        self.slots.collect_carried(l, rec)
+        if l != served:     # `serve` counts the decision it serves
+          rec.count_decision(l, ints[m, :kk], ints[m, kk:2 * kk], ints[m, 2 * kk:], gates[m])
+      if self.trim_to is not None:
+        self.slots.evicted.extend((l, info.evicted[l]) for l in info.moe_ran)
+      if info.kind == runs_lib.FINISHED:
+        return np.asarray(out.logits)
+      j, x, tp_dev = info.layer, out.x, out.tp
+      if served is not None:
+        d = steps_lib.unpack_decision(info.packed[j], kk)
+        host_out = self.serve(j, d, out.h, out.moe_in, out.dec, rec, mark)
+        pend = (out.h, out.moe_in, out.dec, host_out)
+      else:        # admissions due before layer j: inserted with its decision
+        pm = self.moe_layer(j, steps[j], params[f"layers_{j}"], x, tp_dev, cache, rec, mark,
+                            None)
+        pend = (pm.h, pm.moe_in, pm.dec, pm.host_out)
 
   def moe_call(self, pend: PendingMoe, mark, trace: bool):
     """Runs a pending moe call alone (no next MoE layer to fuse it with); -> x."""

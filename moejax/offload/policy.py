@@ -237,6 +237,8 @@ def decide(router_logits_NxE: jax.Array, resident, params: DecideParams | Policy
   weights = gates
   if params.miss == "host":
     action = jnp.where(served_elsewhere, HOST, action)
+  elif params.miss == "fetch_all":   # every miss is waited for: nothing to substitute
+    pass
   elif params.substitution == "drop":
     action = jnp.where(served_elsewhere, DROP, action)
     kept = jnp.where(served_elsewhere, 0.0, gates)
@@ -322,9 +324,11 @@ def update_usage(resident, decision: Decision, params: CacheParams | PolicyParam
   """
   params = cache_params(params)
   num_e = resident.expert_slot.shape[0]
-  used = jnp.zeros((num_e + 1,), bool).at[
-      jnp.where(decision.exec_ids >= 0, decision.exec_ids, num_e).reshape(-1)].set(True)[:num_e]
-  counts = jnp.zeros((num_e,), jnp.float32).at[decision.ids.reshape(-1)].add(1.0)
+  # one-hot compares, not scatters (XLA CPU runs a scatter as a loop of its own; counts
+  # are sums of ones, exact in any order)
+  e_E = jnp.arange(num_e, dtype=jnp.int32)
+  used = jnp.any(decision.exec_ids.reshape(-1, 1) == e_E, axis=0)
+  counts = jnp.sum((decision.ids.reshape(-1, 1) == e_E).astype(jnp.float32), axis=0)
   return dataclasses.replace(
       resident,
       last_used=jnp.where(used, resident.step, resident.last_used),

@@ -101,19 +101,23 @@ class TokenRecord:
   def count_decision(self, l: int, action: np.ndarray, ids: np.ndarray, exec_ids: np.ndarray,
                      gates: np.ndarray):
     """Adds one layer's decision (K actions, ids, executed ids and gate weights)."""
-    act, g = action.tolist(), gates.tolist()
-    total = max(sum(g), 1e-20)
+    act = action.tolist()
     self.expert_calls += len(act)
     hits = act.count(HIT)
     self.hits += hits
     self.misses += len(act) - hits
+    rec = self.layer(l)
+    rec.ids, rec.actions = ids.tolist(), act
+    if hits == len(act):      # all hits: nothing substituted, dropped or on the host
+      rec.substitutes = [-1] * len(act)
+      return
+    g = gates.tolist()
+    total = max(sum(g), 1e-20)
     self.substituted += act.count(SUBSTITUTE)
     self.substituted_mass += sum(w for a, w in zip(act, g) if a == SUBSTITUTE) / total
     self.dropped += act.count(DROP)
     self.dropped_mass += sum(w for a, w in zip(act, g) if a == DROP) / total
     self.host_calls += act.count(HOST)
-    rec = self.layer(l)
-    rec.ids, rec.actions = ids.tolist(), act
     rec.substitutes = [int(e) if a == SUBSTITUTE else -1 for a, e in zip(act, exec_ids.tolist())]
 
   def finish(self, wall_s: float):

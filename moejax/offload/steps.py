@@ -141,7 +141,7 @@ def layer_steps(cfg: ModelConfig, dtype, layer_idx: int, decision: policy_lib.De
 
 
 @functools.lru_cache(maxsize=None)
-def _policy_fns(cfg: ModelConfig, dtype, layer_idx: int, decision: policy_lib.DecideParams,
+def policy_fns(cfg: ModelConfig, dtype, layer_idx: int, decision: policy_lib.DecideParams,
                 cache: policy_lib.CacheParams, budget_slots: int | None) -> dict:
   """The un-jitted attend/decide, insert and moe functions of a layer kind (composed
   into the jitted steps below and into the fused steps of `fused_steps`)."""
@@ -177,7 +177,7 @@ def _policy_fns(cfg: ModelConfig, dtype, layer_idx: int, decision: policy_lib.De
 @functools.lru_cache(maxsize=None)
 def _policy_steps(cfg: ModelConfig, dtype, layer_idx: int, decision: policy_lib.DecideParams,
                   cache: policy_lib.CacheParams, budget_slots: int | None) -> dict:
-  f = _policy_fns(cfg, dtype, layer_idx, decision, cache, budget_slots)
+  f = policy_fns(cfg, dtype, layer_idx, decision, cache, budget_slots)
 
   @functools.partial(jax.jit, donate_argnums=(3, 4))
   def insert_attend_decide(p, x, tp, kv, state, ins, rows):
@@ -206,8 +206,8 @@ class FusedSteps(NamedTuple):
 
 @functools.lru_cache(maxsize=None)
 def _fused(cfg, dtype, rep_i: int, rep_j: int, decision, cache, budget_slots) -> FusedSteps:
-  fi = _policy_fns(cfg, dtype, rep_i, decision, cache, budget_slots)
-  fj = _policy_fns(cfg, dtype, rep_j, decision, cache, budget_slots)
+  fi = policy_fns(cfg, dtype, rep_i, decision, cache, budget_slots)
+  fj = policy_fns(cfg, dtype, rep_j, decision, cache, budget_slots)
 
   @functools.partial(jax.jit, donate_argnums=(5, 8))     # state_next is only read
   def moe_attend_decide(p, h, moe_in, dec, host_out, state, p_next, tp, kv_next, state_next):
@@ -259,6 +259,17 @@ def warm_fused(fs: FusedSteps, st: LayerSteps, p, p_next, x, tp, kv, kv_next, st
           kind))
 
 
+def dense_decode_fn(cfg: ModelConfig, dtype, layer_idx: int) -> Callable:
+  """The un-jitted decode step of a dense layer: (p, x, tp, kv) -> (x, kv)."""
+  mod = _module(cfg, dtype, layer_idx)
+
+  def dense_decode(p, x, tp, kv):
+    pos, end = _unpack_tp(tp)
+    return mod.apply({"params": p}, x, pos, kv, end, method=_dense)
+
+  return dense_decode
+
+
 @functools.lru_cache(maxsize=None)
 def _base_steps(cfg: ModelConfig, dtype, layer_idx: int) -> LayerSteps:
   mod = _module(cfg, dtype, layer_idx)
@@ -267,10 +278,7 @@ def _base_steps(cfg: ModelConfig, dtype, layer_idx: int) -> LayerSteps:
   def dense(p, x, pos, kv, end):
     return mod.apply({"params": p}, x, pos, kv, end, method=_dense)
 
-  @functools.partial(jax.jit, donate_argnums=(3,))
-  def dense_decode(p, x, tp, kv):
-    pos, end = _unpack_tp(tp)
-    return mod.apply({"params": p}, x, pos, kv, end, method=_dense)
+  dense_decode = jax.jit(dense_decode_fn(cfg, dtype, layer_idx), donate_argnums=(3,))
 
   @functools.partial(jax.jit, donate_argnums=(3,))
   def prefill_attend(p, x, pos, kv, end):

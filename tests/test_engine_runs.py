@@ -1,0 +1,113 @@
+"""Layer runs (`runs`: the layers that need no host work in one call) give the same
+outputs, records and resident sets as one call per layer step, for every preset, with
+staging slots, the host policy, a link, two layer kinds and a dense first layer."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from moejax.loader import load_model
+from moejax.offload import link as link_lib
+from moejax.offload import policy as P
+from moejax.offload import runs as runs_lib
+from moejax.offload.engine import OffloadEngine
+from moejax.offload.stats import COUNT_KEYS
+from tests import hf_models
+
+PROMPT = [3, 17, 5, 60, 22, 9]
+STREAM = [int(t) for t in np.random.default_rng(5).integers(0, 64, 12)]
+
+
+def _run(cfg, params, store, policy, runs, **kw):
+  with OffloadEngine(cfg, params, store, policy, max_len=32, fuse_layers=False,
+                     run_layers=runs, **kw) as eng:
+    eng.warmup()
+    eng.trace = True
+    out = [eng.prefill(PROMPT)] + [eng.decode_step(t) for t in STREAM]
+  return eng, np.stack(out)
+
+
+def _layers(rec):
+  return {l: {f.name: getattr(r, f.name) for f in dataclasses.fields(r)}
+          for l, r in rec.layers.items()}
+
+
+QUALITY = P.make_policy("quality", admission_beta=0.05)
+CASES = [   # (family, model overrides, policy, engine kwargs)
+    ("qwen3_moe", {}, "baseline", dict(cache_fraction=0.25)),
+    ("qwen3_moe", {}, "baseline", dict(cache_fraction=1.0)),    # all resident: one call
+    ("qwen3_moe", {}, QUALITY, dict(cache_fraction=0.25, link="20MB/s")),
+    ("qwen3_moe", {}, "speed", dict(cache_fraction=0.125)),     # 1 slot < top-k: staging, trim
+    ("qwen3_moe", {}, "substitute_all", dict(cache_fraction=0.25)),
+    ("qwen3_moe", {}, "host", dict(cache_fraction=0.5)),
+    ("qwen3_next", {}, QUALITY, dict(cache_fraction=0.25)),     # DeltaNet + full attention
+    ("qwen3_next", {}, "speed", dict(cache_fraction=0.125)),
+    ("glm4_moe", dict(num_hidden_layers=3), QUALITY, dict(cache_fraction=0.25)),  # dense first
+]
+_BUILT = {}
+
+
+def _model(family, over, tmp_path_factory):
+  key = (family, tuple(sorted(over.items())))
+  if key not in _BUILT:
+    kw = dict(over) if family == "glm4_moe" else dict(over, mlp_only_layers=[])
+    d = hf_models.save(hf_models.build(family, **kw),
+                       str(tmp_path_factory.mktemp(family)), "per_expert")
+    _BUILT[key] = load_model(d)
+  return _BUILT[key]
+
+
+@pytest.mark.parametrize("family,over,policy,kw", CASES,
+                         ids=[f"{c[0]}-{c[2] if isinstance(c[2], str) else 'quality'}-{i}"
+                              for i, c in enumerate(CASES)])
+def test_runs_equal_per_layer_calls(family, over, policy, kw, tmp_path_factory):
+  cfg, params, store = _model(family, over, tmp_path_factory)
+  if "link" in kw:
+    kw = dict(kw, link=link_lib.parse_link(kw["link"], expert_bytes=store.expert_nbytes()))
+  sep, out_sep = _run(cfg, params, store, policy, False, **kw)
+  run, out_run = _run(cfg, params, store, policy, True, **kw)
+  np.testing.assert_array_equal(out_run, out_sep)
+  for a, b in zip(run.records, sep.records):
+    assert {k: a[k] for k in COUNT_KEYS} == {k: b[k] for k in COUNT_KEYS}
+    assert _layers(a) == _layers(b)
+  assert run.resident_sets() == sep.resident_sets()
+  # how many calls each token took: one per stretch of layers between host work
+  calls = [sum(ev == "run" for ev, _, _ in tr) for tr in run.traces]
+  host_layers = [sum(1 for r in rec.layers.values()
+                     if r.fetched or r.admissions or r.admitted or P.HOST in r.actions)
+                 for rec in run.records]
+  for c, h in zip(calls, host_layers):
+    assert 1 <= c <= 1 + 2 * h
+  if kw.get("cache_fraction") == 1.0:
+    assert calls == [1] * len(STREAM)
+  if policy is QUALITY and family == "qwen3_moe":   # admissions inserted by the host
+    assert sum(r["admitted"] for r in run.records) > 0
+
+
+def test_run_compiles_once(tmp_path_factory):
+  cfg, params, store = _model("qwen3_moe", {}, tmp_path_factory)
+  policy = P.make_policy("quality", admission_beta=0.07)     # a policy no other test builds
+  with OffloadEngine(cfg, params, store, policy, cache_fraction=0.25, max_len=32) as eng:
+    run = runs_lib.run_fn(cfg, eng.dtype, eng.policy.decision, eng.policy.cache, None)
+    assert run._cache_size() == 0
+    eng.warmup()
+    assert run._cache_size() == 1
+    eng.prefill(PROMPT)
+    for t in STREAM:
+      eng.decode_step(t)
+    assert run._cache_size() == 1
+    assert sum(r["admitted"] for r in eng.records) > 0      # stops before a layer ran
+
+
+def test_unpack_info_hand_checked():
+  # 2 MoE layers (1 and 3), K=1, E=2 -> packed decision of 5K+E = 7; 2 slots
+  layers, k, e, s = (1, 3), 1, 2, 2
+  info = np.concatenate([[runs_lib.AFTER_DECISION, 3], [1, 1], [1, 0],
+                         np.arange(7), np.arange(7) + 10, [5, -1], [-1, -1]]).astype(np.float32)
+  got = runs_lib.unpack_info(info, layers, k, e, s)
+  assert (got.kind, got.layer) == (runs_lib.AFTER_DECISION, 3)
+  assert got.decided == [1, 3] and got.moe_ran == [1]
+  np.testing.assert_array_equal(got.packed[3], np.arange(7) + 10)
+  np.testing.assert_array_equal(got.evicted[1], [5, -1])
+  assert 3 not in got.evicted

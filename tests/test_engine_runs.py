@@ -19,9 +19,9 @@ PROMPT = [3, 17, 5, 60, 22, 9]
 STREAM = [int(t) for t in np.random.default_rng(5).integers(0, 64, 12)]
 
 
-def _run(cfg, params, store, policy, runs, **kw):
-  with OffloadEngine(cfg, params, store, policy, max_len=32, fuse_layers=False,
-                     run_layers=runs, **kw) as eng:
+def _run(cfg, params, store, policy, runs, min_layers=3, **kw):
+  with OffloadEngine(cfg, params, store, policy, max_len=32, fuse_layers=not runs,
+                     run_layers=runs, run_min_layers=min_layers, **kw) as eng:
     eng.warmup()
     eng.trace = True
     out = [eng.prefill(PROMPT)] + [eng.decode_step(t) for t in STREAM]
@@ -66,21 +66,26 @@ def test_runs_equal_per_layer_calls(family, over, policy, kw, tmp_path_factory):
   if "link" in kw:
     kw = dict(kw, link=link_lib.parse_link(kw["link"], expert_bytes=store.expert_nbytes()))
   sep, out_sep = _run(cfg, params, store, policy, False, **kw)
-  run, out_run = _run(cfg, params, store, policy, True, **kw)
-  np.testing.assert_array_equal(out_run, out_sep)
-  for a, b in zip(run.records, sep.records):
-    assert {k: a[k] for k in COUNT_KEYS} == {k: b[k] for k in COUNT_KEYS}
-    assert _layers(a) == _layers(b)
-  assert run.resident_sets() == sep.resident_sets()
-  # how many calls each token took: one per stretch of layers between host work
-  calls = [sum(ev == "run" for ev, _, _ in tr) for tr in run.traces]
-  host_layers = [sum(1 for r in rec.layers.values()
-                     if r.fetched or r.admissions or r.admitted or P.HOST in r.actions)
-                 for rec in run.records]
-  for c, h in zip(calls, host_layers):
-    assert 1 <= c <= 1 + 2 * h
-  if kw.get("cache_fraction") == 1.0:
-    assert calls == [1] * len(STREAM)
+  # min_layers=0: a run at every point of a token (also right after a stop); the
+  # default: runs only where they are expected to cover 3 MoE layers or end the token
+  for min_layers in (0, 3):
+    run, out_run = _run(cfg, params, store, policy, True, min_layers, **kw)
+    np.testing.assert_array_equal(out_run, out_sep)
+    for a, b in zip(run.records, sep.records):
+      assert {k: a[k] for k in COUNT_KEYS} == {k: b[k] for k in COUNT_KEYS}
+      assert _layers(a) == _layers(b)
+    assert run.resident_sets() == sep.resident_sets()
+    # calls per token: one run per stretch of layers between host work
+    calls = [sum(ev == "run" for ev, _, _ in tr) for tr in run.traces]
+    host_layers = [sum(1 for r in rec.layers.values()
+                       if r.fetched or r.admissions or r.admitted or P.HOST in r.actions)
+                   for rec in run.records]
+    for c, h in zip(calls, host_layers):
+      assert c <= 1 + 2 * h
+      if min_layers == 0:
+        assert c >= 1
+    if kw.get("cache_fraction") == 1.0:
+      assert calls == [1] * len(STREAM)
   if policy is QUALITY and family == "qwen3_moe":   # admissions inserted by the host
     assert sum(r["admitted"] for r in run.records) > 0
 
@@ -88,7 +93,8 @@ def test_runs_equal_per_layer_calls(family, over, policy, kw, tmp_path_factory):
 def test_run_compiles_once(tmp_path_factory):
   cfg, params, store = _model("qwen3_moe", {}, tmp_path_factory)
   policy = P.make_policy("quality", admission_beta=0.07)     # a policy no other test builds
-  with OffloadEngine(cfg, params, store, policy, cache_fraction=0.25, max_len=32) as eng:
+  with OffloadEngine(cfg, params, store, policy, cache_fraction=0.25, max_len=32,
+                     run_min_layers=0) as eng:
     run = runs_lib.run_fn(cfg, eng.dtype, eng.policy.decision, eng.policy.cache, None)
     assert run._cache_size() == 0
     eng.warmup()

@@ -65,6 +65,7 @@ from moejax.offload import resident as resident_lib
 from moejax.offload import runs as runs_lib
 from moejax.offload import steps as steps_lib
 from moejax.offload import tickets as tickets_lib
+from moejax.offload import token_decode
 from moejax.offload import transfer as transfer_lib
 from moejax.offload.stats import TokenRecord, format_stats, summarize  # noqa: F401 (re-export)
 from moejax.sampler import SamplingParams, bucket, sample_token
@@ -89,7 +90,7 @@ class OffloadEngine:
                transfer_timeout_s: float = 120.0, verbose: bool = False,
                prefetch: str = "none", speculative: str = "off",
                predictors: dict | None = None, streaming: bool = False,
-               fuse_layers: bool = True, run_layers: bool = True):
+               fuse_layers: bool = True, run_layers: bool = True, run_min_layers: int = 3):
     if isinstance(policy, str):
       policy = policy_lib.make_policy(policy)
     if isinstance(link, str) and link.strip().lower().startswith("scaled"):
@@ -127,7 +128,7 @@ class OffloadEngine:
     self._run = (runs_lib.run_fn(cfg, dtype, policy.decision, policy.cache, self._trim_to)
                  if run else None)
     self._no_pend = None          # a run's placeholder pending layer (built by warmup)
-    fuse = fuse_layers and not self.mode.on and not run
+    fuse = fuse_layers and not self.mode.on
     self._fused = {i: steps_lib.fused_steps(cfg, dtype, i, policy.decision, policy.cache,
                                             self._trim_to) if fuse else None
                    for i in self.moe_layers}
@@ -162,7 +163,9 @@ class OffloadEngine:
                         for l in self.moe_layers}
     self._layers = layer_decode.LayerDecoder(
         cfg, self.states, self._slots, self.prefetcher, store, self._fused,
-        self._trim_to, self._zero_x, self._spec, self._pf_steps, self._run)
+        self._trim_to, self._zero_x, self._spec, self._pf_steps, self._run, self._steps)
+    self._tokens = token_decode.TokenDecoder(cfg, self._layers, self._steps, self._model,
+                                             self._fused, run_min_layers)
     self.cache = None
     self.end_index = 0
     self.records: list[TokenRecord] = []
@@ -307,7 +310,7 @@ class OffloadEngine:
     caches = self._put(init_cache(self.cfg, 1, self.max_len, self.dtype))
     stop = np.zeros(len(self.moe_layers), bool)
     x0, pend = self._placeholder()
-    jax.block_until_ready(self._run(self.params, np.int32(-1), pend, x0,
+    jax.block_until_ready(self._run(self.params, np.int32(0), np.int32(-1), pend, x0,
                                     np.zeros(2, np.int32), caches, metas, bufs, stop))
 
   # -------------------------------------------------------------- prefill
@@ -405,27 +408,20 @@ class OffloadEngine:
     mark = ((lambda ev, l: tr.append((ev, l, time.perf_counter()))) if tr is not None
             else (lambda ev, l: None))
     tp_np = np.asarray([token, self.end_index], np.int32)
-    if self._run is not None:     # the embedding too
-      out = self._layers.run_token(self._steps, self.params, tp_np, self.cache,
-                                   self._placeholder(), rec, mark)
+    if self._spec is None:
+      out = self._tokens.decode(self.params, tp_np, self.cache,
+                                self._placeholder() if self._run is not None else None, rec,
+                                mark, self.trace)
       return self._end_step(out, rec, t0, tr)
-    x, tp = self._model.embed_decode(self.params, tp_np)
-    pend = None     # the previous MoE layer's moe call, to be fused with this layer's decision
+    x, tp = self._model.embed_decode(self.params, tp_np)      # speculative prefetch on
     for i, st in enumerate(self._steps):
       p = self.params[f"layers_{i}"]
-      if pend is not None and (not self.cfg.sparse_layers[i] or self._fused[pend.layer] is None):
-        x, pend = self._layers.moe_call(pend, mark, self.trace), None
       if not self.cfg.sparse_layers[i]:
         mark("dense", i)
         x, self.cache[i] = st.dense_decode(p, x, tp, self.cache[i])
-        continue
-      if self._spec is not None:
+      else:
         x = self._layers.spec_layer(i, st, p, x, tp, self.cache, self.params, rec, mark,
                                     self.trace)
-      else:
-        pend = self._layers.moe_layer(i, st, p, x, tp, self.cache, rec, mark, pend)
-    if pend is not None:
-      x = self._layers.moe_call(pend, mark, self.trace)
     mark("head", -1)
     out = np.asarray(self._model.head_decode(self.params, x))
     return self._end_step(out, rec, t0, tr)

@@ -10,9 +10,9 @@ the SlotWriter, the prefetcher, the jitted steps) and runs a layer:
               `moe_call`
   spec_layer  the same with speculative prefetch on (`prefetch`, `prefetch_steps`)
   serve       sync fetches, background admission requests, statistics, HOST experts
-  run_token   the whole decode step's layers as `runs.run_fn` calls: the layers that
-              need no host work in one call, stopping at those that do (served here
-              with `serve` or `moe_layer`)
+  run_from    one `runs.run_fn` call (the layers that need no host work, in one call)
+              and the host's part of the layer where it stopped (`serve`, or
+              `moe_layer` for admissions due)
 """
 
 from __future__ import annotations
@@ -45,52 +45,54 @@ class LayerDecoder:
   """Runs MoE layers of a decode step on the engine's shared state (see above)."""
 
   def __init__(self, cfg, states: dict, slots, prefetcher, store, fused: dict, trim_to,
-               zero_x, spec=None, pf_steps=None, run=None):
+               zero_x, spec=None, pf_steps=None, run=None, steps=None):
+    self.steps_of = (steps or []).__getitem__     # layer -> its steps.LayerSteps
     self.cfg, self.states, self.slots, self.prefetcher = cfg, states, slots, prefetcher
     self.store, self.fused, self.trim_to = store, fused, trim_to
     self.zero_x, self.spec, self.pf_steps, self.run = zero_x, spec, pf_steps, run
     self.moe_layers = tuple(cfg.moe_layers)
 
-  def run_token(self, steps: list, params, tp: np.ndarray, cache: list, no_pend,
-                rec: TokenRecord, mark):
-    """A decode step (embedding, layers, head) through `self.run` (`runs` module
-    docstring); tp: [token, position]; -> the next-token logits [V] (numpy)."""
+  def run_from(self, params, start: int, pend: PendingMoe | None, x, tp: np.ndarray,
+               cache: list, zero_pend, rec: TokenRecord, mark):
+    """One `self.run` call from layer `start` (after `pend`, the served MoE layer
+    start - 1, if any; `x`: layer start's input otherwise), then the host's part of
+    the layer where it stopped.  -> the next-token logits [V] (numpy) when it finished
+    the token, else (that layer's PendingMoe, tp on the device, x)."""
     cfg, kk = self.cfg, self.cfg.top_k
     slots = next(iter(self.states.values())).slot_expert.shape[0]
-    j, (x, pend) = -1, no_pend
-    while True:
-      stop = runs_lib.stop_mask(self.moe_layers, self.slots.adm.pending)
-      metas, bufs = {}, {}
-      for l in self.moe_layers:
-        metas[l], bufs[l] = runs_lib.split_state(self.states[l])
-      mark("run", j + 1)
-      out = self.run(params, np.int32(j), pend, x, tp, cache, metas, bufs, stop)
-      cache[:] = out.caches
-      runs_lib.restate(self.states, out.metas)
-      info = runs_lib.unpack_info(np.asarray(out.info), self.moe_layers, kk, cfg.num_experts,
-                                  slots)
-      mark("run_done", info.layer)
-      served = info.layer if info.kind == runs_lib.AFTER_DECISION else None
-      if info.decided:
-        ints = np.stack([info.packed[l][:3 * kk] for l in info.decided]).astype(np.int32)
-        gates = np.stack([info.packed[l][4 * kk:5 * kk] for l in info.decided])
-      for m, l in enumerate(info.decided):
-        self.slots.collect_carried(l, rec)
-        if l != served:     # `serve` counts the decision it serves
-          rec.count_decision(l, ints[m, :kk], ints[m, kk:2 * kk], ints[m, 2 * kk:], gates[m])
-      if self.trim_to is not None:
-        self.slots.evicted.extend((l, info.evicted[l]) for l in info.moe_ran)
-      if info.kind == runs_lib.FINISHED:
-        return np.asarray(out.logits)
-      j, x, tp_dev = info.layer, out.x, out.tp
-      if served is not None:
-        d = steps_lib.unpack_decision(info.packed[j], kk)
-        host_out = self.serve(j, d, out.h, out.moe_in, out.dec, rec, mark)
-        pend = (out.h, out.moe_in, out.dec, host_out)
-      else:        # admissions due before layer j: inserted with its decision
-        pm = self.moe_layer(j, steps[j], params[f"layers_{j}"], x, tp_dev, cache, rec, mark,
-                            None)
-        pend = (pm.h, pm.moe_in, pm.dec, pm.host_out)
+    stop = runs_lib.stop_mask(self.moe_layers, self.slots.adm.pending)
+    metas, bufs = {}, {}
+    for l in self.moe_layers:
+      metas[l], bufs[l] = runs_lib.split_state(self.states[l])
+    j = -1 if pend is None else pend.layer
+    args = zero_pend if pend is None else (pend.h, pend.moe_in, pend.dec, pend.host_out)
+    mark("run", start)
+    out = self.run(params, np.int32(start), np.int32(j), args, x, tp, cache, metas, bufs, stop)
+    cache[:] = out.caches
+    runs_lib.restate(self.states, out.metas)
+    info = runs_lib.unpack_info(np.asarray(out.info), self.moe_layers, kk, cfg.num_experts,
+                                slots)
+    mark("run_done", info.layer)
+    served = info.layer if info.kind == runs_lib.AFTER_DECISION else None
+    if info.decided:
+      ints = np.stack([info.packed[l][:3 * kk] for l in info.decided]).astype(np.int32)
+      gates = np.stack([info.packed[l][4 * kk:5 * kk] for l in info.decided])
+    for m, l in enumerate(info.decided):
+      self.slots.collect_carried(l, rec)
+      if l != served:     # `serve` counts the decision it serves
+        rec.count_decision(l, ints[m, :kk], ints[m, kk:2 * kk], ints[m, 2 * kk:], gates[m])
+    if self.trim_to is not None:
+      self.slots.evicted.extend((l, info.evicted[l]) for l in info.moe_ran)
+    if info.kind == runs_lib.FINISHED:
+      return np.asarray(out.logits)
+    j, p = info.layer, params[f"layers_{info.layer}"]
+    if served is not None:
+      d = steps_lib.unpack_decision(info.packed[j], kk)
+      host_out = self.serve(j, d, out.h, out.moe_in, out.dec, rec, mark)
+      pm = PendingMoe(j, self.steps_of(j), p, out.h, out.moe_in, out.dec, host_out)
+    else:        # admissions due before layer j: inserted with its decision
+      pm = self.moe_layer(j, self.steps_of(j), p, out.x, out.tp, cache, rec, mark, None)
+    return pm, out.tp, out.x
 
   def moe_call(self, pend: PendingMoe, mark, trace: bool):
     """Runs a pending moe call alone (no next MoE layer to fuse it with); -> x."""

@@ -7,12 +7,12 @@ the experts from slots and the usage update: device work the host only counts.
 `run` executes layers one after the other in one jitted call and stops where
 the host is needed:
 
-  run(params, pend_layer, pend, x, tp, caches, metas, buffers, stop_before)
-    pend_layer  the MoE layer whose decision the host has served (-1: none, the
-                token's start); its moe call runs first, with `pend` =
-                (h, moe_in, dec, host_out)
-    x           the input of layer pend_layer + 1 (ignored when pend_layer = -1: the
-                token's embedding is computed here)
+  run(params, start, pend_layer, pend, x, tp, caches, metas, buffers, stop_before)
+    start       the first layer to run (0: the token's start, its embedding is
+                computed here)
+    pend_layer  start - 1 when that MoE layer's decision has been served (its moe
+                call runs first, with `pend` = (h, moe_in, dec, host_out)), else -1
+    x           the input of layer `start` when pend_layer = -1 and start > 0
     tp          [token, position] int32, numpy (the token's one host input)
     stop_before [num MoE layers] bool: layers with admissions due (the host
                 inserts them, `SlotWriter.admit`, and decides the layer itself)
@@ -114,11 +114,11 @@ def run_fn(cfg: ModelConfig, dtype, decision: policy_lib.DecideParams,
   model = Transformer(cfg, dtype)
   num_layers = cfg.num_layers
 
-  @functools.partial(jax.jit, donate_argnums=(5, 6))
-  def run(params, pend_layer, pend, x, tp, caches, metas, buffers, stop_before):
+  @functools.partial(jax.jit, donate_argnums=(6, 7))
+  def run(params, start, pend_layer, pend, x, tp, caches, metas, buffers, stop_before):
     caches, metas = list(caches), dict(metas)
-    x = jnp.where(pend_layer < 0, model.apply({"params": params}, tp[:1].reshape(1, 1),
-                                              method="embed").astype(x.dtype), x)
+    x = jnp.where(start == 0, model.apply({"params": params}, tp[:1].reshape(1, 1),
+                                          method="embed").astype(x.dtype), x)
     ph, pm, pdec, pho = pend
     running, kind, at = jnp.bool_(True), jnp.int32(FINISHED), jnp.int32(num_layers)
     out_h, out_moe_in, out_dec = ph, pm, pdec
@@ -126,7 +126,7 @@ def run_fn(cfg: ModelConfig, dtype, decision: policy_lib.DecideParams,
     zero_host = jnp.zeros_like(pho)
     for l in range(num_layers):
       p = params[f"layers_{l}"]
-      go = running & (l > pend_layer)
+      go = running & (l >= start)
       if not cfg.sparse_layers[l]:
         x, caches[l] = jax.lax.cond(go, lambda x, kv, f=dense[l], p=p: f(p, x, tp, kv),
                                     lambda x, kv: (x, kv), x, caches[l])

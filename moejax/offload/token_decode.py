@@ -1,0 +1,82 @@
+"""One decode step of the engine: layer runs where they pay, per-layer calls elsewhere.
+
+At each point of a token (its start, or after the host served a MoE layer) the
+next stretch of layers goes either to one `runs` call (every layer up to the next
+that needs the host, in one call) or to the per-layer steps (`LayerDecoder`: one
+call per MoE layer, fused with the previous layer's moe call).  Both are exact
+(bit-identical outputs and records), so the choice only moves time.  A run call
+has a fixed cost of several per-layer calls on a CPU backend (its conds pass every
+layer's state through), so a run is taken only when it is expected to cover at
+least `min_run` MoE layers or to finish the token: the expected stop is the first
+MoE layer with admissions due, or that needed the host at the previous token.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from moejax.offload.policy import HOST
+from moejax.offload.stats import TokenRecord
+
+
+class TokenDecoder:
+  """A decode step's layers and head on the engine's state (module docstring)."""
+
+  def __init__(self, cfg, layers, steps: list, model_steps, fused: dict, min_run: int = 3):
+    self.cfg, self.layers, self.steps, self.model = cfg, layers, steps, model_steps
+    self.fused, self.min_run = fused, min_run
+    self.moe_layers = tuple(cfg.moe_layers)
+    self.host_prev = {l: False for l in self.moe_layers}   # needed the host last token
+
+  def _take_run(self, start: int) -> bool:
+    """A run from layer `start`: its expected stop is far enough, or the token's end."""
+    pending = self.layers.slots.adm.pending
+    covered = 0
+    for l in self.moe_layers:
+      if l < start:
+        continue
+      if pending[l]:
+        return covered >= self.min_run
+      covered += 1
+      if self.host_prev[l]:
+        return covered >= self.min_run
+    return True
+
+  def decode(self, params, tp_np: np.ndarray, cache: list, no_pend, rec: TokenRecord, mark,
+             trace: bool) -> np.ndarray:
+    """The token [token, position] through every layer and the head; -> logits [V]."""
+    cfg, lay = self.cfg, self.layers
+    x0, zero_pend = no_pend if no_pend is not None else (None, None)   # None: no runs
+    x, tp, pend, i = None, None, None, 0       # x None: not embedded yet
+    while True:
+      if lay.run is not None and self._take_run(i):
+        out = lay.run_from(params, i, pend, x if x is not None else x0, tp_np, cache,
+                           zero_pend, rec, mark)
+        if isinstance(out, np.ndarray):
+          break
+        pend, tp, x = out
+        i = pend.layer + 1
+        continue
+      if i >= cfg.num_layers:
+        if pend is not None:
+          x = lay.moe_call(pend, mark, trace)
+        mark("head", -1)
+        out = np.asarray(self.model.head_decode(params, x))
+        break
+      if x is None and pend is None:
+        x, tp = self.model.embed_decode(params, tp_np)
+      st, p = self.steps[i], params[f"layers_{i}"]
+      if pend is not None and (not cfg.sparse_layers[i] or self.fused[pend.layer] is None):
+        x, pend = lay.moe_call(pend, mark, trace), None
+      if not cfg.sparse_layers[i]:
+        mark("dense", i)
+        x, cache[i] = st.dense_decode(p, x, tp, cache[i])
+      else:
+        pend = lay.moe_layer(i, st, p, x, tp, cache, rec, mark, pend)
+      i += 1
+    for l in self.moe_layers:
+      r = rec.layers.get(l)
+      self.host_prev[l] = bool(r is not None and (r.fetched or r.admissions
+                                                  or HOST in r.actions))
+    return out
+

@@ -40,7 +40,9 @@ LINEAR_MAX_TOKENS = 16   # up to this many rows of x: the kernel (decode); more:
 # projection (docs/speed.md, "Which projections go to the kernel").  bf16 always goes to the
 # kernel: XLA converts the weights to f32 before each dot.
 LINEAR_MIN_F32_BYTES = 1 << 20
-_SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_kernel.cc")
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_SRCS = [os.path.join(_HERE, "cpu_kernel.cc"), os.path.join(_HERE, "cpu_attention.cc")]
+ATTENTION_TARGET = "moejax_decode_attention"     # cpu_attention.cc, wrapped by cpu_attention.py
 _FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC"]
 _lock = threading.Lock()
 _state = {"loaded": None, "enabled": os.environ.get("MOEJAX_CPU_KERNEL", "1") != "0"}
@@ -64,8 +66,10 @@ def build() -> str:
   cxx = _compiler()
   if cxx is None:
     raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
-  with open(_SRC, "rb") as f:
-    src = f.read()
+  src = b""
+  for path in _SRCS:
+    with open(path, "rb") as f:
+      src += f.read()
   version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
   key = hashlib.sha256(src + " ".join(_FLAGS + [cxx, version, jax.__version__]).encode())
   out = os.path.join(_cache_dir(), f"moejax_cpu_kernel_{key.hexdigest()[:16]}.so")
@@ -73,7 +77,7 @@ def build() -> str:
     return out
   os.makedirs(_cache_dir(), exist_ok=True)
   tmp = f"{out}.{os.getpid()}.tmp"
-  cmd = [cxx, *_FLAGS, "-I", jax.ffi.include_dir(), _SRC, "-o", tmp]
+  cmd = [cxx, *_FLAGS, "-I", jax.ffi.include_dir(), *_SRCS, "-o", tmp]
   res = subprocess.run(cmd, capture_output=True, text=True)
   if res.returncode != 0:
     raise RuntimeError(f"'{' '.join(cmd)}' failed:\n{res.stderr[-2000:]}")
@@ -92,6 +96,9 @@ def available() -> bool:
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.MoejaxExpertFfn),
                                     platform="cpu")
         jax.ffi.register_ffi_target(LINEAR_TARGET, jax.ffi.pycapsule(lib.MoejaxLinear),
+                                    platform="cpu")
+        jax.ffi.register_ffi_target(ATTENTION_TARGET,
+                                    jax.ffi.pycapsule(lib.MoejaxDecodeAttention),
                                     platform="cpu")
         _state["loaded"] = True
       except (RuntimeError, OSError, AttributeError) as e:

@@ -8,6 +8,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from moejax import cpu_attention
 from moejax import cpu_kernel
 
 
@@ -126,6 +127,12 @@ def cached_attention(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, positions_BxT, cache, end_
     values = write_cache(cache["v"], v_BxTxGxK, end_index)
     cache = {"k": keys, "v": values}
     k_pos = cache_positions(keys, positions_BxT.shape[0])
+    if cpu_attention.supports(q_BxTxHxK, keys, values):   # decode on CPU: the kernel
+      o = cpu_attention.decode_attention(
+          q_BxTxHxK, keys, values, positions_BxT, scale, window, sinks_H,
+          lambda: gqa_attention(q_BxTxHxK, keys, values, positions_BxT, k_pos, scale, window,
+                                sinks_H))
+      return o, cache
   o = gqa_attention(q_BxTxHxK, keys, values, positions_BxT, k_pos, scale, window, sinks_H)
   return o, cache
 

@@ -1,0 +1,166 @@
+// Decode-time attention over a static KV cache for XLA's CPU backend, called through jax.ffi
+// (built into the same library as cpu_kernel.cc).
+//
+//   o[n, t, h] = sum_j p_j v[n, j, g(h)],  p = softmax_j((q[n, t, h] . k[n, j, g(h)]) * scale)
+//
+// over the cache positions j with lo <= j <= q_pos[n, t] (lo = q_pos - window + 1 with a
+// sliding window, else 0), f32 throughout; an optional learned sink logit per head joins
+// the softmax's denominator (GPT-OSS).  The cache is read in place: [..., S, G, K] keys
+// and [..., S, G, V] values, q [..., T, H, K], H a multiple of G.  XLA's own path copies the key
+// cache into the score dot's layout at every decode step and runs the masked softmax over
+// all S positions as several small kernels.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+inline float attn_f32(float v) { return v; }
+inline float attn_f32(uint16_t v) {
+  uint32_t u = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline uint16_t attn_bf16(float f) {  // round to nearest even, like XLA's convert
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+template <typename C>
+inline float dot(const float* q, const C* k, int64_t n) {
+  float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};   // 8 lanes: vectorised without reassociation
+  int64_t d = 0;
+  for (; d + 8 <= n; d += 8)
+    for (int i = 0; i < 8; ++i) part[i] += q[d + i] * attn_f32(k[d + i]);
+  float s = ((part[0] + part[4]) + (part[1] + part[5])) +
+            ((part[2] + part[6]) + (part[3] + part[7]));
+  for (; d < n; ++d) s += q[d] * attn_f32(k[d]);
+  return s;
+}
+
+template <typename C>
+void attend(const float* q, const C* kc, const C* vc, int64_t s_len, int64_t g_num,
+            int64_t kd, int64_t vd, int64_t group, int64_t hq, const int32_t* qpos,
+            int64_t t_len, float scale, int64_t window, const float* sinks, float* out) {
+  std::vector<float> score(s_len), acc(vd);
+  for (int64_t t = 0; t < t_len; ++t) {
+    const int64_t pos = qpos[t];
+    int64_t hi = std::min<int64_t>(pos, s_len - 1), lo = window > 0 ? pos - window + 1 : 0;
+    lo = std::max<int64_t>(lo, 0);
+    const bool none = hi < lo;   // nothing visible: XLA's masked softmax is uniform over S
+    if (none) {
+      lo = 0;
+      hi = s_len - 1;
+    }
+    for (int64_t h = 0; h < hq; ++h) {
+      const int64_t g = h / group;
+      const float* qh = q + (t * hq + h) * kd;
+      float m = -std::numeric_limits<float>::infinity();
+      for (int64_t j = lo; j <= hi; ++j) {
+        const float s = none ? 0.0f : dot(qh, kc + (j * g_num + g) * kd, kd) * scale;
+        score[j] = s;
+        m = std::max(m, s);
+      }
+      const float sink = sinks ? sinks[h] : -std::numeric_limits<float>::infinity();
+      m = std::max(m, sink);
+      float denom = sinks ? std::exp(sink - m) : 0.0f;
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t j = lo; j <= hi; ++j) {
+        const float e = std::exp(score[j] - m);
+        denom += e;
+        const C* vj = vc + (j * g_num + g) * vd;
+        for (int64_t d = 0; d < vd; ++d) acc[d] += e * attn_f32(vj[d]);
+      }
+      float* o = out + (t * hq + h) * vd;
+      for (int64_t d = 0; d < vd; ++d) o[d] = acc[d] / denom;
+    }
+  }
+}
+
+ffi::Error DecodeAttentionImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                               ffi::Buffer<ffi::S32> qpos, ffi::Buffer<ffi::F32> sinks,
+                               float scale, int64_t window, int64_t has_sinks,
+                               ffi::Result<ffi::AnyBuffer> o) {
+  // leading dims (batch, and a vmap's axis in front) are flattened into N
+  auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), pd = qpos.dimensions();
+  const size_t r = qd.size();
+  if (r < 3 || kd.size() != r || vd.size() != r || pd.size() != r - 2)
+    return ffi::Error::InvalidArgument("moejax_decode_attention: expected q [...,T,H,K], "
+                                       "k [...,S,G,K], v [...,S,G,V], q_pos [...,T]");
+  int64_t n = 1;
+  for (size_t i = 0; i + 3 < r; ++i) {
+    if (kd[i] != qd[i] || vd[i] != qd[i] || pd[i] != qd[i])
+      return ffi::Error::InvalidArgument("moejax_decode_attention: batch dims differ");
+    n *= qd[i];
+  }
+  const int64_t t_len = qd[r - 3], hq = qd[r - 2], kdim = qd[r - 1];
+  const int64_t s_len = kd[r - 3], g_num = kd[r - 2], vdim = vd[r - 1];
+  if (kd[r - 1] != kdim || vd[r - 3] != s_len || vd[r - 2] != g_num || pd[r - 3] != t_len ||
+      g_num == 0 || hq % g_num != 0 ||
+      (has_sinks && (sinks.element_count() % hq != 0 || sinks.element_count() == 0)))
+    return ffi::Error::InvalidArgument("moejax_decode_attention: shapes do not match");
+  const bool q_bf16 = q.element_type() == ffi::DataType::BF16;
+  const bool c_bf16 = k.element_type() == ffi::DataType::BF16;
+  if ((!q_bf16 && q.element_type() != ffi::DataType::F32) ||
+      (!c_bf16 && k.element_type() != ffi::DataType::F32) ||
+      v.element_type() != k.element_type() || o->element_type() != q.element_type())
+    return ffi::Error::InvalidArgument("moejax_decode_attention: f32 or bf16 only");
+  std::vector<float> qf(t_len * hq * kdim), of(t_len * hq * vdim);
+  for (int64_t b = 0; b < n; ++b) {
+    const int64_t qn = t_len * hq * kdim;
+    if (q_bf16) {
+      const uint16_t* src = static_cast<const uint16_t*>(q.untyped_data()) + b * qn;
+      for (int64_t i = 0; i < qn; ++i) qf[i] = attn_f32(src[i]);
+    } else {
+      std::memcpy(qf.data(), static_cast<const float*>(q.untyped_data()) + b * qn,
+                  qn * sizeof(float));
+    }
+    const int64_t kn = s_len * g_num * kdim, vn = s_len * g_num * vdim;
+    const int32_t* pos = qpos.typed_data() + b * t_len;
+    // sinks [H], or [R, H] when a vmap broadcast them (rows over the leading axis)
+    const int64_t sink_rows = has_sinks ? sinks.element_count() / hq : 0;
+    const float* sk = has_sinks ? sinks.typed_data() + (b * sink_rows / n) * hq : nullptr;
+    if (c_bf16)
+      attend(qf.data(), static_cast<const uint16_t*>(k.untyped_data()) + b * kn,
+             static_cast<const uint16_t*>(v.untyped_data()) + b * vn, s_len, g_num, kdim, vdim,
+             hq / g_num, hq, pos, t_len, scale, window, sk, of.data());
+    else
+      attend(qf.data(), static_cast<const float*>(k.untyped_data()) + b * kn,
+             static_cast<const float*>(v.untyped_data()) + b * vn, s_len, g_num, kdim, vdim,
+             hq / g_num, hq, pos, t_len, scale, window, sk, of.data());
+    const int64_t on = t_len * hq * vdim;
+    if (q_bf16) {
+      uint16_t* dst = static_cast<uint16_t*>(o->untyped_data()) + b * on;
+      for (int64_t i = 0; i < on; ++i) dst[i] = attn_bf16(of[i]);
+    } else {
+      std::memcpy(static_cast<float*>(o->untyped_data()) + b * on, of.data(),
+                  on * sizeof(float));
+    }
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoejaxDecodeAttention, DecodeAttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("window")
+                                  .Attr<int64_t>("has_sinks")
+                                  .Ret<ffi::AnyBuffer>());

@@ -79,7 +79,14 @@ class SwiGLU(nn.Module):
 def write_cache(cache_arr, new, end_index):
   """Writes `new` [B, T, ...] into the static cache [B, S, ...] at position end_index."""
   idx = (0, end_index) + (0,) * (new.ndim - 2)
-  return jax.lax.dynamic_update_slice(cache_arr, new.astype(cache_arr.dtype), idx)
+  new = new.astype(cache_arr.dtype)
+  if cache_arr.dtype == jnp.bfloat16:
+    # XLA's CPU backend runs a bf16 update in f32: it converted the whole cache to f32 and
+    # back at every decode step.  The same bits as uint16 are updated in place.
+    u16 = lambda a: jax.lax.bitcast_convert_type(a, jnp.uint16)
+    out = jax.lax.dynamic_update_slice(u16(cache_arr), u16(new), idx)
+    return jax.lax.bitcast_convert_type(out, jnp.bfloat16)
+  return jax.lax.dynamic_update_slice(cache_arr, new, idx)
 
 
 def cache_positions(keys_BxSx_, batch: int):

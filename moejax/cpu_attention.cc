@@ -16,36 +16,25 @@
 #include <limits>
 #include <vector>
 
+#include "cpu_bf16.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-inline float attn_f32(float v) { return v; }
-inline float attn_f32(uint16_t v) {
-  uint32_t u = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-inline uint16_t attn_bf16(float f) {  // round to nearest even, like XLA's convert
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
+using moejax::to_bf16;
+using moejax::to_f32;
 
 template <typename C>
 inline float dot(const float* q, const C* k, int64_t n) {
   float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};   // 8 lanes: vectorised without reassociation
   int64_t d = 0;
   for (; d + 8 <= n; d += 8)
-    for (int i = 0; i < 8; ++i) part[i] += q[d + i] * attn_f32(k[d + i]);
+    for (int i = 0; i < 8; ++i) part[i] += q[d + i] * to_f32(k[d + i]);
   float s = ((part[0] + part[4]) + (part[1] + part[5])) +
             ((part[2] + part[6]) + (part[3] + part[7]));
-  for (; d < n; ++d) s += q[d] * attn_f32(k[d]);
+  for (; d < n; ++d) s += q[d] * to_f32(k[d]);
   return s;
 }
 
@@ -80,7 +69,7 @@ void attend(const float* q, const C* kc, const C* vc, int64_t s_len, int64_t g_n
         const float e = std::exp(score[j] - m);
         denom += e;
         const C* vj = vc + (j * g_num + g) * vd;
-        for (int64_t d = 0; d < vd; ++d) acc[d] += e * attn_f32(vj[d]);
+        for (int64_t d = 0; d < vd; ++d) acc[d] += e * to_f32(vj[d]);
       }
       float* o = out + (t * hq + h) * vd;
       for (int64_t d = 0; d < vd; ++d) o[d] = acc[d] / denom;
@@ -121,7 +110,7 @@ ffi::Error DecodeAttentionImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffe
     const int64_t qn = t_len * hq * kdim;
     if (q_bf16) {
       const uint16_t* src = static_cast<const uint16_t*>(q.untyped_data()) + b * qn;
-      for (int64_t i = 0; i < qn; ++i) qf[i] = attn_f32(src[i]);
+      for (int64_t i = 0; i < qn; ++i) qf[i] = to_f32(src[i]);
     } else {
       std::memcpy(qf.data(), static_cast<const float*>(q.untyped_data()) + b * qn,
                   qn * sizeof(float));
@@ -142,7 +131,7 @@ ffi::Error DecodeAttentionImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffe
     const int64_t on = t_len * hq * vdim;
     if (q_bf16) {
       uint16_t* dst = static_cast<uint16_t*>(o->untyped_data()) + b * on;
-      for (int64_t i = 0; i < on; ++i) dst[i] = attn_bf16(of[i]);
+      for (int64_t i = 0; i < on; ++i) dst[i] = to_bf16(of[i]);
     } else {
       std::memcpy(static_cast<float*>(o->untyped_data()) + b * on, of.data(),
                   on * sizeof(float));

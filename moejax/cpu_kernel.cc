@@ -19,6 +19,7 @@
 #include <thread>
 #include <vector>
 
+#include "cpu_bf16.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -31,20 +32,9 @@ typedef float v8f __attribute__((vector_size(32)));
 typedef uint16_t v8h __attribute__((vector_size(16)));
 typedef uint32_t v8u __attribute__((vector_size(32)));
 
-inline float to_f32(float v) { return v; }
-inline float to_f32(uint16_t v) {
-  uint32_t u = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-inline uint16_t to_bf16(float f) {  // round to nearest even, like XLA's convert
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // NaN
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
+using moejax::to_bf16;
+using moejax::to_f32;
+
 inline v8f load8(const float* p) {
   v8f v;
   std::memcpy(&v, p, sizeof(v));

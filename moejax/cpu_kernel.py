@@ -42,6 +42,7 @@ LINEAR_MAX_TOKENS = 16   # up to this many rows of x: the kernel (decode); more:
 LINEAR_MIN_F32_BYTES = 1 << 20
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _SRCS = [os.path.join(_HERE, "cpu_kernel.cc"), os.path.join(_HERE, "cpu_attention.cc")]
+_HEADERS = [os.path.join(_HERE, "cpu_bf16.h")]   # part of the build key
 ATTENTION_TARGET = "moejax_decode_attention"     # cpu_attention.cc, wrapped by cpu_attention.py
 _FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC"]
 _lock = threading.Lock()
@@ -67,7 +68,7 @@ def build() -> str:
   if cxx is None:
     raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
   src = b""
-  for path in _SRCS:
+  for path in _SRCS + _HEADERS:
     with open(path, "rb") as f:
       src += f.read()
   version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
@@ -77,7 +78,7 @@ def build() -> str:
     return out
   os.makedirs(_cache_dir(), exist_ok=True)
   tmp = f"{out}.{os.getpid()}.tmp"
-  cmd = [cxx, *_FLAGS, "-I", jax.ffi.include_dir(), *_SRCS, "-o", tmp]
+  cmd = [cxx, *_FLAGS, "-I", jax.ffi.include_dir(), "-I", _HERE, *_SRCS, "-o", tmp]
   res = subprocess.run(cmd, capture_output=True, text=True)
   if res.returncode != 0:
     raise RuntimeError(f"'{' '.join(cmd)}' failed:\n{res.stderr[-2000:]}")

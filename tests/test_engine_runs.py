@@ -2,21 +2,15 @@
 outputs, records and resident sets as one call per layer step, for every preset, with
 staging slots, the host policy, a link, two layer kinds and a dense first layer."""
 
-import dataclasses
-
 import numpy as np
 import pytest
 
-from moejax.loader import load_model
 from moejax.offload import link as link_lib
 from moejax.offload import policy as P
 from moejax.offload import runs as runs_lib
 from moejax.offload.engine import OffloadEngine
 from moejax.offload.stats import COUNT_KEYS
-from tests import hf_models
-
-PROMPT = [3, 17, 5, 60, 22, 9]
-STREAM = [int(t) for t in np.random.default_rng(5).integers(0, 64, 12)]
+from tests.test_engine_fused import PROMPT, QUALITY, STREAM, _layers, _model  # shared cases
 
 
 def _run(cfg, params, store, policy, runs, min_layers=3, **kw):
@@ -28,12 +22,6 @@ def _run(cfg, params, store, policy, runs, min_layers=3, **kw):
   return eng, np.stack(out)
 
 
-def _layers(rec):
-  return {l: {f.name: getattr(r, f.name) for f in dataclasses.fields(r)}
-          for l, r in rec.layers.items()}
-
-
-QUALITY = P.make_policy("quality", admission_beta=0.05)
 CASES = [   # (family, model overrides, policy, engine kwargs)
     ("qwen3_moe", {}, "baseline", dict(cache_fraction=0.25)),
     ("qwen3_moe", {}, "baseline", dict(cache_fraction=1.0)),    # all resident: one call
@@ -45,17 +33,6 @@ CASES = [   # (family, model overrides, policy, engine kwargs)
     ("qwen3_next", {}, "speed", dict(cache_fraction=0.125)),
     ("glm4_moe", dict(num_hidden_layers=3), QUALITY, dict(cache_fraction=0.25)),  # dense first
 ]
-_BUILT = {}
-
-
-def _model(family, over, tmp_path_factory):
-  key = (family, tuple(sorted(over.items())))
-  if key not in _BUILT:
-    kw = dict(over) if family == "glm4_moe" else dict(over, mlp_only_layers=[])
-    d = hf_models.save(hf_models.build(family, **kw),
-                       str(tmp_path_factory.mktemp(family)), "per_expert")
-    _BUILT[key] = load_model(d)
-  return _BUILT[key]
 
 
 @pytest.mark.parametrize("family,over,policy,kw", CASES,

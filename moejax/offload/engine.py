@@ -281,8 +281,9 @@ class OffloadEngine:
                            self.params[f"layers_{i + 1}"], x, tp, kv(i), kv(i + 1),
                            self.states[i], self.states[i + 1], self._zero_x, self._zero_rows,
                            self._slots.row_buckets, self._host_rows)
-    if self._run is not None:
-      self._warm_run()
+    if self._run is not None:      # the layer run, on throwaway copies
+      runs_lib.warm(self._run, self.params, self._placeholder(), self.states,
+                    self._put(init_cache(cfg, 1, self.max_len, self.dtype)))
     if self._spec is not None:
       new_kv = lambda l: self._put(init_cache(cfg, 1, self.max_len, self.dtype)[l])
       prefetch_lib.warm(self._spec, self._pf_steps, cfg, self.dtype, self.params, self.states,
@@ -290,28 +291,14 @@ class OffloadEngine:
                         self.mode.prefetch)
 
   def _placeholder(self):
-    """The run's placeholders for a token's first call (`runs.no_pending`), built once."""
+    """The run's placeholders for a token's first call (`runs.placeholders`), built once."""
     if self._no_pend is None:
-      x, tp = self._model.embed_decode(self.params, np.zeros(2, np.int32))
       l = self.moe_layers[0]
-      kv = self._put(init_cache(self.cfg, 1, self.max_len, self.dtype)[l])
-      x0, (h, moe_in, dec, host_out) = runs_lib.no_pending(
-          self.cfg, self.dtype, self.policy.decision, self.policy.cache, self._trim_to,
-          self.params, x, tp, kv, self.states[l], self._zero_x)
-      x0, h, moe_in, dec = self._put((x0, h, moe_in, dec))
-      self._no_pend = (x0, (h, moe_in, dec, host_out))      # host_out: numpy, as served
+      self._no_pend = runs_lib.placeholders(
+          self.cfg, self.dtype, self.policy, self._trim_to, self.params, self._model,
+          self._put(init_cache(self.cfg, 1, self.max_len, self.dtype)[l]), self.states[l],
+          self._zero_x, self._put)
     return self._no_pend
-
-  def _warm_run(self):
-    """Compiles the layer run on throwaway copies (states untouched)."""
-    copy = lambda t: jax.tree_util.tree_map(jnp.copy, t)
-    metas = {l: copy(runs_lib.split_state(s)[0]) for l, s in self.states.items()}
-    bufs = {l: s.buffers for l, s in self.states.items()}
-    caches = self._put(init_cache(self.cfg, 1, self.max_len, self.dtype))
-    stop = np.zeros(len(self.moe_layers), bool)
-    x0, pend = self._placeholder()
-    jax.block_until_ready(self._run(self.params, np.int32(0), np.int32(-1), pend, x0,
-                                    np.zeros(2, np.int32), caches, metas, bufs, stop))
 
   # -------------------------------------------------------------- prefill
   def prefill(self, prompt_ids) -> np.ndarray:

@@ -184,16 +184,28 @@ def run_fn(cfg: ModelConfig, dtype, decision: policy_lib.DecideParams,
   return run
 
 
-def no_pending(cfg: ModelConfig, dtype, decision, cache, budget_slots, params, x, tp, kv,
-               state, zero_x):
-  """Placeholders x and (h, moe_in, dec, host_out) of the right shapes for a run's
-  first call of a token (pend_layer = -1: never read)."""
+def placeholders(cfg: ModelConfig, dtype, policy: policy_lib.PolicyParams, budget_slots,
+                 params, model_steps, kv, state, zero_x, put):
+  """Placeholders (x, (h, moe_in, dec, host_out)) of the right shapes for a run's first
+  call of a token (start 0, pend_layer -1: never read); host_out stays numpy, as served."""
   l = cfg.moe_layers[0]
-  f = steps_lib.policy_fns(cfg, dtype, steps_lib.representative(cfg, l), decision, cache,
-                           budget_slots)
+  x, tp = model_steps.embed_decode(params, np.zeros(2, np.int32))
+  f = steps_lib.policy_fns(cfg, dtype, steps_lib.representative(cfg, l), policy.decision,
+                           policy.cache, budget_slots)
   shapes = jax.eval_shape(f["attend_decide"], params[f"layers_{l}"], x, tp, kv, state)
   h, moe_in, _, dec, _ = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-  return jnp.zeros_like(x), (h, moe_in, dec, zero_x)
+  x0, h, moe_in, dec = put((jnp.zeros_like(x), h, moe_in, dec))
+  return x0, (h, moe_in, dec, zero_x)
+
+
+def warm(run, params, placeholder, states: dict, caches):
+  """Compiles `run` on throwaway copies of the metadata (states untouched; `caches`
+  fresh, donated)."""
+  metas = {l: jax.tree_util.tree_map(jnp.copy, split_state(s)[0]) for l, s in states.items()}
+  bufs = {l: s.buffers for l, s in states.items()}
+  x0, pend = placeholder
+  jax.block_until_ready(run(params, np.int32(0), np.int32(-1), pend, x0, np.zeros(2, np.int32),
+                            caches, metas, bufs, np.zeros(len(states), bool)))
 
 
 def stop_mask(moe_layers, pending: dict) -> np.ndarray:

@@ -284,6 +284,46 @@ def test_emulator_prefetch_equals_the_engine(model, kw):
   assert sum(r.prefetches for r in records) > 0
 
 
+def _with_estimators(cfg, seed=2):
+  """Default vectors and a random (non-zero) estimator on every layer pair."""
+  from estimators.model import LogitCorrection
+  preds = _vectors(cfg)
+  est = []
+  for j in range(len(cfg.moe_layers) - 1):
+    mod = LogitCorrection(cfg.num_experts, 8)
+    q, base = jnp.zeros((1, cfg.hidden_size)), jnp.zeros((1, cfg.num_experts))
+    p = mod.init(jax.random.PRNGKey(seed + j), q, base)
+    p = jax.tree_util.tree_map(lambda a: a + 0.3, p)      # W_out != 0: a real correction
+    est.append(p)
+  return dict(preds, estimators=est, sources=["estimator"] * len(est))
+
+
+@pytest.mark.parametrize("kw", [
+    dict(policy="baseline", streaming=True, prefetch="hybrid", speculative="true_router"),
+    dict(policy="quality", cache_fraction=0.5, prefetch="hybrid", speculative="predicted_weights"),
+    dict(policy="speed", cache_fraction=0.25, prefetch="quasi", speculative="off"),
+    dict(policy="baseline", streaming=True, prefetch="previous", speculative="predicted_weights"),
+], ids=["stream-hybrid-true", "quality-hybrid-predicted", "speed-quasi", "stream-previous"])
+def test_one_call_per_layer_equals_separate_calls(model, kw):
+  """With prefetch on, a MoE layer's moe call, the next layer's decision and the
+  prediction of the layer after it run as one call (`prefetch_steps.decide_steps`):
+  the same logits, decisions, prefetches and resident sets as separate calls."""
+  cfg, params, store, _ = model
+  kw = dict(kw, predictors=_with_estimators(cfg))
+  runs = [_run(cfg, params, store, PROMPT, STREAM, fuse_layers=f, **kw) for f in (True, False)]
+  (eng_f, out_f, _), (eng_s, out_s, _) = runs
+  np.testing.assert_array_equal(out_f, out_s)
+  assert eng_f.resident_sets() == eng_s.resident_sets()
+  for a, b in zip(eng_f.records, eng_s.records):
+    for l in cfg.moe_layers:
+      la, lb = a.layers[l], b.layers[l]
+      assert (la.actions, la.ids, la.predicted, la.prefetched, la.true_ids) == (
+          lb.actions, lb.ids, lb.predicted, lb.prefetched, lb.true_ids)
+    assert (a.prefetches, a.useful_prefetches, a.fetches, a.admissions) == (
+        b.prefetches, b.useful_prefetches, b.fetches, b.admissions)
+  assert sum(r.prefetches for r in eng_f.records) > 0
+
+
 def test_shipped_predictors_load_for_the_shipped_demo_model():
   """ckpts/demo-estimators must match ckpts/demo's config hash (a config field added or
   removed changes the hash; the shipped files then need their hash re-stamped)."""

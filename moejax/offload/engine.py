@@ -163,7 +163,8 @@ class OffloadEngine:
                         for l in self.moe_layers}
     self._layers = layer_decode.LayerDecoder(
         cfg, self.states, self._slots, self.prefetcher, store, self._fused,
-        self._trim_to, self._zero_x, self._spec, self._pf_steps, self._run, self._steps)
+        self._trim_to, self._zero_x, self._spec, self._pf_steps, self._run, self._steps,
+        policy, fuse_layers)
     self._tokens = token_decode.TokenDecoder(cfg, self._layers, self._steps, self._model,
                                              self._fused, run_min_layers)
     self.cache = None
@@ -286,9 +287,8 @@ class OffloadEngine:
                     self._put(init_cache(cfg, 1, self.max_len, self.dtype)))
     if self._spec is not None:
       new_kv = lambda l: self._put(init_cache(cfg, 1, self.max_len, self.dtype)[l])
-      prefetch_lib.warm(self._spec, self._pf_steps, cfg, self.dtype, self.params, self.states,
-                        self.moe_layers, x, tp, new_kv, self._zero_x, self._zero_rows,
-                        self.mode.prefetch)
+      prefetch_lib.warm(self._layers, cfg, self.params, self.states, x, tp, new_kv,
+                        self._zero_x, self._zero_rows, self._host_rows)
 
   def _placeholder(self):
     """The run's placeholders for a token's first call (`runs.placeholders`), built once."""
@@ -401,14 +401,17 @@ class OffloadEngine:
                                 mark, self.trace)
       return self._end_step(out, rec, t0, tr)
     x, tp = self._model.embed_decode(self.params, tp_np)      # speculative prefetch on
+    pend = None      # a MoE layer's moe call, run inside the next MoE layer's call
     for i, st in enumerate(self._steps):
       p = self.params[f"layers_{i}"]
       if not self.cfg.sparse_layers[i]:
         mark("dense", i)
         x, self.cache[i] = st.dense_decode(p, x, tp, self.cache[i])
       else:
-        x = self._layers.spec_layer(i, st, p, x, tp, self.cache, self.params, rec, mark,
-                                    self.trace)
+        x, pend = self._layers.spec_layer(i, p, x, tp, self.cache, self.params, rec, mark,
+                                          pend, self.trace)
+    if pend is not None:
+      x = self._layers.spec_moe_call(pend, mark, self.trace)
     mark("head", -1)
     out = np.asarray(self._model.head_decode(self.params, x))
     return self._end_step(out, rec, t0, tr)

@@ -8,7 +8,9 @@ the SlotWriter, the prefetcher, the jitted steps) and runs a layer:
               consecutive: `steps.fused_steps`), then the host's part (`serve`); the
               layer's own moe call is returned pending, for the next layer's call or
               `moe_call`
-  spec_layer  the same with speculative prefetch on (`prefetch`, `prefetch_steps`)
+  spec_layer  the same with speculative prefetch on (`prefetch`, `prefetch_steps`): the
+              previous MoE layer's moe call, this layer's decision and the next
+              layer's prediction in one call
   serve       sync fetches, background admission requests, statistics, HOST experts
   run_from    one `runs.run_fn` call (the layers that need no host work, in one call)
               and the host's part of the layer where it stopped (`serve`, or
@@ -24,6 +26,7 @@ import jax
 import numpy as np
 
 from moejax.offload import host_experts
+from moejax.offload import prefetch_steps as pf_steps_lib
 from moejax.offload import runs as runs_lib
 from moejax.offload import steps as steps_lib
 from moejax.offload.policy import FETCH, HOST
@@ -41,15 +44,29 @@ class PendingMoe(NamedTuple):
   host_out: object
 
 
+class SpecPending(NamedTuple):
+  """A MoE layer's moe call with speculative prefetch, decided and served, not yet run."""
+  layer: int
+  p: dict
+  h: object
+  moe_in: object
+  dec: object
+  host_out: object
+  pf_used: np.ndarray   # [K] the prefetched experts it executes (-1: none)
+  rows: dict            # their weights {name: [K, ...]}
+
+
 class LayerDecoder:
   """Runs MoE layers of a decode step on the engine's shared state (see above)."""
 
   def __init__(self, cfg, states: dict, slots, prefetcher, store, fused: dict, trim_to,
-               zero_x, spec=None, pf_steps=None, run=None, steps=None):
+               zero_x, spec=None, pf_steps=None, run=None, steps=None, policy=None,
+               fuse_spec: bool = True):
     self.steps_of = (steps or []).__getitem__     # layer -> its steps.LayerSteps
     self.cfg, self.states, self.slots, self.prefetcher = cfg, states, slots, prefetcher
     self.store, self.fused, self.trim_to = store, fused, trim_to
     self.zero_x, self.spec, self.pf_steps, self.run = zero_x, spec, pf_steps, run
+    self.policy, self.fuse_spec = policy, fuse_spec
     self.moe_layers = tuple(cfg.moe_layers)
 
   def run_from(self, params, start: int, pend: PendingMoe | None, x, tp: np.ndarray,
@@ -141,47 +158,89 @@ class LayerDecoder:
     host_out = self.serve(i, d, h, moe_in, dec, rec, mark)
     return PendingMoe(i, st, p, h, moe_in, dec, host_out)
 
-  def spec_layer(self, i: int, st, p, x, tp, cache: dict, params, rec: TokenRecord, mark,
-                 trace: bool):
-    """One MoE layer with speculative prefetch on (`prefetch` module, steps 1-3)."""
-    kk, sp, pst = self.cfg.top_k, self.spec, self.pf_steps[i]
+  def spec_layer(self, i: int, p, x, tp, cache: dict, params, rec: TokenRecord, mark,
+                 pend: SpecPending | None, trace: bool):
+    """One MoE layer with speculative prefetch on (`prefetch` module, steps 1-3): the
+    pending moe call of the MoE layer before it (`pend`), this layer's attention and
+    decision and the next MoE layer's prediction in one call (`decide_steps`), then the
+    host's part.  -> (x, None) when this layer's moe call ran (the last MoE layer before
+    a dense layer or the head, `fuse` off, the `oracle` check), else (None, its
+    moe call pending)."""
+    kk, sp = self.cfg.top_k, self.spec
     mark("attend", i)
     self.slots.collect_carried(i, rec)
     fused = self.slots.admit(i, carry=False, rec=rec)
     if fused is not None:
-      self.states[i], ev = st.insert(self.states[i], *fused)
+      self.states[i], ev = self.steps_of(i).insert(self.states[i], *fused)
       self.slots.evicted.append((i, ev))
     pf_ids, pred, has_pred, pf_tickets = sp.take(i, rec)
-    h, moe_in, cache[i], dec, packed, true_logits = pst["attend_decide"](
-        p, x, tp, cache[i], self.states[i], pf_ids, pred, has_pred)
+    nxt = sp.next_layer(i)
+    predicting = sp.predicts(i)
+    step = self.spec_step(i, pend.layer if pend is not None else None, predicting)
+    pa = (params[f"layers_{nxt}"], sp.vectors[i], sp.estimators.get(i)) if predicting else None
+    prev_state = moe_args = None
+    if pend is not None:       # the previous MoE layer's experts run inside this call
+      mark("moe_done", pend.layer)
+      prev_state = self.states[pend.layer]
+      moe_args = (pend.p, pend.h, pend.moe_in, pend.dec, pend.host_out, pend.pf_used, pend.rows)
+    h, moe_in, cache[i], dec, packed, true_logits, pred_next, prev_state, ev = step(
+        prev_state, moe_args, p, x if pend is None else None, tp, cache[i], self.states[i],
+        pf_ids, pred, has_pred, pa)
+    if pend is not None:
+      self.states[pend.layer] = prev_state
+      self.slots.evicted.append((pend.layer, ev))
     packed = np.asarray(packed)
-    d = steps_lib.unpack_decision(packed[:-kk], kk)
-    true_ids = packed[-kk:].astype(np.int32)
+    n = packed.shape[0] - kk * (2 if predicting else 1)
+    d = steps_lib.unpack_decision(packed[:n], kk)
+    true_ids = packed[n:n + kk].astype(np.int32)
     sp.count_recall(i, true_ids, rec)
     sp.remember(i, true_logits, true_ids)
     mark("decided", i)
-    host_out = self.serve(i, d, h, moe_in, dec, rec, mark, params)
+    host_out = self.serve(i, d, h, moe_in, dec, rec, mark,
+                          (pred_next, packed[n + kk:].astype(np.int32)) if predicting else None)
     mark("moe", i)
     pf_rows, pf_used = sp.rows(i, pf_ids, pf_tickets, d.exec_ids, rec)
-    x, self.states[i], ev = pst["moe"](p, h, moe_in, dec, host_out, self.states[i],
-                                       pf_used, pf_rows)
-    self.slots.evicted.append((i, ev))
+    pm = SpecPending(i, p, h, moe_in, dec, host_out, pf_used, pf_rows)
+    if self.fuse_spec and sp.mode.prefetch != "oracle" and steps_lib.fusable(self.cfg, i):
+      return None, pm
+    x = self.spec_moe_call(pm, mark, trace)
     sp.oracle_next(i, params, x, tp, cache, rec)
+    return x, None
+
+  def spec_step(self, i: int, prev: int | None, predicting: bool):
+    """Layer i's `prefetch_steps.decide_steps` call (kinds by representative layer)."""
+    cfg, sp, first = self.cfg, self.spec, self.moe_layers[0]
+    rep = steps_lib.representative
+    nxt = sp.next_layer(i) if predicting else None
+    return pf_steps_lib.decide_steps(
+        cfg, sp.dtype, rep(cfg, i), i == first,
+        (rep(cfg, prev), prev == first) if prev is not None else None,
+        rep(cfg, nxt) if nxt is not None else None, self.policy.decision, self.policy.cache,
+        sp.mode, self.trim_to, predicting and sp.estimators.get(i) is not None)
+
+  def spec_moe_call(self, pend: SpecPending, mark, trace: bool):
+    """Runs a pending speculative moe call alone; -> x."""
+    i = pend.layer
+    x, self.states[i], ev = self.pf_steps[i]["moe"](pend.p, pend.h, pend.moe_in, pend.dec,
+                                                    pend.host_out, self.states[i],
+                                                    pend.pf_used, pend.rows)
+    self.slots.evicted.append((i, ev))
     if trace:
       jax.block_until_ready(x)
     mark("moe_done", i)
     return x
 
-  def serve(self, i: int, d, h, moe_in, dec, rec: TokenRecord, mark, params=None):
+  def serve(self, i: int, d, h, moe_in, dec, rec: TokenRecord, mark, pred=None):
     """The host's part of a MoE layer after its decision: the sync fetches (copied,
-    inserted, waited for), the next layer's prediction (prefetch on), background
-    admissions, the statistics, and the HOST experts; -> the host experts' output."""
+    inserted, waited for), the next layer's prefetch requests (prefetch on; `pred`: the
+    prediction made in the layer's call), background admissions, the statistics, and
+    the HOST experts; -> the host experts' output."""
     fetch = [int(e) for e in d.ids[d.action == FETCH]]
     if fetch:
       mark("fetch", i)
       pending = self.slots.fetch(self.prefetcher, i, fetch, d.exec_ids)
     if self.spec is not None:         # behind the sync fetches
-      self.spec.predict_next(i, params, h, dec, rec)
+      self.spec.predict_next(i, pred, rec)
     if d.admit.any():          # queued behind the sync fetches: they never delay them
       kk = self.cfg.top_k
       adm_ids = [int(e) for e in np.flatnonzero(d.admit)]

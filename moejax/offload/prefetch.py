@@ -220,9 +220,17 @@ class Speculator:
     rec.layer(n).predicted = ids
     rec.layer(n).prefetched = missing
 
-  def predict_next(self, l: int, layer_params: dict, h, dec, rec):
-    """Step 2 after layer l's decision: predicts the next MoE layer's experts from
-    r_l (and d_l) and requests those not resident (not for `oracle`: `oracle_next`)."""
+  def predicts(self, l: int) -> bool:
+    """Whether layer l's call predicts the next MoE layer's routing (not at the last
+    MoE layer, for a `previous` source (no computation) or the `oracle` check)."""
+    return (self.next_layer(l) is not None and self.mode.prefetch != "oracle"
+            and self.sources.get(l) != "previous")
+
+  def predict_next(self, l: int, pred, rec):
+    """Step 2 after layer l's decision: requests the next MoE layer's predicted experts
+    not resident; `pred` = (logits on the device, ids [K]) computed in layer l's call
+    (`predicts`), or the previous token's routing for a `previous` source (`oracle`:
+    `oracle_next`)."""
     n = self.next_layer(l)
     if n is None or self.mode.prefetch == "oracle":
       return
@@ -230,12 +238,7 @@ class Speculator:
       if n in self.last:
         self.request(n, *self.last[n], rec)
       return
-    rep = steps_lib.representative(self.cfg, n)
-    step = pf_steps.predict_step(self.cfg, self.dtype, rep, self.mode.prefetch,
-                                 self.estimators.get(l) is not None)
-    logits, ids = step(layer_params[f"layers_{n}"], h, dec, self.vectors[l],
-                       self.estimators.get(l))
-    self.request(n, logits, ids, rec)
+    self.request(n, *pred, rec)
 
   def oracle_next(self, l: int, layer_params: dict, x, tp, cache: dict, rec):
     """The `oracle` check: layer l+1's true routing, from layer l's output x."""
@@ -330,29 +333,43 @@ def stacked_predictors(cfg: ModelConfig, kind: str, predictors: dict | None):
   return jax.tree_util.tree_map(lambda *a: jnp.stack(a), *xs) if layer_stack.uniform(cfg) else xs
 
 
-def warm(sp: "Speculator", pf_steps_by_layer: dict, cfg: ModelConfig, dtype, params, states,
-         moe_layers, x, tp, new_kv, zero_x, zero_rows, prefetch: str):
-  """Compiles the engine's prefetch steps of every MoE layer kind on throwaway copies of
-  the resident states (`new_kv(l)`: a fresh device KV cache for layer l)."""
-  done = set()
-  for i in moe_layers:
-    pst, nxt = pf_steps_by_layer[i], sp.next_layer(i)
-    key = (id(pst), steps_lib.layer_kind(cfg, nxt) if nxt is not None else None,
-           sp.sources.get(i))
-    if key in done:
+def warm(layers, cfg: ModelConfig, params, states, x, tp, new_kv, zero_x, zero_rows: dict,
+         host_rows: bool):
+  """Compiles the engine's prefetch steps (`layers`: the engine's LayerDecoder) of every
+  MoE layer kind and neighbour on throwaway copies of the resident states (`new_kv(l)`:
+  a fresh device KV cache for layer l), in the order a decode step calls them."""
+  sp = layers.spec
+  copy = lambda l: jax.tree_util.tree_map(jnp.copy, states[l])
+  rows_kinds = [zero_rows, jax.device_get(zero_rows)] if host_rows else [zero_rows]
+  outs, done, prev = {}, set(), None     # outs: a decision per layer kind (h, moe_in, dec)
+  for i in sp.moe_layers:
+    nxt, rep = sp.next_layer(i), steps_lib.representative(cfg, i)
+    pa = (params[f"layers_{nxt}"], sp.vectors[i], sp.estimators.get(i)) if sp.predicts(i) else None
+    step = layers.spec_step(i, prev, sp.predicts(i))
+    for rows in (rows_kinds if prev is not None else [None]):
+      if (step, id(rows)) in done:
+        continue
+      done.add((step, id(rows)))
+      if prev is None:
+        out = step(None, None, params[f"layers_{i}"], x, tp, new_kv(i), copy(i), sp.no_pf,
+                   sp.no_pred, np.bool_(False), pa)
+      else:
+        h, moe_in, dec = outs[steps_lib.representative(cfg, prev)]
+        out = step(copy(prev), (params[f"layers_{prev}"], h, moe_in, dec, zero_x, sp.no_pf,
+                                rows), params[f"layers_{i}"], None, tp, new_kv(i), copy(i),
+                   sp.no_pf, sp.no_pred, np.bool_(False), pa)
+      jax.block_until_ready(out)
+      outs.setdefault(rep, (out[0], out[1], out[3]))
+    fused_next = (layers.fuse_spec and sp.mode.prefetch != "oracle"
+                  and steps_lib.fusable(cfg, i))
+    prev = i if fused_next else None
+    if fused_next or ("moe", rep) in done:
       continue
-    done.add(key)
-    p = params[f"layers_{i}"]
-    copy = lambda: jax.tree_util.tree_map(jnp.copy, states[i])
-    h, moe_in, _, dec, _, _ = pst["attend_decide"](p, x, tp, new_kv(i), copy(), sp.no_pf,
-                                                   sp.no_pred, np.bool_(False))
-    jax.block_until_ready(pst["moe"](p, h, moe_in, dec, zero_x, copy(), sp.no_pf, zero_rows))
-    if nxt is None or sp.sources.get(i) == "previous":
-      continue
-    rep, pn = steps_lib.representative(cfg, nxt), params[f"layers_{nxt}"]
-    if prefetch == "oracle":
-      jax.block_until_ready(pf_steps.oracle_step(cfg, dtype, rep)(pn, x, tp, new_kv(nxt)))
-    else:
-      est = sp.estimators.get(i)
-      jax.block_until_ready(pf_steps.predict_step(cfg, dtype, rep, prefetch, est is not None)(
-          pn, h, dec, sp.vectors[i], est))
+    done.add(("moe", rep))
+    h, moe_in, dec = outs[rep]
+    for rows in rows_kinds:
+      jax.block_until_ready(layers.pf_steps[i]["moe"](params[f"layers_{i}"], h, moe_in, dec,
+                                                      zero_x, copy(i), sp.no_pf, rows))
+    if nxt is not None and sp.mode.prefetch == "oracle":
+      jax.block_until_ready(pf_steps.oracle_step(cfg, sp.dtype, steps_lib.representative(
+          cfg, nxt))(params[f"layers_{nxt}"], x, tp, new_kv(nxt)))

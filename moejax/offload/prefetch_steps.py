@@ -143,9 +143,9 @@ class Mode:
 
 
 @functools.lru_cache(maxsize=None)
-def layer_steps(cfg: ModelConfig, dtype, layer_idx: int, decision, cache, mode: Mode,
-                budget_slots: int | None, first: bool) -> dict:
-  """The prefetch versions of a MoE layer's decide and moe steps.
+def spec_fns(cfg: ModelConfig, dtype, layer_idx: int, decision, cache, mode: Mode,
+             budget_slots: int | None, first: bool) -> dict:
+  """The un-jitted prefetch versions of a MoE layer's decide and moe functions:
 
     attend_decide(p, x, tp, kv, state, pf_ids_R, pred_1xE, has_pred)
         -> h, moe_in, kv, dec, packed [5K + E + K] (the decision, then the true ids),
@@ -160,7 +160,6 @@ def layer_steps(cfg: ModelConfig, dtype, layer_idx: int, decision, cache, mode: 
   spec = "off" if first else mode.speculative
   num_e = cfg.num_experts
 
-  @functools.partial(jax.jit, donate_argnums=(3,))
   def attend_decide(p, x, tp, kv, state, pf_ids_R, pred_1xE, has_pred):
     pos, end = tp[1].reshape(1, 1), tp[1]
     h, moe_in, logits, kv = mod.apply({"params": p}, x, pos, kv, end, method=_attend_route)
@@ -174,7 +173,6 @@ def layer_steps(cfg: ModelConfig, dtype, layer_idx: int, decision, cache, mode: 
     return (h, moe_in, kv, dec, jnp.concatenate([pack_decision(dec), true_ids.astype(jnp.float32)]),
             true.astype(jnp.float32))
 
-  @functools.partial(jax.jit, donate_argnums=(5,))
   def moe(p, h, moe_in, dec, host_out, state, pf_ids_R, rows):
     e = dec.exec_ids
     row = view(state, pf_ids_R).expert_slot[jnp.maximum(e, 0)]
@@ -199,13 +197,11 @@ def layer_steps(cfg: ModelConfig, dtype, layer_idx: int, decision, cache, mode: 
   return dict(attend_decide=attend_decide, moe=moe)
 
 
-@functools.lru_cache(maxsize=None)
-def predict_step(cfg: ModelConfig, dtype, next_idx: int, kind: str, with_estimator: bool):
+def predict_fn(cfg: ModelConfig, dtype, next_idx: int, kind: str, with_estimator: bool):
   """predict(p_next, h, dec, vectors_ExD, estimator) -> (pred logits [1, E'], ids [K]):
-  layer `next_idx`'s routing predicted at the MoE layer before it."""
+  layer `next_idx`'s routing predicted at the MoE layer before it (un-jitted)."""
   mod = DecoderLayer(cfg, True, dtype, next_idx)
 
-  @jax.jit
   def predict(p_next, h, dec, vectors, estimator):
     r = h.reshape(1, -1)
     d = quasi_offset(dec.exec_ids[0], dec.weights[0], vectors)
@@ -213,6 +209,60 @@ def predict_step(cfg: ModelConfig, dtype, next_idx: int, kind: str, with_estimat
     return logits, routing.route(cfg, logits)[0][0]
 
   return predict
+
+
+@functools.lru_cache(maxsize=None)
+def layer_steps(cfg: ModelConfig, dtype, layer_idx: int, decision, cache, mode: Mode,
+                budget_slots: int | None, first: bool) -> dict:
+  """The jitted `spec_fns` of a MoE layer kind: attend_decide and moe as separate calls
+  (the layer before a dense layer, the last MoE layer, the `oracle` check)."""
+  f = spec_fns(cfg, dtype, layer_idx, decision, cache, mode, budget_slots, first)
+  return dict(attend_decide=jax.jit(f["attend_decide"], donate_argnums=(3,)),
+              moe=jax.jit(f["moe"], donate_argnums=(5,)))
+
+
+@functools.lru_cache(maxsize=None)
+def decide_steps(cfg: ModelConfig, dtype, layer_idx: int, first: bool, prev: tuple | None,
+                 next_idx: int | None, decision, cache, mode: Mode, budget_slots: int | None,
+                 with_estimator: bool):
+  """One call per MoE layer with speculative prefetch: the previous MoE layer's moe call
+  (`prev` = (its kind's layer, whether it is the first MoE layer); None: none pending),
+  this layer's attention and decision, and the prediction of the next MoE layer's
+  routing (`next_idx`'s kind; None: nothing predicted here: the last MoE layer, a
+  `previous` source, the `oracle` check), in one dispatch and one host read:
+
+    step(state', moe_args | None, p, x | None, tp, kv, state, pf_ids, pred, has_pred,
+         predict_args | None)
+      state'       the previous layer's ResidentState (None without moe_args)
+      moe_args     = (p', h', moe_in', dec', host_out', pf_ids', rows') of the previous
+                     layer, whose output is this layer's input (x None)
+      predict_args = (p_next, vectors_ExD, estimator)
+      -> (h, moe_in, kv, dec, packed [5K + E + K (+ K predicted ids)], true logits [1, E'],
+          predicted logits [1, E'] | None, state' | None, evicted' | None)
+
+  The same functions as the separate steps (`layer_steps`, `predict_fn`), in the same
+  order; layer kinds are given by their representative layers (`steps.representative`)."""
+  f = spec_fns(cfg, dtype, layer_idx, decision, cache, mode, budget_slots, first)
+  fp = spec_fns(cfg, dtype, prev[0], decision, cache, mode, budget_slots, prev[1]) if prev else None
+  fn = (predict_fn(cfg, dtype, next_idx, mode.prefetch, with_estimator)
+        if next_idx is not None else None)
+
+  @functools.partial(jax.jit, donate_argnums=(0, 5))
+  def step(prev_state, moe_args, p, x, tp, kv, state, pf_ids, pred, has_pred, predict_args):
+    evicted = None
+    if fp is not None:
+      pp, ph, pin, pdec, phost, ppf, prows = moe_args
+      x, prev_state, evicted = fp["moe"](pp, ph, pin, pdec, phost, prev_state, ppf, prows)
+    h, moe_in, kv, dec, packed, true = f["attend_decide"](p, x, tp, kv, state, pf_ids, pred,
+                                                          has_pred)
+    pred_next = None
+    if fn is not None:
+      p_next, vectors, est = predict_args
+      pred_next, ids = fn(p_next, h, dec, vectors, est)
+      packed = jnp.concatenate([packed, ids.astype(jnp.float32)])
+    return h, moe_in, kv, dec, packed, true, pred_next, prev_state, evicted
+
+  return step
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,64 +1,29 @@
 """Speculative prefetch in the engine (issue 13): modes, exactness, statistics, bad input."""
 
 import json
-import os
 
 import chex
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from moejax import routing
 from moejax.config import ModelConfig
-from moejax.loader import expert_shapes, load_model
-from moejax.model import Transformer
+from moejax.loader import load_model
 from moejax.offload import prefetch as prefetch_lib
 from moejax.offload import prefetch_steps as pf_steps
 from moejax.offload.engine import OffloadEngine
 from moejax.speculation import save_default_vectors
-from moejax.store import ExpertStore
 from moejax.traces import config_hash
 from tests import hf_models
 
-PROMPT = [3, 17, 5, 60, 22]
-STREAM = [int(t) for t in np.random.default_rng(3).integers(0, 64, 10)]
+from tests.prefetch_cases import PROMPT, STREAM, run_engine as _run, tiny_model
+from tests.prefetch_cases import vectors as _vectors
 
 
 @pytest.fixture(scope="module")
 def model():
-  cfg = ModelConfig(model_type="qwen3_moe", vocab_size=64, hidden_size=32, num_layers=3,
-                    num_heads=4, num_kv_heads=2, head_dim=8, num_experts=8, top_k=2,
-                    moe_intermediate_size=16, intermediate_size=48,
-                    sparse_layers=(True, True, True), qk_norm="head",
-                    norm_topk_prob=True).validate()
-  rng = np.random.default_rng(0)
-  exps = [{k: (rng.standard_normal((8,) + shp) * 0.2).astype(np.float32)
-           for k, shp in expert_shapes(cfg).items()} for _ in cfg.sparse_layers]
-  store = ExpertStore.from_stacked(exps)
-  seq = jnp.asarray([PROMPT + STREAM], jnp.int32)
-  model = Transformer(cfg)
-  params = jax.jit(lambda k: model.init(k, seq, store.to_device())["params"])(
-      jax.random.PRNGKey(0))
-  logits, _, _ = jax.jit(lambda p, e: model.apply({"params": p}, seq, e))(params,
-                                                                         store.to_device())
-  return cfg, params, store, np.asarray(logits[0, len(PROMPT) - 1:])
-
-
-def _vectors(cfg, seed=1):
-  rng = np.random.default_rng(seed)
-  return {"vectors": [rng.standard_normal((cfg.num_experts, cfg.hidden_size)).astype(np.float32)
-                      * 0.1 for _ in cfg.moe_layers],
-          "estimators": [None] * (len(cfg.moe_layers) - 1)}
-
-
-def _run(cfg, params, store, prompt, stream, **kw):
-  kw.setdefault("cache_fraction", 0.25)
-  with OffloadEngine(cfg, params, store, kw.pop("policy", "baseline"), max_len=32, **kw) as eng:
-    eng.warmup()
-    out = [eng.prefill(prompt)] + [eng.decode_step(t) for t in stream]
-    held = eng.held_bytes()
-  return eng, np.stack(out), held
+  return tiny_model()
 
 
 def _cfg(**kw):
@@ -282,46 +247,6 @@ def test_emulator_prefetch_equals_the_engine(model, kw):
   np.testing.assert_allclose(logits, ref, atol=2e-5, rtol=1e-5)
   assert_same_decisions(cfg, records, out)
   assert sum(r.prefetches for r in records) > 0
-
-
-def _with_estimators(cfg, seed=2):
-  """Default vectors and a random (non-zero) estimator on every layer pair."""
-  from estimators.model import LogitCorrection
-  preds = _vectors(cfg)
-  est = []
-  for j in range(len(cfg.moe_layers) - 1):
-    mod = LogitCorrection(cfg.num_experts, 8)
-    q, base = jnp.zeros((1, cfg.hidden_size)), jnp.zeros((1, cfg.num_experts))
-    p = mod.init(jax.random.PRNGKey(seed + j), q, base)
-    p = jax.tree_util.tree_map(lambda a: a + 0.3, p)      # W_out != 0: a real correction
-    est.append(p)
-  return dict(preds, estimators=est, sources=["estimator"] * len(est))
-
-
-@pytest.mark.parametrize("kw", [
-    dict(policy="baseline", streaming=True, prefetch="hybrid", speculative="true_router"),
-    dict(policy="quality", cache_fraction=0.5, prefetch="hybrid", speculative="predicted_weights"),
-    dict(policy="speed", cache_fraction=0.25, prefetch="quasi", speculative="off"),
-    dict(policy="baseline", streaming=True, prefetch="previous", speculative="predicted_weights"),
-], ids=["stream-hybrid-true", "quality-hybrid-predicted", "speed-quasi", "stream-previous"])
-def test_one_call_per_layer_equals_separate_calls(model, kw):
-  """With prefetch on, a MoE layer's moe call, the next layer's decision and the
-  prediction of the layer after it run as one call (`prefetch_steps.decide_steps`):
-  the same logits, decisions, prefetches and resident sets as separate calls."""
-  cfg, params, store, _ = model
-  kw = dict(kw, predictors=_with_estimators(cfg))
-  runs = [_run(cfg, params, store, PROMPT, STREAM, fuse_layers=f, **kw) for f in (True, False)]
-  (eng_f, out_f, _), (eng_s, out_s, _) = runs
-  np.testing.assert_array_equal(out_f, out_s)
-  assert eng_f.resident_sets() == eng_s.resident_sets()
-  for a, b in zip(eng_f.records, eng_s.records):
-    for l in cfg.moe_layers:
-      la, lb = a.layers[l], b.layers[l]
-      assert (la.actions, la.ids, la.predicted, la.prefetched, la.true_ids) == (
-          lb.actions, lb.ids, lb.predicted, lb.prefetched, lb.true_ids)
-    assert (a.prefetches, a.useful_prefetches, a.fetches, a.admissions) == (
-        b.prefetches, b.useful_prefetches, b.fetches, b.admissions)
-  assert sum(r.prefetches for r in eng_f.records) > 0
 
 
 def test_shipped_predictors_load_for_the_shipped_demo_model():

@@ -319,7 +319,9 @@ class HangingStore:
   """Copies on the prefetch thread block until `gate` opens (a transfer that hangs)."""
 
   def __init__(self, inner, gate):
+    import threading
     self.inner, self.gate = inner, gate
+    self.entered = threading.Event()      # the prefetch thread is stuck in a copy
     self.layers, self.num_layers = inner.layers, inner.num_layers
 
   def __getattr__(self, name):
@@ -328,6 +330,7 @@ class HangingStore:
   def get(self, layer, expert):
     import threading
     if threading.current_thread().name == "moejax-prefetch":
+      self.entered.set()
       self.gate.wait(30)
     return self.inner.get(layer, expert)
 
@@ -360,11 +363,15 @@ def test_close_failure_is_noted_on_the_propagating_error_not_swallowed(model):
   gate = threading.Event()
   policy = P.make_policy("substitute_all", admission_beta=0.05)
   try:
+    hanging = HangingStore(store, gate)
     with pytest.raises(ValueError) as e:
-      with OffloadEngine(cfg, params, HangingStore(store, gate), policy, cache_fraction=0.25,
+      with OffloadEngine(cfg, params, hanging, policy, cache_fraction=0.25,
                          max_len=32, transfer_timeout_s=0.2) as eng:
         eng.prefill(PROMPT)
         eng.decode_step(STREAM[0])        # requests admissions: the thread is stuck on them
+        # (on a loaded machine the thread may not have reached the copy yet: wait for it,
+        # else close() finds it idle and stops it cleanly, with nothing to note)
+        assert hanging.entered.wait(30)
         raise ValueError("caller bug")
     assert any("did not stop" in n for n in getattr(e.value, "__notes__", []))
   finally:

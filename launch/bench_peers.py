@@ -14,7 +14,8 @@ Then, per model (bench shape f32, demo f32, demo bf16):
     the moejax Sampler, the OffloadEngine with every expert resident
     (cache_fraction 1.0, policy baseline; its default: layers that need no host work in
     one call, `runs`; `engine_layers`: one call per MoE layer, run_layers=False;
-    `engine_unfused`: two calls per MoE layer, fuse_layers=False as well), and
+    `engine_unfused`: two calls per MoE layer, fuse_layers=False as well;
+    `engine_conds`: the layer run with its per-layer conds, straight_run=False), and
     transformers (torch, --threads threads).
 Reported: best round's tok/s per engine (a shared machine only slows runs down), the
 median, and ratios to llama.cpp (the faster of --threads and 1 thread: llama.cpp's
@@ -48,7 +49,8 @@ flags.DEFINE_list("models", ["bench_f32", "demo_f32", "demo_bf16"],
                   f"Models: {', '.join(bench_models.NAMES)}.")
 flags.DEFINE_list("engines", ["llama.cpp", "sampler", "engine", "transformers"],
                   "Engines to time (also: engine_layers, the OffloadEngine with "
-                  "run_layers=False; engine_unfused, with fuse_layers=False too).")
+                  "run_layers=False; engine_unfused, with fuse_layers=False too; "
+                  "engine_conds, the all-resident run with conds, straight_run=False).")
 flags.DEFINE_string("demo_dir", bench_models.DEMO_DIR, "The demo checkpoint.")
 flags.DEFINE_string("llama_cache", llama_cpp.DEFAULT_CACHE,
                     "Where llama.cpp is built and the GGUF files are written.")
@@ -100,10 +102,11 @@ class SamplerRunner:
 
 
 class EngineRunner:
-  def __init__(self, cfg, params, store, dtype, max_len, run_layers=True, fuse_layers=True):
+  def __init__(self, cfg, params, store, dtype, max_len, run_layers=True, fuse_layers=True,
+               straight_run=True):
     self.eng = OffloadEngine(cfg, params, store, "baseline", cache_fraction=1.0,
                              max_len=max_len, dtype=dtype, fuse_layers=fuse_layers,
-                             run_layers=run_layers)
+                             run_layers=run_layers, straight_run=straight_run)
     with _sync_dispatch():
       self.eng.warmup()
 
@@ -210,6 +213,9 @@ def bench_model(name: str, bins, work: str) -> dict:
     runners["engine"] = EngineRunner(cfg, params, store, dtype, max_len)
   if "engine_layers" in FLAGS.engines:    # one call per MoE layer (before layer runs)
     runners["engine_layers"] = EngineRunner(cfg, params, store, dtype, max_len, False)
+  if "engine_conds" in FLAGS.engines:   # the layer run with its conds (before straight runs)
+    runners["engine_conds"] = EngineRunner(cfg, params, store, dtype, max_len,
+                                           straight_run=False)
   if "engine_unfused" in FLAGS.engines:   # separate moe and decision calls (before fusion)
     runners["engine_unfused"] = EngineRunner(cfg, params, store, dtype, max_len, False, False)
   if "transformers" in FLAGS.engines:

@@ -32,6 +32,7 @@ CASES = [   # (family, model overrides, policy, engine kwargs)
     ("qwen3_next", {}, QUALITY, dict(cache_fraction=0.25)),     # DeltaNet + full attention
     ("qwen3_next", {}, "speed", dict(cache_fraction=0.125)),
     ("glm4_moe", dict(num_hidden_layers=3), QUALITY, dict(cache_fraction=0.25)),  # dense first
+    ("glm4_moe", dict(num_hidden_layers=3), "baseline", dict(cache_fraction=1.0)),
 ]
 
 
@@ -61,8 +62,11 @@ def test_runs_equal_per_layer_calls(family, over, policy, kw, tmp_path_factory):
       assert c <= 1 + 2 * h
       if min_layers == 0:
         assert c >= 1
-    if kw.get("cache_fraction") == 1.0:
+    if kw.get("cache_fraction") == 1.0:   # all resident: the straight run, one per token
       assert calls == [1] * len(STREAM)
+      straight = runs_lib.run_fn(cfg, run.dtype, run.policy.decision, run.policy.cache, None,
+                                 straight=True)
+      assert straight._cache_size() == 1
   if policy is QUALITY and family == "qwen3_moe":   # admissions inserted by the host
     assert sum(r["admitted"] for r in run.records) > 0
 

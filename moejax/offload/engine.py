@@ -33,6 +33,9 @@ Per MoE layer and decoded token (jitted steps: `steps`; inserts: `inserts`):
 By default (`run_layers=True`) the layers that need none of the host's work run
 together in one call that stops at the first that does (`runs`): a token whose
 layers all hit is one call, and the host works only where steps 1-2 have work.
+With every expert resident (cache_fraction 1.0) no layer can need the host, and
+that call is compiled without the per-layer conds (`runs`, straight;
+`straight_run=False` keeps the conds, for before/after measurements).
 The layer itself is `layer_decode.LayerDecoder`.  Waits time out after
 `transfer_timeout_s` (TransferError naming layer and expert).
 Batch size 1.  Every printed time names the link (`Link.describe()`).
@@ -90,7 +93,8 @@ class OffloadEngine:
                transfer_timeout_s: float = 120.0, verbose: bool = False,
                prefetch: str = "none", speculative: str = "off",
                predictors: dict | None = None, streaming: bool = False,
-               fuse_layers: bool = True, run_layers: bool = True, run_min_layers: int = 3):
+               fuse_layers: bool = True, run_layers: bool = True, run_min_layers: int = 3,
+               straight_run: bool = True):
     if isinstance(policy, str):
       policy = policy_lib.make_policy(policy)
     if isinstance(link, str) and link.strip().lower().startswith("scaled"):
@@ -139,7 +143,11 @@ class OffloadEngine:
     self.states = {l: self._put(resident_lib.init_state(cfg.num_experts, self.budget.physical,
                                                         spec)) for l in self.moe_layers}
     self._zero_x = np.zeros((1, 1, cfg.hidden_size), jnp.dtype(dtype))   # host expert output
-    self._fill_initial(initial, profile_counts)
+    initial = self._fill_initial(initial, profile_counts)
+    # every expert resident for good: a token's layer run cannot stop (`runs`, straight)
+    straight = straight_run and run and self.budget.all_resident and initial == "all"
+    self._straight = (runs_lib.run_fn(cfg, dtype, policy.decision, policy.cache, self._trim_to,
+                                      straight=True) if straight else None)
     # the CPU backend's device memory is host memory: transfers copy into private host
     # stacks that the jitted inserts take as arguments
     self._host_rows = (self.device.platform == "cpu"
@@ -164,7 +172,7 @@ class OffloadEngine:
     self._layers = layer_decode.LayerDecoder(
         cfg, self.states, self._slots, self.prefetcher, store, self._fused,
         self._trim_to, self._zero_x, self._spec, self._pf_steps, self._run, self._steps,
-        policy, fuse_layers)
+        policy, fuse_layers, self._straight)
     self._tokens = token_decode.TokenDecoder(cfg, self._layers, self._steps, self._model,
                                              self._fused, run_min_layers)
     self.cache = None
@@ -180,7 +188,7 @@ class OffloadEngine:
     if initial == "auto":
       initial = "all" if self.budget.all_resident else "empty"
     if initial == "empty":
-      return
+      return initial
     for l in self.moe_layers:
       if initial == "all":
         order = range(self.cfg.num_experts)
@@ -193,6 +201,7 @@ class OffloadEngine:
       self.states[l] = resident_lib.fill(self.states[l], order,
                                          functools.partial(self.store.get, l), self.policy.cache,
                                          chunk=self.cfg.top_k)
+    return initial
 
   def describe(self) -> str:
     pf = (f"; prefetch {self.mode.prefetch}, speculative {self.mode.speculative}"
@@ -282,9 +291,10 @@ class OffloadEngine:
                            self.params[f"layers_{i + 1}"], x, tp, kv(i), kv(i + 1),
                            self.states[i], self.states[i + 1], self._zero_x, self._zero_rows,
                            self._slots.row_buckets, self._host_rows)
-    if self._run is not None:      # the layer run, on throwaway copies
-      runs_lib.warm(self._run, self.params, self._placeholder(), self.states,
-                    self._put(init_cache(cfg, 1, self.max_len, self.dtype)))
+    for run in (self._run, self._straight):      # the layer runs, on throwaway copies
+      if run is not None:
+        runs_lib.warm(run, self.params, self._placeholder(), self.states,
+                      self._put(init_cache(cfg, 1, self.max_len, self.dtype)))
     if self._spec is not None:
       new_kv = lambda l: self._put(init_cache(cfg, 1, self.max_len, self.dtype)[l])
       prefetch_lib.warm(self._layers, cfg, self.params, self.states, x, tp, new_kv,

@@ -61,12 +61,13 @@ class LayerDecoder:
 
   def __init__(self, cfg, states: dict, slots, prefetcher, store, fused: dict, trim_to,
                zero_x, spec=None, pf_steps=None, run=None, steps=None, policy=None,
-               fuse_spec: bool = True):
+               fuse_spec: bool = True, straight=None):
     self.steps_of = (steps or []).__getitem__     # layer -> its steps.LayerSteps
     self.cfg, self.states, self.slots, self.prefetcher = cfg, states, slots, prefetcher
     self.store, self.fused, self.trim_to = store, fused, trim_to
     self.zero_x, self.spec, self.pf_steps, self.run = zero_x, spec, pf_steps, run
     self.policy, self.fuse_spec = policy, fuse_spec
+    self.straight = straight      # the all-resident run without conds (`runs`), or None
     self.moe_layers = tuple(cfg.moe_layers)
 
   def run_from(self, params, start: int, pend: PendingMoe | None, x, tp: np.ndarray,
@@ -84,12 +85,17 @@ class LayerDecoder:
     j = -1 if pend is None else pend.layer
     args = zero_pend if pend is None else (pend.h, pend.moe_in, pend.dec, pend.host_out)
     mark("run", start)
-    out = self.run(params, np.int32(start), np.int32(j), args, x, tp, cache, metas, bufs, stop)
+    straight = self.straight is not None and start == 0 and pend is None and not stop.any()
+    run = self.straight if straight else self.run
+    out = run(params, np.int32(start), np.int32(j), args, x, tp, cache, metas, bufs, stop)
     cache[:] = out.caches
     runs_lib.restate(self.states, out.metas)
     info = runs_lib.unpack_info(np.asarray(out.info), self.moe_layers, kk, cfg.num_experts,
                                 slots)
     mark("run_done", info.layer)
+    if straight and info.kind != runs_lib.FINISHED:
+      raise RuntimeError(f"moejax internal error: MoE layer {info.layer} needed the host in an "
+                         f"engine whose every expert is resident (straight layer run)")
     served = info.layer if info.kind == runs_lib.AFTER_DECISION else None
     if info.decided:
       ints = np.stack([info.packed[l][:3 * kk] for l in info.decided]).astype(np.int32)

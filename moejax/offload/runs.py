@@ -30,6 +30,15 @@ records equal the per-layer calls' (`tests/test_engine_runs.py`).  The slot
 buffers are read-only here (only inserts write them, in their own calls), so
 they are arguments, not carried through the conds; the per-layer metadata and
 the caches are donated.  One compile per model, dtype and policy parts.
+
+`straight=True` compiles the run for an engine whose every expert of every layer
+is resident (`Budget.all_resident`, filled with all experts): no decision can
+fetch, run on the host or admit, so a token's run always goes from its start to
+its end.  That run has no conds (each costs the CPU backend tens of microseconds
+and passes every layer's state through); it is called only with start 0, no
+pending layer and no admissions due, and reports kind AFTER_DECISION at the
+first layer whose decision would have needed the host (an engine bug the host
+raises on, never serves).
 """
 
 from __future__ import annotations
@@ -103,8 +112,11 @@ def unpack_info(info: np.ndarray, moe_layers, k: int, num_experts: int,
 
 @functools.lru_cache(maxsize=None)
 def run_fn(cfg: ModelConfig, dtype, decision: policy_lib.DecideParams,
-           cache: policy_lib.CacheParams, budget_slots: int | None):
-  """The jitted `run` of the module docstring for this model, dtype and policy parts."""
+           cache: policy_lib.CacheParams, budget_slots: int | None, straight: bool = False):
+  """The jitted `run` of the module docstring for this model, dtype and policy parts
+  (`straight`: the all-resident run without conds)."""
+  if straight:
+    return _straight_run(cfg, dtype, decision, cache, budget_slots)
   rep = lambda i: steps_lib.representative(cfg, i)
   moe_layers = tuple(cfg.moe_layers)
   fns = {l: steps_lib.policy_fns(cfg, dtype, rep(l), decision, cache, budget_slots)
@@ -182,6 +194,52 @@ def run_fn(cfg: ModelConfig, dtype, decision: policy_lib.DecideParams,
                   caches, metas)
 
   return run
+
+
+def _straight_run(cfg: ModelConfig, dtype, decision: policy_lib.DecideParams,
+                  cache: policy_lib.CacheParams, budget_slots: int | None):
+  """`run` for start 0, no pending layer, no admissions due and no layer that needs the
+  host (module docstring): the same functions in the same order, without conds."""
+  rep = lambda i: steps_lib.representative(cfg, i)
+  moe_layers = tuple(cfg.moe_layers)
+  fns = {l: steps_lib.policy_fns(cfg, dtype, rep(l), decision, cache, budget_slots)
+         for l in moe_layers}
+  dense = {l: steps_lib.dense_decode_fn(cfg, dtype, rep(l))
+           for l in range(cfg.num_layers) if not cfg.sparse_layers[l]}
+  model = Transformer(cfg, dtype)
+
+  @functools.partial(jax.jit, donate_argnums=(6, 7))
+  def run(params, start, pend_layer, pend, x, tp, caches, metas, buffers, stop_before):
+    del start, pend_layer, stop_before            # 0, -1 and none: the caller's contract
+    caches, metas = list(caches), dict(metas)
+    x = model.apply({"params": params}, tp[:1].reshape(1, 1), method="embed").astype(x.dtype)
+    ph, pm, pdec, _ = pend
+    zero_host = jnp.zeros_like(pend[3])
+    kind, at = jnp.int32(FINISHED), jnp.int32(cfg.num_layers)
+    packs, evs, ones = [], [], []
+    for l in range(cfg.num_layers):
+      p = params[f"layers_{l}"]
+      if not cfg.sparse_layers[l]:
+        x, caches[l] = dense[l](p, x, tp, caches[l])
+        continue
+      f = fns[l]
+      h, moe_in, caches[l], dec, packed = f["attend_decide"](p, x, tp, caches[l],
+                                                             join_state(metas[l], buffers[l]))
+      host = needs_host(dec) & (kind == FINISHED)
+      kind, at = jnp.where(host, AFTER_DECISION, kind), jnp.where(host, l, at)
+      x, state, ev = f["moe"](p, h, moe_in, dec, zero_host, join_state(metas[l], buffers[l]))
+      metas[l] = split_state(state)[0]
+      packs.append(packed)
+      evs.append(ev)
+      ones.append(jnp.bool_(True))
+    logits = model.apply({"params": params}, x[:, -1], method="logits")[0]
+    f32 = lambda a: jnp.asarray(a, jnp.float32).reshape(-1)
+    info = jnp.concatenate([f32(kind), f32(at), f32(jnp.stack(ones)), f32(jnp.stack(ones)),
+                            f32(jnp.stack(packs)), f32(jnp.stack(evs))])
+    return RunOut(info, logits.astype(jnp.float32), x, tp + 0, ph, pm, pdec, caches, metas)
+
+  return run
+
 
 
 def placeholders(cfg: ModelConfig, dtype, policy: policy_lib.PolicyParams, budget_slots,

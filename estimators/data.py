@@ -66,6 +66,20 @@ def record(cfg, params, experts, vecs, wins_NxT: np.ndarray, out_dir: str, batch
   return len(starts)
 
 
+def previous_probs(true_NxE, seq: int) -> np.ndarray:
+  """[N, E] float32: each token's previous token's router probabilities at the same layer
+  (softmax of its true logits), zeros for a window's first token (windows of `seq`
+  consecutive rows, as recorded).  A candidate extra estimator input: the engine knows
+  it at layer l (the `previous` source keeps it)."""
+  true = np.asarray(true_NxE, np.float32)
+  z = np.exp(true - true.max(-1, keepdims=True))
+  probs = z / z.sum(-1, keepdims=True)
+  out = np.zeros_like(probs)
+  out[1:] = probs[:-1]
+  out[np.arange(len(out)) % seq == 0] = 0.0
+  return out
+
+
 def load(out_dir: str, pair: int | None = None) -> dict:
   """All shards concatenated: {"q": [P, N, D], ...} (or one pair's [N, ...] arrays)."""
   paths = sorted(glob.glob(os.path.join(out_dir, "shard_*.npz")))

@@ -59,3 +59,30 @@ def test_shards_load_and_name_a_bad_file(tmp_path):
   (tmp_path / "shard_00002.npz").write_bytes(b"truncated")
   with pytest.raises(ValueError, match="shard_00002.npz"):
     est_data.load(str(tmp_path))
+
+
+def test_previous_probs_hand_checked():
+  """Row t gets softmax(true[t - 1]); a window's first row gets zeros."""
+  true = np.log(np.asarray([[1, 1], [1, 3], [2, 2], [3, 1], [1, 1]], np.float32))
+  got = est_data.previous_probs(true, seq=3)
+  want = np.asarray([[0, 0], [0.5, 0.5], [0.25, 0.75],      # window 1: rows 0-2
+                     [0, 0], [0.75, 0.25]], np.float32)      # window 2: rows 3-4
+  np.testing.assert_allclose(got, want, atol=1e-6)
+
+
+def test_estimator_inputs_compare_finds_the_informative_input(tmp_path):
+  """launch.estimator_inputs: when the next router's logits repeat the previous token's,
+  the variant given the previous token's probabilities must beat q alone."""
+  from launch import estimator_inputs as ei
+  rng = np.random.default_rng(0)
+  n, seq = 4096, 8
+  q = rng.standard_normal((n, 16)).astype(np.float32)
+  quasi = rng.standard_normal((n, 8)).astype(np.float32)
+  sticky = np.repeat(rng.standard_normal((n // seq, 8)) * 4, seq, 0).astype(np.float32)
+  true = quasi + sticky          # one routing bias per window: predictable from the row before
+  split = lambda s: {"q": q[s], "quasi": quasi[s], "true": true[s]}
+  train, held = split(slice(0, 3072)), split(slice(3072, n))
+  ec = EstimatorConfig(hidden=32, lr=1e-2, batch=128, epochs=6, patience=6)
+  res = ei.compare(CFG, train, held, None, None, ec, seq, str(tmp_path))
+  assert set(res) == {"quasi", "q", "q+prev"}           # no layer before the first pair
+  assert res["q+prev"]["recall_at_k"] > res["q"]["recall_at_k"] + 0.1, res

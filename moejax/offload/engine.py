@@ -143,7 +143,8 @@ class OffloadEngine:
     self.states = {l: self._put(resident_lib.init_state(cfg.num_experts, self.budget.physical,
                                                         spec)) for l in self.moe_layers}
     self._zero_x = np.zeros((1, 1, cfg.hidden_size), jnp.dtype(dtype))   # host expert output
-    initial = self._fill_initial(initial, profile_counts)
+    self.states, initial = resident_lib.fill_initial(
+        self.states, initial, self.budget, store, policy.cache, cfg, profile_counts)
     # every expert resident for good: a token's layer run cannot stop (`runs`, straight)
     straight = straight_run and run and self.budget.all_resident and initial == "all"
     self._straight = (runs_lib.run_fn(cfg, dtype, policy.decision, policy.cache, self._trim_to,
@@ -183,25 +184,6 @@ class OffloadEngine:
     self.traces: list[list[tuple[str, int, float]]] = []
     if verbose:
       print(f"[moejax] {self.describe()}", file=sys.stderr)
-
-  def _fill_initial(self, initial, profile_counts):
-    if initial == "auto":
-      initial = "all" if self.budget.all_resident else "empty"
-    if initial == "empty":
-      return initial
-    for l in self.moe_layers:
-      if initial == "all":
-        order = range(self.cfg.num_experts)
-      elif initial == "profile":
-        if profile_counts is None or l not in profile_counts:
-          raise ValueError(f"initial='profile' needs profile_counts for MoE layer {l}")
-        order = resident_lib.profile_order(profile_counts[l])[: self.budget.slots]
-      else:
-        raise ValueError(f"initial must be 'auto', 'empty', 'all' or 'profile', got {initial!r}")
-      self.states[l] = resident_lib.fill(self.states[l], order,
-                                         functools.partial(self.store.get, l), self.policy.cache,
-                                         chunk=self.cfg.top_k)
-    return initial
 
   def describe(self) -> str:
     pf = (f"; prefetch {self.mode.prefetch}, speculative {self.mode.speculative}"

@@ -250,3 +250,27 @@ def profile_order(counts_E) -> list[int]:
   """Experts by routing frequency (desc, ties by id): the profile initial contents."""
   c = np.asarray(counts_E)
   return [int(e) for e in np.lexsort((np.arange(len(c)), -c))]
+
+
+def fill_initial(states: dict, initial: str, budget: Budget, store, cache, cfg,
+                 profile_counts: dict | None = None) -> tuple[dict, str]:
+  """An engine's starting resident sets: "all" experts, "empty", the `profile_counts`'
+  most used ("profile"), or "auto" (all if the budget holds them, else empty).
+  -> ({MoE layer: filled state}, the resolved choice)."""
+  if initial == "auto":
+    initial = "all" if budget.all_resident else "empty"
+  if initial == "empty":
+    return states, initial
+  states = dict(states)
+  for l in states:
+    if initial == "all":
+      order = range(cfg.num_experts)
+    elif initial == "profile":
+      if profile_counts is None or l not in profile_counts:
+        raise ValueError(f"initial='profile' needs profile_counts for MoE layer {l}")
+      order = profile_order(profile_counts[l])[: budget.slots]
+    else:
+      raise ValueError(f"initial must be 'auto', 'empty', 'all' or 'profile', got {initial!r}")
+    states[l] = fill(states[l], order, functools.partial(store.get, l), cache,
+                     chunk=cfg.top_k)
+  return states, initial

@@ -110,6 +110,18 @@ def unpack_info(info: np.ndarray, moe_layers, k: int, num_experts: int,
                  ran, {l: evs[j] for j, l in enumerate(moe_layers) if ran_m[j]})
 
 
+def _layer_fns(cfg: ModelConfig, dtype, decision, cache, budget_slots):
+  """(MoE layers, their policy functions, the dense layers' decode functions, the model)
+  that both runs apply, the per-layer steps' own."""
+  rep = lambda i: steps_lib.representative(cfg, i)
+  moe_layers = tuple(cfg.moe_layers)
+  fns = {l: steps_lib.policy_fns(cfg, dtype, rep(l), decision, cache, budget_slots)
+         for l in moe_layers}
+  dense = {l: steps_lib.dense_decode_fn(cfg, dtype, rep(l))
+           for l in range(cfg.num_layers) if not cfg.sparse_layers[l]}
+  return moe_layers, fns, dense, Transformer(cfg, dtype)
+
+
 @functools.lru_cache(maxsize=None)
 def run_fn(cfg: ModelConfig, dtype, decision: policy_lib.DecideParams,
            cache: policy_lib.CacheParams, budget_slots: int | None, straight: bool = False):
@@ -117,13 +129,7 @@ def run_fn(cfg: ModelConfig, dtype, decision: policy_lib.DecideParams,
   (`straight`: the all-resident run without conds)."""
   if straight:
     return _straight_run(cfg, dtype, decision, cache, budget_slots)
-  rep = lambda i: steps_lib.representative(cfg, i)
-  moe_layers = tuple(cfg.moe_layers)
-  fns = {l: steps_lib.policy_fns(cfg, dtype, rep(l), decision, cache, budget_slots)
-         for l in moe_layers}
-  dense = {l: steps_lib.dense_decode_fn(cfg, dtype, rep(l))
-           for l in range(cfg.num_layers) if not cfg.sparse_layers[l]}
-  model = Transformer(cfg, dtype)
+  moe_layers, fns, dense, model = _layer_fns(cfg, dtype, decision, cache, budget_slots)
   num_layers = cfg.num_layers
 
   @functools.partial(jax.jit, donate_argnums=(6, 7))
@@ -200,13 +206,7 @@ def _straight_run(cfg: ModelConfig, dtype, decision: policy_lib.DecideParams,
                   cache: policy_lib.CacheParams, budget_slots: int | None):
   """`run` for start 0, no pending layer, no admissions due and no layer that needs the
   host (module docstring): the same functions in the same order, without conds."""
-  rep = lambda i: steps_lib.representative(cfg, i)
-  moe_layers = tuple(cfg.moe_layers)
-  fns = {l: steps_lib.policy_fns(cfg, dtype, rep(l), decision, cache, budget_slots)
-         for l in moe_layers}
-  dense = {l: steps_lib.dense_decode_fn(cfg, dtype, rep(l))
-           for l in range(cfg.num_layers) if not cfg.sparse_layers[l]}
-  model = Transformer(cfg, dtype)
+  moe_layers, fns, dense, model = _layer_fns(cfg, dtype, decision, cache, budget_slots)
 
   @functools.partial(jax.jit, donate_argnums=(6, 7))
   def run(params, start, pend_layer, pend, x, tp, caches, metas, buffers, stop_before):

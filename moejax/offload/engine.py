@@ -273,10 +273,11 @@ class OffloadEngine:
                            self.params[f"layers_{i + 1}"], x, tp, kv(i), kv(i + 1),
                            self.states[i], self.states[i + 1], self._zero_x, self._zero_rows,
                            self._slots.row_buckets, self._host_rows)
-    for run in (self._run, self._straight):      # the layer runs, on throwaway copies
-      if run is not None:
-        runs_lib.warm(run, self.params, self._placeholder(), self.states,
-                      self._put(init_cache(cfg, 1, self.max_len, self.dtype)))
+    # the layer run, on throwaway copies (all resident: only the straight one is called)
+    run = self._straight if self._straight is not None else self._run
+    if run is not None:
+      runs_lib.warm(run, self.params, self._placeholder(), self.states,
+                    self._put(init_cache(cfg, 1, self.max_len, self.dtype)))
     if self._spec is not None:
       new_kv = lambda l: self._put(init_cache(cfg, 1, self.max_len, self.dtype)[l])
       prefetch_lib.warm(self._layers, cfg, self.params, self.states, x, tp, new_kv,

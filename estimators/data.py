@@ -15,6 +15,7 @@ import os
 import jax.numpy as jnp
 import numpy as np
 
+from estimators import model
 from moejax import corpus, speculation
 from moejax import data as corpus_data
 from moejax.tokenizer import Tokenizer
@@ -67,17 +68,18 @@ def record(cfg, params, experts, vecs, wins_NxT: np.ndarray, out_dir: str, batch
 
 
 def previous_probs(true_NxE, seq: int) -> np.ndarray:
-  """[N, E] float32: each token's previous token's router probabilities at the same layer
-  (softmax of its true logits), zeros for a window's first token (windows of `seq`
-  consecutive rows, as recorded).  A candidate extra estimator input: the engine knows
-  it at layer l (the `previous` source keeps it)."""
+  """[N, E] float32: each row's previous row's router probabilities at the same layer
+  (`estimators.model.previous_input` of its true logits), zeros for a window's first
+  token (windows of `seq` consecutive rows, as recorded): the estimator's extra input, as
+  the engine forms it from the previous token's true routing."""
   true = np.asarray(true_NxE, np.float32)
-  z = np.exp(true - true.max(-1, keepdims=True))
-  probs = z / z.sum(-1, keepdims=True)
-  out = np.zeros_like(probs)
-  out[1:] = probs[:-1]
-  out[np.arange(len(out)) % seq == 0] = 0.0
-  return out
+  last = np.zeros_like(true)
+  last[1:] = true[:-1]
+  has = np.arange(len(true)) % seq != 0
+  out = [np.asarray(model.previous_input(jnp.asarray(last[s:s + 65536]),
+                                         jnp.asarray(has[s:s + 65536])))
+         for s in range(0, len(true), 65536)]
+  return np.concatenate(out) if out else np.zeros_like(true)
 
 
 def load(out_dir: str, pair: int | None = None) -> dict:

@@ -5,7 +5,8 @@
 Needs the default vectors (launch.default_vectors).  Records (q_l, quasi logits, true
 logits of l+1) pairs on train windows of every corpus domain and on held-out stdlib
 windows (shards under --data_dir), trains one estimator per MoE-layer pair
-(estimators.train), and marks a pair *hybrid* (estimator used by the engine) when its
+(estimators.train) on [q_l, the previous token's router probabilities at l+1] (the
+default; --noprevious_input: q_l alone; estimators.model), and marks a pair *hybrid* (estimator used by the engine) when its
 held-out drift under the plain quasi predictor is at least --drift_threshold and the
 estimator raises held-out recall@k there.  A third source, `previous` (the layer's own
 selection at the previous token: no computation), is measured on the same held-out
@@ -44,6 +45,9 @@ flags.DEFINE_integer("hidden", 64, "Estimator hidden width.")
 flags.DEFINE_integer("epochs", 8, "Maximum epochs per estimator.")
 flags.DEFINE_string("tokens_file", "", "The encoded training stream as .npy (see "
                     "launch.default_vectors --tokens_file); default: encode the train split.")
+flags.DEFINE_bool("previous_input", True,
+                  "The estimators also take the previous token's router probabilities at the "
+                  "predicted layer (estimators.model); --noprevious_input: q alone.")
 flags.DEFINE_float("drift_threshold", 0.0,
                    "Use an estimator only where held-out drift (1 - exact match) is >= this.")
 
@@ -55,6 +59,12 @@ def _windows(stream, n, seq=SEQ, seed=0, shuffle=True):
   order = (data.window_order(stream.size, seq, seed, epochs=1) if shuffle
            else np.arange((stream.size - 1) // seq))[:n]
   return np.stack([stream[i * seq:(i + 1) * seq] for i in order]).astype(np.int32)
+
+
+def with_previous(split: dict) -> dict:
+  """The pair's rows with the estimator input [q, p_prev] (`estimators.model`)."""
+  q = np.asarray(split["q"], np.float32)
+  return dict(split, q=np.concatenate([q, est_data.previous_probs(split["true"], SEQ)], 1))
 
 
 def choose_source(drift: float, threshold: float, recall: dict) -> str:
@@ -89,8 +99,11 @@ def main(_):
   rows, trees = [], []
   for j in range(len(layers) - 1):
     train, held = est_data.load(tr_dir, pair=j), est_data.load(he_dir, pair=j)
+    if FLAGS.previous_input:
+      train, held = with_previous(train), with_previous(held)
     p, hist = train_pair(cfg, train, held, ec,
-                         os.path.join(data_dir, "checkpoints", f"pair_{j}"),
+                         os.path.join(data_dir, "checkpoints" + ("_prev" if FLAGS.previous_input
+                                                                 else ""), f"pair_{j}"),
                          progress=lambda it: tqdm(it, desc=f"estimator {layers[j]}->{layers[j + 1]}"))
     base, best = hist[0], min(hist, key=lambda h: h["kl"])
     prev = speculation.previous_token_agreement(cfg, held["true"], seq=SEQ)
@@ -108,7 +121,8 @@ def main(_):
     ckptr.save(os.path.abspath(os.path.join(out, "estimators")), {"pairs": trees}, force=True)
   hybrid = [r[r["hybrid_source"]] for r in rows]
   mean = lambda src: float(np.mean([r[src]["recall_at_k"] for r in rows]))
-  res = dict(meta, hidden=FLAGS.hidden, drift_threshold=FLAGS.drift_threshold, per_layer=rows,
+  res = dict(meta, hidden=FLAGS.hidden, drift_threshold=FLAGS.drift_threshold,
+             inputs="q+prev" if FLAGS.previous_input else "q", per_layer=rows,
              hybrid_recall_at_k=float(np.mean([h["recall_at_k"] for h in hybrid])),
              quasi_recall_at_k=mean("quasi"), estimator_recall_at_k=mean("estimator"),
              previous_recall_at_k=mean("previous"))

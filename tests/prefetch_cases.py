@@ -52,15 +52,23 @@ def run_engine(cfg, params, store, prompt, stream, **kw):
   return eng, np.stack(out), held
 
 
-def with_estimators(cfg, seed=2):
-  """Default vectors and a random (non-zero) estimator on every layer pair."""
+def with_estimators(cfg, seed=2, previous=False):
+  """Default vectors and a random (non-zero) estimator on every layer pair (`previous`:
+  estimators that also take the previous token's router probabilities)."""
   from estimators.model import LogitCorrection
   preds = vectors(cfg)
   est = []
   for j in range(len(cfg.moe_layers) - 1):
     mod = LogitCorrection(cfg.num_experts, 8)
-    q, base = jnp.zeros((1, cfg.hidden_size)), jnp.zeros((1, cfg.num_experts))
+    width = cfg.hidden_size + (cfg.num_experts if previous else 0)
+    q, base = jnp.zeros((1, width)), jnp.zeros((1, cfg.num_experts))
     p = mod.init(jax.random.PRNGKey(seed + j), q, base)
-    p = jax.tree_util.tree_map(lambda a: a + 0.3, p)      # W_out != 0: a real correction
+    p = jax.tree_util.tree_map(lambda a: a + 0.3, p)
+    w_out = jax.random.normal(jax.random.PRNGKey(seed + 100 + j), (8, cfg.num_experts))
+    p["params"]["w_out"]["kernel"] = w_out      # a real correction: moves the ranking
+    if previous:   # weigh the previous token's probabilities enough to move predictions
+      k = p["params"]["w_in"]["kernel"]
+      p["params"]["w_in"]["kernel"] = k.at[cfg.hidden_size:].multiply(30.0)
     est.append(p)
   return dict(preds, estimators=est, sources=["estimator"] * len(est))
+

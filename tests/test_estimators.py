@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from estimators import data as est_data
-from estimators.model import LogitCorrection
+from estimators.model import LogitCorrection, estimate, previous_input, takes_previous
 from estimators.train import EstimatorConfig, train_pair
 from moejax.config import ModelConfig
 
@@ -68,6 +68,33 @@ def test_previous_probs_hand_checked():
   want = np.asarray([[0, 0], [0.5, 0.5], [0.25, 0.75],      # window 1: rows 0-2
                      [0, 0], [0.75, 0.25]], np.float32)      # window 2: rows 3-4
   np.testing.assert_allclose(got, want, atol=1e-6)
+
+
+def test_estimate_with_the_previous_tokens_routing_hand_checked():
+  """An estimator with D + E input rows takes [q, softmax(previous logits)] (zeros where
+  no previous token); one with D rows takes q alone and ignores them."""
+  import jax
+  np.testing.assert_allclose(previous_input(jnp.log(jnp.asarray([[1.0, 3.0], [1.0, 1.0]])),
+                                            jnp.asarray([True, False])),
+                             [[0.25, 0.75], [0.0, 0.0]], atol=1e-6)
+  e, d = 2, 3
+  m = LogitCorrection(e, 2)
+  p = m.init(jax.random.PRNGKey(0), jnp.zeros((1, d + e)), jnp.zeros((1, e)))
+  # hidden = [p_prev[0], p_prev[1]] (q ignored), out = 4 * silu(hidden)
+  kernel_in = np.zeros((d + e, 2), np.float32)
+  kernel_in[d:, :] = np.eye(e)
+  p = {"params": {"w_in": {"kernel": jnp.asarray(kernel_in), "bias": jnp.zeros(2)},
+                  "w_out": {"kernel": 4.0 * jnp.eye(e), "bias": jnp.zeros(e)}}}
+  assert takes_previous(p, d) and not takes_previous(p, d + e)
+  q, base = jnp.ones((2, d)), jnp.asarray([[0.0, 0.5], [0.0, 0.5]])
+  last, has = jnp.log(jnp.asarray([[3.0, 1.0], [3.0, 1.0]])), jnp.asarray([True, False])
+  silu = lambda v: v / (1 + np.exp(-v))
+  want = np.asarray([[4 * silu(0.75), 0.5 + 4 * silu(0.25)], [0.0, 0.5]])
+  np.testing.assert_allclose(estimate(p, q, base, last, has), want, atol=1e-5)
+  with pytest.raises(ValueError, match="previous token"):
+    estimate(p, q, base)
+  p_q = m.init(jax.random.PRNGKey(0), jnp.zeros((1, d)), jnp.zeros((1, e)))
+  chex.assert_trees_all_close(estimate(p_q, q, base, last, has), m.apply(p_q, q, base))
 
 
 def test_estimator_inputs_compare_finds_the_informative_input(tmp_path):

@@ -18,6 +18,7 @@ from moejax.traces import config_hash
 from tests import hf_models
 
 from tests.prefetch_cases import PROMPT, STREAM, run_engine as _run, tiny_model
+from tests.prefetch_cases import with_estimators
 from tests.prefetch_cases import vectors as _vectors
 
 
@@ -123,6 +124,36 @@ def test_previous_predicts_the_layers_selection_at_the_previous_token(model):
   assert not any(eng2.records[-1].layers[l].predicted for l in cfg.moe_layers)
 
 
+def test_estimator_takes_the_previous_tokens_routing(model):
+  """An estimator with the previous token's input gets layer l+1's true logits at the
+  previous decoded token (none at the first one after a prompt): the engine's predictions
+  equal the estimator applied to the teacher-forced (q, quasi logits, previous token's
+  true logits) -- and differ from it fed no previous token.  Speculation off: exact."""
+  from estimators.model import estimate
+  from moejax import speculation
+  cfg, params, store, ref = model
+  preds = with_estimators(cfg, previous=True)
+  eng, out, _ = _run(cfg, params, store, PROMPT, STREAM, prefetch="hybrid", streaming=True,
+                     predictors=preds)
+  np.testing.assert_allclose(out, ref, atol=2e-5, rtol=1e-5)
+  pairs = speculation.predictions(cfg, params, store.to_device(),
+                                  [jnp.asarray(v) for v in preds["vectors"]],
+                                  jnp.asarray([PROMPT + STREAM]))
+  t = len(PROMPT) + np.arange(len(STREAM))           # the decoded tokens' positions
+  has = jnp.asarray(np.arange(len(STREAM)) > 0)
+  differs = False
+  for j, l in enumerate(cfg.moe_layers[1:]):
+    q, quasi, true = (np.asarray(pairs[j][k], np.float32) for k in ("q", "quasi", "true"))
+    want = np.asarray(routing.route(cfg, estimate(preds["estimators"][j], q[t], quasi[t],
+                                                  true[t - 1], has))[0])
+    blind = np.asarray(routing.route(cfg, estimate(preds["estimators"][j], q[t], quasi[t],
+                                                   true[t - 1], has & False))[0])
+    got = np.asarray([r.layers[l].predicted for r in eng.records])
+    np.testing.assert_array_equal(np.sort(got, 1), np.sort(want, 1))
+    differs |= bool(np.any(np.sort(got, 1) != np.sort(blind, 1)))
+  assert differs
+
+
 def test_hybrid_sources_and_previous_agreement_hand_checked():
   from launch.train_estimators import choose_source
   from moejax.speculation import previous_token_agreement
@@ -190,6 +221,23 @@ def test_missing_or_foreign_predictor_files_are_refused(model, tmp_path):
   (d / "estimators.json").write_text(json.dumps({"config_hash": "feedfeedfeedfeed"}))
   with pytest.raises(prefetch_lib.PrefetchError, match="another model"):
     prefetch_lib.load_predictors("hybrid", cfg, str(m))
+  # estimators whose input is neither q [D] nor [q, previous probabilities] [D + E], or
+  # a mix of the two
+  import orbax.checkpoint as ocp
+  meta = {"config_hash": config_hash(cfg),
+          "per_layer": [{"hybrid_source": "estimator", "hybrid_uses_estimator": True}] * 2}
+  (d / "estimators.json").write_text(json.dumps(meta))
+  good, prev = with_estimators(cfg)["estimators"], with_estimators(cfg, previous=True)["estimators"]
+  bad = {"params": dict(good[0]["params"], w_in={"kernel": jnp.zeros((cfg.hidden_size + 3, 8)),
+                                                 "bias": jnp.zeros(8)})}
+  for pairs, msg in (([bad, good[1]], "takes 35 inputs"), ([good[0], prev[1]], "differ in shape")):
+    with ocp.StandardCheckpointer() as ck:
+      ck.save(str(d / "estimators"), {"pairs": pairs}, force=True)
+    with pytest.raises(prefetch_lib.PrefetchError, match=msg):
+      prefetch_lib.load_predictors("hybrid", cfg, str(m))
+  with ocp.StandardCheckpointer() as ck:
+    ck.save(str(d / "estimators"), {"pairs": prev}, force=True)
+  assert prefetch_lib.load_predictors("hybrid", cfg, str(m))["estimators"][1] is not None
   with pytest.raises(ValueError, match="--speculative"):
     OffloadEngine(cfg, model[1], model[2], speculative="true_router")
   with pytest.raises(ValueError, match="--prefetch must be"):
@@ -231,15 +279,19 @@ def test_every_family_prefetches_and_speculates(family, tmp_path):
     dict(policy="speed", cache_fraction=0.25, prefetch="previous", speculative="off"),
     dict(policy="baseline", streaming=True, prefetch="hybrid", speculative="true_router",
          sources=["previous", "quasi"]),
+    dict(policy="quality", cache_fraction=0.5, prefetch="hybrid", speculative="predicted_weights",
+         sources=["estimator", "estimator"]),
 ], ids=["stream-quasi-predicted", "stream-reuse-true", "quality-quasi", "stream-previous-predicted",
-        "speed-previous", "stream-hybrid-previous-quasi-true"])
+        "speed-previous", "stream-hybrid-previous-quasi-true", "quality-hybrid-estimators-prev"])
 def test_emulator_prefetch_equals_the_engine(model, kw):
   """The one emulator runs the engine's prefetch and speculative decisions: same logits,
   same per-layer actions, fetches, evictions and prefetch counts."""
   from tests.test_emulator import assert_same_decisions, emulator_run, engine_run
   cfg, params, store, _ = model
-  kw = dict(kw, predictors=dict(_vectors(cfg), **({"sources": kw.pop("sources")}
-                                                  if "sources" in kw else {})))
+  sources = kw.pop("sources", None)
+  preds = (with_estimators(cfg, previous=True) if sources and "estimator" in sources
+           else _vectors(cfg))    # estimators that take the previous token's routing
+  kw = dict(kw, predictors=dict(preds, **({"sources": sources} if sources else {})))
   policy = kw.pop("policy")
   toks = PROMPT[:1] + STREAM
   ref, records, _ = engine_run(cfg, params, store, policy, toks, **kw)

@@ -18,13 +18,16 @@ def model():
     dict(policy="quality", cache_fraction=0.5, prefetch="hybrid", speculative="predicted_weights"),
     dict(policy="speed", cache_fraction=0.25, prefetch="quasi", speculative="off"),
     dict(policy="baseline", streaming=True, prefetch="previous", speculative="predicted_weights"),
-], ids=["stream-hybrid-true", "quality-hybrid-predicted", "speed-quasi", "stream-previous"])
+    dict(policy="baseline", streaming=True, prefetch="hybrid", speculative="predicted_weights",
+         previous=True),
+], ids=["stream-hybrid-true", "quality-hybrid-predicted", "speed-quasi", "stream-previous",
+        "stream-hybrid-estimators-prev"])
 def test_one_call_per_layer_equals_separate_calls(model, kw):
   """With prefetch on, a MoE layer's moe call, the next layer's decision and the
   prediction of the layer after it run as one call (`prefetch_steps.decide_steps`):
   the same logits, decisions, prefetches and resident sets as separate calls."""
   cfg, params, store, _ = model
-  kw = dict(kw, predictors=with_estimators(cfg))
+  kw = dict(kw, predictors=with_estimators(cfg, previous=kw.pop("previous", False)))
   runs = [run_engine(cfg, params, store, PROMPT, STREAM, fuse_layers=f, **kw) for f in (True, False)]
   (eng_f, out_f, _), (eng_s, out_s, _) = runs
   np.testing.assert_array_equal(out_f, out_s)

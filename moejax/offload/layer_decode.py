@@ -76,8 +76,25 @@ class LayerDecoder:
     start - 1, if any; `x`: layer start's input otherwise), then the host's part of
     the layer where it stopped.  -> the next-token logits [V] (numpy) when it finished
     the token, else (that layer's PendingMoe, tp on the device, x)."""
-    cfg, kk = self.cfg, self.cfg.top_k
-    slots = next(iter(self.states.values())).slot_expert.shape[0]
+    out, straight = self.run_call(params, start, pend, x, tp, cache, zero_pend, mark)
+    info, served = self.run_read(out, straight, rec, mark)
+    kk = self.cfg.top_k
+    if info.kind == runs_lib.FINISHED:
+      return np.asarray(out.logits)
+    j, p = info.layer, params[f"layers_{info.layer}"]
+    if served is not None:
+      d = steps_lib.unpack_decision(info.packed[j], kk)
+      host_out = self.serve(j, d, out.h, out.moe_in, out.dec, rec, mark)
+      pm = PendingMoe(j, self.steps_of(j), p, out.h, out.moe_in, out.dec, host_out)
+    else:        # admissions due before layer j: inserted with its decision
+      pm = self.moe_layer(j, self.steps_of(j), p, out.x, out.tp, cache, rec, mark, None)
+    return pm, out.tp, out.x
+
+  def run_call(self, params, start: int, pend: PendingMoe | None, x, tp, cache: list,
+               zero_pend, mark):
+    """Dispatches one run call (the straight run where it applies: the token's first
+    call, nothing queued) and takes its caches and resident states; reads nothing back
+    (`run_read`), so the host may go on before the device is done.  -> (out, straight)."""
     stop = runs_lib.stop_mask(self.moe_layers, self.slots.adm.pending)
     metas, bufs = {}, {}
     for l in self.moe_layers:
@@ -90,6 +107,13 @@ class LayerDecoder:
     out = run(params, np.int32(start), np.int32(j), args, x, tp, cache, metas, bufs, stop)
     cache[:] = out.caches
     runs_lib.restate(self.states, out.metas)
+    return out, straight
+
+  def run_read(self, out, straight: bool, rec: TokenRecord, mark):
+    """The host's read of a run call: counts its decisions into `rec`. -> (RunInfo, the
+    layer the host serves next or None)."""
+    cfg, kk = self.cfg, self.cfg.top_k
+    slots = next(iter(self.states.values())).slot_expert.shape[0]
     info = runs_lib.unpack_info(np.asarray(out.info), self.moe_layers, kk, cfg.num_experts,
                                 slots)
     mark("run_done", info.layer)
@@ -106,16 +130,7 @@ class LayerDecoder:
         rec.count_decision(l, ints[m, :kk], ints[m, kk:2 * kk], ints[m, 2 * kk:], gates[m])
     if self.trim_to is not None:
       self.slots.evicted.extend((l, info.evicted[l]) for l in info.moe_ran)
-    if info.kind == runs_lib.FINISHED:
-      return np.asarray(out.logits)
-    j, p = info.layer, params[f"layers_{info.layer}"]
-    if served is not None:
-      d = steps_lib.unpack_decision(info.packed[j], kk)
-      host_out = self.serve(j, d, out.h, out.moe_in, out.dec, rec, mark)
-      pm = PendingMoe(j, self.steps_of(j), p, out.h, out.moe_in, out.dec, host_out)
-    else:        # admissions due before layer j: inserted with its decision
-      pm = self.moe_layer(j, self.steps_of(j), p, out.x, out.tp, cache, rec, mark, None)
-    return pm, out.tp, out.x
+    return info, served
 
   def moe_call(self, pend: PendingMoe, mark, trace: bool):
     """Runs a pending moe call alone (no next MoE layer to fuse it with); -> x."""
@@ -180,10 +195,9 @@ class LayerDecoder:
       self.states[i], ev = self.steps_of(i).insert(self.states[i], *fused)
       self.slots.evicted.append((i, ev))
     pf_ids, pred, has_pred, pf_tickets = sp.take(i, rec)
-    nxt = sp.next_layer(i)
     predicting = sp.predicts(i)
     step = self.spec_step(i, pend.layer if pend is not None else None, predicting)
-    pa = (params[f"layers_{nxt}"], sp.vectors[i], sp.estimators.get(i)) if predicting else None
+    pa = sp.predict_args(i, params)
     prev_state = moe_args = None
     if pend is not None:       # the previous MoE layer's experts run inside this call
       mark("moe_done", pend.layer)

@@ -106,7 +106,17 @@ def load_predictors(kind: str, cfg: ModelConfig, model_dir: str | None = None,
       if kernel.shape[-1] != cfg.num_experts:
         raise PrefetchError(f"{d}: estimator {j} predicts {kernel.shape[-1]} experts, the "
                             f"model has {cfg.num_experts}; rerun launch.train_estimators")
+      rows = np.asarray(pairs[j]["params"]["w_in"]["kernel"]).shape[0]
+      dim, width = cfg.hidden_size, routing.router_width(cfg)
+      if rows not in (dim, dim + width):
+        raise PrefetchError(f"{d}: estimator {j} takes {rows} inputs, this model's q has "
+                            f"{dim} (and the previous token's router logits {width} more); rerun "
+                            f"launch.train_estimators")
       out["estimators"][j] = jax.tree_util.tree_map(jnp.asarray, pairs[j])
+  widths = {np.shape(e["params"]["w_in"]["kernel"]) for e in out["estimators"] if e is not None}
+  if len(widths) > 1:
+    raise PrefetchError(f"{d}: the estimators differ in shape ({sorted(widths)}); rerun "
+                        f"launch.train_estimators")
   return out
 
 
@@ -161,6 +171,18 @@ class Speculator:
   def remember(self, l: int, true_logits, true_ids: np.ndarray):
     """Layer l's true routing at this token: the `previous` source's next prediction."""
     self.last[l] = (true_logits, [int(e) for e in true_ids])
+
+  def predict_args(self, l: int, params) -> tuple | None:
+    """The prediction inputs of layer l's call (None where it predicts nothing): the next
+    MoE layer's parameters, layer l's default vectors, its estimator and the next layer's
+    true logits at the previous token with whether there was one (an estimator's
+    optional input, `estimators.model`)."""
+    if not self.predicts(l):
+      return None
+    n = self.next_layer(l)
+    last = self.last.get(n)
+    return (params[f"layers_{n}"], self.vectors[l], self.estimators.get(l),
+            last[0] if last is not None else self.no_pred, np.bool_(last is not None))
 
   def next_layer(self, l: int) -> int | None:
     j = self.moe_layers.index(l)
@@ -344,7 +366,7 @@ def warm(layers, cfg: ModelConfig, params, states, x, tp, new_kv, zero_x, zero_r
   outs, done, prev = {}, set(), None     # outs: a decision per layer kind (h, moe_in, dec)
   for i in sp.moe_layers:
     nxt, rep = sp.next_layer(i), steps_lib.representative(cfg, i)
-    pa = (params[f"layers_{nxt}"], sp.vectors[i], sp.estimators.get(i)) if sp.predicts(i) else None
+    pa = sp.predict_args(i, params)
     step = layers.spec_step(i, prev, sp.predicts(i))
     for rows in (rows_kinds if prev is not None else [None]):
       if (step, id(rows)) in done:

@@ -39,7 +39,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from estimators.model import LogitCorrection
+from estimators.model import estimate
 from moejax import routing
 from moejax.config import ModelConfig
 from moejax.model import DecoderLayer
@@ -84,13 +84,15 @@ def quasi_offset(exec_ids_K: jax.Array, weights_K: jax.Array, vectors_ExD: jax.A
   return jnp.einsum("k,kd->d", w, vectors_ExD[jnp.maximum(exec_ids_K, 0)].astype(jnp.float32))
 
 
-def predict_logits(mod_next: DecoderLayer, p_next, r_1xD, d_D, estimator, kind: str):
-  """Layer l+1's predicted router logits [1, E'] from r_l (and d_l unless `reuse`)."""
+def predict_logits(mod_next: DecoderLayer, p_next, r_1xD, d_D, estimator, kind: str,
+                   last=None):
+  """Layer l+1's predicted router logits [1, E'] from r_l (and d_l unless `reuse`);
+  `last` = (layer l+1's true logits [1, E'] at the previous token, whether there was
+  one), the input of an estimator that takes it (`estimators.model`)."""
   x = r_1xD if kind == "reuse" else r_1xD + d_D.astype(r_1xD.dtype)[None]
   q, logits = mod_next.apply({"params": p_next}, x, method="route_logits")
   if estimator is not None:
-    hidden = estimator["params"]["w_in"]["kernel"].shape[-1]
-    logits = LogitCorrection(logits.shape[-1], hidden).apply(estimator, q, logits)
+    logits = estimate(estimator, q, logits, *(last if last is not None else (None, None)))
   return logits.astype(jnp.float32)
 
 
@@ -198,14 +200,16 @@ def spec_fns(cfg: ModelConfig, dtype, layer_idx: int, decision, cache, mode: Mod
 
 
 def predict_fn(cfg: ModelConfig, dtype, next_idx: int, kind: str, with_estimator: bool):
-  """predict(p_next, h, dec, vectors_ExD, estimator) -> (pred logits [1, E'], ids [K]):
-  layer `next_idx`'s routing predicted at the MoE layer before it (un-jitted)."""
+  """predict(p_next, h, dec, vectors_ExD, estimator, last logits [1, E'], has last) ->
+  (pred logits [1, E'], ids [K]): layer `next_idx`'s routing predicted at the MoE layer
+  before it (un-jitted)."""
   mod = DecoderLayer(cfg, True, dtype, next_idx)
 
-  def predict(p_next, h, dec, vectors, estimator):
+  def predict(p_next, h, dec, vectors, estimator, last, has_last):
     r = h.reshape(1, -1)
     d = quasi_offset(dec.exec_ids[0], dec.weights[0], vectors)
-    logits = predict_logits(mod, p_next, r, d, estimator if with_estimator else None, kind)
+    logits = predict_logits(mod, p_next, r, d, estimator if with_estimator else None, kind,
+                            (last, has_last))
     return logits, routing.route(cfg, logits)[0][0]
 
   return predict
@@ -236,7 +240,8 @@ def decide_steps(cfg: ModelConfig, dtype, layer_idx: int, first: bool, prev: tup
       state'       the previous layer's ResidentState (None without moe_args)
       moe_args     = (p', h', moe_in', dec', host_out', pf_ids', rows') of the previous
                      layer, whose output is this layer's input (x None)
-      predict_args = (p_next, vectors_ExD, estimator)
+      predict_args = (p_next, vectors_ExD, estimator, last logits [1, E'], has last):
+                     the next layer's true logits at the previous token (`estimators.model`)
       -> (h, moe_in, kv, dec, packed [5K + E + K (+ K predicted ids)], true logits [1, E'],
           predicted logits [1, E'] | None, state' | None, evicted' | None)
 
@@ -257,8 +262,8 @@ def decide_steps(cfg: ModelConfig, dtype, layer_idx: int, first: bool, prev: tup
                                                           has_pred)
     pred_next = None
     if fn is not None:
-      p_next, vectors, est = predict_args
-      pred_next, ids = fn(p_next, h, dec, vectors, est)
+      p_next, vectors, est, last, has_last = predict_args
+      pred_next, ids = fn(p_next, h, dec, vectors, est, last, has_last)
       packed = jnp.concatenate([packed, ids.astype(jnp.float32)])
     return h, moe_in, kv, dec, packed, true, pred_next, prev_state, evicted
 
@@ -296,7 +301,7 @@ def speculate(cfg, mod, p, est, prev, logits_1xE, state, decision, prefetch: str
   if prefetch == "previous":
     pred, has = last[0], has & last[1]
   else:
-    pred = predict_logits(mod, p, r_prev, d_prev, est, prefetch)
+    pred = predict_logits(mod, p, r_prev, d_prev, est, prefetch, last)
     if use_last is not None:
       pred = jnp.where(use_last, last[0], pred)
       has = has & (~use_last | last[1])

@@ -5,14 +5,15 @@
 Trains one estimator per input variant and layer pair on the pairs `launch.train_estimators`
 recorded (its --data_dir; the newest recording is taken) and reports held-out recall@k:
 
-  q            the quasi-hidden state alone (what the engine's estimators use)
-  q+prev       plus the previous token's router probabilities at layer l+1
+  q            the quasi-hidden state alone (train_estimators --noprevious_input)
+  q+prev       plus the previous token's router probabilities at layer l+1 (what the
+               shipped estimators take: train_estimators' default)
   q+cur        plus layer l's own router probabilities (pairs after the first)
   q+prev+cur   both
 
 The estimator's first layer takes the concatenated inputs (`LogitCorrection` infers its
 input width); everything else is `estimators.train.train_pair`.  A research tool: the
-engine does not use the extra inputs (docs/prefetch.md).
+engine's estimators take q or q+prev (`estimators.model`), not layer l's probabilities.
 """
 
 from __future__ import annotations

@@ -11,7 +11,10 @@ Quality (the emulator, idealised link): perplexity of each mode against exact ex
 on held-out stdlib files and HumanEval problems (moejax.study.streams), and greedy
 agreement with exact decoding on HumanEval prompts.  Modes without speculative execution
 and without substitution (on-demand, prefetch with speculative=off) are exact by
-construction (tests/test_prefetch.py) and are not emulated.
+construction (tests/test_prefetch.py) and are not emulated, except those named in
+`--recall_modes`: they run through the emulator for their predictor's recall@k on the
+held-out streams under exact execution (their ΔPPL, 0 up to float rounding, is kept as a
+check).
 
 Modes: on-demand streaming (no cache, fetch each layer's experts when selected: the
 seed's baseline), streaming + each predictor with speculative execution, cache + quality
@@ -64,6 +67,9 @@ flags.DEFINE_integer("rounds", 3, "Interleaved rounds of the engine half (each r
                      "round, every round's tpot is kept (`tpot_ms_rounds`).")
 flags.DEFINE_bool("fuse_layers", True, "Engine: one call per MoE layer (False: the moe call "
                   "separate from the next layer's decision and prediction).")
+flags.DEFINE_list("recall_modes", ["stream_hybrid_exact"],
+                  "Exact modes still emulated, for their predictor's recall@k on the held-out "
+                  "streams (top-level `heldout_recall_at_k`).")
 flags.DEFINE_list("gen_modes", ["stream_hybrid_spec", "stream_hybrid_spec_true_router"],
                   "Modes whose greedy agreement is measured (each costs a compile).")
 
@@ -159,6 +165,15 @@ def _per_source(run: dict, base: dict, streams, src: str) -> float:
   return M.relative_increase(sub(run), sub(base), reps=200)[0]
 
 
+def _recall_of(run: dict, streams, src: str) -> float | None:
+  """recall@k of the prediction over the documents of source `src`."""
+  if "doc_recall_hits" not in run:   # a run saved before per-document recall was kept
+    return None
+  keep = np.asarray([s == src for s in streams.doc_source])
+  calls = float(run["doc_predicted"][keep].sum())
+  return float(run["doc_recall_hits"][keep].sum()) / calls if calls else None
+
+
 def quality(cfg, params, store, preds: dict, names: list[str], tok, save=None) -> dict:
   """ΔPPL against exact (fetch_all) per mode through the emulator, and greedy agreement."""
   docs = S.documents(tok)
@@ -177,7 +192,8 @@ def quality(cfg, params, store, preds: dict, names: list[str], tok, save=None) -
     gen = {"prompts": len(prompts), "tokens": FLAGS.gen_tokens}
   for name in names:
     mode = MODES[name]
-    if not mode.get("speculative") and mode["policy"] == "fetch_all":
+    exact = not mode.get("speculative") and mode["policy"] == "fetch_all"
+    if exact and name not in FLAGS.recall_modes:
       res["modes"][name] = {"ppl_increase_pct": 0.0, "exact": True}
       continue
     kw = _engine_kw(mode, preds)
@@ -189,6 +205,9 @@ def quality(cfg, params, store, preds: dict, names: list[str], tok, save=None) -
                         if tot["predicted_calls"] else None)
     m["ppl_increase_stdlib_pct"] = _per_source(run, base, st, "stdlib")
     m["ppl_increase_humaneval_pct"] = _per_source(run, base, st, "humaneval")
+    for src in ("stdlib", "humaneval"):
+      m[f"recall_at_k_{src}"] = _recall_of(run, st, src)
+    m["exact"] = exact
     if gen["prompts"] and name in FLAGS.gen_modes:
       g = greedy(cfg, params, store, mode, preds, prompts, runner.stacked,
                  os.path.join(out_dir, "runs", f"gen_{name}_{len(prompts)}x{FLAGS.gen_tokens}.npy"))
@@ -298,6 +317,14 @@ def summarize(res: dict):
   if "cache_quality" in m and "cache_quality_hybrid" in m:
     res["cache_prefetch_tpot_reduction_pct"] = 100 * (
         1 - m["cache_quality_hybrid"]["tpot_ms"] / m["cache_quality"]["tpot_ms"])
+  # the predictor's recall on the held-out streams, executed exactly (the emulator)
+  q = res.get("quality", {}).get("modes", {})
+  for n in FLAGS.recall_modes:
+    if q.get(n, {}).get("recall_at_k") is not None:
+      res["heldout_recall_at_k"] = {k: q[n][k] for k in (
+          "recall_at_k", "recall_at_k_stdlib", "recall_at_k_humaneval", "ppl_increase_pct")}
+      res["heldout_recall_at_k"]["mode"] = n
+      break
   for n in ("stream_hybrid_exact", "stream_hybrid_spec"):
     if n in m and m[n]["recall_at_k_per_layer"]:
       res["recall_at_k"] = m[n]["recall_at_k_per_layer"]
@@ -319,7 +346,7 @@ def format_table(res: dict) -> str:
                  f"{f(q.get(n, {}).get('greedy_token_agreement'), '.3f'):>8}")
   for k in ("best_speculative_mode", "tpot_reduction_pct", "ppl_increase_pct",
             "best_mode_within_1pct_ppl", "tpot_reduction_within_1pct_ppl_pct",
-            "cache_prefetch_tpot_reduction_pct"):
+            "cache_prefetch_tpot_reduction_pct", "heldout_recall_at_k"):
     if k in res:
       lines.append(f"{k}: {res[k]}")
   return "\n".join(lines)

@@ -54,3 +54,38 @@ def test_summary_takes_the_fastest_mode_within_one_percent():
   assert res["best_mode_within_1pct_ppl"] == "stream_hybrid_spec_true_router"
   assert res["tpot_reduction_within_1pct_ppl_pct"] == pytest.approx(25.0)
   assert res["tpot_reduction_within_1pct_ppl_pct_rounds"] == pytest.approx([25.0])
+
+
+def test_heldout_recall_per_source_hand_checked():
+  """Per-document recall sums (summarize_run) and their per-source recall: two streams,
+  stream 0 a stdlib document, stream 1 a HumanEval one, 2 decoded tokens each."""
+  import numpy as np
+  from moejax import emulator as E
+  from moejax.study import metrics as M
+  from moejax.study.streams import Streams
+  t = 3
+  st = Streams(tokens=np.zeros((2, t), np.int32), targets=np.zeros((2, t), np.int32),
+               scored=np.ones((2, t), bool), real=np.ones((2, t), bool),
+               doc=np.array([[0, 0, 0], [1, 1, 1]], np.int32),
+               offset=np.tile(np.arange(t, dtype=np.int32), (2, 1)),
+               pos=np.arange(t, dtype=np.int32), doc_source=["stdlib", "humaneval"],
+               doc_name=["a.py", "HumanEval/0"])
+  stats = np.zeros((2, t - 1, len(E.STATS)), np.float32)
+  hits, calls = E.STATS.index("recall_hits"), E.STATS.index("predicted_calls")
+  stats[0, :, calls] = 8.0                  # stdlib: 7 + 5 of 16 predicted experts right
+  stats[0, :, hits] = [7.0, 5.0]
+  stats[1, :, calls] = [8.0, 0.0]           # humaneval: 2 of 8, the second token predicted nothing
+  stats[1, :, hits] = [2.0, 0.0]
+  run = M.summarize_run({"nll": np.zeros((2, t)), "stats": stats}, st, 1)
+  assert run["doc_recall_hits"].tolist() == [12.0, 2.0]
+  assert run["doc_predicted"].tolist() == [16.0, 8.0]
+  assert B._recall_of(run, st, "stdlib") == 12 / 16
+  assert B._recall_of(run, st, "humaneval") == 2 / 8
+  assert B._recall_of({"doc_nll": 0}, st, "stdlib") is None     # an older saved run
+  res = {"modes": {}, "quality": {"modes": {"stream_hybrid_exact": {
+      "recall_at_k": 14 / 24, "recall_at_k_stdlib": 0.75, "recall_at_k_humaneval": 0.25,
+      "ppl_increase_pct": 0.0}}}}
+  B.summarize(res)
+  assert res["heldout_recall_at_k"] == {"recall_at_k": 14 / 24, "recall_at_k_stdlib": 0.75,
+                                        "recall_at_k_humaneval": 0.25, "ppl_increase_pct": 0.0,
+                                        "mode": "stream_hybrid_exact"}

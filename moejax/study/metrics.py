@@ -21,14 +21,16 @@ def summarize_run(out: dict, streams, num_moe_layers: int) -> dict:
   real = streams.real[:, 1:]
   st = out["stats"] * real[..., None]
   dd = np.where(real, streams.doc[:, 1:], nd)
-  doc_mass = np.bincount(dd.ravel(), st[..., STATS.index("substituted_mass")].ravel(),
-                         minlength=nd + 1)[:nd]
+  doc_sum = lambda name: np.bincount(dd.ravel(), st[..., STATS.index(name)].ravel(),
+                                     minlength=nd + 1)[:nd]
+  doc_mass = doc_sum("substituted_mass")
   doc_tok = np.bincount(dd.ravel(), minlength=nd + 1)[:nd].astype(np.float64)
   bins = np.digitize(streams.offset, OFFSET_BINS) - 1
   b = np.where(sc, bins, len(OFFSET_BINS) - 1)
   off_nll = np.bincount(b.ravel(), nll.ravel(), minlength=len(OFFSET_BINS))[:-1]
   off_n = np.bincount(b.ravel(), minlength=len(OFFSET_BINS))[:-1].astype(np.float64)
   return dict(doc_nll=doc_nll, doc_n=doc_n, doc_mass=doc_mass, doc_tok=doc_tok,
+              doc_recall_hits=doc_sum("recall_hits"), doc_predicted=doc_sum("predicted_calls"),
               totals=st.reshape(-1, st.shape[-1]).sum(0), tokens=float(real.sum()),
               off_nll=off_nll, off_n=off_n, moe_layers=float(num_moe_layers))
 

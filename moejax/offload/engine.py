@@ -64,10 +64,10 @@ from moejax.offload import link as link_lib
 from moejax.offload import policy as policy_lib
 from moejax.offload import prefetch as prefetch_lib
 from moejax.offload import prefetch_steps as pf_steps
+from moejax.offload import prompt
 from moejax.offload import resident as resident_lib
 from moejax.offload import runs as runs_lib
 from moejax.offload import steps as steps_lib
-from moejax.offload import tickets as tickets_lib
 from moejax.offload import token_decode
 from moejax.offload import transfer as transfer_lib
 from moejax.offload.stats import TokenRecord, format_stats, summarize  # noqa: F401 (re-export)
@@ -298,9 +298,7 @@ class OffloadEngine:
     """Runs the prompt (exact for every policy); returns the last position's logits [V].
 
     Per MoE layer the union of the prompt's selected experts is made available
-    (missing ones fetched in one batch); then the fetched experts the prompt used
-    most are inserted (never evicting an expert the prompt hit), and a layer with
-    staging slots is trimmed back to the budget.
+    (`prompt.moe_layer`).
     """
     t0 = time.perf_counter()
     rec = TokenRecord(tokens=len(prompt_ids))
@@ -318,50 +316,15 @@ class OffloadEngine:
     pos = self._put(np.arange(tb, dtype=np.int32)[None])
     end = self._put(np.int32(0))
     x = self._model.embed(self.params, self._put(toks))
-    num_e = self.cfg.num_experts
     for i, st in enumerate(self._steps):
       p = self.params[f"layers_{i}"]
       if not self.cfg.sparse_layers[i]:
         x, self.cache[i] = st.dense(p, x, pos, self.cache[i], end)
         continue
       h, moe_in, self.cache[i], ids, gates = st.prefill_attend(p, x, pos, self.cache[i], end)
-      ids_np = np.asarray(ids)
-      valid = ids_np[:t]
-      counts = np.bincount(valid.reshape(-1), minlength=num_e).astype(np.float32)
-      used = np.flatnonzero(counts)
-      exp_slot = np.asarray(self.states[i].expert_slot)
-      missing = sorted((int(e) for e in used if exp_slot[e] < 0), key=lambda e: (-counts[e], e))
-      fb = bucket(max(1, len(missing)), minimum=self.cfg.top_k)
-      extra = self._zero_rows
-      if missing:
-        tickets, _ = self.prefetcher.fetch(i, missing, pad_to=fb)
-        tw = time.perf_counter()
-        extra = tickets_lib.wait_stacked(tickets, fb, timeout=self.transfer_timeout_s)
-        rec.wait_s += time.perf_counter() - tw
-        rec.fetch_bytes += sum(tk.nbytes for tk in tickets)
-      rec.fetches += len(missing)
-      rec.layer(i).fetched = missing
-      hits = int(np.sum(exp_slot[valid.reshape(-1)] >= 0))
-      rec.expert_calls += valid.size
-      rec.hits += hits
-      rec.misses += valid.size - hits
-      idx_map = exp_slot.copy()
-      for j, e in enumerate(missing):
-        idx_map[e] = self.budget.physical + 1 + j          # after the slots and scratch row
-      pad_ids = np.where(np.arange(tb)[:, None] < t, ids_np, ids_np[:1])   # padding: token 0's
-      x = st.prefill_moe(p, h, moe_in, self._put(idx_map[pad_ids].astype(np.int32)), gates,
-                         self.states[i].buffers, extra)
-      in_use = np.zeros(num_e, bool)
-      in_use[used] = exp_slot[used] >= 0               # never evict an expert the prompt hit
-      if missing:
-        self._slots.evicted.extend((i, e) for e in self._slots.insert(i, missing, extra,
-                                                                       in_use))
-      self.states[i] = steps_lib.prefill_usage(self.states[i], self._put(counts),
-                                               float(self.policy.lfu_decay) ** t)
-      if self._trim_to is not None:
-        self.states[i], ev = resident_lib.trim_jit(self.states[i], self._trim_to,
-                                                   self.policy.cache)
-        self._slots.evicted.append((i, ev))
+      x = prompt.moe_layer(i, st, p, h, moe_in, ids, gates, t, slots=self._slots,
+                           prefetcher=self.prefetcher, physical=self.budget.physical,
+                           policy=self.policy, trim_to=self._trim_to, put=self._put, rec=rec)
     out = np.asarray(self._model.head(self.params, x[:, t - 1])[0])
     self.end_index = t
     self.prefill_record = self._finish(rec, t0)

@@ -13,7 +13,10 @@ Then, per model (bench shape f32, demo f32, demo bf16):
     --threads threads, logits at the last prompt position as moejax's prefill),
     the moejax Sampler, the OffloadEngine with every expert resident
     (cache_fraction 1.0, policy baseline; its default: layers that need no host work in
-    one call, `runs`; `engine_layers`: one call per MoE layer, run_layers=False;
+    one call, `runs`, decoded as the Sampler is: greedy tokens stay on the device,
+    `decode_step(tok, lazy=True)`, records read behind the device; `engine_sync`: the
+    same engine fed host ints and returning numpy logits, on synchronous dispatch, as
+    before lazy steps; `engine_layers`: one call per MoE layer, run_layers=False;
     `engine_unfused`: two calls per MoE layer, fuse_layers=False as well;
     `engine_conds`: the layer run with its per-layer conds, straight_run=False), and
     transformers (torch, --threads threads).
@@ -48,7 +51,8 @@ flags.DEFINE_string("out", "bench_peers.json", "JSON results file.")
 flags.DEFINE_list("models", ["bench_f32", "demo_f32", "demo_bf16"],
                   f"Models: {', '.join(bench_models.NAMES)}.")
 flags.DEFINE_list("engines", ["llama.cpp", "sampler", "engine", "transformers"],
-                  "Engines to time (also: engine_layers, the OffloadEngine with "
+                  "Engines to time (also: engine_sync, host tokens and numpy logits on "
+                  "synchronous dispatch; engine_layers, the OffloadEngine with "
                   "run_layers=False; engine_unfused, with fuse_layers=False too; "
                   "engine_conds, the all-resident run with conds, straight_run=False).")
 flags.DEFINE_string("demo_dir", bench_models.DEMO_DIR, "The demo checkpoint.")
@@ -102,8 +106,13 @@ class SamplerRunner:
 
 
 class EngineRunner:
+  """`lazy`: tokens on the device and lazy steps (async dispatch, as the Sampler runs);
+  else host tokens, numpy logits, synchronous dispatch (the engine syncs every layer
+  that needs the host, and then runs dispatch best on the calling thread)."""
+
   def __init__(self, cfg, params, store, dtype, max_len, run_layers=True, fuse_layers=True,
-               straight_run=True):
+               straight_run=True, lazy=False):
+    self.lazy = lazy
     self.eng = OffloadEngine(cfg, params, store, "baseline", cache_fraction=1.0,
                              max_len=max_len, dtype=dtype, fuse_layers=fuse_layers,
                              run_layers=run_layers, straight_run=straight_run)
@@ -111,6 +120,16 @@ class EngineRunner:
       self.eng.warmup()
 
   def decode(self, prompt: np.ndarray) -> float:
+    if self.lazy:
+      tok = jnp.argmax(self.eng.prefill([int(t) for t in prompt])).astype(jnp.int32)
+      def run_lazy():
+        nonlocal tok
+        for _ in range(FLAGS.decode_tokens):
+          tok = jnp.argmax(self.eng.decode_step(tok, lazy=True)).astype(jnp.int32)
+        tok.block_until_ready()
+      rate = _rate(FLAGS.decode_tokens, run_lazy)
+      assert len(self.eng.records) >= FLAGS.decode_tokens     # every record read
+      return rate
     with _sync_dispatch():
       tok = int(np.argmax(self.eng.prefill([int(t) for t in prompt])))
       def run():
@@ -210,7 +229,9 @@ def bench_model(name: str, bins, work: str) -> dict:
   if "sampler" in FLAGS.engines or "llama.cpp" in runners:
     runners["sampler"] = SamplerRunner(cfg, params, store.to_device(), dtype, max_len)
   if "engine" in FLAGS.engines:
-    runners["engine"] = EngineRunner(cfg, params, store, dtype, max_len)
+    runners["engine"] = EngineRunner(cfg, params, store, dtype, max_len, lazy=True)
+  if "engine_sync" in FLAGS.engines:     # host tokens and numpy logits (before lazy steps)
+    runners["engine_sync"] = EngineRunner(cfg, params, store, dtype, max_len)
   if "engine_layers" in FLAGS.engines:    # one call per MoE layer (before layer runs)
     runners["engine_layers"] = EngineRunner(cfg, params, store, dtype, max_len, False)
   if "engine_conds" in FLAGS.engines:   # the layer run with its conds (before straight runs)

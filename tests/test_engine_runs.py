@@ -2,6 +2,8 @@
 outputs, records and resident sets as one call per layer step, for every preset, with
 staging slots, the host policy, a link, two layer kinds and a dense first layer."""
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -98,3 +100,41 @@ def test_unpack_info_hand_checked():
   np.testing.assert_array_equal(got.packed[3], np.arange(7) + 10)
   np.testing.assert_array_equal(got.evicted[1], [5, -1])
   assert 3 not in got.evicted
+
+
+@pytest.mark.parametrize("family,over,frac", [("qwen3_moe", {}, 1.0),
+                                              ("glm4_moe", dict(num_hidden_layers=3), 1.0),
+                                              ("qwen3_moe", {}, 0.25)])   # not deferrable
+def test_lazy_steps_equal_plain_steps(family, over, frac, tmp_path_factory):
+  """decode_step(tok, lazy=True) with the token on the device: the same logits, greedy
+  tokens, records and resident sets as plain steps; at most 32 records unread."""
+  cfg, params, store = _model(family, over, tmp_path_factory)
+  n = 40
+  outs = {}
+  for lazy in (False, True):
+    with OffloadEngine(cfg, params, store, "baseline", cache_fraction=frac, max_len=64) as eng:
+      eng.warmup()
+      logits = eng.prefill(PROMPT)
+      got, unread = [], []
+      for _ in range(n):
+        if lazy:
+          logits = eng.decode_step(jnp.argmax(logits).astype(jnp.int32), lazy=True)
+          assert isinstance(logits, jax.Array)
+        else:
+          logits = eng.decode_step(int(np.argmax(logits)))
+        got.append(logits)
+        unread.append(eng.deferred_steps)
+      outs[lazy] = (np.stack([np.asarray(g) for g in got]), eng.records, eng.resident_sets(),
+                    unread, eng.deferred_steps)
+  np.testing.assert_array_equal(outs[True][0], outs[False][0])
+  assert len(outs[True][1]) == len(outs[False][1]) == n
+  for a, b in zip(outs[True][1], outs[False][1]):
+    assert {k: a[k] for k in COUNT_KEYS} == {k: b[k] for k in COUNT_KEYS}
+    assert _layers(a) == _layers(b)
+    assert a.wall_s > 0
+  assert outs[True][2] == outs[False][2]
+  assert outs[True][4] == 0                       # reading `records` read them all
+  if frac == 1.0:
+    assert max(outs[True][3]) == 32 and outs[True][3][:3] == [1, 2, 3]
+  else:
+    assert max(outs[True][3]) == 0

@@ -8,8 +8,13 @@ Public surface (benchmarks and tests use only this):
   eng.warmup()                  compiles every decode-path step on throwaway state
   eng.prefill(prompt_ids)       -> next-token logits [V]; exact for every policy
   eng.decode_step(token)        -> next-token logits [V]; appends a stats.TokenRecord
+  eng.decode_step(tok, lazy=True)   the same, logits left on the device; with every
+                                expert resident the token may be a device scalar and
+                                the step does not wait for the device (records are
+                                read when `records` or `stats` is next read)
   eng.generate(prompt, sp)      prefill + sampling, batch 1
   eng.stats(skip=0)             summary of the decode records (`stats.summarize`)
+  eng.deferred_steps            lazy steps whose records are not read yet (<= 32)
   eng.records, eng.prefill_record   per-token `stats.TokenRecord`s (counts, times,
                                 per-layer actions, substitutes, admissions, evictions)
   eng.resident_sets()           {layer: resident experts}, every requested admission
@@ -178,7 +183,7 @@ class OffloadEngine:
                                              self._fused, run_min_layers)
     self.cache = None
     self.end_index = 0
-    self.records: list[TokenRecord] = []
+    self._records: list[TokenRecord] = []
     self.prefill_record: TokenRecord | None = None
     self.trace = False
     self.traces: list[list[tuple[str, int, float]]] = []
@@ -231,9 +236,24 @@ class OffloadEngine:
       self._slots.admit(l, carry=True)
     return {l: s.resident_experts() for l, s in self.states.items()}
 
-  def _finish(self, rec: TokenRecord, t0: float) -> TokenRecord:
+  @property
+  def records(self) -> list[TokenRecord]:
+    """The decode steps' records, in order (deferred steps' are read first)."""
+    self._read_deferred()
+    return self._records
+
+  @property
+  def deferred_steps(self) -> int:
+    """Decode steps (lazy=True) whose records are not read yet (at most 32 between reads)."""
+    return len(self._tokens.unread)
+
+  def _read_deferred(self, keep: int = 0):
+    self._tokens.read_deferred(lambda rec, wall: self._records.append(
+        self._finish(rec, 0.0, wall)), keep)
+
+  def _finish(self, rec: TokenRecord, t0: float, wall: float | None = None) -> TokenRecord:
     self._slots.attribute_evictions(rec)
-    rec.finish(time.perf_counter() - t0)
+    rec.finish(time.perf_counter() - t0 if wall is None else wall)
     return rec
 
   # -------------------------------------------------------------- warm-up
@@ -249,37 +269,17 @@ class OffloadEngine:
       for n in range(1, cfg.top_k + 1):
         jax.block_until_ready(copies.stacked_device_put([zero] * n, self.prefetcher.sharding,
                                                         self._slots.rows(n)))
-    done = set()
-    for i, st in enumerate(self._steps):
-      if steps_lib.layer_kind(cfg, i) in done:
-        continue
-      done.add(steps_lib.layer_kind(cfg, i))
-      kv = functools.partial(lambda i: self._put(init_cache(cfg, 1, self.max_len,
-                                                            self.dtype)[i]), i)
-      insert_s = steps_lib.warm_layer(
-          st, self.params[f"layers_{i}"], x, tp, kv, self.states.get(i), self._zero_x,
-          self._zero_rows, self._slots.row_buckets, self._host_rows)
-      self._slots.insert_s = min(self._slots.insert_s, insert_s)
-    done = set()
-    for i, fs in self._fused.items():
-      if fs is None:
-        continue
-      key = (steps_lib.representative(cfg, i), steps_lib.representative(cfg, i + 1))
-      if key in done:
-        continue
-      done.add(key)
-      kv = lambda j: (lambda: self._put(init_cache(cfg, 1, self.max_len, self.dtype)[j]))
-      steps_lib.warm_fused(fs, self._steps[i], self.params[f"layers_{i}"],
-                           self.params[f"layers_{i + 1}"], x, tp, kv(i), kv(i + 1),
-                           self.states[i], self.states[i + 1], self._zero_x, self._zero_rows,
-                           self._slots.row_buckets, self._host_rows)
+    new_kv = lambda l: self._put(init_cache(cfg, 1, self.max_len, self.dtype)[l])
+    insert_s = steps_lib.warm_all(cfg, self._steps, self._fused, self.params, x, tp, new_kv,
+                                  self.states, self._zero_x, self._zero_rows,
+                                  self._slots.row_buckets, self._host_rows)
+    self._slots.insert_s = min(self._slots.insert_s, insert_s)
     # the layer run, on throwaway copies (all resident: only the straight one is called)
     run = self._straight if self._straight is not None else self._run
     if run is not None:
       runs_lib.warm(run, self.params, self._placeholder(), self.states,
                     self._put(init_cache(cfg, 1, self.max_len, self.dtype)))
     if self._spec is not None:
-      new_kv = lambda l: self._put(init_cache(cfg, 1, self.max_len, self.dtype)[l])
       prefetch_lib.warm(self._layers, cfg, self.params, self.states, x, tp, new_kv,
                         self._zero_x, self._zero_rows, self._host_rows)
 
@@ -300,6 +300,7 @@ class OffloadEngine:
     Per MoE layer the union of the prompt's selected experts is made available
     (`prompt.moe_layer`).
     """
+    self._read_deferred()
     t0 = time.perf_counter()
     rec = TokenRecord(tokens=len(prompt_ids))
     t = len(prompt_ids)
@@ -331,8 +332,16 @@ class OffloadEngine:
     return out
 
   # -------------------------------------------------------------- decode
-  def decode_step(self, token: int) -> np.ndarray:
+  def decode_step(self, token, lazy: bool = False):
     """Feeds one token at position `end_index`; returns the next-token logits [V].
+
+    `lazy=True` returns them as a device array.  When the step is one straight run
+    (every expert resident, no trace, no speculative prefetch) it is deferred
+    (`token_decode`): `token` may be a device int32 scalar (e.g. an argmax of the last
+    logits), the call returns without waiting for the device, and its record is read
+    later (after 32 unread steps, oldest first, or when `records`/`stats` is read); its
+    wall time is then the interval to the next step's dispatch.  Logits, records and
+    resident states equal a plain step's.
 
     With `trace` on, the step's timeline goes to `traces`: (event, layer,
     perf_counter) marks "attend", "decided", "fetch", "arrived", "moe",
@@ -347,15 +356,22 @@ class OffloadEngine:
       raise ValueError(f"max_len={self.max_len} reached")
     t0 = time.perf_counter()
     rec = TokenRecord()
+    if lazy and self._spec is None and not self.trace and self._tokens.can_defer():
+      out = self._tokens.decode_deferred(self.params, token, self.end_index, self.cache,
+                                         self._placeholder(), rec, t0)
+      self.end_index += 1
+      self._read_deferred(keep=32)         # the oldest, done long ago: memory stays flat
+      return out
+    self._read_deferred()
     tr = [("start", -1, t0)] if self.trace else None
     mark = ((lambda ev, l: tr.append((ev, l, time.perf_counter()))) if tr is not None
             else (lambda ev, l: None))
-    tp_np = np.asarray([token, self.end_index], np.int32)
+    tp_np = np.asarray([int(token), self.end_index], np.int32)
     if self._spec is None:
       out = self._tokens.decode(self.params, tp_np, self.cache,
                                 self._placeholder() if self._run is not None else None, rec,
                                 mark, self.trace)
-      return self._end_step(out, rec, t0, tr)
+      return self._end_step(out, rec, t0, tr, lazy)
     x, tp = self._model.embed_decode(self.params, tp_np)      # speculative prefetch on
     pend = None      # a MoE layer's moe call, run inside the next MoE layer's call
     for i, st in enumerate(self._steps):
@@ -370,15 +386,15 @@ class OffloadEngine:
       x = self._layers.spec_moe_call(pend, mark, self.trace)
     mark("head", -1)
     out = np.asarray(self._model.head_decode(self.params, x))
-    return self._end_step(out, rec, t0, tr)
+    return self._end_step(out, rec, t0, tr, lazy)
 
-  def _end_step(self, out: np.ndarray, rec: TokenRecord, t0: float, tr) -> np.ndarray:
+  def _end_step(self, out: np.ndarray, rec: TokenRecord, t0: float, tr, lazy: bool):
     self.end_index += 1
-    self.records.append(self._finish(rec, t0))
+    self._records.append(self._finish(rec, t0))
     if tr is not None:
       tr.append(("end", -1, t0 + rec.wall_s))
       self.traces.append(tr)
-    return out
+    return jnp.asarray(out) if lazy else out
 
   def generate(self, prompt_ids, sp: SamplingParams, seed: int = 0, on_token=None) -> list[int]:
     """Prefill + up to sp.max_new_tokens sampled tokens (batch 1)."""

@@ -110,12 +110,13 @@ class LayerDecoder:
     return out, straight
 
   def run_read(self, out, straight: bool, rec: TokenRecord, mark):
-    """The host's read of a run call: counts its decisions into `rec`. -> (RunInfo, the
-    layer the host serves next or None)."""
+    """The host's read of a run call (its `info`, a device array or already read):
+    counts its decisions into `rec`. -> (RunInfo, the layer the host serves next or
+    None)."""
     cfg, kk = self.cfg, self.cfg.top_k
     slots = next(iter(self.states.values())).slot_expert.shape[0]
-    info = runs_lib.unpack_info(np.asarray(out.info), self.moe_layers, kk, cfg.num_experts,
-                                slots)
+    info = runs_lib.unpack_info(np.asarray(getattr(out, "info", out)), self.moe_layers, kk,
+                                cfg.num_experts, slots)
     mark("run_done", info.layer)
     if straight and info.kind != runs_lib.FINISHED:
       raise RuntimeError(f"moejax internal error: MoE layer {info.layer} needed the host in an "

@@ -9,10 +9,21 @@ has a fixed cost of several per-layer calls on a CPU backend (its conds pass eve
 layer's state through), so a run is taken only when it is expected to cover at
 least `min_run` MoE layers or to finish the token: the expected stop is the first
 MoE layer with admissions due, or that needed the host at the previous token.
+
+Deferred steps (`decode_deferred`): in an engine whose every expert is resident the
+token is one straight run call that never needs the host, so nothing the host does
+depends on its result.  Such a step takes its token as a device array, returns the
+logits on the device without waiting, and leaves the call's decision record unread
+(`unread`); `read_deferred` builds the records later, oldest first, while the device
+works on later tokens.  Records, resident states and logits equal a plain step's.
 """
 
 from __future__ import annotations
 
+import collections
+import time
+
+import jax.numpy as jnp
 import numpy as np
 
 from moejax.offload.policy import HOST
@@ -27,6 +38,7 @@ class TokenDecoder:
     self.fused, self.min_run = fused, min_run
     self.moe_layers = tuple(cfg.moe_layers)
     self.host_prev = {l: False for l in self.moe_layers}   # needed the host last token
+    self.unread = collections.deque()   # deferred steps: (run info on the device, rec, t0)
 
   def _take_run(self, start: int) -> bool:
     """A run from layer `start`: its expected stop is far enough, or the token's end."""
@@ -80,3 +92,33 @@ class TokenDecoder:
                                                   or HOST in r.actions))
     return out
 
+
+  def can_defer(self) -> bool:
+    """Whether the next token is one straight run (every expert resident, nothing queued)."""
+    pending = self.layers.slots.adm.pending
+    return self.layers.straight is not None and not any(pending[l] for l in self.moe_layers)
+
+  def decode_deferred(self, params, token, end_index: int, cache: list, no_pend,
+                      rec: TokenRecord, t0: float):
+    """One straight run for `token` (an int or a device int32 scalar) at `end_index`;
+    -> the logits [V] on the device, not waited for.  Its record is read later."""
+    x0, zero_pend = no_pend
+    tp = jnp.concatenate([jnp.asarray(token, jnp.int32).reshape(1),
+                          np.asarray([end_index], np.int32)])
+    out, straight = self.layers.run_call(params, 0, None, x0, tp, cache, zero_pend,
+                                         lambda ev, l: None)
+    if not straight:
+      raise RuntimeError("moejax internal error: a deferred step needs the straight run")
+    self.unread.append((out.info, rec, t0))
+    return out.logits
+
+  def read_deferred(self, finish, keep: int = 0):
+    """Reads deferred steps' records, oldest first, until `keep` remain unread;
+    `finish(rec, wall_s)` completes each.  A record's wall time is the time from its
+    dispatch to the next step's dispatch (the device works asynchronously), or, for
+    the newest, to the moment its result was read."""
+    while len(self.unread) > keep:
+      info, rec, t0 = self.unread.popleft()
+      self.layers.run_read(np.asarray(info), True, rec, lambda ev, l: None)
+      t_end = self.unread[0][2] if self.unread else time.perf_counter()
+      finish(rec, t_end - t0)

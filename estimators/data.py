@@ -21,13 +21,18 @@ from moejax import data as corpus_data
 from moejax.tokenizer import Tokenizer
 
 
-def train_stream(model_dir: str, tokens_file: str = "") -> np.ndarray:
+def train_stream(model_dir: str, tokens_file: str = "",
+                 domains: tuple[str, ...] = corpus.DOMAINS) -> np.ndarray:
   """The training token stream: `tokens_file` (an encoded .npy, e.g. launch.train_demo's
-  <data_dir>/train_tokens.npy), else the corpus' train split of every domain encoded."""
+  <data_dir>/train_tokens.npy: every domain), else the corpus' train split of `domains`
+  encoded."""
   if tokens_file:
+    if tuple(domains) != corpus.DOMAINS:
+      raise ValueError(f"--tokens_file holds every corpus domain; it cannot be restricted "
+                       f"to {','.join(domains)} (drop --tokens_file)")
     return np.load(tokens_file, mmap_mode="r")
   tok = Tokenizer(model_dir)
-  parts, _ = corpus.build()
+  parts, _ = corpus.build(domains=tuple(domains))
   return np.concatenate([corpus_data.encode_stream(tok._tok, tr) for tr, _ in parts.values()])
 
 

@@ -38,6 +38,8 @@ flags.DEFINE_integer("rows", 524288, "Training rows per pair (0: all recorded)."
 flags.DEFINE_integer("hidden", 256, "Estimator hidden width.")
 flags.DEFINE_integer("epochs", 6, "Maximum epochs.")
 flags.DEFINE_integer("seq", 256, "Window length of the recording (train_estimators.SEQ).")
+flags.DEFINE_float("topk_weight", 0.0, "Top-k cross-entropy weight beside the KL loss.")
+flags.DEFINE_list("variants", ["q", "q+prev", "q+cur", "q+prev+cur"], "Input variants to train.")
 flags.DEFINE_string("out", "estimator_inputs.json", "JSON results file.")
 
 VARIANTS = {"q": ("q",), "q+prev": ("q", "prev"), "q+cur": ("q", "cur"),
@@ -57,19 +59,20 @@ def inputs(split: dict, before: dict | None, seq: int) -> dict:
 
 
 def compare(cfg, train: dict, held: dict, train_before, held_before, ec: EstimatorConfig,
-            seq: int, work_dir: str) -> dict:
+            seq: int, work_dir: str, variants=tuple(VARIANTS)) -> dict:
   """{variant: held-out metrics of its best epoch, plus "quasi" (no estimator)}."""
   ftr, fhe = inputs(train, train_before, seq), inputs(held, held_before, seq)
   res = {}
   for name, keys in VARIANTS.items():
-    if any(k not in ftr for k in keys):
+    if name not in variants or any(k not in ftr for k in keys):
       continue
     tr = dict(train, q=np.concatenate([ftr[k] for k in keys], 1))
     he = dict(held, q=np.concatenate([fhe[k] for k in keys], 1))
     _, hist = train_pair(cfg, tr, he, ec, os.path.join(work_dir, name))
-    best = min(hist, key=lambda h: h["kl"])
+    best = min(hist, key=lambda h: h["loss"])
     res[name] = {k: float(best[k]) for k in ("recall_at_k", "exact_match", "mass_covered")}
     res[name]["epoch"] = int(best["epoch"])
+    res[name]["recall_by_epoch"] = [round(float(h["recall_at_k"]), 4) for h in hist]
     res.setdefault("quasi", {k: float(hist[0][k]) for k in ("recall_at_k", "exact_match",
                                                              "mass_covered")})
   return res
@@ -83,19 +86,21 @@ def main(_):
                      f"python -m launch.train_estimators --model_dir={FLAGS.model_dir} first")
   root = os.path.dirname(runs[-1])
   cut = (lambda d: {k: v[:FLAGS.rows] for k, v in d.items()}) if FLAGS.rows else (lambda d: d)
-  ec = EstimatorConfig(hidden=FLAGS.hidden, epochs=FLAGS.epochs)
+  ec = EstimatorConfig(hidden=FLAGS.hidden, epochs=FLAGS.epochs, topk_weight=FLAGS.topk_weight)
   out = {"data": root, "rows": FLAGS.rows, "hidden": FLAGS.hidden, "epochs": FLAGS.epochs,
+         "topk_weight": FLAGS.topk_weight,
          "pairs": {}}
   for j in (int(p) for p in FLAGS.pairs):
     load = lambda split, i: cut(est_data.load(os.path.join(root, split), pair=i))
     before = (lambda split: load(split, j - 1)) if j > 0 else (lambda split: None)
     with tempfile.TemporaryDirectory() as work:
       res = compare(cfg, load("train", j), load("held", j), before("train"), before("held"),
-                    ec, FLAGS.seq, work)
+                    ec, FLAGS.seq, work, tuple(FLAGS.variants))
     out["pairs"][j] = res
     for name, r in res.items():
       print(f"pair {j} -> {j + 1}  {name:<12} recall@k {r['recall_at_k']:.3f}  "
-            f"exact {r['exact_match']:.3f}  mass {r['mass_covered']:.3f}", flush=True)
+            f"exact {r['exact_match']:.3f}  mass {r['mass_covered']:.3f}  "
+            f"by epoch {r.get('recall_by_epoch', '')}", flush=True)
   with open(FLAGS.out, "w") as f:
     json.dump(out, f, indent=2)
   print(f"wrote {FLAGS.out}")

@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from estimators import data as est_data
 from estimators.train import EstimatorConfig, train_pair
-from moejax import data, speculation
+from moejax import corpus, data, speculation
 from moejax.speculation import load_default_vectors
 from moejax.loader import load_model
 from moejax.traces import config_hash, file_sha256
@@ -40,6 +40,9 @@ flags.DEFINE_string("data_dir", "runs/estimator_pairs", "Recorded training pairs
                     "the resumable training checkpoints (kept out of --out, which ships), in a "
                     "subfolder named by the model weights' hash: another model's never resume.")
 flags.DEFINE_integer("train_windows", 256, "Training windows of 256 tokens.")
+flags.DEFINE_list("domains", list(corpus.DOMAINS),
+                  "Corpus domains of the training windows (moejax.corpus; held-out windows "
+                  "are stdlib either way).")
 flags.DEFINE_integer("held_windows", 32, "Held-out stdlib windows.")
 flags.DEFINE_integer("hidden", 64, "Estimator hidden width.")
 flags.DEFINE_integer("epochs", 8, "Maximum epochs per estimator.")
@@ -48,6 +51,9 @@ flags.DEFINE_string("tokens_file", "", "The encoded training stream as .npy (see
 flags.DEFINE_bool("previous_input", True,
                   "The estimators also take the previous token's router probabilities at the "
                   "predicted layer (estimators.model); --noprevious_input: q alone.")
+flags.DEFINE_float("topk_weight", 0.0,
+                   "Weight of the top-k cross-entropy beside the KL loss (estimators.train; "
+                   "0: KL alone).")
 flags.DEFINE_float("drift_threshold", 0.0,
                    "Use an estimator only where held-out drift (1 - exact match) is >= this.")
 
@@ -80,13 +86,15 @@ def main(_):
   experts = store.to_device(jnp.float32)
   out = FLAGS.out or FLAGS.model_dir.rstrip("/") + "-estimators"
   vecs = load_default_vectors(os.path.join(out, "default_vectors"), cfg)
-  train_stream = est_data.train_stream(FLAGS.model_dir, FLAGS.tokens_file)
+  train_stream = est_data.train_stream(FLAGS.model_dir, FLAGS.tokens_file, tuple(FLAGS.domains))
   held_stream = est_data.heldout_python(FLAGS.model_dir, FLAGS.tokens_file)
   meta = {"config_hash": config_hash(cfg)}
   weights = (file_sha256(os.path.join(FLAGS.model_dir, "model.safetensors")) or
              file_sha256(os.path.join(FLAGS.model_dir, "model.safetensors.index.json")) or
              meta["config_hash"])
-  data_dir = os.path.join(FLAGS.data_dir, weights)
+  # pairs of other training domains go to their own folder (never resumed as these)
+  data_dir = os.path.join(FLAGS.data_dir, weights if tuple(FLAGS.domains) == corpus.DOMAINS
+                          else f"{weights}_{'+'.join(FLAGS.domains)}")
   bar = lambda desc: (lambda it: tqdm(it, desc=desc, unit="shard"))
   tr_dir, he_dir = os.path.join(data_dir, "train"), os.path.join(data_dir, "held")
   est_data.record(cfg, params, experts, vecs, _windows(train_stream, FLAGS.train_windows),
@@ -94,18 +102,19 @@ def main(_):
   est_data.record(cfg, params, experts, vecs,
                   _windows(held_stream, FLAGS.held_windows, shuffle=False), he_dir, meta=meta,
                   progress=bar("record held-out pairs"))
-  ec = EstimatorConfig(hidden=FLAGS.hidden, epochs=FLAGS.epochs)
+  ec = EstimatorConfig(hidden=FLAGS.hidden, epochs=FLAGS.epochs, topk_weight=FLAGS.topk_weight)
+  # resumable checkpoints per input and training set-up: another set-up never resumes them
+  ckpts = (f"checkpoints_{'prev' if FLAGS.previous_input else 'q'}_h{ec.hidden}"
+           f"_tk{ec.topk_weight:g}")
   layers = cfg.moe_layers
   rows, trees = [], []
   for j in range(len(layers) - 1):
     train, held = est_data.load(tr_dir, pair=j), est_data.load(he_dir, pair=j)
     if FLAGS.previous_input:
       train, held = with_previous(train), with_previous(held)
-    p, hist = train_pair(cfg, train, held, ec,
-                         os.path.join(data_dir, "checkpoints" + ("_prev" if FLAGS.previous_input
-                                                                 else ""), f"pair_{j}"),
+    p, hist = train_pair(cfg, train, held, ec, os.path.join(data_dir, ckpts, f"pair_{j}"),
                          progress=lambda it: tqdm(it, desc=f"estimator {layers[j]}->{layers[j + 1]}"))
-    base, best = hist[0], min(hist, key=lambda h: h["kl"])
+    base, best = hist[0], min(hist, key=lambda h: h["loss"])
     prev = speculation.previous_token_agreement(cfg, held["true"], seq=SEQ)
     drift = 1.0 - base["exact_match"]
     keys = ("recall_at_k", "exact_match", "mass_covered")
@@ -121,7 +130,9 @@ def main(_):
     ckptr.save(os.path.abspath(os.path.join(out, "estimators")), {"pairs": trees}, force=True)
   hybrid = [r[r["hybrid_source"]] for r in rows]
   mean = lambda src: float(np.mean([r[src]["recall_at_k"] for r in rows]))
-  res = dict(meta, hidden=FLAGS.hidden, drift_threshold=FLAGS.drift_threshold,
+  res = dict(meta, hidden=FLAGS.hidden, topk_weight=FLAGS.topk_weight,
+             train_domains=list(FLAGS.domains), train_windows=FLAGS.train_windows,
+             drift_threshold=FLAGS.drift_threshold,
              inputs="q+prev" if FLAGS.previous_input else "q", per_layer=rows,
              hybrid_recall_at_k=float(np.mean([h["recall_at_k"] for h in hybrid])),
              quasi_recall_at_k=mean("quasi"), estimator_recall_at_k=mean("estimator"),

@@ -7,7 +7,7 @@ import pytest
 
 from estimators import data as est_data
 from estimators.model import LogitCorrection, estimate, previous_input, takes_previous
-from estimators.train import EstimatorConfig, train_pair
+from estimators.train import EstimatorConfig, kl_loss, loss_fn, topk_ce, train_pair
 from moejax.config import ModelConfig
 
 CFG = ModelConfig(model_type="qwen3_moe", vocab_size=64, hidden_size=16, num_layers=2,
@@ -46,6 +46,33 @@ def test_training_recovers_the_drift_and_resumes(tmp_path):
   pa, _ = train_pair(CFG, train, held, ec, str(tmp_path / "a"))   # finished: restores
   chex.assert_trees_all_close(pa, pb, atol=1e-6)
   assert hb[-1]["recall_at_k"] == pytest.approx(hist[-1]["recall_at_k"], abs=1e-6)
+
+
+def test_topk_ce_hand_checked():
+  # true top-2 of [3, 2, 1, 0] is {0, 1}; predicted probabilities 0.4 and 0.1 there
+  pred = jnp.log(jnp.asarray([[0.4, 0.1, 0.25, 0.25]]))
+  true = jnp.asarray([[3.0, 2.0, 1.0, 0.0]])
+  want = -(np.log(0.4) + np.log(0.1)) / 2                     # 1.6094
+  assert float(topk_ce(pred, true, 2)) == pytest.approx(want, rel=1e-5)
+  assert float(loss_fn(pred, true, 2, 0.0)) == pytest.approx(float(kl_loss(pred, true)))
+  assert float(loss_fn(pred, true, 2, 0.5)) == pytest.approx(
+      float(kl_loss(pred, true)) + 0.5 * want, rel=1e-5)
+
+
+def test_topk_weight_still_learns_the_drift(tmp_path):
+  """With the top-k term the estimator still learns the drift (recall rises over quasi)."""
+  train, held = _pairs(4096, 0), _pairs(1024, 1)
+  ec = EstimatorConfig(hidden=32, lr=1e-2, batch=256, epochs=4, patience=4, topk_weight=1.0)
+  _, hist = train_pair(CFG, train, held, ec, str(tmp_path / "tk"))
+  assert hist[-1]["recall_at_k"] > hist[0]["recall_at_k"] + 0.15, hist
+
+
+def test_train_stream_refuses_domains_with_a_tokens_file(tmp_path):
+  np.save(tmp_path / "train_tokens.npy", np.arange(10, dtype=np.int32))
+  got = est_data.train_stream("unused", str(tmp_path / "train_tokens.npy"))
+  np.testing.assert_array_equal(got, np.arange(10))
+  with pytest.raises(ValueError, match="--tokens_file holds every corpus domain"):
+    est_data.train_stream("unused", str(tmp_path / "train_tokens.npy"), ("python",))
 
 
 def test_shards_load_and_name_a_bad_file(tmp_path):

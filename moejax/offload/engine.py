@@ -14,7 +14,7 @@ Public surface (benchmarks and tests use only this):
                                 read when `records` or `stats` is next read)
   eng.generate(prompt, sp)      prefill + sampling, batch 1
   eng.stats(skip=0)             summary of the decode records (`stats.summarize`)
-  eng.deferred_steps            lazy steps whose records are not read yet (<= 32)
+  eng.deferred_steps            lazy steps whose records are not built yet
   eng.records, eng.prefill_record   per-token `stats.TokenRecord`s (counts, times,
                                 per-layer actions, substitutes, admissions, evictions)
   eng.resident_sets()           {layer: resident experts}, every requested admission
@@ -243,13 +243,14 @@ class OffloadEngine:
     return self._records
 
   @property
-  def deferred_steps(self) -> int:
-    """Decode steps (lazy=True) whose records are not read yet (at most 32 between reads)."""
-    return len(self._tokens.unread)
+  def deferred_steps(self) -> tuple[int, int]:
+    """Decode steps (lazy=True) whose records are not built yet: (packed decisions still
+    on the device, at most 32; read back to the host)."""
+    return len(self._tokens.unread), len(self._tokens.read)
 
-  def _read_deferred(self, keep: int = 0):
-    self._tokens.read_deferred(lambda rec, wall: self._records.append(
-        self._finish(rec, 0.0, wall)), keep)
+  def _read_deferred(self):
+    self._tokens.build_records(lambda rec, wall: self._records.append(
+        self._finish(rec, 0.0, wall)))
 
   def _finish(self, rec: TokenRecord, t0: float, wall: float | None = None) -> TokenRecord:
     self._slots.attribute_evictions(rec)
@@ -338,10 +339,12 @@ class OffloadEngine:
     `lazy=True` returns them as a device array.  When the step is one straight run
     (every expert resident, no trace, no speculative prefetch) it is deferred
     (`token_decode`): `token` may be a device int32 scalar (e.g. an argmax of the last
-    logits), the call returns without waiting for the device, and its record is read
-    later (after 32 unread steps, oldest first, or when `records`/`stats` is read); its
-    wall time is then the interval to the next step's dispatch.  Logits, records and
-    resident states equal a plain step's.
+    logits), the call returns without waiting for the device, and its record is built
+    later (`records`); its wall time is then the interval to the next step's dispatch.
+    Logits, records and resident states equal a plain step's.  (The steps' packed
+    decisions go to the host
+    after 32 further steps, ~6 KB a token on the demo model; records are built from
+    them when `records` or `stats` is read, or before the next plain step or prefill.)
 
     With `trace` on, the step's timeline goes to `traces`: (event, layer,
     perf_counter) marks "attend", "decided", "fetch", "arrived", "moe",
@@ -360,7 +363,7 @@ class OffloadEngine:
       out = self._tokens.decode_deferred(self.params, token, self.end_index, self.cache,
                                          self._placeholder(), rec, t0)
       self.end_index += 1
-      self._read_deferred(keep=32)         # the oldest, done long ago: memory stays flat
+      self._tokens.read_deferred(keep=32)  # the oldest, done long ago: no wait
       return out
     self._read_deferred()
     tr = [("start", -1, t0)] if self.trace else None

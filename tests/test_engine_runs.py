@@ -124,8 +124,12 @@ def test_lazy_steps_equal_plain_steps(family, over, frac, tmp_path_factory):
           logits = eng.decode_step(int(np.argmax(logits)))
         got.append(logits)
         unread.append(eng.deferred_steps)
-      outs[lazy] = (np.stack([np.asarray(g) for g in got]), eng.records, eng.resident_sets(),
-                    unread, eng.deferred_steps)
+      outs[lazy] = (np.stack([np.asarray(g) for g in got]), list(eng.records),
+                    eng.resident_sets(), unread, eng.deferred_steps)
+      if lazy:        # a plain step after lazy ones: their records first, in order
+        eng.decode_step(jnp.argmax(logits).astype(jnp.int32), lazy=True)
+        assert isinstance(eng.decode_step(int(np.argmax(logits))), np.ndarray)
+        assert eng.deferred_steps == (0, 0) and len(eng.records) == n + 2
   np.testing.assert_array_equal(outs[True][0], outs[False][0])
   assert len(outs[True][1]) == len(outs[False][1]) == n
   for a, b in zip(outs[True][1], outs[False][1]):

@@ -120,8 +120,9 @@ def train_pair(model_cfg, train: dict, held: dict, ec: EstimatorConfig, ckpt_dir
     p, o = state["params"], state["opt_state"]
     for s in range(steps_per_epoch):
       idx = perm[s * ec.batch:(s + 1) * ec.batch]
-      p, o, _ = _step(model, opt, model_cfg.top_k, ec.topk_weight, p, o, jnp.asarray(train["q"][idx]),
-                      jnp.asarray(train["quasi"][idx]), jnp.asarray(train["true"][idx]))
+      p, o, _ = _step(model, opt, model_cfg.top_k, ec.topk_weight, p, o,
+                      jnp.asarray(train["q"][idx]), jnp.asarray(train["quasi"][idx]),
+                      jnp.asarray(train["true"][idx]))
     ev = ev_of(p)
     history.append(dict(ev, epoch=epoch + 1))
     better = ev["loss"] < float(state["best_loss"])

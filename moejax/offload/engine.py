@@ -342,9 +342,9 @@ class OffloadEngine:
     logits), the call returns without waiting for the device, and its record is built
     later (`records`); its wall time is then the interval to the next step's dispatch.
     Logits, records and resident states equal a plain step's.  (The steps' packed
-    decisions go to the host
-    after 32 further steps, ~6 KB a token on the demo model; records are built from
-    them when `records` or `stats` is read, or before the next plain step or prefill.)
+    decisions go to the host after 32 further steps, ~6 KB a token on the demo model;
+    records are built from them when `records` or `stats` is read, or before the next
+    plain step or prefill.)
 
     With `trace` on, the step's timeline goes to `traces`: (event, layer,
     perf_counter) marks "attend", "decided", "fetch", "arrived", "moe",

@@ -77,7 +77,7 @@ class LayerDecoder:
     the layer where it stopped.  -> the next-token logits [V] (numpy) when it finished
     the token, else (that layer's PendingMoe, tp on the device, x)."""
     out, straight = self.run_call(params, start, pend, x, tp, cache, zero_pend, mark)
-    info, served = self.run_read(out, straight, rec, mark)
+    info, served = self.run_read(out.info, straight, rec, mark)
     kk = self.cfg.top_k
     if info.kind == runs_lib.FINISHED:
       return np.asarray(out.logits)
@@ -109,14 +109,14 @@ class LayerDecoder:
     runs_lib.restate(self.states, out.metas)
     return out, straight
 
-  def run_read(self, out, straight: bool, rec: TokenRecord, mark):
-    """The host's read of a run call (its `info`, a device array or already read):
+  def run_read(self, info, straight: bool, rec: TokenRecord, mark):
+    """The host's read of a run call's `info` (on the device, or already read back):
     counts its decisions into `rec`. -> (RunInfo, the layer the host serves next or
     None)."""
     cfg, kk = self.cfg, self.cfg.top_k
     slots = next(iter(self.states.values())).slot_expert.shape[0]
-    info = runs_lib.unpack_info(np.asarray(getattr(out, "info", out)), self.moe_layers, kk,
-                                cfg.num_experts, slots)
+    info = runs_lib.unpack_info(np.asarray(info), self.moe_layers, kk, cfg.num_experts,
+                                slots)
     mark("run_done", info.layer)
     if straight and info.kind != runs_lib.FINISHED:
       raise RuntimeError(f"moejax internal error: MoE layer {info.layer} needed the host in an "

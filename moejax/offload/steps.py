@@ -369,6 +369,5 @@ def warm_all(cfg: ModelConfig, steps: list, fused: dict, params, x, tp, new_kv, 
     done.add(key)
     warm_fused(fs, steps[i], params[f"layers_{i}"], params[f"layers_{i + 1}"], x, tp,
                functools.partial(new_kv, i), functools.partial(new_kv, i + 1), states[i],
-               states[i + 1], zero_x, zero_rows,
-               row_buckets, host_rows)
+               states[i + 1], zero_x, zero_rows, row_buckets, host_rows)
   return insert_s

@@ -29,6 +29,7 @@ import time
 import jax.numpy as jnp
 import numpy as np
 
+from moejax.offload import runs as runs_lib
 from moejax.offload.policy import HOST
 from moejax.offload.stats import TokenRecord
 
@@ -96,11 +97,10 @@ class TokenDecoder:
                                                   or HOST in r.actions))
     return out
 
-
   def can_defer(self) -> bool:
     """Whether the next token is one straight run (every expert resident, nothing queued)."""
-    pending = self.layers.slots.adm.pending
-    return self.layers.straight is not None and not any(pending[l] for l in self.moe_layers)
+    return (self.layers.straight is not None
+            and not runs_lib.stop_mask(self.moe_layers, self.layers.slots.adm.pending).any())
 
   def decode_deferred(self, params, token, end_index: int, cache: list, no_pend,
                       rec: TokenRecord, t0: float):

@@ -19,7 +19,9 @@ Then, per model (bench shape f32, demo f32, demo bf16):
     before lazy steps; `engine_layers`: one call per MoE layer, run_layers=False;
     `engine_unfused`: two calls per MoE layer, fuse_layers=False as well;
     `engine_conds`: the layer run with its per-layer conds, straight_run=False), and
-    transformers (torch, --threads threads).
+    transformers (torch, --threads threads).  `sampler_pool` / `engine_pool`: the
+    same with the CPU kernel's decode helpers on XLA's thread pool instead of its own
+    spinning threads (cpu_kernel.set_spin_us(0); before 2026-12-04).
 Reported: best round's tok/s per engine (a shared machine only slows runs down), the
 median, and ratios to llama.cpp (the faster of --threads and 1 thread: llama.cpp's
 threads spin at barriers, so on a machine busier than its cores 2 threads collapse);
@@ -42,6 +44,7 @@ from tqdm import tqdm
 
 from launch import bench_models
 from launch import llama_cpp
+from moejax import cpu_kernel
 from moejax.offload.engine import OffloadEngine
 from moejax.sampler import Sampler, SamplingParams
 from moejax.tokenizer import Tokenizer
@@ -58,6 +61,8 @@ flags.DEFINE_list("engines", ["llama.cpp", "sampler", "engine", "transformers"],
 flags.DEFINE_string("demo_dir", bench_models.DEMO_DIR, "The demo checkpoint.")
 flags.DEFINE_string("llama_cache", llama_cpp.DEFAULT_CACHE,
                     "Where llama.cpp is built and the GGUF files are written.")
+flags.DEFINE_integer("spin_us", 1000, "cpu_kernel.set_spin_us for every moejax engine "
+                     "but the *_pool ones (which run with 0).")
 flags.DEFINE_integer("threads", 2, "Threads of llama.cpp and torch.")
 flags.DEFINE_integer("prompt_len", 64, "Prompt tokens before decoding.")
 flags.DEFINE_integer("decode_tokens", 128, "Decoded tokens timed.")
@@ -143,6 +148,26 @@ class EngineRunner:
   def prefill(self, prompt: np.ndarray) -> float:
     with _sync_dispatch():
       return _rate(len(prompt), lambda: self.eng.prefill([int(t) for t in prompt]))
+
+
+class PoolRunner:
+  """`inner` with the CPU kernel's decode calls shared with XLA's thread pool (spin 0)."""
+
+  def __init__(self, inner):
+    self.inner = inner
+
+  def _with_pool(self, fn, prompt):
+    cpu_kernel.set_spin_us(0)
+    try:
+      return fn(prompt)
+    finally:
+      cpu_kernel.set_spin_us(FLAGS.spin_us)
+
+  def decode(self, prompt: np.ndarray) -> float:
+    return self._with_pool(self.inner.decode, prompt)
+
+  def prefill(self, prompt: np.ndarray) -> float:
+    return self._with_pool(self.inner.prefill, prompt)
 
 
 class TransformersRunner:
@@ -232,6 +257,12 @@ def bench_model(name: str, bins, work: str) -> dict:
     runners["sampler"] = SamplerRunner(cfg, params, store.to_device(), dtype, max_len)
   if "engine" in FLAGS.engines:
     runners["engine"] = EngineRunner(cfg, params, store, dtype, max_len, lazy=True)
+  if "sampler_pool" in FLAGS.engines:
+    runners["sampler_pool"] = PoolRunner(SamplerRunner(cfg, params, store.to_device(), dtype,
+                                                       max_len))
+  if "engine_pool" in FLAGS.engines:
+    runners["engine_pool"] = PoolRunner(EngineRunner(cfg, params, store, dtype, max_len,
+                                                     lazy=True))
   if "engine_sync" in FLAGS.engines:     # host tokens and numpy logits (before lazy steps)
     runners["engine_sync"] = EngineRunner(cfg, params, store, dtype, max_len)
   if "engine_layers" in FLAGS.engines:    # one call per MoE layer (before layer runs)
@@ -272,21 +303,30 @@ def bench_model(name: str, bins, work: str) -> dict:
   if "llama.cpp" in runners:  # ratios to llama.cpp's faster thread count, per metric
     ref = {m: max(v[m] for e, v in res["engines"].items() if e.startswith("llama.cpp"))
            for m in ("decode_tok_s", "prefill_tok_s")}
+    med = {m: max(v[f"{m}_median"] for e, v in res["engines"].items()
+                  if e.startswith("llama.cpp")) for m in ("decode_tok_s", "prefill_tok_s")}
     for e, v in res["engines"].items():
       v["decode_ratio_to_llama_cpp"] = v["decode_tok_s"] / ref["decode_tok_s"]
       v["prefill_ratio_to_llama_cpp"] = v["prefill_tok_s"] / ref["prefill_tok_s"]
+      v["decode_median_ratio_to_llama_cpp"] = v["decode_tok_s_median"] / med["decode_tok_s"]
+      v["prefill_median_ratio_to_llama_cpp"] = (v["prefill_tok_s_median"]
+                                                / med["prefill_tok_s"])
   if "sampler" in res["engines"]:          # the engine's targets are ratios to the Sampler
     ref = res["engines"]["sampler"]
     for e, v in res["engines"].items():
+      v["decode_median_ratio_to_sampler"] = (v["decode_tok_s_median"]
+                                             / ref["decode_tok_s_median"])
       v["decode_ratio_to_sampler"] = v["decode_tok_s"] / ref["decode_tok_s"]
       v["prefill_ratio_to_sampler"] = v["prefill_tok_s"] / ref["prefill_tok_s"]
   for r in runners.values():
+    r = getattr(r, "inner", r)
     if isinstance(r, EngineRunner):
       r.eng.close()
   return res
 
 
 def main(_):
+  cpu_kernel.set_spin_us(FLAGS.spin_us)
   bins = None
   if "llama.cpp" in FLAGS.engines:
     try:
@@ -297,10 +337,16 @@ def main(_):
   bench_models.run_all(
       {"threads": FLAGS.threads, "prompt_len": FLAGS.prompt_len,
        "decode_tokens": FLAGS.decode_tokens, "prefill_len": FLAGS.prefill_len,
-       "rounds": FLAGS.rounds,
+       "rounds": FLAGS.rounds, "spin_us": FLAGS.spin_us,
        "llama_cpp": f"llama-cpp-python {llama_cpp.VERSION} vendored llama.cpp" if bins
                     else "skipped"},
       FLAGS.models, lambda name: bench_model(name, bins, work), FLAGS.out, table)
+
+
+def _x(v: dict, m: dict, metric: str) -> str:
+  ref = [u[f"{metric}_tok_s_median"] for e, u in m["engines"].items()
+         if e.startswith("llama.cpp")]
+  return f" ({v[f'{metric}_tok_s_median'] / max(ref):.2f}x)" if ref else ""
 
 
 def table(res: dict) -> str:
@@ -308,7 +354,7 @@ def table(res: dict) -> str:
            f"faster thread count, x smp = decode ratio to the moejax Sampler); "
            f"load average {res['loadavg_start'][0]:.1f} -> {res['loadavg_end'][0]:.1f}",
            f"{'model':<11}{'engine':<16}{'decode':>10}{'x':>7}{'x smp':>7}{'prefill':>10}"
-           f"{'x':>7}"]
+           f"{'x':>7}   median decode, prefill (x llama.cpp's medians)"]
   for name, m in res["models"].items():
     for e, v in m["engines"].items():
       rd, rp = v.get("decode_ratio_to_llama_cpp"), v.get("prefill_ratio_to_llama_cpp")
@@ -316,7 +362,9 @@ def table(res: dict) -> str:
       lines.append(f"{name:<11}{e:<16}{v['decode_tok_s']:>10.1f}"
                    f"{f'{rd:.2f}' if rd else '-':>7}{f'{rs:.2f}' if rs else '-':>7}"
                    f"{v['prefill_tok_s']:>10.1f}"
-                   f"{f'{rp:.2f}' if rp else '-':>7}")
+                   f"{f'{rp:.2f}' if rp else '-':>7}   {v['decode_tok_s_median']:.1f}"
+                   f"{_x(v, m, 'decode')}, {v['prefill_tok_s_median']:.1f}"
+                   f"{_x(v, m, 'prefill')}")
   return "\n".join(lines)
 
 

@@ -10,6 +10,10 @@
 // between the calling thread and XLA's intra-op thread pool. Weights and activations are
 // f32 or bf16; products are accumulated in f32.
 #include <algorithm>
+#include <condition_variable>
+#include <cstdlib>
+#include <mutex>
+#include <chrono>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -152,27 +156,98 @@ void run_item(const Problem& p, const Item& it) {
   }
 }
 
-// Runs fn(0..total-1) on the calling thread and on helper tasks of XLA's intra-op pool.
-// Indices are claimed from a shared counter; the caller waits only for claimed ones, so a
-// helper that starts late finds nothing left and exits without touching fn's captures.
-void parallel_for(ffi::ThreadPool& pool, int64_t total, std::function<void(int64_t)> fn) {
-  struct State {
-    std::function<void(int64_t)> fn;
-    int64_t total;
-    std::atomic<int64_t> next{0}, done{0};
-  };
-  auto s = std::make_shared<State>();
+// Work shared by parallel_for: fn(0..total-1), indices claimed from a shared counter; the
+// caller waits only for claimed ones, so a helper that starts late finds nothing left and
+// never touches fn's captures after the call returned.
+struct PforState {
+  std::function<void(int64_t)> fn;
+  int64_t total;
+  std::atomic<int64_t> next{0}, done{0};
+};
+
+void pfor_work(PforState& st) {
+  for (int64_t i; (i = st.next.fetch_add(1)) < st.total;) {
+    st.fn(i);
+    st.done.fetch_add(1, std::memory_order_release);
+  }
+}
+
+// How long a spinner stays awake after a job (MOEJAX_CPU_SPIN_US; 0: no spinners).
+std::atomic<int64_t> g_spin_us{[] {
+  const char* e = std::getenv("MOEJAX_CPU_SPIN_US");
+  return e ? std::max<int64_t>(0, std::atoll(e)) : int64_t{1000};
+}()};
+
+// Helper threads of our own for decode-sized calls. A task on XLA's intra-op pool woke
+// 100-600 us after it was scheduled on the 2-core machine, against calls of 0.1-1 ms, so
+// the second core joined late or not at all. A spinner stays awake for g_spin_us after
+// each job, as llama.cpp's threads spin at barriers, so the calls of one decode step find
+// it awake (it joined within 5-20 us); it spins with yield, so it gives its core to any
+// other runnable thread, then sleeps on a condition variable.
+class Spinners {
+ public:
+  explicit Spinners(int n) {
+    for (int i = 0; i < n; ++i) std::thread([this] { loop(); }).detach();
+  }
+  void post(std::shared_ptr<PforState> job) {
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      job_ = std::move(job);
+      gen_.fetch_add(1, std::memory_order_release);
+    }
+    if (sleepers_.load() > 0) cv_.notify_all();
+  }
+
+ private:
+  void loop() {
+    uint64_t seen = 0;
+    for (;;) {
+      const auto until = std::chrono::steady_clock::now() +
+                         std::chrono::microseconds(g_spin_us.load(std::memory_order_relaxed));
+      while (gen_.load(std::memory_order_acquire) == seen) {
+        if (std::chrono::steady_clock::now() > until) {
+          std::unique_lock<std::mutex> l(mu_);
+          ++sleepers_;
+          cv_.wait(l, [&] { return gen_.load() != seen; });
+          --sleepers_;
+          break;
+        }
+        std::this_thread::yield();
+      }
+      std::shared_ptr<PforState> job;
+      {
+        std::lock_guard<std::mutex> l(mu_);
+        seen = gen_.load();
+        job = job_;
+      }
+      pfor_work(*job);
+    }
+  }
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::atomic<uint64_t> gen_{0};
+  std::atomic<int> sleepers_{0};
+  std::shared_ptr<PforState> job_;
+};
+
+// Runs fn(0..total-1) on the calling thread and on helpers: the spinners for a `decode`
+// call (a few rows) while g_spin_us > 0, else tasks on XLA's intra-op pool (a prompt's
+// calls are long enough that a late start costs little, and a spinner would compete with
+// XLA's own multithreaded GEMMs between them).
+void parallel_for(ffi::ThreadPool& pool, int64_t total, std::function<void(int64_t)> fn,
+                  bool decode) {
+  auto s = std::make_shared<PforState>();
   s->fn = std::move(fn);
   s->total = total;
-  auto work = [](State& st) {
-    for (int64_t i; (i = st.next.fetch_add(1)) < st.total;) {
-      st.fn(i);
-      st.done.fetch_add(1, std::memory_order_release);
-    }
-  };
   const int64_t helpers = std::min<int64_t>(pool.num_threads(), total) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([s, work] { work(*s); });
-  work(*s);
+  if (decode && g_spin_us.load(std::memory_order_relaxed) > 0) {
+    static Spinners* spinners =   // never destroyed: detached threads keep using it
+        new Spinners(std::max<int>(1, static_cast<int>(pool.num_threads()) - 1));
+    if (helpers > 0) spinners->post(s);
+  } else {
+    for (int64_t i = 0; i < helpers; ++i) pool.Schedule([s] { pfor_work(*s); });
+  }
+  pfor_work(*s);
   while (s->done.load(std::memory_order_acquire) < total) std::this_thread::yield();
 }
 
@@ -245,7 +320,7 @@ ffi::Error ExpertFfnImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi
   parallel_for(pool, static_cast<int64_t>(p->items.size()), [&prob](int64_t i) {
     if (prob.w_bf16) run_item<uint16_t>(prob, prob.items[i]);
     else run_item<float>(prob, prob.items[i]);
-  });
+  }, p->n <= 16);
 
   const int64_t n = p->n, k = p->k, d = p->d;
   std::vector<float> acc(d);
@@ -263,38 +338,64 @@ ffi::Error ExpertFfnImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi
 
 constexpr int64_t kLinearRows = 64;  // output rows per work item
 
-ffi::Error LinearImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                      ffi::Result<ffi::AnyBuffer> y) {
-  auto xd = x.dimensions(), wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || wd[1] != xd[1])
-    return ffi::Error::InvalidArgument("moejax_linear: expected x [N,D], w [O,D]");
-  if (!supported(x.element_type()) || !supported(w.element_type()) ||
-      y->element_type() != x.element_type())
-    return ffi::Error::InvalidArgument("moejax_linear: f32 or bf16 only");
-  const int64_t n = xd[0], d = xd[1], o = wd[0];
-  const bool x_bf16 = is_bf16(x.element_type()), w_bf16 = is_bf16(w.element_type());
-  std::vector<float> xs(n * d), ys(n * o);
+// y_i = x @ w_i.T for each weight w_i [O_i, D] (one or more: a layer's q/k/v projections of
+// the same input run as one call, so one dispatch and one wake-up of the pool cover them).
+ffi::Error LinearImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArgs ws,
+                      ffi::RemainingRets ys) {
+  auto xd = x.dimensions();
+  if (xd.size() != 2 || ws.size() == 0 || ws.size() != ys.size() ||
+      !supported(x.element_type()))
+    return ffi::Error::InvalidArgument(
+        "moejax_linear: expected x [N,D] (f32 or bf16) and one result per weight");
+  const int64_t n = xd[0], d = xd[1];
+  const bool x_bf16 = is_bf16(x.element_type());
+  struct Out {
+    const void* w;
+    bool w_bf16;
+    int64_t o;
+    void* y;
+    std::vector<float> acc;
+  };
+  std::vector<Out> outs;
+  std::vector<std::pair<int64_t, int64_t>> items;  // (output, first row)
+  for (size_t i = 0; i < ws.size(); ++i) {
+    auto w = ws.get<ffi::AnyBuffer>(i);
+    auto y = ys.get<ffi::AnyBuffer>(i);
+    if (!w.has_value() || !y.has_value())
+      return ffi::Error::InvalidArgument("moejax_linear: weights and results are buffers");
+    auto wd = w->dimensions();
+    if (wd.size() != 2 || wd[1] != d || !supported(w->element_type()) ||
+        (*y)->element_type() != x.element_type() || static_cast<int64_t>((*y)->element_count()) != n * wd[0])
+      return ffi::Error::InvalidArgument("moejax_linear: expected w [O,D] and y [N,O]");
+    outs.push_back({w->untyped_data(), is_bf16(w->element_type()), wd[0],
+                    (*y)->untyped_data(), std::vector<float>(n * wd[0])});
+    for (int64_t r0 = 0; r0 < wd[0]; r0 += kLinearRows)
+      items.emplace_back(static_cast<int64_t>(i), r0);
+  }
+  std::vector<float> xs(n * d);
   to_f32_rows(x.untyped_data(), x_bf16, n * d, xs.data());
-  const void* wp = w.untyped_data();
-  parallel_for(pool, (o + kLinearRows - 1) / kLinearRows, [&](int64_t i) {
-    const int64_t r0 = i * kLinearRows, rows = std::min(kLinearRows, o - r0);
-    if (w_bf16) rows_dot(static_cast<const uint16_t*>(wp) + r0 * d, rows, d, xs.data(), n,
-                         ys.data() + r0, o);
-    else rows_dot(static_cast<const float*>(wp) + r0 * d, rows, d, xs.data(), n,
-                  ys.data() + r0, o);
-  });
-  store(ys.data(), n * o, x_bf16, y->untyped_data());
+  parallel_for(pool, static_cast<int64_t>(items.size()), [&](int64_t it) {
+    Out& out = outs[items[it].first];
+    const int64_t r0 = items[it].second, rows = std::min(kLinearRows, out.o - r0);
+    if (out.w_bf16) rows_dot(static_cast<const uint16_t*>(out.w) + r0 * d, rows, d,
+                             xs.data(), n, out.acc.data() + r0, out.o);
+    else rows_dot(static_cast<const float*>(out.w) + r0 * d, rows, d, xs.data(), n,
+                  out.acc.data() + r0, out.o);
+  }, true);
+  for (Out& out : outs) store(out.acc.data(), n * out.o, x_bf16, out.y);
   return ffi::Error::Success();
 }
 
 }  // namespace
+// Sets how long the decode helpers spin after a job, in us (0: XLA's pool tasks instead).
+extern "C" void moejax_set_spin_us(int64_t us) { g_spin_us = std::max<int64_t>(0, us); }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoejaxLinear, LinearImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>());
+                                  .RemainingArgs()
+                                  .RemainingRets());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoejaxExpertFfn, ExpertFfnImpl,
                               ffi::Ffi::Bind()

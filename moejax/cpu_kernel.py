@@ -101,12 +101,25 @@ def available() -> bool:
         jax.ffi.register_ffi_target(ATTENTION_TARGET,
                                     jax.ffi.pycapsule(lib.MoejaxDecodeAttention),
                                     platform="cpu")
-        _state["loaded"] = True
+        lib.moejax_set_spin_us.argtypes = [ctypes.c_int64]
+        _state["lib"], _state["loaded"] = lib, True
       except (RuntimeError, OSError, AttributeError) as e:
         print(f"[moejax] CPU expert kernel unavailable, using XLA's dispatch: {e}",
               file=sys.stderr)
         _state["loaded"] = False
     return _state["loaded"]
+
+
+def set_spin_us(us: int) -> bool:
+  """How long the kernel's decode helper threads stay awake after a call, in microseconds
+  (default 1000, or $MOEJAX_CPU_SPIN_US at start-up). A decode step's calls are 0.1-1 ms
+  apart, so an awake helper joins each at once; 0 hands decode calls to XLA's intra-op
+  pool instead, whose task woke 100-600 us late on a 2-core machine (docs/speed.md).
+  Returns False (and does nothing) when the kernel is unavailable."""
+  if not available():
+    return False
+  _state["lib"].moejax_set_spin_us(int(us))
+  return True
 
 
 @contextlib.contextmanager
@@ -128,8 +141,9 @@ def supports(x_NxD, w: dict) -> bool:
 
 def _rows_vmap(fn, n_rows_args: int):
   """`fn` with a vmap rule for kernels whose first `n_rows_args` arguments are per-row
-  (leading axis N) and the rest weights: with unbatched weights the batch axis is folded
-  into the rows (one kernel call over B*N rows), else one call per batch element."""
+  (leading axis N) and the rest weights (so are its outputs, one or a tuple): with
+  unbatched weights the batch axis is folded into the rows (one kernel call over B*N
+  rows), else one call per batch element."""
   f = jax.custom_batching.custom_vmap(fn)
 
   @f.def_vmap
@@ -140,9 +154,11 @@ def _rows_vmap(fn, n_rows_args: int):
     if not any(in_batched[n_rows_args:]):
       n = rows[0].shape[1]
       y = f(*[a.reshape((axis_size * n,) + a.shape[2:]) for a in rows], *weights)
-      return y.reshape((axis_size, n) + y.shape[1:]), True
+      y = jax.tree.map(lambda a: a.reshape((axis_size, n) + a.shape[1:]), y)
+      return y, jax.tree.map(lambda _: True, y)
     weights = [bcast(a, b) for a, b in zip(weights, in_batched[n_rows_args:])]
-    return jax.lax.map(lambda a: f(*a), (*rows, *weights)), True
+    y = jax.lax.map(lambda a: f(*a), (*rows, *weights))
+    return y, jax.tree.map(lambda _: True, y)
 
   return f
 
@@ -182,41 +198,52 @@ def _bwd(xla_fn, res, g_NxD):
 expert_ffn.defvjp(_fwd, _bwd)
 
 
-def _linear_ffi(x_NxD, w_OxD):
-  return jax.ffi.ffi_call(LINEAR_TARGET, jax.ShapeDtypeStruct(
-      (x_NxD.shape[0], w_OxD.shape[0]), x_NxD.dtype))(x_NxD, w_OxD)
+def _linears_ffi(x_NxD, *ws_OxD):
+  return tuple(jax.ffi.ffi_call(LINEAR_TARGET, tuple(
+      jax.ShapeDtypeStruct((x_NxD.shape[0], w.shape[0]), x_NxD.dtype) for w in ws_OxD))(
+          x_NxD, *ws_OxD))
 
 
-_linear_call = _rows_vmap(_linear_ffi, 1)
+_linears_call = _rows_vmap(_linears_ffi, 1)
 
 
-def _einsum(x_NxD, w_OxD):
-  return jnp.einsum("nd,od->no", x_NxD, w_OxD)
+def _einsums(x_NxD, *ws_OxD):
+  return tuple(jnp.einsum("nd,od->no", x_NxD, w) for w in ws_OxD)
 
 
 @jax.custom_vjp
-def _linear_kernel(x_NxD, w_OxD):
-  return jax.lax.platform_dependent(x_NxD, w_OxD, cpu=_linear_call, default=_einsum)
+def _linears_kernel(x_NxD, ws_OxD):
+  return jax.lax.platform_dependent(x_NxD, *ws_OxD, cpu=_linears_call, default=_einsums)
 
 
-def _linear_fwd(x_NxD, w_OxD):
-  return _linear_kernel(x_NxD, w_OxD), (x_NxD, w_OxD)
+def _linears_fwd(x_NxD, ws_OxD):
+  return _linears_kernel(x_NxD, ws_OxD), (x_NxD, ws_OxD)
 
 
-def _linear_bwd(res, g_NxO):
-  return jax.vjp(_einsum, *res)[1](g_NxO)
+def _linears_bwd(res, gs_NxO):
+  x_NxD, ws_OxD = res
+  dx, *dws = jax.vjp(_einsums, x_NxD, *ws_OxD)[1](tuple(gs_NxO))
+  return dx, tuple(dws)
 
 
-_linear_kernel.defvjp(_linear_fwd, _linear_bwd)
+_linears_kernel.defvjp(_linears_fwd, _linears_bwd)
+
+
+def linears(x_NxD, ws_OxD) -> tuple:
+  """(x @ w.T for w in ws_OxD): one kernel call on CPU for a few rows when x and every
+  weight share an f32/bf16 dtype (f32 only when the weights hold at least
+  LINEAR_MIN_F32_BYTES together), else an einsum each. Projections of the same input
+  (q/k/v) go in one call: one dispatch and one wake-up of the pool for all of them."""
+  ws_OxD = tuple(ws_OxD)
+  ok = {jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)}
+  dt = jnp.dtype(x_NxD.dtype)
+  small_f32 = dt == jnp.float32 and sum(w.size * 4 for w in ws_OxD) < LINEAR_MIN_F32_BYTES
+  if (x_NxD.shape[0] <= LINEAR_MAX_TOKENS and dt in ok and not small_f32
+      and all(jnp.dtype(w.dtype) == dt for w in ws_OxD) and available()):
+    return _linears_kernel(x_NxD, ws_OxD)
+  return _einsums(x_NxD, *ws_OxD)
 
 
 def linear(x_NxD, w_OxD):
-  """x @ w.T: the kernel on CPU for a few rows of matching f32/bf16 dtypes (f32 only for
-  weights of at least LINEAR_MIN_F32_BYTES), else einsum."""
-  ok = {jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)}
-  small_f32 = (jnp.dtype(w_OxD.dtype) == jnp.float32
-               and w_OxD.size * w_OxD.dtype.itemsize < LINEAR_MIN_F32_BYTES)
-  if (x_NxD.shape[0] <= LINEAR_MAX_TOKENS and x_NxD.dtype == w_OxD.dtype
-      and jnp.dtype(x_NxD.dtype) in ok and not small_f32 and available()):
-    return _linear_kernel(x_NxD, w_OxD)
-  return _einsum(x_NxD, w_OxD)
+  """x @ w.T: `linears` with one weight."""
+  return linears(x_NxD, (w_OxD,))[0]

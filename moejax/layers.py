@@ -18,14 +18,29 @@ class Linear(nn.Module):
   dtype: jnp.dtype = jnp.float32
 
   @nn.compact
-  def __call__(self, x_NxD: jax.Array) -> jax.Array:
+  def __call__(self, x_NxD: jax.Array, *, params_only: bool = False):
+    """x @ weight.T (+ bias); with `params_only`, (weight, bias or None) for `linears`."""
     w_OxD = self.param("weight", nn.initializers.normal(0.02),
                        (self.features, x_NxD.shape[-1]), self.dtype)
-    lead = x_NxD.shape[:-1]
-    y = cpu_kernel.linear(x_NxD.reshape(-1, x_NxD.shape[-1]), w_OxD).reshape(*lead, -1)
-    if self.use_bias:
-      y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
-    return y
+    b_O = (self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
+           if self.use_bias else None)
+    if params_only:
+      return w_OxD, b_O
+    return _project(x_NxD, [(w_OxD, b_O)])[0]
+
+
+def _project(x_NxD, wbs):
+  lead = x_NxD.shape[:-1]
+  ys = cpu_kernel.linears(x_NxD.reshape(-1, x_NxD.shape[-1]), [w for w, _ in wbs])
+  return [y.reshape(*lead, -1) if b is None else y.reshape(*lead, -1) + b
+          for y, (_, b) in zip(ys, wbs)]
+
+
+def linears(x_NxD: jax.Array, mods) -> list:
+  """[m(x) for m in mods] for Linear modules of the same input, as one kernel call on
+  CPU for a few rows (a decode step's q/k/v, a SwiGLU's gate/up): one dispatch instead
+  of one per projection (cpu_kernel.linears)."""
+  return _project(x_NxD, [m(x_NxD, params_only=True) for m in mods])
 
 
 class RMSNorm(nn.Module):
@@ -49,8 +64,8 @@ def project_qkv(c, x_BxTxD: jax.Array, dtype):
   b, t, _ = x_BxTxD.shape
   hq, hk, hd = c.num_heads, c.num_kv_heads, c.head_dim
   lin = lambda n, f: Linear(f, use_bias=c.attention_bias, dtype=dtype, name=n)
-  q, k, v = lin("q_proj", hq * hd)(x_BxTxD), lin("k_proj", hk * hd)(x_BxTxD), lin(
-      "v_proj", hk * hd)(x_BxTxD)
+  q, k, v = linears(x_BxTxD, [lin("q_proj", hq * hd), lin("k_proj", hk * hd),
+                               lin("v_proj", hk * hd)])
   if c.qk_norm == "full":
     q = RMSNorm(c.rms_norm_eps, dtype, name="q_norm")(q)
     k = RMSNorm(c.rms_norm_eps, dtype, name="k_norm")(k)
@@ -71,8 +86,8 @@ class SwiGLU(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    g = Linear(self.intermediate_size, dtype=self.dtype, name="gate_proj")(x)
-    u = Linear(self.intermediate_size, dtype=self.dtype, name="up_proj")(x)
+    g, u = linears(x, [Linear(self.intermediate_size, dtype=self.dtype, name=n)
+                       for n in ("gate_proj", "up_proj")])
     return Linear(self.hidden_size, dtype=self.dtype, name="down_proj")(jax.nn.silu(g) * u)
 
 

@@ -88,6 +88,83 @@ def test_linear_hand_checked_and_matches_einsum():
   chex.assert_trees_all_close(g(x32, w32), gx(x32, w32), rtol=1e-4, atol=1e-4)
 
 
+def test_linears_run_as_one_kernel_call():
+  """q/k/v of one input: one kernel call with three results, each x @ w.T (hand-checked
+  rows, then random f32/bf16 against einsum), under vmap, and with XLA's gradients."""
+  x = jnp.array([[1.0, 2.0, 3.0]])
+  ws = (jnp.array([[1.0, 0.0, 0.0]]), jnp.array([[0.0, 1.0, 1.0], [1.0, 1.0, 1.0]]),
+        jnp.array([[2.0, 0.0, -1.0]]))
+  with cpu_kernel.enabled(True):
+    old = cpu_kernel.LINEAR_MIN_F32_BYTES
+    cpu_kernel.LINEAR_MIN_F32_BYTES = 0
+    try:
+      fn = jax.jit(lambda x, ws: cpu_kernel.linears(x, ws))
+      got = fn(x, ws)
+      hlo = fn.lower(x, ws).as_text()
+    finally:
+      cpu_kernel.LINEAR_MIN_F32_BYTES = old
+  chex.assert_trees_all_close(got, (jnp.array([[1.0]]), jnp.array([[5.0, 6.0]]),
+                                    jnp.array([[-1.0]])))
+  assert hlo.count(cpu_kernel.LINEAR_TARGET) == 1 and "dot" not in hlo
+  rng = np.random.default_rng(3)
+  for dtype in (jnp.float32, jnp.bfloat16):
+    x = jnp.asarray(rng.normal(size=(3, 600)), dtype)
+    ws = tuple(jnp.asarray(rng.normal(size=(o, 600)), dtype) for o in (512, 256, 130))
+    fn = jax.jit(lambda x, ws: cpu_kernel.linears(x, ws))  # 1.9 MB in f32: the kernel
+    assert fn.lower(x, ws).as_text().count(cpu_kernel.LINEAR_TARGET) == 1
+    tol = 1e-5 if dtype == jnp.float32 else 1e-2
+    for y, w in zip(fn(x, ws), ws):
+      assert y.dtype == dtype and y.shape == (3, w.shape[0])
+      want = jnp.asarray(x, jnp.float32) @ jnp.asarray(w, jnp.float32).T
+      chex.assert_trees_all_close(jnp.asarray(y, jnp.float32), want,
+                                  atol=tol * float(jnp.max(jnp.abs(want))), rtol=0)
+  x, ws = jnp.asarray(x, jnp.float32), tuple(jnp.asarray(w, jnp.float32) for w in ws)
+  xb = jnp.stack([x, 2 * x])
+  got = jax.jit(jax.vmap(lambda x: cpu_kernel.linears(x, ws)))(xb)
+  for b in range(2):
+    for y, w in zip(got, ws):
+      chex.assert_trees_all_close(y[b], xb[b] @ w.T, rtol=1e-4, atol=1e-3)
+  x = x / 30   # outputs of order 1: sin's gradient does not amplify rounding
+  loss = lambda f: lambda x, ws: sum(jnp.sum(jnp.sin(y)) for y in f(x, ws))
+  g = jax.grad(loss(cpu_kernel.linears), argnums=(0, 1))(x, ws)
+  gx = jax.grad(loss(lambda x, ws: [x @ w.T for w in ws]), argnums=(0, 1))(x, ws)
+  chex.assert_trees_all_close(g, gx, rtol=1e-4, atol=1e-4)
+
+
+def test_spinning_helpers_and_pool_tasks_give_the_same_bits():
+  """A decode call's work items go to the kernel's spinning helper threads (default) or to
+  tasks on XLA's pool (set_spin_us(0)); which thread computes an item changes no bit, for
+  decode-sized calls and a prompt-sized one (always the pool), repeated back to back."""
+  rng = np.random.default_rng(4)
+  w = {"gate_up": jnp.asarray(rng.normal(size=(16, 64, 96)), jnp.float32),
+       "down": jnp.asarray(rng.normal(size=(16, 96, 32)), jnp.float32)}
+  ws = tuple(jnp.asarray(rng.normal(size=(o, 96)), jnp.float32) for o in (1024, 512))
+  fn = jax.jit(lambda x, ids, g: (experts_lib.apply_experts(x, ids, g, w),
+                                  cpu_kernel.linears(x, ws)))
+  def run():
+    out = []
+    for n in (1, 4, 40):
+      x = jnp.asarray(rng.normal(size=(n, 96)), jnp.float32)
+      ids = jnp.asarray(rng.integers(0, 16, (n, 4)), jnp.int32)
+      g = jnp.asarray(rng.random((n, 4)), jnp.float32)
+      out += [fn(x, ids, g) for _ in range(3)]
+    return jax.device_get(out)
+  state = rng.bit_generator.state
+  try:
+    assert cpu_kernel.set_spin_us(0)
+    pooled = run()
+    rng.bit_generator.state = state
+    assert cpu_kernel.set_spin_us(1000)
+    spun = run()
+  finally:
+    cpu_kernel.set_spin_us(1000)
+  chex.assert_trees_all_equal(pooled, spun)
+  ids = jnp.zeros((1, 4), jnp.int32)
+  want = experts_lib.xla_experts(jnp.ones((1, 96)), ids, jnp.ones((1, 4)), w)
+  chex.assert_trees_all_close(fn(jnp.ones((1, 96)), ids, jnp.ones((1, 4)))[0], want,
+                              rtol=1e-4, atol=1e-3)
+
+
 def test_vmap_folds_the_batch_into_one_kernel_call(monkeypatch):
   """vmap with shared weights (the emulator's streams): one kernel call over B*N rows,
   no loop; with per-element weights: one call per element. Both equal XLA's result."""

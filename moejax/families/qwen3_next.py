@@ -31,7 +31,8 @@ import jax.numpy as jnp
 
 from moejax.families.base import (Family, common_fields, decoder_sparse_layers,
                                   require_default_rope)
-from moejax.layers import Linear, SwiGLU, apply_rope, cached_attention, rope_cos_sin
+from moejax.layers import (Linear, SwiGLU, apply_rope, cached_attention, linears,
+                           rope_cos_sin)
 
 LINEAR, FULL = "linear_attention", "full_attention"
 
@@ -96,10 +97,11 @@ class GatedAttention(nn.Module):
     b, t, _ = x_BxTxD.shape
     hq, hk, hd = c.num_heads, c.num_kv_heads, c.head_dim
     lin = lambda n, f: Linear(f, use_bias=c.attention_bias, dtype=self.dtype, name=n)
-    qg = lin("q_proj", hq * hd * 2)(x_BxTxD).reshape(b, t, hq, 2 * hd)
+    qg, k, v = linears(x_BxTxD, [lin("q_proj", hq * hd * 2), lin("k_proj", hk * hd),
+                                 lin("v_proj", hk * hd)])
+    qg = qg.reshape(b, t, hq, 2 * hd)
     q, gate = qg[..., :hd], qg[..., hd:].reshape(b, t, hq * hd)
-    k = lin("k_proj", hk * hd)(x_BxTxD).reshape(b, t, hk, hd)
-    v = lin("v_proj", hk * hd)(x_BxTxD).reshape(b, t, hk, hd)
+    k, v = k.reshape(b, t, hk, hd), v.reshape(b, t, hk, hd)
     q = ZeroCentredRMSNorm(c.rms_norm_eps, self.dtype, name="q_norm")(q)
     k = ZeroCentredRMSNorm(c.rms_norm_eps, self.dtype, name="k_norm")(k)
     rd = rotary_dim(c)
@@ -244,8 +246,9 @@ class GatedDeltaNet(nn.Module):
     dk, dv, ks = c.linear_key_head_dim, c.linear_value_head_dim, c.linear_conv_kernel_dim
     r = nv // nk
     conv_dim = 2 * nk * dk + nv * dv
-    qkvz = Linear(2 * nk * dk + 2 * nv * dv, dtype=self.dtype, name="in_proj_qkvz")(x_BxTxD)
-    ba = Linear(2 * nv, dtype=self.dtype, name="in_proj_ba")(x_BxTxD)
+    qkvz, ba = linears(x_BxTxD, [
+        Linear(2 * nk * dk + 2 * nv * dv, dtype=self.dtype, name="in_proj_qkvz"),
+        Linear(2 * nv, dtype=self.dtype, name="in_proj_ba")])
     qkvz = qkvz.reshape(bsz, t, nk, 2 * dk + 2 * r * dv)
     q, k = qkvz[..., :dk], qkvz[..., dk:2 * dk]
     v = qkvz[..., 2 * dk:2 * dk + r * dv]

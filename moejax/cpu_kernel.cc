@@ -5,10 +5,11 @@
 // with gate_up[e] = [gate; up] of shape [2I, D] and down[e] of shape [D, I], read in
 // place (the table or the offload engine's slot buffers; no copy of a selected expert).
 // The (token, expert) pairs are sorted by expert and cut into blocks of up to kBlock
-// tokens; each block is one work item (both matmuls of one expert for its tokens), so a
-// decode token's top-k experts run as k items and a prompt's as ~N*K/kBlock items, shared
-// between the calling thread and XLA's intra-op thread pool. Weights and activations are
-// f32 or bf16; products are accumulated in f32.
+// tokens. In a prompt each block is one work item (both matmuls of one expert for its
+// tokens), ~N*K/kBlock items shared between the calling thread and XLA's intra-op thread
+// pool. A decode call (up to kDecodeTokens tokens) runs in finer items, 32 gate/up rows or
+// 64 down rows of one block, shared with helper threads that stay awake between calls
+// (Spinners). Weights and activations are f32 or bf16; products are accumulated in f32.
 #include <algorithm>
 #include <condition_variable>
 #include <cstdlib>
@@ -31,6 +32,7 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int64_t kBlock = 32;  // tokens of one expert per work item
+constexpr int64_t kDecodeTokens = 16;  // calls of up to this many tokens: decode_phases
 
 typedef float v8f __attribute__((vector_size(32)));
 typedef uint16_t v8h __attribute__((vector_size(16)));
@@ -156,6 +158,15 @@ void run_item(const Problem& p, const Item& it) {
   }
 }
 
+// A decode call (a few tokens) in finer items, so that both threads stay busy to the end:
+// phase 1 = (block, 32 gate rows + the matching 32 up rows, then their activations),
+// phase 2 = (block, 64 rows of down). Every row's dot is computed as run_item computes it,
+// so the results are the same bits.
+constexpr int64_t kActChunk = 32, kDownChunk = 64;
+
+template <typename W>
+void decode_phases(ffi::ThreadPool& pool, Problem& p);
+
 // Work shared by parallel_for: fn(0..total-1), indices claimed from a shared counter; the
 // caller waits only for claimed ones, so a helper that starts late finds nothing left and
 // never touches fn's captures after the call returned.
@@ -251,6 +262,52 @@ void parallel_for(ffi::ThreadPool& pool, int64_t total, std::function<void(int64
   while (s->done.load(std::memory_order_acquire) < total) std::this_thread::yield();
 }
 
+template <typename W>
+void decode_phases(ffi::ThreadPool& pool, Problem& p) {
+  const int64_t d = p.d, inter = p.inter, rows = static_cast<int64_t>(p.order.size());
+  std::vector<float> xs(rows * d), a(rows * inter);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t tok = p.order[r] / p.k;
+    if (p.x_bf16) {
+      const uint16_t* src = static_cast<const uint16_t*>(p.x) + tok * d;
+      for (int64_t j = 0; j < d; ++j) xs[r * d + j] = to_f32(src[j]);
+    } else {
+      std::memcpy(&xs[r * d], static_cast<const float*>(p.x) + tok * d, d * sizeof(float));
+    }
+  }
+  const W* gate_up = static_cast<const W*>(p.gate_up);
+  const W* down = static_cast<const W*>(p.down);
+  const int64_t items = static_cast<int64_t>(p.items.size());
+  const int64_t c1 = (inter + kActChunk - 1) / kActChunk, c2 = (d + kDownChunk - 1) / kDownChunk;
+  parallel_for(pool, items * c1, [&](int64_t q) {
+    const Item& it = p.items[q / c1];
+    const int64_t nt = it.end - it.begin, j0 = (q % c1) * kActChunk;
+    const int64_t nj = std::min(kActChunk, inter - j0);
+    const W* gu = gate_up + it.expert * 2 * inter * d;
+    float g[kActChunk * kBlock], u[kActChunk * kBlock];
+    rows_dot(gu + j0 * d, nj, d, &xs[it.begin * d], nt, g, nj);
+    rows_dot(gu + (inter + j0) * d, nj, d, &xs[it.begin * d], nt, u, nj);
+    for (int64_t t = 0; t < nt; ++t)
+      for (int64_t j = 0; j < nj; ++j) {
+        const float gv = g[t * nj + j];
+        a[(it.begin + t) * inter + j0 + j] = gv / (1.0f + std::exp(-gv)) * u[t * nj + j];
+      }
+  }, true);
+  parallel_for(pool, items * c2, [&](int64_t q) {
+    const Item& it = p.items[q / c2];
+    const int64_t nt = it.end - it.begin, r0 = (q % c2) * kDownChunk;
+    const int64_t nr = std::min(kDownChunk, d - r0);
+    float y[kDownChunk * kBlock];
+    rows_dot(down + it.expert * d * inter + r0 * inter, nr, inter, &a[it.begin * inter], nt,
+             y, nr);
+    for (int64_t t = 0; t < nt; ++t) {
+      const int64_t pair = p.order[it.begin + t];
+      const float gate = p.gates[pair];
+      for (int64_t j = 0; j < nr; ++j) p.pair_out[pair * d + r0 + j] = gate * y[t * nr + j];
+    }
+  }, true);
+}
+
 void to_f32_rows(const void* x, bool bf16, int64_t count, float* out) {
   if (!bf16) {
     std::memcpy(out, x, count * sizeof(float));
@@ -317,10 +374,15 @@ ffi::Error ExpertFfnImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi
   p->pair_out.assign(pairs * p->d, 0.0f);
 
   const Problem& prob = *p;
-  parallel_for(pool, static_cast<int64_t>(p->items.size()), [&prob](int64_t i) {
-    if (prob.w_bf16) run_item<uint16_t>(prob, prob.items[i]);
-    else run_item<float>(prob, prob.items[i]);
-  }, p->n <= 16);
+  if (p->n <= kDecodeTokens) {
+    if (p->w_bf16) decode_phases<uint16_t>(pool, *p);
+    else decode_phases<float>(pool, *p);
+  } else {
+    parallel_for(pool, static_cast<int64_t>(p->items.size()), [&prob](int64_t i) {
+      if (prob.w_bf16) run_item<uint16_t>(prob, prob.items[i]);
+      else run_item<float>(prob, prob.items[i]);
+    }, false);
+  }
 
   const int64_t n = p->n, k = p->k, d = p->d;
   std::vector<float> acc(d);

@@ -42,7 +42,7 @@ LINEAR_MAX_TOKENS = 16   # up to this many rows of x: the kernel (decode); more:
 LINEAR_MIN_F32_BYTES = 1 << 20
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _SRCS = [os.path.join(_HERE, "cpu_kernel.cc"), os.path.join(_HERE, "cpu_attention.cc")]
-_HEADERS = [os.path.join(_HERE, "cpu_bf16.h")]   # part of the build key
+_HEADERS = [os.path.join(_HERE, "cpu_bf16.h"), os.path.join(_HERE, "cpu_threads.h")]  # build key
 ATTENTION_TARGET = "moejax_decode_attention"     # cpu_attention.cc, wrapped by cpu_attention.py
 _FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC"]
 _lock = threading.Lock()

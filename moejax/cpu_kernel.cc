@@ -102,6 +102,15 @@ void rows_dot(const W* w, int64_t rows, int64_t len, const float* x, int64_t nt,
       micro_t<1>(w + r * len, x + t * len, len, std::min<int64_t>(4, nt - t), out + t * os + r, os);
 }
 
+void to_f32_rows(const void* x, bool bf16, int64_t count, float* out) {
+  if (!bf16) {
+    std::memcpy(out, x, count * sizeof(float));
+    return;
+  }
+  const uint16_t* src = static_cast<const uint16_t*>(x);
+  for (int64_t j = 0; j < count; ++j) out[j] = to_f32(src[j]);
+}
+
 struct Item {
   int64_t expert, begin, end;  // a run of pairs in the expert-sorted order
 };
@@ -120,6 +129,14 @@ struct Problem {
   std::vector<float> pair_out;  // [n * k, d], gate applied
 };
 
+// xs[t] = x[token of the t-th sorted pair from `first`], in f32, for `count` pairs.
+void gather_x(const Problem& p, int64_t first, int64_t count, float* xs) {
+  const int64_t d = p.d, width = p.x_bf16 ? 2 : 4;
+  for (int64_t t = 0; t < count; ++t)
+    to_f32_rows(static_cast<const char*>(p.x) + (p.order[first + t] / p.k) * d * width,
+                p.x_bf16, d, xs + t * d);
+}
+
 template <typename W>
 void run_item(const Problem& p, const Item& it) {
   const int64_t nt = it.end - it.begin, d = p.d, inter = p.inter;
@@ -128,15 +145,7 @@ void run_item(const Problem& p, const Item& it) {
   h.resize(nt * 2 * inter);
   a.resize(nt * inter);
   y.resize(nt * d);
-  for (int64_t t = 0; t < nt; ++t) {
-    const int64_t tok = p.order[it.begin + t] / p.k;
-    if (p.x_bf16) {
-      const uint16_t* src = static_cast<const uint16_t*>(p.x) + tok * d;
-      for (int64_t j = 0; j < d; ++j) xs[t * d + j] = to_f32(src[j]);
-    } else {
-      std::memcpy(&xs[t * d], static_cast<const float*>(p.x) + tok * d, d * sizeof(float));
-    }
-  }
+  gather_x(p, it.begin, nt, xs.data());
   const W* gu = static_cast<const W*>(p.gate_up) + it.expert * 2 * inter * d;
   const W* dn = static_cast<const W*>(p.down) + it.expert * d * inter;
   rows_dot(gu, 2 * inter, d, xs.data(), nt, h.data(), 2 * inter);
@@ -161,21 +170,10 @@ void run_item(const Problem& p, const Item& it) {
 constexpr int64_t kActChunk = 32, kDownChunk = 64;
 
 template <typename W>
-void decode_phases(ffi::ThreadPool& pool, Problem& p);
-
-template <typename W>
 void decode_phases(ffi::ThreadPool& pool, Problem& p) {
   const int64_t d = p.d, inter = p.inter, rows = static_cast<int64_t>(p.order.size());
   std::vector<float> xs(rows * d), a(rows * inter);
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t tok = p.order[r] / p.k;
-    if (p.x_bf16) {
-      const uint16_t* src = static_cast<const uint16_t*>(p.x) + tok * d;
-      for (int64_t j = 0; j < d; ++j) xs[r * d + j] = to_f32(src[j]);
-    } else {
-      std::memcpy(&xs[r * d], static_cast<const float*>(p.x) + tok * d, d * sizeof(float));
-    }
-  }
+  gather_x(p, 0, rows, xs.data());
   const W* gate_up = static_cast<const W*>(p.gate_up);
   const W* down = static_cast<const W*>(p.down);
   const int64_t items = static_cast<int64_t>(p.items.size());
@@ -209,14 +207,6 @@ void decode_phases(ffi::ThreadPool& pool, Problem& p) {
   }, true);
 }
 
-void to_f32_rows(const void* x, bool bf16, int64_t count, float* out) {
-  if (!bf16) {
-    std::memcpy(out, x, count * sizeof(float));
-    return;
-  }
-  const uint16_t* src = static_cast<const uint16_t*>(x);
-  for (int64_t j = 0; j < count; ++j) out[j] = to_f32(src[j]);
-}
 
 void store(const float* src, int64_t count, bool bf16, void* dst) {
   if (!bf16) {

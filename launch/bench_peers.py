@@ -46,7 +46,7 @@ from launch import bench_models
 from launch import llama_cpp
 from moejax import cpu_kernel
 from moejax.offload.engine import OffloadEngine
-from moejax.sampler import Sampler, SamplingParams
+from moejax.sampler import Sampler, SamplingParams, next_token
 from moejax.tokenizer import Tokenizer
 
 FLAGS = flags.FLAGS
@@ -126,11 +126,12 @@ class EngineRunner:
 
   def decode(self, prompt: np.ndarray) -> float:
     if self.lazy:
-      tok = jnp.argmax(self.eng.prefill([int(t) for t in prompt])).astype(jnp.int32)
+      key = jax.random.PRNGKey(0)   # greedy (temperature 0), one jitted dispatch a token
+      tok = next_token(self.eng.prefill([int(t) for t in prompt]), key, 0.0, 1.0)
       def run_lazy():
         nonlocal tok
         for _ in range(FLAGS.decode_tokens):
-          tok = jnp.argmax(self.eng.decode_step(tok, lazy=True)).astype(jnp.int32)
+          tok = next_token(self.eng.decode_step(tok, lazy=True), key, 0.0, 1.0)
         tok.block_until_ready()
       rate = _rate(FLAGS.decode_tokens, run_lazy)
       t = time.perf_counter()     # the records, built when read (not in the decode time)

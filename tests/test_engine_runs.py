@@ -2,6 +2,8 @@
 outputs, records and resident sets as one call per layer step, for every preset, with
 staging slots, the host policy, a link, two layer kinds and a dense first layer."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -144,3 +146,30 @@ def test_lazy_steps_equal_plain_steps(family, over, frac, tmp_path_factory):
     assert outs[True][3][-1] == (32, n - 32)
   else:
     assert outs[True][3] == [(0, 0)] * n
+
+
+def test_state_table_stacks_and_unstacks_the_metadata():
+  """`StateTable`: the straight run's stacked metadata and the per-layer states stay one
+  thing: stacked rows are the layers in order, a stacked successor shows in every layer,
+  a per-layer write after it keeps the other layers' successor values and restacks."""
+  from moejax.offload import resident as resident_lib
+  spec = {"w": ((2,), jnp.float32)}
+  states = {l: resident_lib.init_state(4, 2, spec) for l in (1, 3)}   # MoE layers 1 and 3
+  states[3] = dataclasses.replace(states[3], freq=jnp.asarray([1.0, 2.0, 3.0, 4.0]))
+  table = runs_lib.StateTable(states)
+  assert list(table) == [1, 3] and len(table) == 2
+  st = table.stacked()
+  assert set(st) == set(runs_lib.META) and st["freq"].shape == (2, 4)
+  np.testing.assert_array_equal(st["freq"], [[0, 0, 0, 0], [1, 2, 3, 4]])
+  # the run's successor: layer 1's step becomes 5, layer 3's freq doubles
+  table.set_stacked(dict(st, step=st["step"].at[0].set(5), freq=st["freq"] * 2))
+  assert int(table[1].step) == 5 and int(table[3].step) == 0
+  np.testing.assert_array_equal(table[3].freq, [2, 4, 6, 8])
+  assert table[1].buffers is states[1].buffers       # slot buffers are never stacked
+  table[1] = dataclasses.replace(table[1], step=jnp.asarray(7, table[1].step.dtype))
+  np.testing.assert_array_equal(table[3].freq, [2, 4, 6, 8])   # kept
+  st = table.stacked()
+  np.testing.assert_array_equal(st["step"], [7, 0])
+  np.testing.assert_array_equal(st["freq"][1], [2, 4, 6, 8])
+  with pytest.raises(TypeError):
+    del table[1]

@@ -76,7 +76,7 @@ from moejax.offload import steps as steps_lib
 from moejax.offload import token_decode
 from moejax.offload import transfer as transfer_lib
 from moejax.offload.stats import TokenRecord, format_stats, summarize  # noqa: F401 (re-export)
-from moejax.sampler import SamplingParams, bucket, sample_token
+from moejax.sampler import SamplingParams, bucket, next_token
 
 
 def _shutdown(prefetcher: transfer_lib.Prefetcher):
@@ -148,8 +148,9 @@ class OffloadEngine:
     self.states = {l: self._put(resident_lib.init_state(cfg.num_experts, self.budget.physical,
                                                         spec)) for l in self.moe_layers}
     self._zero_x = np.zeros((1, 1, cfg.hidden_size), jnp.dtype(dtype))   # host expert output
-    self.states, initial = resident_lib.fill_initial(
+    states, initial = resident_lib.fill_initial(
         self.states, initial, self.budget, store, policy.cache, cfg, profile_counts)
+    self.states = runs_lib.StateTable(states)
     # every expert resident for good: a token's layer run cannot stop (`runs`, straight)
     straight = straight_run and run and self.budget.all_resident and initial == "all"
     self._straight = (runs_lib.run_fn(cfg, dtype, policy.decision, policy.cache, self._trim_to,
@@ -279,7 +280,8 @@ class OffloadEngine:
     run = self._straight if self._straight is not None else self._run
     if run is not None:
       runs_lib.warm(run, self.params, self._placeholder(), self.states,
-                    self._put(init_cache(cfg, 1, self.max_len, self.dtype)))
+                    self._put(init_cache(cfg, 1, self.max_len, self.dtype)),
+                    straight=self._straight is not None)
     if self._spec is not None:
       prefetch_lib.warm(self._layers, cfg, self.params, self.states, x, tp, new_kv,
                         self._zero_x, self._zero_rows, self._host_rows)
@@ -410,8 +412,7 @@ class OffloadEngine:
     out = []
     for i in range(sp.max_new_tokens):
       key, sub = jax.random.split(key)
-      tid = int(sample_token(jnp.asarray(logits)[None], sub, float(sp.temperature),
-                             float(sp.top_p))[0])
+      tid = int(next_token(logits, sub, float(sp.temperature), float(sp.top_p)))
       out.append(tid)
       if on_token:
         on_token(tid)

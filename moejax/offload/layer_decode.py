@@ -96,17 +96,23 @@ class LayerDecoder:
     call, nothing queued) and takes its caches and resident states; reads nothing back
     (`run_read`), so the host may go on before the device is done.  -> (out, straight)."""
     stop = runs_lib.stop_mask(self.moe_layers, self.slots.adm.pending)
-    metas, bufs = {}, {}
-    for l in self.moe_layers:
-      metas[l], bufs[l] = runs_lib.split_state(self.states[l])
     j = -1 if pend is None else pend.layer
     args = zero_pend if pend is None else (pend.h, pend.moe_in, pend.dec, pend.host_out)
     mark("run", start)
     straight = self.straight is not None and start == 0 and pend is None and not stop.any()
-    run = self.straight if straight else self.run
-    out = run(params, np.int32(start), np.int32(j), args, x, tp, cache, metas, bufs, stop)
+    if straight:      # metadata stacked over the layers (`runs.StateTable`)
+      out = self.straight(params, np.int32(start), np.int32(j), runs_lib.straight_pend(args),
+                          x, tp, cache,
+                          self.states.stacked(), self.states.buffers(), stop)
+      self.states.set_stacked(out.metas)
+    else:
+      metas, bufs = {}, {}
+      for l in self.moe_layers:
+        metas[l], bufs[l] = runs_lib.split_state(self.states[l])
+      out = self.run(params, np.int32(start), np.int32(j), args, x, tp, cache, metas, bufs,
+                     stop)
+      runs_lib.restate(self.states, out.metas)
     cache[:] = out.caches
-    runs_lib.restate(self.states, out.metas)
     return out, straight
 
   def run_read(self, info, straight: bool, rec: TokenRecord, mark):

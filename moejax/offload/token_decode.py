@@ -26,12 +26,21 @@ from __future__ import annotations
 import collections
 import time
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from moejax.offload import runs as runs_lib
 from moejax.offload.policy import HOST
 from moejax.offload.stats import TokenRecord
+
+
+@jax.jit
+def _token_position(token, position):
+  """[token, position] int32 for a run call, in one dispatch: built eagerly (asarray,
+  reshape, concatenate) it cost ~0.24 ms a token on the CPU backend, a sixth of the
+  demo model's step."""
+  return jnp.stack([jnp.asarray(token, jnp.int32).reshape(()), position])
 
 
 class TokenDecoder:
@@ -107,8 +116,7 @@ class TokenDecoder:
     """One straight run for `token` (an int or a device int32 scalar) at `end_index`;
     -> the logits [V] on the device, not waited for.  Its record is read later."""
     x0, zero_pend = no_pend
-    tp = jnp.concatenate([jnp.asarray(token, jnp.int32).reshape(1),
-                          np.asarray([end_index], np.int32)])
+    tp = _token_position(token, np.int32(end_index))
     out, straight = self.layers.run_call(params, 0, None, x0, tp, cache, zero_pend,
                                          lambda ev, l: None)
     if not straight:

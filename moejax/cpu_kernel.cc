@@ -111,6 +111,10 @@ void to_f32_rows(const void* x, bool bf16, int64_t count, float* out) {
   for (int64_t j = 0; j < count; ++j) out[j] = to_f32(src[j]);
 }
 
+// SwiGLU's activation, silu(g) * u: the one expression both expert paths use, so that
+// per-block items and decode_phases give the same bits.
+inline float silu_mul(float g, float u) { return g / (1.0f + std::exp(-g)) * u; }
+
 struct Item {
   int64_t expert, begin, end;  // a run of pairs in the expert-sorted order
 };
@@ -150,10 +154,8 @@ void run_item(const Problem& p, const Item& it) {
   const W* dn = static_cast<const W*>(p.down) + it.expert * d * inter;
   rows_dot(gu, 2 * inter, d, xs.data(), nt, h.data(), 2 * inter);
   for (int64_t t = 0; t < nt; ++t)
-    for (int64_t j = 0; j < inter; ++j) {
-      const float g = h[t * 2 * inter + j], u = h[t * 2 * inter + inter + j];
-      a[t * inter + j] = g / (1.0f + std::exp(-g)) * u;
-    }
+    for (int64_t j = 0; j < inter; ++j)
+      a[t * inter + j] = silu_mul(h[t * 2 * inter + j], h[t * 2 * inter + inter + j]);
   rows_dot(dn, d, inter, a.data(), nt, y.data(), d);
   for (int64_t t = 0; t < nt; ++t) {
     const int64_t pair = p.order[it.begin + t];
@@ -187,10 +189,8 @@ void decode_phases(ffi::ThreadPool& pool, Problem& p) {
     rows_dot(gu + j0 * d, nj, d, &xs[it.begin * d], nt, g, nj);
     rows_dot(gu + (inter + j0) * d, nj, d, &xs[it.begin * d], nt, u, nj);
     for (int64_t t = 0; t < nt; ++t)
-      for (int64_t j = 0; j < nj; ++j) {
-        const float gv = g[t * nj + j];
-        a[(it.begin + t) * inter + j0 + j] = gv / (1.0f + std::exp(-gv)) * u[t * nj + j];
-      }
+      for (int64_t j = 0; j < nj; ++j)
+        a[(it.begin + t) * inter + j0 + j] = silu_mul(g[t * nj + j], u[t * nj + j]);
   }, true);
   parallel_for(pool, items * c2, [&](int64_t q) {
     const Item& it = p.items[q / c2];

@@ -263,10 +263,11 @@ def placeholders(cfg: ModelConfig, dtype, policy: policy_lib.PolicyParams, budge
 def warm(run, params, placeholder, states: dict, caches, straight: bool = False):
   """Compiles `run` (the straight one: `straight`) on throwaway copies of the metadata
   (states untouched; `caches` fresh, donated)."""
-  metas = {l: jax.tree_util.tree_map(jnp.copy, split_state(s)[0]) for l, s in states.items()}
-  if straight:
-    metas = stack_metas(metas, tuple(states))
+  if straight:       # stacked as `StateTable.stacked` stacks them (fresh arrays)
+    metas = _stack_jit({l: split_state(s)[0] for l, s in states.items()}, tuple(states))
     placeholder = (placeholder[0], straight_pend(placeholder[1]))
+  else:
+    metas = {l: jax.tree_util.tree_map(jnp.copy, split_state(s)[0]) for l, s in states.items()}
   bufs = {l: s.buffers for l, s in states.items()}
   x0, pend = placeholder
   jax.block_until_ready(run(params, np.int32(0), np.int32(-1), pend, x0, np.zeros(2, np.int32),

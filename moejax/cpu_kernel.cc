@@ -90,9 +90,16 @@ inline void micro_t(const W* w, const float* x, int64_t len, int64_t nt, float* 
 }
 
 // out[t, r] (row stride os) = w[r, :] . x[t, :] for all rows and nt tokens.
+// One token (decode) reads the rows one after another: four rows interleaved read at about
+// half the bandwidth on the 2-core EPYC VM (docs/speed.md, "One row at a time"). micro<1, 1>
+// does each (row, token)'s arithmetic as micro<4, T> does, so the bits do not change.
 template <typename W>
 void rows_dot(const W* w, int64_t rows, int64_t len, const float* x, int64_t nt, float* out,
               int64_t os) {
+  if (nt == 1) {
+    for (int64_t r = 0; r < rows; ++r) micro<1, 1>(w + r * len, x, len, out + r, os);
+    return;
+  }
   int64_t r = 0;
   for (; r + 4 <= rows; r += 4)
     for (int64_t t = 0; t < nt; t += 4)
@@ -290,6 +297,7 @@ ffi::Error ExpertFfnImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi
 }
 
 constexpr int64_t kLinearRows = 64;  // output rows per work item
+constexpr int64_t kLinearSerialBytes = 256 << 10;  // fewer weight bytes: the calling thread
 
 // y_i = x @ w_i.T for each weight w_i [O_i, D] (one or more: a layer's q/k/v projections of
 // the same input run as one call, so one dispatch and one wake-up of the pool cover them).
@@ -328,14 +336,22 @@ ffi::Error LinearImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArgs
   }
   std::vector<float> xs(n * d);
   to_f32_rows(x.untyped_data(), x_bf16, n * d, xs.data());
-  parallel_for(pool, static_cast<int64_t>(items.size()), [&](int64_t it) {
+  int64_t bytes = 0;
+  for (const Out& out : outs) bytes += out.o * d * (out.w_bf16 ? 2 : 4);
+  auto run = [&](int64_t it) {
     Out& out = outs[items[it].first];
     const int64_t r0 = items[it].second, rows = std::min(kLinearRows, out.o - r0);
     if (out.w_bf16) rows_dot(static_cast<const uint16_t*>(out.w) + r0 * d, rows, d,
                              xs.data(), n, out.acc.data() + r0, out.o);
     else rows_dot(static_cast<const float*>(out.w) + r0 * d, rows, d, xs.data(), n,
                   out.acc.data() + r0, out.o);
-  }, true);
+  };
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  if (bytes < kLinearSerialBytes) {   // a small model's projections: no helper to wake
+    for (int64_t it = 0; it < num_items; ++it) run(it);
+  } else {
+    parallel_for(pool, num_items, run, true);
+  }
   for (Out& out : outs) store(out.acc.data(), n * out.o, x_bf16, out.y);
   return ffi::Error::Success();
 }

@@ -41,9 +41,11 @@ LINEAR_MAX_TOKENS = 16   # up to this many rows of x: the kernel (decode); more:
 # kernel: XLA converts the weights to f32 before each dot.
 LINEAR_MIN_F32_BYTES = 1 << 20
 _HERE = os.path.dirname(os.path.abspath(__file__))
-_SRCS = [os.path.join(_HERE, "cpu_kernel.cc"), os.path.join(_HERE, "cpu_attention.cc")]
+_SRCS = [os.path.join(_HERE, f) for f in ("cpu_kernel.cc", "cpu_attention.cc", "cpu_rows.cc")]
 _HEADERS = [os.path.join(_HERE, "cpu_bf16.h"), os.path.join(_HERE, "cpu_threads.h")]  # build key
 ATTENTION_TARGET = "moejax_decode_attention"     # cpu_attention.cc, wrapped by cpu_attention.py
+RMS_NORM_TARGET = "moejax_rms_norm"              # cpu_rows.cc, wrapped by cpu_rows.py
+ROUTE_SOFTMAX_TARGET = "moejax_route_softmax"    # cpu_rows.cc, wrapped by cpu_rows.py
 _FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC"]
 _lock = threading.Lock()
 _state = {"loaded": None, "enabled": os.environ.get("MOEJAX_CPU_KERNEL", "1") != "0"}
@@ -101,6 +103,9 @@ def available() -> bool:
         jax.ffi.register_ffi_target(ATTENTION_TARGET,
                                     jax.ffi.pycapsule(lib.MoejaxDecodeAttention),
                                     platform="cpu")
+        for target, symbol in ((RMS_NORM_TARGET, lib.MoejaxRmsNorm),
+                               (ROUTE_SOFTMAX_TARGET, lib.MoejaxRouteSoftmax)):
+          jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(symbol), platform="cpu")
         lib.moejax_set_spin_us.argtypes = [ctypes.c_int64]
         _state["lib"], _state["loaded"] = lib, True
       except (RuntimeError, OSError, AttributeError) as e:
@@ -139,7 +144,7 @@ def supports(x_NxD, w: dict) -> bool:
           and jnp.dtype(w["gate_up"].dtype) in ok and w["gate_up"].dtype == w["down"].dtype)
 
 
-def _rows_vmap(fn, n_rows_args: int):
+def rows_vmap(fn, n_rows_args: int):
   """`fn` with a vmap rule for kernels whose first `n_rows_args` arguments are per-row
   (leading axis N) and the rest weights (so are its outputs, one or a tuple): with
   unbatched weights the batch axis is folded into the rows (one kernel call over B*N
@@ -169,7 +174,7 @@ def _expert_call(x_NxD, ids_NxK, gates_NxK, gate_up_Ex2IxD, down_ExDxI):
       down_ExDxI)
 
 
-_call = _rows_vmap(_expert_call, 3)
+_call = rows_vmap(_expert_call, 3)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -204,7 +209,7 @@ def _linears_ffi(x_NxD, *ws_OxD):
           x_NxD, *ws_OxD))
 
 
-_linears_call = _rows_vmap(_linears_ffi, 1)
+_linears_call = rows_vmap(_linears_ffi, 1)
 
 
 def _einsums(x_NxD, *ws_OxD):

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 from moejax import cpu_attention
 from moejax import cpu_kernel
+from moejax import cpu_rows
 
 
 class Linear(nn.Module):
@@ -160,6 +161,12 @@ def cached_attention(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, positions_BxT, cache, end_
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+  """x * rsqrt(mean(x^2) + eps) * w over the last axis (HF's RMSNorm): one kernel call
+  on CPU (cpu_rows), `xla_rms_norm` elsewhere."""
+  return cpu_rows.rms_norm(x, w, eps, xla_rms_norm)
+
+
+def xla_rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
   xf = x.astype(jnp.float32)
   xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
   return w * xf.astype(x.dtype)

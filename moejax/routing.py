@@ -9,19 +9,28 @@ emulator and the simulator.  It dispatches on ``cfg.router``, the rule's name:
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
-from moejax import families
+from moejax import cpu_rows, families
 from moejax.config import ModelConfig
 
 
 def route_softmax(cfg: ModelConfig, logits_NxE: jax.Array):
-  """Softmax over all experts, top-k of the probabilities, renormalised if norm_topk_prob."""
+  """Softmax over all experts, top-k of the probabilities, renormalised if norm_topk_prob:
+  one kernel call on CPU (cpu_rows), `xla_softmax_rule` elsewhere."""
+  xla_fn = functools.partial(xla_softmax_rule, cfg.top_k, cfg.norm_topk_prob)
+  return cpu_rows.route_softmax(logits_NxE, cfg.top_k, cfg.norm_topk_prob, xla_fn)
+
+
+def xla_softmax_rule(top_k: int, norm_topk_prob: bool, logits_NxE: jax.Array):
+  """The softmax rule in XLA ops: (ids, gates, scores)."""
   scores = jax.nn.softmax(logits_NxE, axis=-1)
-  top_s, ids = jax.lax.top_k(scores, cfg.top_k)
+  top_s, ids = jax.lax.top_k(scores, top_k)
   gates = top_s
-  if cfg.norm_topk_prob:
+  if norm_topk_prob:
     gates = top_s / jnp.sum(top_s, axis=-1, keepdims=True)
   return ids.astype(jnp.int32), gates, scores
 

@@ -1,0 +1,128 @@
+// Row-wise ops of a decode step as one XLA CPU custom call each (through jax.ffi): an
+// RMSNorm, and the softmax router rule (softmax, top-k, renormalisation). XLA's CPU
+// emitters do not fuse a reduction with its elementwise consumers, so each of them
+// compiles to 3-6 thunks, each with a fixed cost of a microsecond or so; a decode step of a
+// small model has hundreds (docs/speed.md). Both run on the calling thread: a decode
+// step's rows are a few hundred floats.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <numeric>
+#include <vector>
+
+#include "cpu_bf16.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+using moejax::to_bf16;
+using moejax::to_f32;
+
+// y = w * dtype(x * rsqrt(mean(x^2) + eps)), x's mean over its last axis in f32, like
+// HF's (and layers.rms_norm's) RMSNorm; W is float or uint16_t (bf16).
+template <typename W>
+void rms_rows(const W* x, const W* w, int64_t rows, int64_t d, float eps, W* y) {
+  std::vector<float> xf(d);
+  for (int64_t r = 0; r < rows; ++r) {
+    const W* xr = x + r * d;
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t j = 0;
+    for (; j < d; ++j) {
+      xf[j] = to_f32(xr[j]);
+      acc[j & 7] += xf[j] * xf[j];
+    }
+    const float sum = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    const float inv = 1.0f / std::sqrt(sum / static_cast<float>(d) + eps);
+    W* yr = y + r * d;
+    for (j = 0; j < d; ++j) {
+      if constexpr (sizeof(W) == 2) {  // bf16: the normed row is rounded, then multiplied
+        yr[j] = to_bf16(to_f32(w[j]) * to_f32(to_bf16(xf[j] * inv)));
+      } else {
+        yr[j] = w[j] * (xf[j] * inv);
+      }
+    }
+  }
+}
+
+ffi::Error RmsNormImpl(ffi::AnyBuffer x, ffi::AnyBuffer w, float eps,
+                       ffi::Result<ffi::AnyBuffer> y) {
+  auto xd = x.dimensions();
+  const auto t = x.element_type();
+  if (xd.size() != 2 || w.element_count() != static_cast<size_t>(xd[1]) ||
+      w.element_type() != t || y->element_type() != t ||
+      (t != ffi::DataType::F32 && t != ffi::DataType::BF16))
+    return ffi::Error::InvalidArgument(
+        "moejax_rms_norm: expected x [R,D] and w [D] of one dtype, f32 or bf16");
+  if (t == ffi::DataType::F32)
+    rms_rows(static_cast<const float*>(x.untyped_data()),
+             static_cast<const float*>(w.untyped_data()), xd[0], xd[1], eps,
+             static_cast<float*>(y->untyped_data()));
+  else
+    rms_rows(static_cast<const uint16_t*>(x.untyped_data()),
+             static_cast<const uint16_t*>(w.untyped_data()), xd[0], xd[1], eps,
+             static_cast<uint16_t*>(y->untyped_data()));
+  return ffi::Error::Success();
+}
+
+// Per row of logits [R, E]: scores = softmax(logits); ids = the K highest scores, in
+// descending order, ties to the lower index (jax.lax.top_k's order); gates = their scores,
+// divided by their sum when `renorm`.
+ffi::Error RouteSoftmaxImpl(ffi::Buffer<ffi::F32> logits, int64_t renorm,
+                            ffi::Result<ffi::Buffer<ffi::S32>> ids,
+                            ffi::Result<ffi::Buffer<ffi::F32>> gates,
+                            ffi::Result<ffi::Buffer<ffi::F32>> scores) {
+  auto ld = logits.dimensions(), id = ids->dimensions();
+  if (ld.size() != 2 || id.size() != 2 || id[0] != ld[0] || id[1] > ld[1] ||
+      gates->element_count() != ids->element_count() ||
+      scores->element_count() != logits.element_count())
+    return ffi::Error::InvalidArgument(
+        "moejax_route_softmax: expected logits [R,E], ids and gates [R,K], scores [R,E]");
+  const int64_t rows = ld[0], e = ld[1], k = id[1];
+  std::vector<int32_t> order(e);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* l = logits.typed_data() + r * e;
+    float* s = scores->typed_data() + r * e;
+    float m = l[0];
+    for (int64_t j = 1; j < e; ++j) m = std::max(m, l[j]);
+    float sum = 0.0f;
+    for (int64_t j = 0; j < e; ++j) {
+      s[j] = std::exp(l[j] - m);
+      sum += s[j];
+    }
+    for (int64_t j = 0; j < e; ++j) s[j] /= sum;
+    std::iota(order.begin(), order.end(), 0);
+    std::partial_sort(order.begin(), order.begin() + k, order.end(), [s](int32_t a, int32_t b) {
+      return s[a] > s[b] || (s[a] == s[b] && a < b);
+    });
+    int32_t* ir = ids->typed_data() + r * k;
+    float* gr = gates->typed_data() + r * k;
+    float top = 0.0f;
+    for (int64_t j = 0; j < k; ++j) {
+      ir[j] = order[j];
+      gr[j] = s[order[j]];
+      top += gr[j];
+    }
+    if (renorm)
+      for (int64_t j = 0; j < k; ++j) gr[j] /= top;
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoejaxRmsNorm, RmsNormImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Attr<float>("eps")
+                                  .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoejaxRouteSoftmax, RouteSoftmaxImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("renorm")
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

@@ -1,0 +1,121 @@
+"""The row-wise CPU kernels (cpu_rows): RMSNorm and the softmax router rule, each pinned
+by a hand-checked case, compared with XLA's ops (f32 and bf16, odd widths, ties), under
+vmap and grad, and compiled to one custom call where XLA needs several thunks."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from moejax import cpu_kernel, cpu_rows, layers, routing
+from moejax.config import ModelConfig
+
+pytestmark = pytest.mark.skipif(not cpu_kernel.available(),
+                                reason="no C++ compiler: the kernel is not built")
+
+
+def _norm(x, w, eps=1e-6):
+  return jax.jit(layers.rms_norm, static_argnums=2)(x, w, eps)
+
+
+def _route(logits, k, renorm):
+  xla = lambda lg: routing.xla_softmax_rule(k, renorm, lg)
+  return jax.jit(lambda lg: cpu_rows.route_softmax(lg, k, renorm, xla))(logits)
+
+
+def _custom_calls(fn, *args) -> int:
+  return jax.jit(fn).lower(*args).compile().as_text().count("custom-call(")
+
+
+def test_rms_norm_hand_checked():
+  # x = [3, 4]: mean(x^2) = 12.5, x / sqrt(12.5) = [0.8485, 1.1314]; times w = [1, 2]
+  x = jnp.array([[3.0, 4.0]])
+  w = jnp.array([1.0, 2.0])
+  r = 1.0 / np.sqrt(12.5)
+  chex.assert_trees_all_close(_norm(x, w, 0.0), jnp.array([[3 * r, 8 * r]]), rtol=1e-6)
+  # eps joins the mean: x = [1, 1], eps = 3 -> x / 2
+  chex.assert_trees_all_close(_norm(jnp.ones((1, 2)), jnp.ones(2), 3.0),
+                              jnp.full((1, 2), 0.5), rtol=1e-6)
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 128), (2, 5, 37), (3, 4, 2, 16), (300, 64)])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_rms_norm_matches_xla(shape, dtype):
+  rng = np.random.default_rng(shape[-1])
+  x = jnp.asarray(rng.standard_normal(shape) * 3, dtype)
+  w = jnp.asarray(rng.standard_normal(shape[-1]), dtype)
+  got, want = _norm(x, w), layers.xla_rms_norm(x, w, 1e-6)
+  assert got.dtype == want.dtype and got.shape == want.shape
+  # f32: the sum of squares in another order; bf16: at most one rounding step apart
+  tol = 1e-6 if dtype == jnp.float32 else 1e-2
+  chex.assert_trees_all_close(got.astype(jnp.float32), want.astype(jnp.float32),
+                              rtol=tol, atol=tol)
+  assert _custom_calls(lambda x: layers.rms_norm(x, w, 1e-6), x) == 1
+
+
+def test_rms_norm_vmap_and_grad_follow_xla():
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.standard_normal((4, 3, 24)), jnp.float32)
+  w = jnp.asarray(rng.standard_normal(24), jnp.float32)
+  chex.assert_trees_all_close(jax.vmap(lambda r: layers.rms_norm(r, w, 1e-6))(x),
+                              layers.xla_rms_norm(x, w, 1e-6), rtol=1e-6, atol=1e-6)
+  assert _custom_calls(jax.vmap(lambda r: layers.rms_norm(r, w, 1e-6)), x) == 1
+  loss = lambda f: lambda x, w: jnp.sum(jnp.sin(f(x, w, 1e-6)))
+  chex.assert_trees_all_close(jax.grad(loss(layers.rms_norm), (0, 1))(x, w),
+                              jax.grad(loss(layers.xla_rms_norm), (0, 1))(x, w), rtol=1e-5,
+                              atol=1e-5)
+
+
+def test_rms_norm_other_dtypes_stay_with_xla():
+  x = jnp.ones((2, 8), jnp.float32)
+  w = jnp.ones(8, jnp.bfloat16)            # mixed dtypes: XLA's ops, promoted like before
+  assert _custom_calls(lambda x: layers.rms_norm(x, w, 1e-6), x) == 0
+  chex.assert_trees_all_equal(_norm(x, w), layers.xla_rms_norm(x, w, 1e-6))
+
+
+def test_route_softmax_hand_checked():
+  # probabilities [1, 2, 3, 1] / 7: top-2 = experts 2, 1 with 3/7, 2/7; renormalised 0.6, 0.4
+  logits = jnp.log(jnp.array([[1.0, 2.0, 3.0, 1.0]]))
+  ids, gates, scores = _route(logits, 2, True)
+  chex.assert_trees_all_equal(ids, jnp.array([[2, 1]], jnp.int32))
+  chex.assert_trees_all_close(gates, jnp.array([[0.6, 0.4]]), rtol=1e-6)
+  chex.assert_trees_all_close(scores, jnp.array([[1, 2, 3, 1]]) / 7.0, rtol=1e-6)
+  ids, gates, _ = _route(logits, 3, False)
+  chex.assert_trees_all_equal(ids, jnp.array([[2, 1, 0]], jnp.int32))   # tie 0/3: lower index
+  chex.assert_trees_all_close(gates, jnp.array([[3, 2, 1]]) / 7.0, rtol=1e-6)
+
+
+@pytest.mark.parametrize("n,e,k,renorm", [(1, 64, 8, True), (37, 60, 4, False),
+                                          (5, 256, 8, True), (3, 8, 8, True)])
+def test_route_softmax_matches_xla(n, e, k, renorm):
+  rng = np.random.default_rng(e)
+  logits = jnp.asarray(rng.standard_normal((n, e)) * 2, jnp.float32)
+  logits = logits.at[0, 1].set(logits[0, 0])        # a tie in row 0
+  got, want = _route(logits, k, renorm), routing.xla_softmax_rule(k, renorm, logits)
+  chex.assert_trees_all_equal(got[0], want[0])
+  chex.assert_trees_all_close(got[1:], want[1:], rtol=1e-5, atol=1e-7)
+  assert _custom_calls(lambda lg: routing.route(_cfg(e, k, renorm), lg), logits) == 1
+
+
+def _cfg(e, k, renorm):
+  return ModelConfig(model_type="qwen3_moe", vocab_size=16, hidden_size=8, num_layers=1,
+                     num_heads=1, num_kv_heads=1, head_dim=8, num_experts=e, top_k=k,
+                     moe_intermediate_size=4, intermediate_size=8, sparse_layers=(True,),
+                     norm_topk_prob=renorm)
+
+
+def test_route_softmax_vmap_and_grad_follow_xla():
+  rng = np.random.default_rng(1)
+  logits = jnp.asarray(rng.standard_normal((3, 5, 16)), jnp.float32)
+  cfg = _cfg(16, 4, True)
+  got = jax.vmap(lambda lg: routing.route(cfg, lg))(logits)
+  want = jax.vmap(lambda lg: routing.xla_softmax_rule(4, True, lg))(logits)
+  chex.assert_trees_all_equal(got[0], want[0])
+  chex.assert_trees_all_close(got[1:], want[1:], rtol=1e-5, atol=1e-7)
+  # gradients through the gates and the scores (train.py's balance loss) are XLA's
+  loss = lambda f: lambda lg: jnp.sum(f(lg)[1] ** 2) + jnp.sum(jnp.cos(f(lg)[2]))
+  chex.assert_trees_all_close(
+      jax.grad(loss(lambda lg: routing.route(cfg, lg)))(logits[0]),
+      jax.grad(loss(lambda lg: routing.xla_softmax_rule(4, True, lg)))(logits[0]), rtol=1e-5,
+      atol=1e-7)

@@ -23,6 +23,25 @@ from moejax import cpu_kernel
 _OK = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _kernel_or_xla(call, xla_fn, *args):
+  """`call(*args)` (a kernel) on CPU, `xla_fn(*args)` elsewhere; gradients are
+  `xla_fn`'s (integer outputs get none)."""
+  return jax.lax.platform_dependent(*args, cpu=call, default=xla_fn)
+
+
+def _kernel_fwd(call, xla_fn, *args):
+  return _kernel_or_xla(call, xla_fn, *args), args
+
+
+def _kernel_bwd(call, xla_fn, args, cts):
+  del call
+  return jax.vjp(xla_fn, *args)[1](cts)
+
+
+_kernel_or_xla.defvjp(_kernel_fwd, _kernel_bwd)
+
+
 def _norm_call(x_RxD, w_D, *, eps: float):
   return jax.ffi.ffi_call(cpu_kernel.RMS_NORM_TARGET,
                           jax.ShapeDtypeStruct(x_RxD.shape, x_RxD.dtype))(
@@ -34,32 +53,14 @@ def _norm_caller(eps: float):
   return cpu_kernel.rows_vmap(functools.partial(_norm_call, eps=eps), 1)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _rms_norm(x_RxD, w_D, eps: float, xla_fn):
-  call = _norm_caller(eps)
-  return jax.lax.platform_dependent(x_RxD, w_D, cpu=call,
-                                    default=lambda x, w: xla_fn(x, w, eps))
-
-
-def _norm_fwd(x_RxD, w_D, eps, xla_fn):
-  return _rms_norm(x_RxD, w_D, eps, xla_fn), (x_RxD, w_D)
-
-
-def _norm_bwd(eps, xla_fn, res, g_RxD):
-  x_RxD, w_D = res
-  return jax.vjp(lambda x, w: xla_fn(x, w, eps), x_RxD, w_D)[1](g_RxD)
-
-
-_rms_norm.defvjp(_norm_fwd, _norm_bwd)
-
-
 def rms_norm(x, w_D, eps: float, xla_fn):
   """`xla_fn(x, w, eps)` (an RMSNorm over the last axis), as the kernel on CPU when x and
   w share an f32/bf16 dtype; else `xla_fn` itself."""
   dt = jnp.dtype(x.dtype)
   if dt not in _OK or jnp.dtype(w_D.dtype) != dt or w_D.ndim != 1 or not cpu_kernel.available():
     return xla_fn(x, w_D, eps)
-  y = _rms_norm(x.reshape(-1, x.shape[-1]), w_D, float(eps), xla_fn)
+  y = _kernel_or_xla(_norm_caller(float(eps)), functools.partial(xla_fn, eps=eps),
+                     x.reshape(-1, x.shape[-1]), w_D)
   return y.reshape(x.shape)
 
 
@@ -75,25 +76,6 @@ def _route_caller(k: int, renorm: bool):
   return cpu_kernel.rows_vmap(functools.partial(_route_call, k=k, renorm=renorm), 1)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
-def _route(logits_RxE, k: int, renorm: bool, xla_fn):
-  call = _route_caller(k, renorm)
-  return jax.lax.platform_dependent(logits_RxE, cpu=call, default=xla_fn)
-
-
-def _route_fwd(logits_RxE, k, renorm, xla_fn):
-  return _route(logits_RxE, k, renorm, xla_fn), logits_RxE
-
-
-def _route_bwd(k, renorm, xla_fn, logits_RxE, cts):
-  _, g_gates, g_scores = cts
-  f = lambda lg: xla_fn(lg)[1:]
-  return jax.vjp(f, logits_RxE)[1]((g_gates, g_scores))
-
-
-_route.defvjp(_route_fwd, _route_bwd)
-
-
 def route_softmax(logits_NxE, k: int, renorm: bool, xla_fn):
   """(ids [...,K] int32, gates [...,K], scores [...,E]) of f32 logits [..., E]: the
   softmax rule `xla_fn(logits)`, as the kernel on CPU (ties to the lower expert index, like
@@ -101,5 +83,6 @@ def route_softmax(logits_NxE, k: int, renorm: bool, xla_fn):
   if jnp.dtype(logits_NxE.dtype) != jnp.float32 or not cpu_kernel.available():
     return xla_fn(logits_NxE)
   lead, e = logits_NxE.shape[:-1], logits_NxE.shape[-1]
-  ids, gates, scores = _route(logits_NxE.reshape(-1, e), int(k), bool(renorm), xla_fn)
+  ids, gates, scores = _kernel_or_xla(_route_caller(int(k), bool(renorm)), xla_fn,
+                                      logits_NxE.reshape(-1, e))
   return ids.reshape(*lead, -1), gates.reshape(*lead, -1), scores.reshape(*lead, e)

@@ -187,6 +187,26 @@ def test_decode_calls_in_finer_items_give_the_same_bits_as_prompt_calls():
                                 atol=tol * float(jnp.max(jnp.abs(want))), rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_a_tokens_bits_do_not_depend_on_the_tile_it_lands_in(dtype):
+  """A prompt's rows run in tiles (f32: 8 rows x 2 tokens, bf16: 4 x 8), then 4-row and
+  single-row remainders; a row's length may have a tail beyond the 8 lanes. Each token of
+  a 41-token prompt call equals, bit for bit, the same token computed alone (the one-row
+  decode path): D=37 (tail 5, 37 down rows = 8+8+8+8+4+1), I=13 (26 gate/up rows)."""
+  rng = np.random.default_rng(11)
+  e, d, inter, k, n = 6, 37, 13, 3, 41
+  w = {"gate_up": jnp.asarray(rng.normal(size=(e, 2 * inter, d)), dtype),
+       "down": jnp.asarray(rng.normal(size=(e, d, inter)), dtype)}
+  x = jnp.asarray(rng.normal(size=(n, d)), dtype)
+  ids = jnp.asarray(np.stack([rng.permutation(e)[:k] for _ in range(n)]), jnp.int32)
+  g = jnp.asarray(rng.random((n, k)), jnp.float32)
+  fn = jax.jit(experts_lib.apply_experts)
+  prompt = np.asarray(fn(x, ids, g, w))
+  alone = np.concatenate([np.asarray(fn(x[i:i + 1], ids[i:i + 1], g[i:i + 1], w))
+                          for i in range(n)])
+  chex.assert_trees_all_equal(prompt, alone)
+
+
 def test_vmap_folds_the_batch_into_one_kernel_call(monkeypatch):
   """vmap with shared weights (the emulator's streams): one kernel call over B*N rows,
   no loop; with per-element weights: one call per element. Both equal XLA's result."""

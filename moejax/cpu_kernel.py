@@ -46,6 +46,7 @@ _HEADERS = [os.path.join(_HERE, "cpu_bf16.h"), os.path.join(_HERE, "cpu_threads.
 ATTENTION_TARGET = "moejax_decode_attention"     # cpu_attention.cc, wrapped by cpu_attention.py
 RMS_NORM_TARGET = "moejax_rms_norm"              # cpu_rows.cc, wrapped by cpu_rows.py
 ROUTE_SOFTMAX_TARGET = "moejax_route_softmax"    # cpu_rows.cc, wrapped by cpu_rows.py
+TAKE_ROWS_TARGET = "moejax_take_rows"            # cpu_rows.cc, wrapped by cpu_rows.py
 _FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC"]
 _lock = threading.Lock()
 _state = {"loaded": None, "enabled": os.environ.get("MOEJAX_CPU_KERNEL", "1") != "0"}
@@ -104,7 +105,8 @@ def available() -> bool:
                                     jax.ffi.pycapsule(lib.MoejaxDecodeAttention),
                                     platform="cpu")
         for target, symbol in ((RMS_NORM_TARGET, lib.MoejaxRmsNorm),
-                               (ROUTE_SOFTMAX_TARGET, lib.MoejaxRouteSoftmax)):
+                               (ROUTE_SOFTMAX_TARGET, lib.MoejaxRouteSoftmax),
+                               (TAKE_ROWS_TARGET, lib.MoejaxTakeRows)):
           jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(symbol), platform="cpu")
         lib.moejax_set_spin_us.argtypes = [ctypes.c_int64]
         _state["lib"], _state["loaded"] = lib, True

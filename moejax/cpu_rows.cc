@@ -1,5 +1,6 @@
 // Row-wise ops of a decode step as one XLA CPU custom call each (through jax.ffi): an
-// RMSNorm, and the softmax router rule (softmax, top-k, renormalisation). XLA's CPU
+// RMSNorm, the softmax router rule (softmax, top-k, renormalisation), and a bf16
+// embedding lookup (take_rows). XLA's CPU
 // emitters do not fuse a reduction with its elementwise consumers, so each of them
 // compiles to 3-6 thunks, each with a fixed cost of a microsecond or so; a decode step of a
 // small model has hundreds (docs/speed.md). Both run on the calling thread: a decode
@@ -7,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <numeric>
 #include <vector>
 
@@ -110,7 +112,39 @@ ffi::Error RouteSoftmaxImpl(ffi::Buffer<ffi::F32> logits, int64_t renorm,
   return ffi::Error::Success();
 }
 
+// rows[n] = table[ids[n]] for a bf16 table [V, D], with jnp.take's default semantics: a
+// negative id counts from the end, and an id still out of [0, V) gives a row of NaN.
+// XLA fuses the same gather with the bitcast that reads bf16 as uint16 (or with a convert
+// to f32) over the whole table, and its cost model then splits the tiny lookup over the
+// thread pool at every decode step (docs/speed.md, "The bf16 embedding lookup").
+ffi::Error TakeRowsImpl(ffi::Buffer<ffi::S32> ids, ffi::AnyBuffer table,
+                        ffi::Result<ffi::AnyBuffer> rows) {
+  auto td = table.dimensions();
+  const int64_t n = static_cast<int64_t>(ids.element_count());
+  if (td.size() != 2 || table.element_type() != ffi::DataType::BF16 ||
+      rows->element_type() != ffi::DataType::BF16 ||
+      static_cast<int64_t>(rows->element_count()) != n * td[1])
+    return ffi::Error::InvalidArgument(
+        "moejax_take_rows: expected ids [N], a bf16 table [V,D] and rows [N,D]");
+  const int64_t v = td[0], d = td[1];
+  const uint16_t* src = static_cast<const uint16_t*>(table.untyped_data());
+  uint16_t* dst = static_cast<uint16_t*>(rows->untyped_data());
+  for (int64_t i = 0; i < n; ++i) {
+    int64_t id = ids.typed_data()[i];
+    if (id < 0) id += v;
+    if (id < 0 || id >= v) std::fill(dst + i * d, dst + (i + 1) * d, uint16_t{0x7fc0});  // NaN
+    else std::memcpy(dst + i * d, src + id * d, d * sizeof(uint16_t));
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoejaxTakeRows, TakeRowsImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoejaxRmsNorm, RmsNormImpl,
                               ffi::Ffi::Bind()

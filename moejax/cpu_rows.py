@@ -1,5 +1,5 @@
-"""An RMSNorm and the softmax router rule as one CPU custom call each (``cpu_rows.cc``,
-built and registered with the expert kernel by ``cpu_kernel``).
+"""An RMSNorm, the softmax router rule and the bf16 embedding lookup as one CPU custom
+call each (``cpu_rows.cc``, built and registered with the expert kernel by ``cpu_kernel``).
 
 XLA's CPU backend compiles an RMSNorm to 3-4 thunks and softmax + top-k + renormalisation
 to about 6, each with a fixed cost of about a microsecond; on a small model that is a
@@ -86,3 +86,23 @@ def route_softmax(logits_NxE, k: int, renorm: bool, xla_fn):
   ids, gates, scores = _kernel_or_xla(_route_caller(int(k), bool(renorm)), xla_fn,
                                       logits_NxE.reshape(-1, e))
   return ids.reshape(*lead, -1), gates.reshape(*lead, -1), scores.reshape(*lead, e)
+
+
+def _take_call(ids_N, table_VxD):
+  return jax.ffi.ffi_call(cpu_kernel.TAKE_ROWS_TARGET,
+                          jax.ShapeDtypeStruct(ids_N.shape + table_VxD.shape[1:],
+                                               table_VxD.dtype))(ids_N, table_VxD)
+
+
+_take_caller = cpu_kernel.rows_vmap(_take_call, 1)
+
+
+def take_rows(table_VxD, ids, cpu_xla_fn):
+  """`jnp.take(table, ids, axis=0)` of a bf16 table: the kernel on CPU (XLA splits its
+  fused lookup over the thread pool at every step, docs/speed.md), else `cpu_xla_fn(table,
+  ids)` on a CPU without the kernel, and jnp.take on other platforms and for gradients."""
+  if jnp.dtype(table_VxD.dtype) != jnp.bfloat16 or not cpu_kernel.available():
+    return cpu_xla_fn(table_VxD, ids)
+  xla_fn = lambda i, t: jnp.take(t, i, axis=0)
+  rows = _kernel_or_xla(_take_caller, xla_fn, ids.reshape(-1).astype(jnp.int32), table_VxD)
+  return rows.reshape(ids.shape + table_VxD.shape[1:])

@@ -24,6 +24,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from moejax import cpu_rows
 from moejax import experts as experts_lib
 from moejax import families
 from moejax import routing
@@ -94,6 +95,13 @@ class DecoderLayer(nn.Module):
     return h_BxTxD + y
 
 
+def _take_bf16_as_u16(table_VxD, tokens_BxT):
+  # XLA's CPU backend gathers bf16 in f32 (a convert of the table in the fusion, ~0.1 ms a
+  # decode step on the demo model): the same bits as uint16.  Out-of-range ids give NaN.
+  u16 = jax.lax.bitcast_convert_type(table_VxD, jnp.uint16)
+  return jax.lax.bitcast_convert_type(jnp.take(u16, tokens_BxT, axis=0), jnp.bfloat16)
+
+
 class Transformer(nn.Module):
   cfg: ModelConfig
   dtype: Any = jnp.float32
@@ -109,11 +117,8 @@ class Transformer(nn.Module):
 
   def embed(self, tokens_BxT):
     table = self.embed_tokens.embedding
-    if table.dtype == jnp.bfloat16:
-      # XLA's CPU backend gathers bf16 in f32 (a convert of the table in the fusion, ~0.1 ms
-      # a decode step here): the same bits as uint16.  Out-of-range ids give NaN as before.
-      u16 = jax.lax.bitcast_convert_type(table, jnp.uint16)
-      return jax.lax.bitcast_convert_type(jnp.take(u16, tokens_BxT, axis=0), jnp.bfloat16)
+    if table.dtype == jnp.bfloat16:   # a kernel call on CPU (cpu_rows.take_rows)
+      return cpu_rows.take_rows(table, tokens_BxT, _take_bf16_as_u16)
     return self.embed_tokens(tokens_BxT)
 
   def logits(self, x_BxTxD):

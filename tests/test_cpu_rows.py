@@ -1,6 +1,7 @@
-"""The row-wise CPU kernels (cpu_rows): RMSNorm and the softmax router rule, each pinned
-by a hand-checked case, compared with XLA's ops (f32 and bf16, odd widths, ties), under
-vmap and grad, and compiled to one custom call where XLA needs several thunks."""
+"""The row-wise CPU kernels (cpu_rows): RMSNorm, the softmax router rule and the bf16
+embedding lookup, each pinned by a hand-checked case, compared with XLA's ops (f32 and
+bf16, odd widths, ties), under vmap and grad, and compiled to one custom call where XLA
+needs several thunks (or splits a tiny lookup over its thread pool)."""
 
 import chex
 import jax
@@ -119,3 +120,58 @@ def test_route_softmax_vmap_and_grad_follow_xla():
       jax.grad(loss(lambda lg: routing.route(cfg, lg)))(logits[0]),
       jax.grad(loss(lambda lg: routing.xla_softmax_rule(4, True, lg)))(logits[0]), rtol=1e-5,
       atol=1e-7)
+
+
+def _take(table, ids):
+  return jax.jit(lambda t, i: cpu_rows.take_rows(t, i, _never))(table, ids)
+
+
+def _never(*_):
+  raise AssertionError("the kernel was expected, not the fallback")
+
+
+def test_take_rows_hand_checked():
+  # rows 2, 0, 2 of a 3 x 2 table; -1 counts from the end (row 2); 3 and -4 are out of
+  # range: a row of NaN, as jnp.take gives
+  table = jnp.array([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]], jnp.bfloat16)
+  got = np.asarray(_take(table, jnp.array([[2, 0], [2, -1]], jnp.int32)), np.float32)
+  chex.assert_trees_all_equal(got, np.array([[[5, 6], [1, 2]], [[5, 6], [5, 6]]], np.float32))
+  bad = np.asarray(_take(table, jnp.array([3, -4], jnp.int32)), np.float32)
+  assert np.isnan(bad).all()
+
+
+def test_take_rows_matches_jnp_take_bits_vmap_and_grad():
+  rng = np.random.default_rng(3)
+  table = jnp.asarray(rng.normal(size=(50, 37)), jnp.bfloat16)
+  ids = jnp.asarray(rng.integers(-50, 50, (4, 6)), jnp.int32)
+  want = jnp.take(table, ids, axis=0)
+  chex.assert_trees_all_equal(_take(table, ids), want)
+  vm = jax.jit(jax.vmap(lambda i: cpu_rows.take_rows(table, i, _never)))(ids)
+  chex.assert_trees_all_equal(vm, want)
+  # the gradient is jnp.take's: rows scattered back, summed over repeated ids
+  ct = jnp.asarray(rng.normal(size=(4, 6, 37)), jnp.float32)
+  loss = lambda t, f: jnp.sum(f(t).astype(jnp.float32) * ct)
+  g = jax.grad(lambda t: loss(t, lambda u: cpu_rows.take_rows(u, ids, _never)))(table)
+  g_want = jax.grad(lambda t: loss(t, lambda u: jnp.take(u, ids, axis=0)))(table)
+  chex.assert_trees_all_equal(g, g_want)
+
+
+def test_bf16_embedding_is_one_call_and_no_longer_split_over_the_pool():
+  """The model's bf16 lookup: one custom call, and no fusion of the compiled decode step
+  carries XLA's thread-pool split (outer_dimension_partitions)."""
+  from moejax import model as model_lib
+  cfg = ModelConfig(model_type="qwen3_moe", vocab_size=4096, hidden_size=64, num_layers=1,
+                    num_heads=2, num_kv_heads=1, head_dim=32, num_experts=4, top_k=2,
+                    moe_intermediate_size=32, intermediate_size=64,
+                    sparse_layers=(True,)).validate()
+  m = model_lib.Transformer(cfg, jnp.bfloat16)
+  tok = jnp.zeros((1, 1), jnp.int32)
+  exps = [{"gate_up": jnp.zeros((4, 64, 64), jnp.bfloat16),
+           "down": jnp.zeros((4, 64, 32), jnp.bfloat16)}]
+  params = m.init(jax.random.PRNGKey(0), tok, exps)["params"]
+  hlo = jax.jit(lambda p, t: m.apply({"params": p}, t, exps)[0]).lower(
+      params, tok).compile().as_text()
+  assert hlo.count('custom_call_target="moejax_take_rows"') == 1
+  assert "outer_dimension_partitions" not in hlo
+  x = m.apply({"params": params}, tok, method=model_lib.Transformer.embed)
+  chex.assert_trees_all_equal(x, jnp.take(params["embed_tokens"]["embedding"], tok, axis=0))

@@ -18,11 +18,8 @@
 #include <memory>
 #include <vector>
 
-#if defined(__FMA__)
-#include <immintrin.h>
-#endif
-
 #include "cpu_bf16.h"
+#include "cpu_dot.h"
 #include "cpu_threads.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -33,143 +30,10 @@ namespace {
 constexpr int64_t kBlock = 32;  // tokens of one expert per work item
 constexpr int64_t kDecodeTokens = 16;  // calls of up to this many tokens: decode_phases
 
-typedef float v8f __attribute__((vector_size(32)));
-typedef uint16_t v8h __attribute__((vector_size(16)));
-typedef uint32_t v8u __attribute__((vector_size(32)));
-
 using moejax::to_bf16;
 using moejax::to_f32;
 using moejax::parallel_for;
-
-inline v8f load8(const float* p) {
-  v8f v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-inline v8f load8(const uint16_t* p) {
-  v8h h;
-  std::memcpy(&h, p, sizeof(h));
-  v8u u = __builtin_convertvector(h, v8u) << 16;
-  v8f v;
-  std::memcpy(&v, &u, sizeof(v));
-  return v;
-}
-inline float hsum(v8f v) {
-  return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
-}
-
-typedef float v4f __attribute__((vector_size(16)));
-
-// a * b + c, fused where the CPU has FMA.  Written out rather than left to the compiler's
-// contraction (-ffp-contract=fast), which fused the scalar tail in some tile shapes and
-// not in others, so the same (row, token) came out with different bits.
-inline v8f fma8(v8f a, v8f b, v8f c) {
-#if defined(__FMA__)
-  return reinterpret_cast<v8f>(_mm256_fmadd_ps(reinterpret_cast<__m256>(a),
-                                               reinterpret_cast<__m256>(b),
-                                               reinterpret_cast<__m256>(c)));
-#else
-  return a * b + c;
-#endif
-}
-inline float fma1(float a, float b, float c) {
-#if defined(__FMA__)
-  return std::fma(a, b, c);
-#else
-  return a * b + c;
-#endif
-}
-
-// The horizontal sums of four accumulators, each added as hsum adds it (same bits):
-// (a0 + a4, a1 + a5, a2 + a6, a3 + a7), then pairs, then the two halves.
-inline v4f hsum4(v8f a, v8f b, v8f c, v8f d) {
-  auto fold = [](v8f v) -> v4f {
-    return __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
-  };
-  auto pairs = [](v4f u, v4f v) -> v4f {
-    return __builtin_shufflevector(u, v, 0, 2, 4, 6) + __builtin_shufflevector(u, v, 1, 3, 5, 7);
-  };
-  return pairs(pairs(fold(a), fold(b)), pairs(fold(c), fold(d)));
-}
-
-// out[t * os + r] = dot(w[r, :], x[t, :]) for R rows and T tokens; w rows and x rows
-// both have `len` contiguous elements.  Every (row, token) is summed the same way for any
-// R and T: 8 lanes over d in steps of 8, hsum's tree, then the tail in order.  R a
-// multiple of 4 sums four rows' lanes at once (hsum4).
-template <int R, int T, typename W>
-inline void micro(const W* w, const float* x, int64_t len, float* out, int64_t os) {
-  v8f acc[R][T];
-  for (int r = 0; r < R; ++r)
-    for (int t = 0; t < T; ++t) acc[r][t] = v8f{};
-  int64_t d = 0;
-  for (; d + 8 <= len; d += 8) {
-    v8f xv[T];
-    for (int t = 0; t < T; ++t) xv[t] = load8(x + t * len + d);
-    for (int r = 0; r < R; ++r) {
-      v8f wv = load8(w + r * len + d);
-      for (int t = 0; t < T; ++t) acc[r][t] = fma8(wv, xv[t], acc[r][t]);
-    }
-  }
-  float s[T][R];
-  for (int t = 0; t < T; ++t) {
-    if constexpr (R % 4 == 0) {
-      for (int r = 0; r < R; r += 4) {
-        const v4f q = hsum4(acc[r][t], acc[r + 1][t], acc[r + 2][t], acc[r + 3][t]);
-        std::memcpy(&s[t][r], &q, sizeof(q));
-      }
-    } else {
-      for (int r = 0; r < R; ++r) s[t][r] = hsum(acc[r][t]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int t = 0; t < T; ++t) {
-      float v = s[t][r];
-      for (int64_t j = d; j < len; ++j) v = fma1(to_f32(w[r * len + j]), x[t * len + j], v);
-      out[t * os + r] = v;
-    }
-}
-
-template <int R, typename W>
-inline void micro_t(const W* w, const float* x, int64_t len, int64_t nt, float* out,
-                    int64_t os) {
-  switch (nt) {
-    case 1: micro<R, 1>(w, x, len, out, os); break;
-    case 2: micro<R, 2>(w, x, len, out, os); break;
-    case 3: micro<R, 3>(w, x, len, out, os); break;
-    case 4: micro<R, 4>(w, x, len, out, os); break;
-    case 5: micro<R, 5>(w, x, len, out, os); break;
-    case 6: micro<R, 6>(w, x, len, out, os); break;
-    case 7: micro<R, 7>(w, x, len, out, os); break;
-    default: micro<R, 8>(w, x, len, out, os); break;
-  }
-}
-
-// out[t, r] (row stride os) = w[r, :] . x[t, :] for all rows and nt tokens.
-// One token (decode) reads the rows one after another: four rows interleaved read at about
-// half the bandwidth on the 2-core EPYC VM (docs/speed.md, "One row at a time").  More
-// tokens (a prompt's block) run in tiles of 8 rows x 2 tokens, which keep both FMA units
-// busy (docs/speed.md, "Prompt tiles").  micro sums every (row, token) the same way for
-// any tile, so the bits do not depend on the tile or on how many tokens a call has.
-template <typename W>
-void rows_dot(const W* w, int64_t rows, int64_t len, const float* x, int64_t nt, float* out,
-              int64_t os) {
-  if (nt == 1) {
-    for (int64_t r = 0; r < rows; ++r) micro<1, 1>(w + r * len, x, len, out + r, os);
-    return;
-  }
-  // f32: 8 rows x 2 tokens; bf16: 4 rows x 8 tokens, fewer weight conversions per FMA
-  constexpr int64_t kR = sizeof(W) == 4 ? 8 : 4, kT = sizeof(W) == 4 ? 2 : 8;
-  int64_t r = 0;
-  for (; r + kR <= rows; r += kR)
-    for (int64_t t = 0; t < nt; t += kT)
-      micro_t<kR>(w + r * len, x + t * len, len, std::min(kT, nt - t), out + t * os + r, os);
-  for (; r + 4 <= rows; r += 4)
-    for (int64_t t = 0; t < nt; t += kT)
-      micro_t<4>(w + r * len, x + t * len, len, std::min(kT, nt - t), out + t * os + r, os);
-  for (; r < rows; ++r)
-    for (int64_t t = 0; t < nt; t += kT)
-      micro_t<1>(w + r * len, x + t * len, len, std::min(kT, nt - t), out + t * os + r, os);
-}
+using moejax::rows_dot;
 
 void to_f32_rows(const void* x, bool bf16, int64_t count, float* out) {
   if (!bf16) {

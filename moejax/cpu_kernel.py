@@ -42,7 +42,8 @@ LINEAR_MAX_TOKENS = 16   # up to this many rows of x: the kernel (decode); more:
 LINEAR_MIN_F32_BYTES = 1 << 20
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _SRCS = [os.path.join(_HERE, f) for f in ("cpu_kernel.cc", "cpu_attention.cc", "cpu_rows.cc")]
-_HEADERS = [os.path.join(_HERE, "cpu_bf16.h"), os.path.join(_HERE, "cpu_threads.h")]  # build key
+_HEADERS = [os.path.join(_HERE, h)   # part of the build key
+            for h in ("cpu_bf16.h", "cpu_dot.h", "cpu_threads.h")]
 ATTENTION_TARGET = "moejax_decode_attention"     # cpu_attention.cc, wrapped by cpu_attention.py
 RMS_NORM_TARGET = "moejax_rms_norm"              # cpu_rows.cc, wrapped by cpu_rows.py
 ROUTE_SOFTMAX_TARGET = "moejax_route_softmax"    # cpu_rows.cc, wrapped by cpu_rows.py

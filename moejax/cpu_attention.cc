@@ -17,26 +17,16 @@
 #include <vector>
 
 #include "cpu_bf16.h"
+#include "cpu_dot.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
+using moejax::dot_row;
 using moejax::to_bf16;
 using moejax::to_f32;
-
-template <typename C>
-inline float dot(const float* q, const C* k, int64_t n) {
-  float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};   // 8 lanes: vectorised without reassociation
-  int64_t d = 0;
-  for (; d + 8 <= n; d += 8)
-    for (int i = 0; i < 8; ++i) part[i] += q[d + i] * to_f32(k[d + i]);
-  float s = ((part[0] + part[4]) + (part[1] + part[5])) +
-            ((part[2] + part[6]) + (part[3] + part[7]));
-  for (; d < n; ++d) s += q[d] * to_f32(k[d]);
-  return s;
-}
 
 template <typename C>
 void attend(const float* q, const C* kc, const C* vc, int64_t s_len, int64_t g_num,
@@ -57,7 +47,7 @@ void attend(const float* q, const C* kc, const C* vc, int64_t s_len, int64_t g_n
       const float* qh = q + (t * hq + h) * kd;
       float m = -std::numeric_limits<float>::infinity();
       for (int64_t j = lo; j <= hi; ++j) {
-        const float s = none ? 0.0f : dot(qh, kc + (j * g_num + g) * kd, kd) * scale;
+        const float s = none ? 0.0f : dot_row(kc + (j * g_num + g) * kd, qh, kd) * scale;
         score[j] = s;
         m = std::max(m, s);
       }

@@ -111,6 +111,14 @@ inline void micro(const W* w, const float* x, int64_t len, float* out, int64_t o
     }
 }
 
+// dot(w[:len], x[:len]) of one row, summed as micro sums it.
+template <typename W>
+inline float dot_row(const W* w, const float* x, int64_t len) {
+  float s;
+  micro<1, 1>(w, x, len, &s, 0);
+  return s;
+}
+
 template <int R, typename W>
 inline void micro_t(const W* w, const float* x, int64_t len, int64_t nt, float* out,
                     int64_t os) {

@@ -3,9 +3,10 @@ call each (``cpu_rows.cc``, built and registered with the expert kernel by ``cpu
 
 XLA's CPU backend compiles an RMSNorm to 3-4 thunks and softmax + top-k + renormalisation
 to about 6, each with a fixed cost of about a microsecond; on a small model that is a
-tenth of a decode step (docs/speed.md, "Row-wise kernels"). Both functions here take an
-``xla_fn`` with the same meaning: other platforms compile it, and the backward pass
-differentiates it (``custom_vjp``), so training is unchanged. Results agree with XLA's to
+tenth of a decode step (docs/speed.md, "Row-wise kernels"); XLA splits the bf16 lookup
+over its thread pool. Each function here takes an ``xla_fn`` with the same meaning: other
+platforms compile it, and the backward pass differentiates it (``custom_vjp``), so
+training is unchanged. Results agree with XLA's to
 float rounding (``tests/test_cpu_rows.py``). Under ``vmap`` the batch is folded into the
 rows of one call.
 """

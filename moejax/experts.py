@@ -9,7 +9,8 @@ SwiGLU) is recognised by its dict's keys (``families.for_experts``).
 On the CPU backend, plain (non-gpt_oss) experts in f32/bf16 run through the C++
 kernel of ``moejax.cpu_kernel`` (in place, both cores); elsewhere, or without a
 compiler, two exact XLA dispatch strategies, chosen statically from the token count:
-  * sliced: one dynamic slice + matvec per (token, expert) pair; for decode.
+  * sliced: one dynamic slice + matvec per (token, expert) pair; for decode (up to 64
+    pairs, or 8 for a family's own expert layout).
   * grouped: sorts (token, expert) pairs by expert into blocks of B rows, each
     block owned by one expert, and runs one batched matmul over the blocks.
     Static shapes, no token is ever dropped; used for prefill and training.
@@ -24,6 +25,10 @@ from moejax import cpu_kernel, families
 
 ExpertWeights = dict  # {"gate_up": [E, 2I, D], "down": [E, D, I]}, or a family's own layout
 SLICED_MAX_PAIRS = 64   # up to this many (token, expert) pairs: the sliced path
+# A family's own expert (gpt_oss: MXFP4 dequantised per pair) unrolls into a much larger
+# program: at 16 pairs the sliced path compiled in 2 s and ran slower than grouped, at 64
+# pairs 21 s (docs/speed.md, "Sliced experts of a family's own layout").
+FAMILY_SLICED_MAX_PAIRS = 8
 SWIGLU = (1.702, 7.0)  # gpt_oss clamped-SwiGLU (alpha, limit) unless the caller passes cfg's
 
 
@@ -119,6 +124,7 @@ def apply_experts(x_NxD, ids_NxK, gates_NxK, w: ExpertWeights, swiglu=SWIGLU):
 def xla_experts(x_NxD, ids_NxK, gates_NxK, w: ExpertWeights, swiglu=SWIGLU):
   """`apply_experts` in XLA alone: sliced for a few pairs, else grouped."""
   n, k = ids_NxK.shape
-  if n * k <= SLICED_MAX_PAIRS:
+  own = families.for_experts(w).expert_ffn is not None
+  if n * k <= (FAMILY_SLICED_MAX_PAIRS if own else SLICED_MAX_PAIRS):
     return experts_sliced(x_NxD, ids_NxK, gates_NxK, w, swiglu=swiglu)
   return experts_grouped(x_NxD, ids_NxK, gates_NxK, w, swiglu=swiglu)

@@ -205,8 +205,10 @@ def _float_dict(ex) -> dict:
           "down_bias": ex.down_proj_bias.detach().numpy()}
 
 
-@pytest.mark.parametrize("n", [3, 40])   # gather (decode) and grouped (prefill) paths
+# sliced (decode: 2 tokens x top-4 = FAMILY_SLICED_MAX_PAIRS) and grouped (prefill) paths
+@pytest.mark.parametrize("n", [2, 40])
 def test_experts_match_transformers_float_and_mxfp4(n):
+  assert (n * 4 <= experts_lib.FAMILY_SLICED_MAX_PAIRS) == (n == 2)   # both paths are run
   ex = _hf_experts()
   w = _float_dict(ex)
   q = gpt_oss.quantize_experts(w)

@@ -20,6 +20,10 @@ if [ "$#" -gt 0 ]; then
 fi
 logs="$(mktemp -d)"
 trap 'rm -rf "$logs"' EXIT
+# One XLA compilation cache for this run's processes (removed with the logs): test files
+# that build the same engine steps compile them once (docs/speed.md, "Test time").
+export JAX_COMPILATION_CACHE_DIR="${JAX_COMPILATION_CACHE_DIR:-$logs/xla-cache}"
+export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="${JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS:-0.3}"
 run_one() {   # file, log dir: never fails (the status goes to <log>.rc)
   local log="$2/$(basename "$1").log"
   python -m pytest "$1" -q -p no:cacheprovider -rfE >"$log" 2>&1 && echo 0 >"$log.rc" \

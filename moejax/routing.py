@@ -5,6 +5,11 @@ emulator and the simulator.  It dispatches on ``cfg.router``, the rule's name:
 ``softmax`` is defined here; a family with its own rule contributes it through
 ``Family.router_rules`` (``topk_softmax`` in ``families/gpt_oss.py``,
 ``sigmoid_group`` in ``families/glm.py``).
+
+Ties go to the lowest expert id, and -0.0 ties +0.0: XLA's top_k orders floats by their
+bits (+0.0 above -0.0), so `route` hands the rules logits with canonical zeros
+(`canonical_zeros`) and `rank_scores` returns canonical scores, which the offload
+policy's substitute top_k ranks.
 """
 
 from __future__ import annotations
@@ -16,6 +21,19 @@ import jax.numpy as jnp
 
 from moejax import cpu_rows, families
 from moejax.config import ModelConfig
+
+
+@jax.custom_jvp
+def canonical_zeros(x: jax.Array) -> jax.Array:
+  """`x` with -0.0 replaced by +0.0 (NaN, inf and every other value unchanged), so that
+  top_k, which ranks +0.0 above -0.0, breaks their tie by the lowest index.  A select
+  XLA keeps under jit (it folds `x + 0.0`); its derivative is the identity's."""
+  return jnp.where(x == 0, jnp.zeros_like(x), x)
+
+
+@canonical_zeros.defjvp
+def _canonical_zeros_jvp(primals, tangents):
+  return canonical_zeros(primals[0]), tangents[0]
 
 
 def route_softmax(cfg: ModelConfig, logits_NxE: jax.Array):
@@ -42,6 +60,9 @@ def rank_logits(cfg: ModelConfig, logits_NxE: jax.Array) -> jax.Array:
 
 
 RULES = {"softmax": (route_softmax, rank_logits), **families.router_rules()}
+# rules whose ranking cannot see the sign of a zero logit: softmax ranks exp(l - max), the
+# same for -0.0 and +0.0, so its hot path (one CPU kernel call) gets no extra op
+SIGN_OF_ZERO_FREE = frozenset({"softmax"})
 
 
 def _rule(cfg: ModelConfig):
@@ -64,11 +85,15 @@ def route(cfg: ModelConfig, logits_NxE: jax.Array):
   family's own normalisation.  ``scores`` rank the experts (softmax probabilities
   for the softmax families).
   """
-  return _rule(cfg)[0](cfg, logits_NxE.astype(jnp.float32))
+  logits_NxE = logits_NxE.astype(jnp.float32)
+  if cfg.router not in SIGN_OF_ZERO_FREE:
+    logits_NxE = canonical_zeros(logits_NxE)
+  return _rule(cfg)[0](cfg, logits_NxE)
 
 
 def rank_scores(cfg: ModelConfig, logits_NxE: jax.Array) -> jax.Array:
   """[N,E] f32 router scores that rank substitutes: the raw logits for the softmax
   rules, the biased sigmoid score sigmoid(logit) + bias for sigmoid_group (the
-  family's own selection score, before its gates are normalised)."""
-  return _rule(cfg)[1](cfg, logits_NxE.astype(jnp.float32))
+  family's own selection score, before its gates are normalised), with canonical zeros
+  (no -0.0), so a top_k of them gives ties to the lowest id."""
+  return canonical_zeros(_rule(cfg)[1](cfg, logits_NxE.astype(jnp.float32)))

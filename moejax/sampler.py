@@ -3,6 +3,11 @@
 The KV cache is threaded explicitly and donated to the decode step.  Prompts are
 padded on the right to a power-of-two bucket for prefill (padding only writes
 cache rows at positions that are masked and later overwritten).
+
+Two ways to decode after the prefill: `Sampler.generate` steps one token per call (for
+callers that need each token as it comes, e.g. streaming); `Sampler.generate_loop` runs
+every token in one jitted `lax.while_loop` on the device (`decode_loop`), with the same
+key schedule, so the same seed gives the same tokens.
 """
 
 from __future__ import annotations
@@ -37,10 +42,17 @@ class SamplingParams:
 
 def sample_token(logits_BxV, key, temperature: float, top_p: float):
   """Greedy when temperature == 0, else temperature + nucleus (top-p) sampling."""
-  if temperature == 0.0:
+  return _sample(logits_BxV, key, temperature, top_p, greedy=temperature == 0.0,
+                 nucleus=top_p < 1.0)
+
+
+def _sample(logits_BxV, key, temperature, top_p, *, greedy: bool, nucleus: bool):
+  """`sample_token` with the branches chosen by static flags, so that `temperature` and
+  `top_p` may be traced scalars (the device loop) as well as Python floats."""
+  if greedy:
     return jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
   logits = logits_BxV.astype(jnp.float32) / temperature
-  if top_p < 1.0:
+  if nucleus:
     srt = jnp.sort(logits, axis=-1)[:, ::-1]
     cum = jnp.cumsum(jax.nn.softmax(srt, axis=-1), axis=-1)
     # smallest set whose mass reaches top_p: keep a token if the mass before it < top_p
@@ -86,6 +98,42 @@ def decode_sample(model: Transformer, params, experts, cache, token_B, end_index
   return nxt, logits[:, -1], cache
 
 
+@functools.partial(jax.jit, static_argnames=("model", "bucket_new", "greedy", "nucleus"),
+                   donate_argnames=("cache",))
+def decode_loop(model: Transformer, params, experts, cache, logits_1xV, start, key, n_new,
+                stop_ids, temperature, top_p, *, bucket_new: int, greedy: bool, nucleus: bool):
+  """Up to `n_new` tokens of one sequence in one `lax.while_loop` on the device.
+
+  The first token is sampled from the prefill's `logits_1xV`; token i (i >= 1) is decoded
+  from token i-1 at position `start + i - 1`.  Stops after `n_new` tokens or after a token
+  in `stop_ids` (-1 pads; the stop token is kept).  Keys as `Sampler.generate`: one split of
+  `key` per token, the token sampled with the split-off half.  `n_new`, `temperature` and
+  `top_p` are traced; static: the buffer length `bucket_new` (>= max(n_new, 1)), and
+  `greedy` / `nucleus` (temperature == 0, top_p < 1).
+  -> (tokens [bucket_new] int32, count (int32 scalar), cache)."""
+  sample = functools.partial(_sample, temperature=temperature, top_p=top_p, greedy=greedy,
+                             nucleus=nucleus)
+
+  def stops(tok_1):
+    return jnp.any(tok_1[0] == stop_ids)
+
+  key, sub = jax.random.split(key)
+  tok = sample(logits_1xV, sub)
+  out = jnp.zeros((bucket_new,), jnp.int32).at[0].set(tok[0])
+
+  def body(carry):
+    i, tok, key, cache, out, _ = carry
+    key, sub = jax.random.split(key)
+    logits, cache, _ = model.apply({"params": params}, tok[:, None], experts, cache,
+                                   start + i - 1)
+    tok = sample(logits[:, -1], sub)
+    return i + 1, tok, key, cache, out.at[i].set(tok[0]), stops(tok) | (i + 1 >= n_new)
+
+  carry = (jnp.int32(1), tok, key, cache, out, stops(tok) | (n_new <= 1))
+  i, _, _, cache, out, _ = jax.lax.while_loop(lambda c: ~c[-1], body, carry)
+  return out, jnp.minimum(i, n_new), cache
+
+
 class Sampler:
   """Fully resident generation for a loaded model (params + device expert weights).
 
@@ -120,14 +168,42 @@ class Sampler:
                          np.int32(end_index), key, temperature=float(sp.temperature),
                          top_p=float(sp.top_p))
 
-  def generate(self, prompt_ids: list[int], sp: SamplingParams, seed: int = 0,
-               on_token=None) -> list[int]:
-    """Generates up to sp.max_new_tokens tokens after `prompt_ids` (batch 1)."""
+  def decode_loop(self, cache, logits_1xV, start: int, sp: SamplingParams, key):
+    """`decode_loop` after a batch-1 `prefill` of `start` tokens (the cache is donated):
+    (tokens [bucket] int32, count, cache) on the device; the tokens are tokens[:count]."""
+    if logits_1xV.shape[0] != 1:
+      raise ValueError(f"decode_loop runs one sequence, got a batch of {logits_1xV.shape[0]}")
+    stop = np.full(bucket(len(sp.stop_ids), 4), -1, np.int32)
+    stop[:len(sp.stop_ids)] = sp.stop_ids
+    return decode_loop(self.model, self.params, self.experts, cache, logits_1xV,
+                       np.int32(start), key, np.int32(sp.max_new_tokens), stop,
+                       np.float32(sp.temperature), np.float32(sp.top_p),
+                       bucket_new=bucket(max(sp.max_new_tokens, 1)),
+                       greedy=sp.temperature == 0.0, nucleus=sp.top_p < 1.0)
+
+  def generate_loop(self, prompt_ids: list[int], sp: SamplingParams, seed: int = 0) -> list[int]:
+    """`generate` with every token in one device loop (no host work per token): the same
+    tokens for the same seed.  Compiled once per (max_new_tokens bucket, greedy, top_p < 1,
+    stop-id bucket); prompts of one prefill bucket share the prefill's compilation."""
+    prompt = self._prompt(prompt_ids, sp)
+    logits, cache = self.prefill(prompt)
+    out, n, _ = self.decode_loop(cache, logits, prompt.shape[1], sp, jax.random.PRNGKey(seed))
+    return np.asarray(out)[:int(n)].tolist()
+
+  def _prompt(self, prompt_ids: list[int], sp: SamplingParams) -> np.ndarray:
     prompt = np.asarray([prompt_ids], np.int32)
     t = prompt.shape[1]
     if t + sp.max_new_tokens > self.max_len:
       raise ValueError(f"prompt ({t}) + max_new_tokens ({sp.max_new_tokens}) exceeds "
                        f"max_len={self.max_len}")
+    return prompt
+
+  def generate(self, prompt_ids: list[int], sp: SamplingParams, seed: int = 0,
+               on_token=None) -> list[int]:
+    """Generates up to sp.max_new_tokens tokens after `prompt_ids` (batch 1), one call
+    per token (`on_token(id)` as each comes); `generate_loop` runs them on the device."""
+    prompt = self._prompt(prompt_ids, sp)
+    t = prompt.shape[1]
     key = jax.random.PRNGKey(seed)
     logits, cache = self.prefill(prompt)
     key, sub = jax.random.split(key)

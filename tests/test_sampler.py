@@ -1,14 +1,23 @@
-"""Sampling rules and generation on a random model."""
+"""Sampling rules, generation on a random model, and the device loop on the demo model."""
 
+import os
+
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from moejax import sampler as sampler_lib
 from moejax.config import ModelConfig
-from moejax.loader import init_random
+from moejax.loader import init_random, load_model
 from moejax.sampler import Sampler, SamplingParams, sample_token
 from moejax.store import ExpertStore
+from moejax.tokenizer import Tokenizer
+
+DEMO = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ckpts", "demo")
+needs_demo = pytest.mark.skipif(not os.path.exists(os.path.join(DEMO, "config.json")),
+                                reason="ckpts/demo not present")
 
 
 def test_greedy_and_top_p():
@@ -43,8 +52,12 @@ def test_generation_stops_and_is_reproducible():
   stop = a[4]
   c = s.generate([1, 2, 3], SamplingParams(1.0, 1.0, 20, (stop,)), seed=7)
   assert c == a[:a.index(stop) + 1]
+  assert s.generate_loop([1, 2, 3], sp, seed=7) == a
+  assert s.generate_loop([1, 2, 3], SamplingParams(1.0, 1.0, 20, (stop,)), seed=7) == c
   with pytest.raises(ValueError, match="max_len"):
     s.generate(list(range(60)), sp)
+  with pytest.raises(ValueError, match="max_len"):
+    s.generate_loop(list(range(60)), sp)
   # the jitted steps take params and experts as arguments: a dropped Sampler's device
   # experts are freed (a method jitted with `self` static would keep them alive)
   import gc
@@ -53,3 +66,56 @@ def test_generation_stops_and_is_reproducible():
   del s
   gc.collect()
   assert ref() is None
+
+
+@pytest.fixture(scope="module")
+def demo():
+  cfg, params, store = load_model(DEMO, dtype=jnp.float32)
+  s = Sampler(cfg, params, store.to_device(), max_len=128)
+  return s, Tokenizer(DEMO).encode("def binary_search(items, target):\n")
+
+
+def _mid_stop(ids: list[int]) -> int:
+  """A token of `ids` first produced well inside the run (a stop there ends it mid-way)."""
+  return next(t for k, t in enumerate(ids) if k >= 3 and ids.index(t) == k)
+
+
+@needs_demo
+@pytest.mark.parametrize("temperature, top_p", [(0.0, 1.0), (0.8, 0.9), (1.0, 1.0)])
+def test_loop_matches_per_token_generate(demo, temperature, top_p):
+  s, prompt = demo
+  sp = SamplingParams(temperature, top_p, 24)
+  ref = s.generate(prompt, sp, seed=3)
+  assert len(ref) == 24 and s.generate_loop(prompt, sp, seed=3) == ref
+  if temperature:     # another seed, other tokens, still the same in both paths
+    other = s.generate(prompt, sp, seed=4)
+    assert other != ref and s.generate_loop(prompt, sp, seed=4) == other
+  stop = _mid_stop(ref)
+  # the stop id is kept, as the per-token path does; a padded stop list (2 ids -> 4)
+  sp_stop = SamplingParams(temperature, top_p, 24, (123456, stop))
+  cut = s.generate(prompt, sp_stop, seed=3)
+  assert cut == ref[:ref.index(stop) + 1] and 3 < len(cut) < 24
+  assert s.generate_loop(prompt, sp_stop, seed=3) == cut
+  for n in (1, 0):    # the first token only (sampled from the prefill), and none
+    sp_n = SamplingParams(temperature, top_p, n)
+    assert s.generate_loop(prompt, sp_n, seed=3) == s.generate(prompt, sp_n, seed=3) == ref[:n]
+
+
+@needs_demo
+def test_loop_compiles_once_per_bucket(demo, monkeypatch):
+  """Prompts of one prefill bucket, token counts of one bucket, other temperatures, top_p,
+  seeds and stop ids, and a new Sampler: one trace of the loop."""
+  s, prompt = demo
+  counted = jax.jit(chex.assert_max_traces(sampler_lib.decode_loop.__wrapped__, n=1),
+                    static_argnames=("model", "bucket_new", "greedy", "nucleus"),
+                    donate_argnames=("cache",))
+  monkeypatch.setattr(sampler_lib, "decode_loop", counted)
+  ref = s.generate(prompt, SamplingParams(0.7, 0.9, 12), seed=1)
+  assert s.generate_loop(prompt, SamplingParams(0.7, 0.9, 12), seed=1) == ref
+  s2 = Sampler(s.cfg, s.params, s.experts, max_len=s.max_len)
+  other = prompt[:-3] + [5, 6]                   # same prefill bucket, other tokens
+  assert sampler_lib.bucket(len(other)) == sampler_lib.bucket(len(prompt))
+  out = s2.generate_loop(other, SamplingParams(0.9, 0.5, 15, (7,)), seed=2)
+  assert out == s2.generate(other, SamplingParams(0.9, 0.5, 15, (7,)), seed=2)
+  with pytest.raises(AssertionError, match="traced > 1"):   # a new bucket would retrace
+    s.generate_loop(prompt, SamplingParams(0.7, 0.9, 40), seed=1)

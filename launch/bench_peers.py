@@ -11,7 +11,9 @@ Then, per model (bench shape f32, demo f32, demo bf16):
     --decode_tokens greedy tokens after a --prompt_len prompt, then prefills a
     --prefill_len prompt.  Engines: llama.cpp (libllama through launch/llama_timer.cpp,
     --threads threads, logits at the last prompt position as moejax's prefill),
-    the moejax Sampler, the OffloadEngine with every expert resident
+    the moejax Sampler (one jitted decode step a token), `sampler_loop`: the Sampler's
+    device loop (the --decode_tokens steps in one `lax.while_loop` call,
+    Sampler.decode_loop), the OffloadEngine with every expert resident
     (cache_fraction 1.0, policy baseline; its default: layers that need no host work in
     one call, `runs`, decoded as the Sampler is: greedy tokens stay on the device,
     `decode_step(tok, lazy=True)`, records read behind the device; `engine_sync`: the
@@ -54,7 +56,8 @@ flags.DEFINE_string("out", "bench_peers.json", "JSON results file.")
 flags.DEFINE_list("models", ["bench_f32", "demo_f32", "demo_bf16"],
                   f"Models: {', '.join(bench_models.NAMES)}.")
 flags.DEFINE_list("engines", ["llama.cpp", "sampler", "engine", "transformers"],
-                  "Engines to time (also: engine_sync, host tokens and numpy logits on "
+                  "Engines to time (also: sampler_loop, the Sampler's tokens in one device "
+                  "loop; engine_sync, host tokens and numpy logits on "
                   "synchronous dispatch; engine_layers, the OffloadEngine with "
                   "run_layers=False; engine_unfused, with fuse_layers=False too; "
                   "engine_conds, the all-resident run with conds, straight_run=False).")
@@ -108,6 +111,21 @@ class SamplerRunner:
 
   def prefill(self, prompt: np.ndarray) -> float:
     return _rate(len(prompt), lambda: self.s.prefill(prompt[None])[0].block_until_ready())
+
+
+class SamplerLoopRunner(SamplerRunner):
+  """The Sampler's device loop: the same greedy decode steps as SamplerRunner (a token
+  from the prefill's logits, then --decode_tokens steps) in one `decode_loop` call."""
+
+  def decode(self, prompt: np.ndarray) -> float:
+    logits, cache = self.s.prefill(prompt[None])
+    key = jax.random.PRNGKey(0)
+    sp = SamplingParams(max_new_tokens=FLAGS.decode_tokens + 1)   # no stop ids: all steps
+    logits.block_until_ready()
+    def run():
+      out, _, _ = self.s.decode_loop(cache, logits, len(prompt), sp, key)
+      out.block_until_ready()
+    return _rate(FLAGS.decode_tokens, run)
 
 
 class EngineRunner:
@@ -256,6 +274,8 @@ def bench_model(name: str, bins, work: str) -> dict:
       runners["llama.cpp_1t"] = LlamaRunner(bins, gguf, 1)
   if "sampler" in FLAGS.engines or "llama.cpp" in runners:
     runners["sampler"] = SamplerRunner(cfg, params, store.to_device(), dtype, max_len)
+  if "sampler_loop" in FLAGS.engines:
+    runners["sampler_loop"] = SamplerLoopRunner(cfg, params, store.to_device(), dtype, max_len)
   if "engine" in FLAGS.engines:
     runners["engine"] = EngineRunner(cfg, params, store, dtype, max_len, lazy=True)
   if "sampler_pool" in FLAGS.engines:

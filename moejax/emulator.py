@@ -42,23 +42,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moejax import routing
 from moejax.config import ModelConfig
-from moejax import controls, layer_stack
+from moejax import layer_stack
 from moejax.controls import Control  # noqa: F401  (public: emulator.Control)
 from moejax.layer_stack import stack_layers  # noqa: F401  (public: emulator.stack_layers)
-from moejax.model import Transformer, init_cache
+from moejax.offload import layer as layer_lib
 from moejax.offload import policy as policy_lib
 from moejax.offload import prefetch as pf_files
 from moejax.offload import prefetch_steps as pf_steps
 from moejax.offload import resident as resident_lib
-from moejax.offload.policy import DROP, FETCH, HIT, HOST, SUBSTITUTE, PolicyParams
-from moejax.offload.steps import _attend_route, _dense  # shared with the engine's steps
-
-# per-token statistics, summed over MoE layers (the engine's record keys)
-STATS = ("expert_calls", "hits", "fetches", "substituted", "substituted_mass", "dropped",
-         "dropped_mass", "host_calls", "admissions", "admitted", "evictions", "prefetches",
-         "useful_prefetches", "recall_hits", "predicted_calls", "first_substituted")
+from moejax.offload import token as token_lib
+from moejax.offload.layer import STATS  # noqa: F401  (per-token statistics, summed over MoE layers)
+from moejax.offload.policy import PolicyParams
 
 
 class EmulatorError(ValueError):
@@ -104,163 +99,38 @@ def init_states(cfg: ModelConfig, budget: resident_lib.Budget, policy: PolicyPar
   return states
 
 
-def _apply(mod, p, *args, method):
-  return mod.apply({"params": p}, *args, method=method)
+def _ctx(setup: Setup) -> layer_lib.Ctx:
+  return layer_lib.Ctx(setup.cfg, setup.policy, setup.trim_to, setup.prefetch,
+                       setup.speculative, setup.keep, setup.control, "table")
 
 
-# ------------------------------------------------------------------ decisions
-def _decide(setup: Setup, logits_1xE, state, key):
-  if setup.control is not None:
-    return controls.decide(setup.control, logits_1xE, state, setup.policy.decision,
-                           setup.cfg, key)
-  return policy_lib.decide(logits_1xE, state, setup.policy.decision, setup.cfg)
-
-
-def _moe_layer(setup: Setup, mod, p, table, x, pos, cache, state, pending, key,
-               spec=None, prev=None):
-  """One MoE layer of one decoded token (engine order); returns x, cache, state, pending,
-  stats (with prefetch on: x is (x, r, d, has_prev): what the next MoE layer predicts
-  from, and pending is (admit [E], this layer's true logits, True): see
-  `layer_stack.empty_carry`)."""
-  cfg, pol = setup.cfg, setup.policy.cache
-  pending_E, last = (pending[0], pending[1:]) if setup.prefetch != "none" else (pending, None)
-  num_e, k = cfg.num_experts, cfg.top_k
-  none_in_use = jnp.zeros((num_e,), bool)
-  adm_ids = jnp.nonzero(pending_E, size=k, fill_value=-1)[0].astype(jnp.int32)
-  state, ev_adm = resident_lib.insert(state, adm_ids, {}, none_in_use, pol)
-  h, moe_in, logits, cache = _apply(mod, p, x, pos, cache, pos[0, 0], method=_attend_route)
-  pf_used, pf_stats = jnp.full((k,), -1, jnp.int32), jnp.zeros((4,), jnp.float32)
-  if setup.prefetch == "none":
-    dec = _decide(setup, logits.reshape(1, num_e), state, key)
-  else:
-    lg = logits.reshape(1, -1)
-    hybrid = setup.prefetch == "hybrid"
-    dec, pf_used, pf_stats = pf_steps.speculate(
-        setup.cfg, mod, p, spec["est"] if hybrid else None, prev, lg,
-        state, setup.policy.decision, setup.prefetch, setup.speculative,
-        _decide(setup, lg, state, key), last, spec["use_last"] if hybrid else None)
-  act = dec.action[0]
-  fetch_ids = jnp.where(act == FETCH, dec.ids[0], -1)
-  in_use = none_in_use.at[jnp.where(dec.exec_ids[0] >= 0, dec.exec_ids[0], num_e)].set(
-      True, mode="drop")
-  state, ev_fetch = resident_lib.insert(state, fetch_ids, {}, in_use, pol)
-  run_ids = jnp.where(dec.action == HOST, dec.ids, dec.exec_ids)      # host: exact
-  w = jnp.where(run_ids >= 0, dec.weights, 0.0)
-  x = _apply(mod, p, h, moe_in, jnp.maximum(run_ids, 0).reshape(1, 1, k), w.reshape(1, 1, k),
-             table, method="moe_residual")
-  state = policy_lib.update_usage(state, dec, pol)
-  ev_pf = jnp.full((k,), -1, jnp.int32)
-  if setup.prefetch != "none" and setup.keep:   # executed prefetches enter the cache
-    state, ev_pf = resident_lib.insert(state, pf_used, {}, in_use, pol)
-  ev_trim = jnp.full((state.slot_expert.shape[0],), -1, jnp.int32)
-  if setup.trim_to is not None:         # staging slots hold the token in flight only
-    state, ev_trim = resident_lib.trim(state, setup.trim_to, pol)
-  evicted = jnp.concatenate([ev_adm, ev_fetch, ev_pf, ev_trim])
-  share = dec.share[0]
-  is_ = lambda a: (act == a).astype(jnp.float32)
-  stats = jnp.stack([
-      jnp.float32(k), jnp.sum(is_(HIT)), jnp.sum(is_(FETCH)), jnp.sum(is_(SUBSTITUTE)),
-      jnp.sum(is_(SUBSTITUTE) * share), jnp.sum(is_(DROP)), jnp.sum(is_(DROP) * share),
-      jnp.sum(is_(HOST)), jnp.sum(dec.admit.astype(jnp.float32)),
-      jnp.sum(pending_E.astype(jnp.float32)),
-      jnp.sum((evicted >= 0).astype(jnp.float32)), *pf_stats,
-      is_(SUBSTITUTE)[0] + is_(DROP)[0]])
-  detail = dict(action=act, ids=dec.ids[0], sub_ids=dec.sub_ids[0], share=share,
-                fetched=fetch_ids, admitted=adm_ids, evicted=evicted,
-                admissions=jnp.nonzero(dec.admit, size=k, fill_value=-1)[0].astype(jnp.int32))
-  if setup.prefetch != "none":
-    d = pf_steps.quasi_offset(dec.exec_ids[0], dec.weights[0], spec["vectors"])
-    x = (x, h.reshape(1, -1), d, jnp.bool_(True))
-    return x, cache, state, (dec.admit, logits.reshape(1, -1).astype(jnp.float32),
-                             jnp.bool_(True)), stats, detail
-  return x, cache, state, dec.admit, stats, detail
-
-
-# ------------------------------------------------------------------ one stream
 def _token_step(setup: Setup, params, layers, table, carry, token, pos, key):
   """One decoded token of one stream: returns (carry, logits [V], stats, detail)."""
-  cfg = setup.cfg
-  dtype = jnp.dtype(setup.dtype)
-  model = Transformer(cfg, dtype)
-  x = model.apply({"params": params}, token.reshape(1, 1), method="embed")
-  pos_11 = pos.reshape(1, 1)
-  spec_on = setup.prefetch != "none"
-  if spec_on:   # (x, r and d of the previous MoE layer, whether there was one)
-    x = (x, jnp.zeros((1, cfg.hidden_size), dtype), jnp.zeros((cfg.hidden_size,), jnp.float32),
-         jnp.bool_(False))
-
-  def layer_fn(mod, sparse, p, t, x, pl, i):
-    cache, state, pending = pl
-    if not sparse:
-      if spec_on:
-        xd, cache = _apply(mod, p, x[0], pos_11, cache, pos, method=_dense)
-        return (xd,) + x[1:], (cache, state, pending), None
-      x, cache = _apply(mod, p, x, pos_11, cache, pos, method=_dense)
-      return x, (cache, state, pending), None
-    t, spec = t if spec_on else (t, None)
-    xin, prev = (x[0], x[1:]) if spec_on else (x, None)
-    x, cache, state, pending, stats, det = _moe_layer(
-        setup, mod, p, t, xin, pos_11, cache, state, pending, jax.random.fold_in(key, i),
-        spec, prev)
-    if setup.detail:
-      det["slot_expert"] = state.slot_expert
-    else:
-      det = {}
-    return x, (cache, state, pending), (stats, det)
-
-  x, per_layer, (stats, det) = layer_stack.run_layers(
-      cfg, dtype, layer_fn, layers, table, x, layer_stack.zip_carry(cfg, *carry))
-  x = x[0] if spec_on else x
-  logits = model.apply({"params": params}, x[:, -1], method="logits")[0]
+  carry, logits, step = token_lib.decode(_ctx(setup), jnp.dtype(setup.dtype), params, layers,
+                                         table, carry, token, pos, key, scan=True)
+  det = {}
   if setup.detail:
-    det["logits"] = logits
-  return layer_stack.unzip_carry(cfg, per_layer), logits, jnp.sum(stats, axis=0), det
+    det = dict(action=step.dec.action[:, 0], ids=step.dec.ids[:, 0],
+               sub_ids=step.dec.sub_ids[:, 0], share=step.dec.share[:, 0],
+               fetched=step.fetched, admitted=step.admitted, evicted=step.evicted,
+               admissions=step.pending, logits=logits,
+               slot_expert=_slot_experts(setup.cfg, carry[1]))
+  return carry, logits, jnp.sum(step.stats, axis=0), det
+
+
+def _slot_experts(cfg: ModelConfig, states):
+  """Every MoE layer's slot -> expert map, stacked [L, P]."""
+  if layer_stack.uniform(cfg):
+    return states.slot_expert
+  return jnp.stack([states[l].slot_expert for l in cfg.moe_layers])
 
 
 def _prefill_one(setup: Setup, params, layers, table, states, tokens_P, length, decay_pow):
   """Exact prompt (first `length` of tokens_P) of one stream, as OffloadEngine.prefill."""
-  cfg, pol = setup.cfg, setup.policy.cache
-  dtype = jnp.dtype(setup.dtype)
-  model = Transformer(cfg, dtype)
-  num_e, k = cfg.num_experts, cfg.top_k
-  plen = tokens_P.shape[0]
-  valid = (jnp.arange(plen) < length).astype(jnp.float32)
-  pos = jnp.arange(plen, dtype=jnp.int32)[None]
-  x = model.apply({"params": params}, tokens_P[None], method="embed")
-
-  def layer_fn(mod, sparse, p, t, x, pl, i):
-    cache, st, pending = pl
-    t = t[0] if setup.prefetch != "none" else t        # the expert table (not the predictors)
-    if not sparse:
-      x, cache = _apply(mod, p, x, pos, cache, 0, method=_dense)
-      return x, (cache, st, pending), None
-    h, moe_in, logits, cache = _apply(mod, p, x, pos, cache, 0, method=_attend_route)
-    ids, gates, _ = routing.route(cfg, logits.reshape(plen, num_e))
-    x = _apply(mod, p, h, moe_in, ids.reshape(1, plen, k), gates.reshape(1, plen, k), t,
-               method="moe_residual")
-    counts = jnp.zeros((num_e,), jnp.float32).at[ids.reshape(-1)].add(jnp.repeat(valid, k))
-    used = counts > 0
-    resident = st.expert_slot >= 0
-    missing = used & ~resident
-    # the missing experts, most used first, ties by id, in one insert (the engine's
-    # chunks of K, each protecting the ones before, overwrite the same slots)
-    order = jnp.lexsort((jnp.arange(num_e), -counts, ~missing))
-    ordered = jnp.where(missing[order], order, -1).astype(jnp.int32)
-    st, _ = resident_lib.insert(st, ordered, {}, used & resident, pol)
-    st = dataclasses.replace(st, last_used=jnp.where(used, st.step, st.last_used),
-                             freq=st.freq * decay_pow + counts, step=st.step + 1)
-    if setup.trim_to is not None:
-      st, _ = resident_lib.trim(st, setup.trim_to, pol)
-    return x, (cache, st, pending), jnp.zeros(())
-
-  width = 0 if setup.prefetch == "none" else routing.router_width(cfg)
-  cache, pending = layer_stack.empty_carry(cfg, init_cache(cfg, 1, setup.max_len, dtype),
-                                           num_e, width)
-  x, per_layer, _ = layer_stack.run_layers(
-      cfg, dtype, layer_fn, layers, table, x, layer_stack.zip_carry(cfg, cache, states, pending))
-  logits = model.apply({"params": params}, jax.lax.dynamic_index_in_dim(x[0], length - 1),
-                       method="logits")[0]
-  return logits, layer_stack.unzip_carry(cfg, per_layer)
+  logits, carry, _ = token_lib.prefill(_ctx(setup), jnp.dtype(setup.dtype), setup.max_len,
+                                       params, layers, table, states, tokens_P, length,
+                                       decay_pow, scan=True)
+  return logits, carry
 
 
 # ------------------------------------------------------------------ jitted entry points
@@ -339,9 +209,17 @@ class Emulation:
   setup: Setup
   params: dict          # the model's parameters (embedding, head, norms)
   layers: object        # the decoder layers' parameters (see `stack_layers`)
-  table: object         # the full expert table on the device (see `stack_layers`)
+  table: object         # per layer {"table": its experts on the device, + predictors}
   states: object        # the initial ResidentStates (stacked for uniform models)
   budget: resident_lib.Budget
+
+
+def _sources(cfg: ModelConfig, table, preds):
+  """Each layer's expert source for `layer.moe_layer`: the table, and the predictors."""
+  if layer_stack.uniform(cfg):
+    return dict(table=table, **(preds or {}))
+  return [None if t is None else dict(table=t, **(preds[i] if preds else {}))
+          for i, t in enumerate(table)]
 
 
 def make(cfg: ModelConfig, params, store, policy: PolicyParams | str, *,
@@ -375,8 +253,8 @@ def make(cfg: ModelConfig, params, store, policy: PolicyParams | str, *,
                                       nbytes=cache_bytes)
   if stacked is None:
     stacked = stack_layers(cfg, params, store.to_device(dtype))
-  if mode.on:
-    stacked = (stacked[0], (stacked[1], pf_files.stacked_predictors(cfg, prefetch, predictors)))
+  preds = pf_files.stacked_predictors(cfg, prefetch, predictors) if mode.on else None
+  stacked = (stacked[0], _sources(cfg, stacked[1], preds))
   states = layer_stack.stack_states(
       cfg, init_states(cfg, budget, policy, initial, profile_counts))
   setup = Setup(cfg, policy, budget.physical, max_len,

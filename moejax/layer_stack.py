@@ -45,12 +45,15 @@ def stack_states(cfg: ModelConfig, states: dict):
   return jax.tree_util.tree_map(lambda *a: jnp.stack(a), *[states[l] for l in cfg.moe_layers])
 
 
-def run_layers(cfg: ModelConfig, dtype, layer_fn, layers, table, x, per_layer):
+def run_layers(cfg: ModelConfig, dtype, layer_fn, layers, table, x, per_layer,
+               scan: bool = True):
   """x through every layer: layer_fn(mod, sparse, p, table_l, x, per_layer_l, i) ->
-  (x, per_layer_l, out_l).  per_layer: stacked [L, ...] (uniform) or a list; returns
-  (x, per_layer, outs stacked over MoE layers)."""
+  (x, per_layer_l, out_l).  per_layer: stacked [L, ...] (a uniform model under `scan`)
+  or a list; returns (x, per_layer, outs stacked over MoE layers).  scan=False unrolls
+  every model (the engine: each layer's state and slot buffers stay separate arrays,
+  updated in place)."""
   mods = decoder_modules(cfg, dtype)
-  if uniform(cfg):
+  if scan and uniform(cfg):
     # the KV cache rides in the loop carry and is updated in place, one layer at a
     # time (as scanned xs/ys it would be copied whole at every layer)
     cache, rest = per_layer[0], per_layer[1:]
@@ -75,32 +78,16 @@ def run_layers(cfg: ModelConfig, dtype, layer_fn, layers, table, x, per_layer):
   return x, per_layer, jax.tree_util.tree_map(lambda *a: jnp.stack(a), *outs)
 
 
-def zip_carry(cfg: ModelConfig, cache, states, pending):
+def zip_carry(cfg: ModelConfig, cache, states, pending, scan: bool = True):
   """Zips the carry into per-layer tuples (dense layers get None state)."""
-  if uniform(cfg):
+  if scan and uniform(cfg):
     return (cache, states, pending)
   return [(cache[i], states.get(i), pending.get(i)) for i in range(cfg.num_layers)]
 
 
-def empty_carry(cfg: ModelConfig, cache: list, num_experts: int, last_width: int = 0):
-  """(cache, pending) at the start of a stream, stacked for uniform models.  A layer's
-  pending is its admissions requested at the previous token [E] bool; with
-  `last_width`, (that, the layer's router logits at the previous token [1, last_width],
-  whether there was one) -- what the `previous` prefetch predictor reads."""
-  def one():
-    admit = jnp.zeros((num_experts,), bool)
-    return (admit, jnp.zeros((1, last_width), jnp.float32), jnp.bool_(False)) if last_width \
-        else admit
-
-  if uniform(cfg):
-    return (jax.tree_util.tree_map(lambda *a: jnp.stack(a), *cache),
-            jax.tree_util.tree_map(lambda *a: jnp.stack(a), *[one()] * cfg.num_layers))
-  return cache, {l: one() for l in cfg.moe_layers}
-
-
-def unzip_carry(cfg: ModelConfig, per_layer):
+def unzip_carry(cfg: ModelConfig, per_layer, scan: bool = True):
   """The inverse of `zip_carry`: (cache, states, pending)."""
-  if uniform(cfg):
+  if scan and uniform(cfg):
     return per_layer
   cache = [c for c, _, _ in per_layer]
   states = {i: s for i, (_, s, _) in enumerate(per_layer) if s is not None}

@@ -146,8 +146,8 @@ def init_state(num_experts: int, num_slots: int, expert_spec: dict,
 def insert(state: ResidentState, ids_J: jax.Array, rows_J: dict, in_use_E: jax.Array,
            params: policy_lib.CacheParams | policy_lib.PolicyParams):
   """Inserts experts ids_J[j] (with weights {name: rows_J[name][j]}) in order; pure and
-  jittable.  rows_J holds one stacked array [>= J, ...] per buffer (one argument per
-  buffer, not per expert: the prefetch thread delivers a layer's fetches stacked).
+  jittable.  rows_J holds one stacked array [>= J, ...] per buffer; None updates the
+  metadata only (the engine's decode step copies rows itself: `layer.copy_rows`).
 
   The j-th insertion overwrites the j-th slot of `policy.eviction_order` (empty
   first, else per eviction policy): never the slot of an expert marked in
@@ -179,7 +179,7 @@ def insert(state: ResidentState, ids_J: jax.Array, rows_J: dict, in_use_E: jax.A
   # one dynamic_update_slice per row and buffer, in place when donated; a skipped
   # insertion goes to the scratch row (buffers never read here, so no copies)
   bufs = dict(state.buffers)
-  for jj in range(ids.shape[0]):
+  for jj in range(ids.shape[0] if rows_J is not None else 0):
     at = jnp.where(valid[jj], slot[jj], num_s)
     for k, buf in bufs.items():
       bufs[k] = jax.lax.dynamic_update_slice(buf, rows_J[k][jj].astype(buf.dtype)[None],

@@ -1,58 +1,28 @@
 """OffloadEngine: real decoding with a budgeted device-resident expert cache.
 
-Public surface (benchmarks and tests use only this):
+  eng = OffloadEngine(cfg, params, store, "quality", cache_fraction=.25, link="native")
+  with eng:                      close() on exit (a context manager)
+    eng.warmup()                 compiles the decode step (throwaway state)
+    logits = eng.prefill(prompt_ids)       # [V]; exact for every policy
+    logits = eng.decode_step(token)        # [V]; one stats.TokenRecord appended
+    logits = eng.decode_step(tok, lazy=True)   # a device array; the record is read later
+    ids = eng.generate(prompt_ids, SamplingParams(...))   # on-device loop, or per token
+    eng.stats(skip=16)           # summary of the decode records
+    eng.resident_sets()          # {layer: resident expert ids}
 
-  eng = OffloadEngine(cfg, params, store, policy, cache_fraction=.25, link=...)
-  with eng: ...                 close() on exit (a context manager); an engine never
-                                closed is shut down when garbage collected
-  eng.warmup()                  compiles every decode-path step on throwaway state
-  eng.prefill(prompt_ids)       -> next-token logits [V]; exact for every policy
-  eng.decode_step(token)        -> next-token logits [V]; appends a stats.TokenRecord
-  eng.decode_step(tok, lazy=True)   the same, logits left on the device; with every
-                                expert resident the token may be a device scalar and
-                                the step does not wait for the device (records are
-                                read when `records` or `stats` is next read)
-  eng.generate(prompt, sp)      prefill + sampling, batch 1
-  eng.stats(skip=0)             summary of the decode records (`stats.summarize`)
-  eng.deferred_steps            lazy steps whose records are not built yet
-  eng.records, eng.prefill_record   per-token `stats.TokenRecord`s (counts, times,
-                                per-layer actions, substitutes, admissions, evictions)
-  eng.resident_sets()           {layer: resident experts}, every requested admission
-                                inserted first (a defined end state)
-  eng.held_bytes()              bytes of expert copies held outside the slot buffers
-  eng.transfer_stats()          transfer counters (requests, bytes, link busy time)
-  eng.describe(), eng.budget, eng.link, eng.policy, eng.states (read-only pytrees)
-  eng.cfg, eng.store, eng.moe_layers, eng.max_len, eng.end_index   (read-only)
-  eng.trace = True              each decode step appends its timeline to eng.traces
-  eng.close()
-
-Per MoE layer and decoded token (jitted steps: `steps`; inserts: `inserts`):
-  1. insert the admissions requested at the previous token, fused with attention,
-     router and `policy.decide`; the host reads the packed decision;
-  2. copy the FETCH experts at once (`Prefetcher.fetch`) and insert them while
-     their link time elapses, with other layers' arrived admissions; queue new
-     admissions; compute HOST experts in numpy;
-  3. the experts from slot indices, usage update, trim back to the budget S: run in
-     the same dispatch as the next MoE layer's step 1 when the two layers are
-     consecutive (`steps.fused_steps`; `fuse_layers=False` keeps separate calls).
-By default (`run_layers=True`) the layers that need none of the host's work run
-together in one call that stops at the first that does (`runs`): a token whose
-layers all hit is one call, and the host works only where steps 1-2 have work.
-With every expert resident (cache_fraction 1.0) no layer can need the host, and
-that call is compiled without the per-layer conds (`runs`, straight;
-`straight_run=False` keeps the conds, for before/after measurements).
-The layer itself is `layer_decode.LayerDecoder`.  Waits time out after
-`transfer_timeout_s` (TransferError naming layer and expert).
-Batch size 1.  Every printed time names the link (`Link.describe()`).
+A decode step is ONE jitted program (`decode.step`): every layer, and in each MoE
+layer the one per-layer sequence (`layer.moe_layer`) with its copies from the host
+store made inside the program.  The host dispatches it and, to build the token's
+record, reads one small array of packed decisions; with `lazy=True` (or in
+`generate`'s loop) that read happens later, behind the device.  An emulated link
+(`link.LinkClock`) makes the host wait out, after each token, the time its copies
+would have taken.  Two paths: per-token steps, and `generate`'s while_loop (the same
+step inside one program; native link only, since an emulated link waits per token).
 """
 
 from __future__ import annotations
 
-import functools
-import sys
 import time
-import weakref
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -60,46 +30,33 @@ import numpy as np
 
 from moejax import families
 from moejax.config import ModelConfig
-from moejax.model import init_cache
-from moejax.offload import copies
-from moejax.offload import host_experts
-from moejax.offload import inserts
-from moejax.offload import layer_decode
+from moejax.offload import decode
+from moejax.offload import layer as layer_lib
 from moejax.offload import link as link_lib
 from moejax.offload import policy as policy_lib
 from moejax.offload import prefetch as prefetch_lib
 from moejax.offload import prefetch_steps as pf_steps
-from moejax.offload import prompt
 from moejax.offload import resident as resident_lib
-from moejax.offload import runs as runs_lib
-from moejax.offload import steps as steps_lib
-from moejax.offload import token_decode
-from moejax.offload import transfer as transfer_lib
-from moejax.offload.stats import TokenRecord, format_stats, summarize  # noqa: F401 (re-export)
+from moejax.offload import token as token_lib
+from moejax.offload import transfer
+from moejax.offload.prefetch import Prefetch
+from moejax.offload.stats import TokenRecord, build_record, prefill_record, summarize
 from moejax.sampler import SamplingParams, bucket, next_token
 
 
-def _shutdown(prefetcher: transfer_lib.Prefetcher):
-  """The finaliser of an engine never closed: stops its prefetch thread."""
-  try:
-    prefetcher.close(timeout=5.0)
-  except Exception:  # pylint: disable=broad-except  (nothing to raise to in a finaliser)
-    pass
-
-
 class OffloadEngine:
-  """Decoding under an expert budget with a policy, real transfers on a prefetch thread."""
+  """Decoding under an expert budget with a policy; in-program copies from the host store."""
 
   def __init__(self, cfg: ModelConfig, params, store,
                policy: policy_lib.PolicyParams | str = "baseline", *,
                cache_fraction: float | None = 0.25, cache_bytes: int | None = None,
-               link: Any = "native", max_len: int = 512, dtype=jnp.float32,
-               initial: Any = "auto", profile_counts: dict | None = None,
-               transfer_timeout_s: float = 120.0, verbose: bool = False,
-               prefetch: str = "none", speculative: str = "off",
-               predictors: dict | None = None, streaming: bool = False,
-               fuse_layers: bool = True, run_layers: bool = True, run_min_layers: int = 3,
-               straight_run: bool = True):
+               link="native", max_len: int = 512, dtype=jnp.float32, initial="auto",
+               prefetch: Prefetch | None = None, transfer_timeout_s: float = 120.0):
+    """policy: a PolicyParams or a preset/miss-rule name.  link: a `Link` or a spec
+    ("native", "16GB/s,10us"; a scaled link comes from `calibrate.calibrated_link`).
+    initial: "auto", "empty", "all", or {MoE layer: routing counts} (the most used
+    experts first, `calibrate.profile_counts`).  prefetch: speculative prefetch
+    (`prefetch.Prefetch`; its `streaming` keeps no expert across tokens)."""
     if isinstance(policy, str):
       policy = policy_lib.make_policy(policy)
     if isinstance(link, str) and link.strip().lower().startswith("scaled"):
@@ -107,89 +64,62 @@ class OffloadEngine:
           f"link={link!r}: a scaled link needs this machine's layer compute time; build it "
           f"with moejax.offload.calibrate.calibrated_link(spec, cfg, params, store, dtype) "
           f"and pass the Link")
-    # every array the steps see is committed to one device: one compile per step
     self.device = jax.devices()[0]
-    self._put = functools.partial(jax.device_put, device=self.device)
-    self.cfg, self.params, self.store, self.policy = cfg, self._put(params), store, policy
+    self.cfg, self.store, self.policy = cfg, store, policy
     self.dtype, self.max_len = dtype, max_len
     self.transfer_timeout_s = float(transfer_timeout_s)
     self.moe_layers = tuple(cfg.moe_layers)
-    if streaming:      # no cache: K staging slots, emptied after every token
-      self.budget = resident_lib.Budget(cfg.num_experts, cfg.top_k, 0, cfg.top_k,
-                                        store.expert_nbytes(), len(self.moe_layers),
+    pf = prefetch or Prefetch()
+    self.prefetch = pf
+    self.mode = pf_steps.Mode(pf.kind, pf.speculative, keep=not pf.streaming)
+    nbytes = store.expert_nbytes()
+    if pf.streaming:      # no cache: K staging slots, emptied after every token
+      self.budget = resident_lib.Budget(cfg.num_experts, cfg.top_k, 0, cfg.top_k, nbytes,
+                                        len(self.moe_layers),
                                         "streaming: no expert kept across tokens")
     else:
-      self.budget = resident_lib.make_budget(
-          cfg.num_experts, cfg.top_k, store.expert_nbytes(), len(self.moe_layers),
-          fraction=cache_fraction, nbytes=cache_bytes)
-    self.mode = pf_steps.Mode(prefetch, speculative, keep=not streaming)
-    if policy.miss == "host":
-      host_experts.check_supported(store.get(self.moe_layers[0], 0), cfg.model_type)
+      self.budget = resident_lib.make_budget(cfg.num_experts, cfg.top_k, nbytes,
+                                             len(self.moe_layers), fraction=cache_fraction,
+                                             nbytes=cache_bytes)
     self.link = link if isinstance(link, link_lib.Link) else link_lib.parse_link(
-        link, expert_bytes=store.expert_nbytes())
-    self._trim_to = self.budget.slots if self.budget.staging else None
-    self._model = steps_lib.model_steps(cfg, dtype)
-    self._steps = [steps_lib.layer_steps(cfg, dtype, i, policy.decision, policy.cache,
-                                         self._trim_to) for i in range(cfg.num_layers)]
-    # MoE layer i's moe call fused with layer i+1's decision (None: separate calls; the
-    # prefetch path has its own steps)
-    run = run_layers and not self.mode.on
-    self._run = (runs_lib.run_fn(cfg, dtype, policy.decision, policy.cache, self._trim_to)
-                 if run else None)
-    self._no_pend = None          # a run's placeholder pending layer (built by warmup)
-    fuse = fuse_layers and not self.mode.on
-    self._fused = {i: steps_lib.fused_steps(cfg, dtype, i, policy.decision, policy.cache,
-                                            self._trim_to) if fuse else None
-                   for i in self.moe_layers}
+        link, expert_bytes=nbytes)
+    host, pinned = transfer.program_store(store, self.device)
+    if policy.miss == "host" and self.device.platform != "cpu":
+      raise policy_lib.PolicyError(
+          "--policy=host computes misses on the host CPU, inside the decode program where "
+          "the store lives: that needs the CPU backend (on an accelerator, use the "
+          "simulator's host time model)")
+    trim_to = self.budget.slots if self.budget.staging else None
+    ctx = layer_lib.Ctx(cfg, policy, trim_to, pf.kind, pf.speculative, not pf.streaming,
+                        None, "slots", pinned)
+    self._prog = decode.Program(ctx, jnp.dtype(dtype).name, max_len)
+    self._layout = decode.layout(ctx, self.budget.physical)
+    put = lambda a: jax.device_put(a, self.device)
+    self.params = put(params)
+    preds = (prefetch_lib.stacked_predictors(cfg, pf.kind, pf.predictors, stack=False)
+             if self.mode.on and pf.kind != "oracle" else None)
+    self._srcs = [None if i not in host else dict(store=host[i], **(put(preds[i]) if preds
+                                                                   else {}))
+                  for i in range(cfg.num_layers)]
+    if self.mode.on and preds is None:   # oracle: vectors unused
+      zero = jnp.zeros((cfg.num_experts, cfg.hidden_size), jnp.float32)
+      self._srcs = [None if s is None else dict(s, vectors=zero) for s in self._srcs]
     first = store.get(self.moe_layers[0], 0)
-    self._zero_rows = self._put({k: np.zeros((cfg.top_k,) + np.shape(v), np.asarray(v).dtype)
-                                 for k, v in first.items()})
     spec = {k: (np.shape(v), jnp.dtype(np.asarray(v).dtype)) for k, v in first.items()}
-    self.states = {l: self._put(resident_lib.init_state(cfg.num_experts, self.budget.physical,
-                                                        spec)) for l in self.moe_layers}
-    self._zero_x = np.zeros((1, 1, cfg.hidden_size), jnp.dtype(dtype))   # host expert output
-    states, initial = resident_lib.fill_initial(
-        self.states, initial, self.budget, store, policy.cache, cfg, profile_counts)
-    self.states = runs_lib.StateTable(states)
-    # every expert resident for good: a token's layer run cannot stop (`runs`, straight)
-    straight = straight_run and run and self.budget.all_resident and initial == "all"
-    self._straight = (runs_lib.run_fn(cfg, dtype, policy.decision, policy.cache, self._trim_to,
-                                      straight=True) if straight else None)
-    # the CPU backend's device memory is host memory: transfers copy into private host
-    # stacks that the jitted inserts take as arguments
-    self._host_rows = (self.device.platform == "cpu"
-                       and all(isinstance(v, np.ndarray) for v in first.values()))
-    # the decode thread spins through its waits for link time: after a sleep its next
-    # device call runs slower (the idle CPU's wake-up)
-    self.prefetcher = transfer_lib.Prefetcher(store, self.link, host_copies=self._host_rows,
-                                              wait_spin_s=float("inf"))
-    self._finalizer = weakref.finalize(self, _shutdown, self.prefetcher)
-    self._slots = inserts.SlotWriter(self.states, self._steps, self.moe_layers, cfg.top_k,
-                                     cfg.num_experts, self._zero_rows, self.transfer_timeout_s)
-    self._spec, self._pf_steps = None, None
-    if self.mode.on:
-      self._spec = prefetch_lib.Speculator(
-          cfg, dtype, self.mode, predictors, self.prefetcher, self.states, self._put,
-          self._host_rows, self._zero_rows, self.transfer_timeout_s, store.expert_nbytes(),
-          self._slots.admitting)
-      self._pf_steps = {l: pf_steps.layer_steps(cfg, dtype, steps_lib.representative(cfg, l),
-                                                policy.decision, policy.cache, self.mode,
-                                                self._trim_to, l == self.moe_layers[0])
-                        for l in self.moe_layers}
-    self._layers = layer_decode.LayerDecoder(
-        cfg, self.states, self._slots, self.prefetcher, store, self._fused,
-        self._trim_to, self._zero_x, self._spec, self._pf_steps, self._run, self._steps,
-        policy, fuse_layers, self._straight)
-    self._tokens = token_decode.TokenDecoder(cfg, self._layers, self._steps, self._model,
-                                             self._fused, run_min_layers)
-    self.cache = None
+    rows = cfg.top_k if self.mode.on else 0      # prefetch rows after the scratch row
+    states = {l: put(resident_lib.init_state(cfg.num_experts, self.budget.physical, spec,
+                                             extra_rows=rows)) for l in self.moe_layers}
+    counts = initial if isinstance(initial, dict) else None
+    self._states, self.initial = resident_lib.fill_initial(
+        states, "profile" if counts is not None else initial, self.budget, store,
+        policy.cache, cfg, counts)
+    self._clock = link_lib.LinkClock(self.link, nbytes, self.moe_layers)
+    self._carry = None            # (KV cache, states, pending) once a prompt ran
     self.end_index = 0
     self._records: list[TokenRecord] = []
+    self._deferred: list[tuple] = []     # (packed device array, wall_s) of lazy steps
     self.prefill_record: TokenRecord | None = None
-    self.trace = False
-    self.traces: list[list[tuple[str, int, float]]] = []
-    if verbose:
-      print(f"[moejax] {self.describe()}", file=sys.stderr)
+    self._failed: BaseException | None = None
 
   def describe(self) -> str:
     pf = (f"; prefetch {self.mode.prefetch}, speculative {self.mode.speculative}"
@@ -198,217 +128,161 @@ class OffloadEngine:
             f"link {self.link.describe()}{pf}")
 
   # -------------------------------------------------------------- lifetime
-  def close(self, timeout: float | None = None):
-    """Cancels pending admissions and stops the prefetch thread (TransferError if it
-    does not stop within `timeout` seconds, default `transfer_timeout_s`, or
-    re-raising a thread failure)."""
-    self._slots.cancel_pending()
-    if self._spec is not None:
-      self._spec.cancel_pending()
-    self._finalizer.detach()
-    self.prefetcher.close(self.transfer_timeout_s if timeout is None else timeout)
+  def close(self):
+    """Releases the device state (nothing runs in the background)."""
+    self._carry, self._srcs = None, None
 
   def __enter__(self):
     return self
 
   def __exit__(self, exc_type, exc, tb):
-    if exc_type is None:
-      self.close()
-      return
-    try:  # keep the exception already propagating; note a close failure on it
-      self.close()
-    except Exception as e:  # pylint: disable=broad-except
-      exc.add_note(f"while handling it, OffloadEngine.close() failed: "
-                   f"{type(e).__name__}: {e}")
+    self.close()
 
-  def transfer_stats(self) -> dict:
-    """The prefetcher's counters (`Prefetcher.stats`) and whether its thread runs."""
-    return dict(self.prefetcher.stats(), alive=self.prefetcher.alive,
-                host_copies=self.prefetcher.host_copies)
-
-  def held_bytes(self) -> int:
-    """Bytes of expert copies the engine holds outside its slot buffers (transfers
-    queued, in flight, arrived and not yet inserted)."""
-    return self.prefetcher.held_bytes()
+  @property
+  def states(self) -> dict:
+    """The per-MoE-layer ResidentStates (read-only)."""
+    return self._carry[1] if self._carry is not None else self._states
 
   def resident_sets(self) -> dict[int, list[int]]:
-    """{MoE layer: resident experts}, after inserting every requested admission."""
-    for l in self.moe_layers:
-      self._slots.admit(l, carry=True)
+    """{MoE layer: resident experts} after the last step.  Admissions requested at the
+    last token are pending: they are inserted before their layer at the next token."""
     return {l: s.resident_experts() for l, s in self.states.items()}
+
+  def pending_admissions(self) -> dict[int, list[int]]:
+    """{MoE layer: experts requested for admission at the last token}."""
+    if self._carry is None:
+      return {l: [] for l in self.moe_layers}
+    pend = jax.device_get(self._carry[2])
+    get = (lambda p: p[0]) if self.mode.on else (lambda p: p)
+    return {l: [int(e) for e in get(pend[l]) if e >= 0] for l in self.moe_layers}
 
   @property
   def records(self) -> list[TokenRecord]:
-    """The decode steps' records, in order (deferred steps' are read first)."""
+    """The decode steps' records, in order (lazy steps' are read first)."""
     self._read_deferred()
     return self._records
 
-  @property
-  def deferred_steps(self) -> tuple[int, int]:
-    """Decode steps (lazy=True) whose records are not built yet: (packed decisions still
-    on the device, at most 32; read back to the host)."""
-    return len(self._tokens.unread), len(self._tokens.read)
+  def stats(self, skip: int = 0) -> dict:
+    """Summary of the decode records after the first `skip` tokens (warm-up)."""
+    return summarize(self.records[skip:], self.cfg)
 
-  def _read_deferred(self):
-    self._tokens.build_records(lambda rec, wall: self._records.append(
-        self._finish(rec, 0.0, wall)))
+  def _check(self):
+    if self._failed is not None:
+      raise transfer.TransferError(f"the engine stopped after an earlier failure: "
+                                   f"{self._failed}") from self._failed
+    if self._srcs is None:
+      raise transfer.TransferError("the engine is closed")
 
-  def _finish(self, rec: TokenRecord, t0: float, wall: float | None = None) -> TokenRecord:
-    self._slots.attribute_evictions(rec)
-    rec.finish(time.perf_counter() - t0 if wall is None else wall)
-    return rec
-
-  # -------------------------------------------------------------- warm-up
+  # -------------------------------------------------------------- programs
   def warmup(self):
-    """Compiles every decode-path step once on throwaway inputs (state untouched), so
-    that per-token statistics measure decoding, not compilation."""
-    cfg = self.cfg
-    x, tp = self._model.embed_decode(self.params, np.zeros(2, np.int32))
-    jax.block_until_ready(self._model.head_decode(self.params, x))
-    if not self._host_rows:   # the prefetch thread's device copies, per row bucket
-      zero = {k: np.zeros(np.shape(v), np.asarray(v).dtype)
-              for k, v in self.store.get(self.moe_layers[0], 0).items()}
-      for n in range(1, cfg.top_k + 1):
-        jax.block_until_ready(copies.stacked_device_put([zero] * n, self.prefetcher.sharding,
-                                                        self._slots.rows(n)))
-    new_kv = lambda l: self._put(init_cache(cfg, 1, self.max_len, self.dtype)[l])
-    insert_s = steps_lib.warm_all(cfg, self._steps, self._fused, self.params, x, tp, new_kv,
-                                  self.states, self._zero_x, self._zero_rows,
-                                  self._slots.row_buckets, self._host_rows)
-    self._slots.insert_s = min(self._slots.insert_s, insert_s)
-    # the layer run, on throwaway copies (all resident: only the straight one is called)
-    run = self._straight if self._straight is not None else self._run
-    if run is not None:
-      runs_lib.warm(run, self.params, self._placeholder(), self.states,
-                    self._put(init_cache(cfg, 1, self.max_len, self.dtype)),
-                    straight=self._straight is not None)
-    if self._spec is not None:
-      prefetch_lib.warm(self._layers, cfg, self.params, self.states, x, tp, new_kv,
-                        self._zero_x, self._zero_rows, self._host_rows)
+    """Compiles the decode step (and, with a native link, nothing else is compiled per
+    token) on throwaway state, so that records measure decoding, not compilation."""
+    self._check()
+    carry = self._new_carry(jax.tree_util.tree_map(jnp.copy, self._states))
+    out = decode.step(self._prog, self.params, self._srcs, carry, np.int32(0), np.int32(0))
+    jax.block_until_ready(out)
 
-  def _placeholder(self):
-    """The run's placeholders for a token's first call (`runs.placeholders`), built once."""
-    if self._no_pend is None:
-      l = self.moe_layers[0]
-      self._no_pend = runs_lib.placeholders(
-          self.cfg, self.dtype, self.policy, self._trim_to, self.params, self._model,
-          self._put(init_cache(self.cfg, 1, self.max_len, self.dtype)[l]), self.states[l],
-          self._zero_x, self._put)
-    return self._no_pend
+  def _new_carry(self, states):
+    return jax.device_put(token_lib.empty_carry(self._prog.ctx, self.dtype, self.max_len,
+                                                states, scan=False), self.device)
 
-  # -------------------------------------------------------------- prefill
   def prefill(self, prompt_ids) -> np.ndarray:
-    """Runs the prompt (exact for every policy); returns the last position's logits [V].
-
-    Per MoE layer the union of the prompt's selected experts is made available
-    (`prompt.moe_layer`).
-    """
+    """Runs the prompt (exact for every policy); returns the last position's logits [V]."""
+    self._check()
     self._read_deferred()
-    t0 = time.perf_counter()
-    rec = TokenRecord(tokens=len(prompt_ids))
     t = len(prompt_ids)
     if t < 1:
       raise ValueError("prefill needs at least one prompt token")
     if t + 1 > self.max_len:
       raise ValueError(f"prompt of {t} tokens does not fit max_len={self.max_len}")
-    tb = t if families.of(self.cfg).has_recurrent_state(self.cfg) else min(bucket(t), self.max_len)
-    toks = np.zeros((1, tb), np.int32)
-    toks[0, :t] = prompt_ids
-    self.cache = self._put(init_cache(self.cfg, 1, self.max_len, self.dtype))
-    if self._spec is not None:
-      self._spec.new_sequence()
-    pos = self._put(np.arange(tb, dtype=np.int32)[None])
-    end = self._put(np.int32(0))
-    x = self._model.embed(self.params, self._put(toks))
-    for i, st in enumerate(self._steps):
-      p = self.params[f"layers_{i}"]
-      if not self.cfg.sparse_layers[i]:
-        x, self.cache[i] = st.dense(p, x, pos, self.cache[i], end)
-        continue
-      h, moe_in, self.cache[i], ids, gates = st.prefill_attend(p, x, pos, self.cache[i], end)
-      x = prompt.moe_layer(i, st, p, h, moe_in, ids, gates, t, slots=self._slots,
-                           prefetcher=self.prefetcher, physical=self.budget.physical,
-                           policy=self.policy, trim_to=self._trim_to, put=self._put, rec=rec)
-    out = np.asarray(self._model.head(self.params, x[:, t - 1])[0])
+    t0 = time.perf_counter()
+    recurrent = families.of(self.cfg).has_recurrent_state(self.cfg)
+    tb = t if recurrent else min(bucket(t), self.max_len)
+    toks = np.zeros((tb,), np.int32)
+    toks[:t] = prompt_ids
+    states = self.states
+    self._carry = None
+    decay = np.float32(float(self.policy.lfu_decay) ** np.float64(t))
+    logits, carry, (copied, evicted) = decode.prefill(self._prog, self.params, self._srcs,
+                                                      states, toks, np.int32(t), decay)
+    self._carry, self._states = carry, None
+    out, copied, evicted = jax.device_get((logits, copied, evicted))
+    self._clock.reset()
     self.end_index = t
-    self.prefill_record = self._finish(rec, t0)
-    return out
+    self.prefill_record = prefill_record(t, self.moe_layers, copied, evicted,
+                                         self.store.expert_nbytes(), time.perf_counter() - t0)
+    return np.asarray(out)
 
-  # -------------------------------------------------------------- decode
   def decode_step(self, token, lazy: bool = False):
     """Feeds one token at position `end_index`; returns the next-token logits [V].
 
-    `lazy=True` returns them as a device array.  When the step is one straight run
-    (every expert resident, no trace, no speculative prefetch) it is deferred
-    (`token_decode`): `token` may be a device int32 scalar (e.g. an argmax of the last
-    logits), the call returns without waiting for the device, and its record is built
-    later (`records`); its wall time is then the interval to the next step's dispatch.
-    Logits, records and resident states equal a plain step's.  (The steps' packed
-    decisions go to the host after 32 further steps, ~6 KB a token on the demo model;
-    records are built from them when `records` or `stats` is read, or before the next
-    plain step or prefill.)
-
-    With `trace` on, the step's timeline goes to `traces`: (event, layer,
-    perf_counter) marks "attend", "decided", "fetch", "arrived", "moe",
-    "moe_done", "dense", "head" and "end" after "start"; with layer runs
-    (run_layers=True) "run" (its first layer) and "run_done" (where it stopped;
-    num_layers: the token's end, head included) around each run call, and the
-    per-layer marks only for the layers the host serves.
+    lazy=True: the logits as a device array, and `token` may be a device int32
+    scalar; with a native link the step does not wait for the device, and its record
+    is built when `records`/`stats` is next read (its wall time is then the interval
+    between consecutive dispatches).  Decisions and logits are those of a plain step.
     """
-    if self.cache is None:
+    self._check()
+    if self._carry is None:
       raise ValueError("decode_step before prefill")
     if self.end_index >= self.max_len:
       raise ValueError(f"max_len={self.max_len} reached")
     t0 = time.perf_counter()
-    rec = TokenRecord()
-    if lazy and self._spec is None and not self.trace and self._tokens.can_defer():
-      out = self._tokens.decode_deferred(self.params, token, self.end_index, self.cache,
-                                         self._placeholder(), rec, t0)
-      self.end_index += 1
-      self._tokens.read_deferred(keep=32)  # the oldest, done long ago: no wait
-      return out
-    self._read_deferred()
-    tr = [("start", -1, t0)] if self.trace else None
-    mark = ((lambda ev, l: tr.append((ev, l, time.perf_counter()))) if tr is not None
-            else (lambda ev, l: None))
-    tp_np = np.asarray([int(token), self.end_index], np.int32)
-    if self._spec is None:
-      out = self._tokens.decode(self.params, tp_np, self.cache,
-                                self._placeholder() if self._run is not None else None, rec,
-                                mark, self.trace)
-      return self._end_step(out, rec, t0, tr, lazy)
-    x, tp = self._model.embed_decode(self.params, tp_np)      # speculative prefetch on
-    pend = None      # a MoE layer's moe call, run inside the next MoE layer's call
-    for i, st in enumerate(self._steps):
-      p = self.params[f"layers_{i}"]
-      if not self.cfg.sparse_layers[i]:
-        mark("dense", i)
-        x, self.cache[i] = st.dense_decode(p, x, tp, self.cache[i])
-      else:
-        x, pend = self._layers.spec_layer(i, p, x, tp, self.cache, self.params, rec, mark,
-                                          pend, self.trace)
-    if pend is not None:
-      x = self._layers.spec_moe_call(pend, mark, self.trace)
-    mark("head", -1)
-    out = np.asarray(self._model.head_decode(self.params, x))
-    return self._end_step(out, rec, t0, tr, lazy)
-
-  def _end_step(self, out: np.ndarray, rec: TokenRecord, t0: float, tr, lazy: bool):
+    self._carry, logits, packed = decode.step(self._prog, self.params, self._srcs, self._carry,
+                                              token if lazy else np.int32(token),
+                                              np.int32(self.end_index))
     self.end_index += 1
-    self._records.append(self._finish(rec, t0))
-    if tr is not None:
-      tr.append(("end", -1, t0 + rec.wall_s))
-      self.traces.append(tr)
-    return jnp.asarray(out) if lazy else out
+    if lazy and not self.link.emulated:
+      self._deferred.append((packed, t0))
+      if len(self._deferred) > 64:
+        self._read_deferred(keep=32)
+      return logits
+    self._read_deferred()
+    try:
+      transfer.wait_ready((logits, packed), self.transfer_timeout_s,
+                          f"decode step at position {self.end_index - 1}")
+    except transfer.TransferError as e:
+      self._failed = e
+      raise
+    compute = time.perf_counter() - t0
+    out, packed = jax.device_get((logits, packed)) if not lazy else (logits, np.asarray(packed))
+    rec = build_record(packed, self._layout, self.moe_layers, self.store.expert_nbytes())
+    emulated, waits = self._clock.token(compute, *_link_counts(packed, self._layout))
+    if emulated - compute > self.transfer_timeout_s:
+      transfer.sleep_until(t0 + self.transfer_timeout_s)
+      self._failed = transfer.TransferTimeout(
+          f"the emulated link needs {emulated - compute:.3g} s for the copies of the token "
+          f"at position {self.end_index - 1}, beyond transfer_timeout_s="
+          f"{self.transfer_timeout_s:g}")
+      raise self._failed
+    transfer.sleep_until(t0 + emulated)
+    rec.finish(time.perf_counter() - t0, **waits)
+    self._records.append(rec)
+    return out
+
+  def _read_deferred(self, keep: int = 0):
+    """Builds the records of lazy steps, all but the newest `keep`."""
+    while len(self._deferred) > keep:
+      packed, t0 = self._deferred.pop(0)
+      nxt = self._deferred[0][1] if self._deferred else None
+      packed = np.asarray(packed)
+      rec = build_record(packed, self._layout, self.moe_layers, self.store.expert_nbytes())
+      rec.finish((nxt if nxt is not None else time.perf_counter()) - t0)
+      self._records.append(rec)
 
   def generate(self, prompt_ids, sp: SamplingParams, seed: int = 0, on_token=None) -> list[int]:
-    """Prefill + up to sp.max_new_tokens sampled tokens (batch 1)."""
+    """Prefill + up to sp.max_new_tokens sampled tokens (batch 1).  Without `on_token`
+    and with a native link every token is decoded in one on-device loop
+    (`decode.loop`); else token by token (an emulated link waits per token)."""
     t = len(prompt_ids)
     if t + sp.max_new_tokens > self.max_len:
       raise ValueError(f"prompt ({t}) + max_new_tokens ({sp.max_new_tokens}) exceeds "
                        f"max_len={self.max_len}")
     key = jax.random.PRNGKey(seed)
     logits = self.prefill(prompt_ids)
+    if sp.max_new_tokens == 0:
+      return []
+    if on_token is None and not self.link.emulated:
+      return self._generate_loop(logits, sp, key)
     out = []
     for i in range(sp.max_new_tokens):
       key, sub = jax.random.split(key)
@@ -421,6 +295,27 @@ class OffloadEngine:
       logits = self.decode_step(tid)
     return out
 
-  def stats(self, skip: int = 0) -> dict:
-    """Summary of the decode records after the first `skip` tokens (warm-up)."""
-    return summarize(self.records[skip:], self.cfg)
+  def _generate_loop(self, logits, sp: SamplingParams, key) -> list[int]:
+    self._check()
+    t0 = time.perf_counter()
+    stop = np.asarray(list(sp.stop_ids) or [-1], np.int32)
+    self._carry, toks, n, packs = decode.loop(
+        self._prog, self.params, self._srcs, self._carry, jnp.asarray(logits),
+        np.int32(self.end_index), key, stop, sp.max_new_tokens, float(sp.temperature),
+        float(sp.top_p))
+    toks, n, packs = jax.device_get((toks, n, packs))
+    n = int(n)
+    wall = (time.perf_counter() - t0) / max(1, n - 1)
+    for i in range(n - 1):
+      rec = build_record(packs[i], self._layout, self.moe_layers, self.store.expert_nbytes())
+      rec.finish(wall)
+      self._records.append(rec)
+    self.end_index += n - 1
+    return [int(x) for x in toks[:n]]
+
+
+def _link_counts(packed: np.ndarray, layout: decode.Layout):
+  """Per MoE layer: waited fetches, admissions requested, experts prefetched."""
+  cols = layout.split(packed)
+  n = lambda a: np.sum(a >= 0, axis=-1)
+  return n(cols["fetched"]), n(cols["admissions"]), n(cols["prefetched"])

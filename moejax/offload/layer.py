@@ -76,6 +76,8 @@ class Step(NamedTuple):
   rows: jax.Array          # [K] buffer row of each executed expert (-1: none)
   fetched: jax.Array       # [K] FETCH experts (-1: none)
   pf_ids: jax.Array        # [K] prefetched experts (not resident when predicted; -1)
+  predicted: jax.Array     # [K] the experts predicted for this layer (-1: no prediction)
+  true_ids: jax.Array      # [K] the true router's top-k
   evicted: jax.Array       # [2K (+K) + P] experts evicted here (-1: none)
   pending: jax.Array       # [K] admissions requested now, for the next token
   stats: jax.Array         # [len(STATS)] f32
@@ -123,13 +125,15 @@ def policy_step(cfg: ModelConfig, decision, cache, trim_to, state, pending_K, lo
     admitted = jnp.full((k,), -1, jnp.int32)
     ev_adm = admitted
   adm_slots = placed(st0, state, admitted)
-  pf_ids = jnp.full((k,), -1, jnp.int32)
+  pf_ids = predicted = jnp.full((k,), -1, jnp.int32)
   pf_stats = jnp.zeros((4,), jnp.float32)
   if spec is None:
     dec = decide(logits_1xE, state)
+    true_ids = dec.ids[0]
   else:
     pred, has = spec
     pred_ids = routing.route(cfg, pred)[0][0]
+    predicted = jnp.where(has, pred_ids, -1).astype(jnp.int32)
     pf_ids = jnp.where(has & (state.expert_slot[pred_ids] < 0), pred_ids, -1).astype(jnp.int32)
     dec_spec = pf.speculative_decision(cfg, logits_1xE, pred, pf.view(state, pf_ids), decision,
                                        speculative)
@@ -178,7 +182,8 @@ def policy_step(cfg: ModelConfig, decision, cache, trim_to, state, pending_K, lo
       jnp.sum((evicted >= 0).astype(jnp.float32)), *pf_stats,
       is_(SUBSTITUTE)[0] + is_(DROP)[0]])
   return state, Step(dec, admitted, jnp.concatenate(copy_ids), jnp.concatenate(copy_slots),
-                     rows, fetched, pf_ids, evicted, first_k(dec.admit, k), stats)
+                     rows, fetched, pf_ids, predicted, true_ids.astype(jnp.int32), evicted,
+                     first_k(dec.admit, k), stats)
 
 
 # ------------------------------------------------------------------ expert sources

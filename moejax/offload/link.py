@@ -249,89 +249,73 @@ def format_latency(s: float) -> str:
   return f"{s * 1e6:.3g} us"
 
 
-# ------------------------------------------------------------------ schedule
-class LinkSchedule:
-  """When each transfer holds the (single) link: the emulated link's timing model.
+# ------------------------------------------------------------------ emulated clock
+class LinkClock:
+  """The emulated link's time for decoded tokens, from what each MoE layer copied.
 
-  A transfer starts when it is requested or when the link becomes free, whichever
-  is later, and is complete no earlier than ``start + nbytes / bandwidth +
-  latency``.  Transfers never overlap.  A background transfer takes the link in
-  `background_chunks` pieces; a sync transfer committed meanwhile waits for the
-  piece on the link (no pre-emption within a piece, as with real DMA) and
-  overtakes the rest and every queued background transfer, which all resume
-  after it.  The model is computed, not slept through.
+  The engine's program makes every copy itself, at memcpy speed on a CPU; with an
+  emulated link the host then waits out the time the copies would have taken, per
+  token, from the token's measured compute time c (spread evenly over its n MoE
+  layers) and, per layer in order, its counts of waited fetches, admissions
+  requested and experts prefetched for the next layer:
 
-  Transfers are objects with mutable ``priority``, ``requested_s``,
-  ``started_s``, ``finished_s`` and ``nbytes`` (transfer.Ticket); the schedule
-  sets ``started_s`` and ``finished_s``, and keeps a transfer only while it is
-  unfinished on the link.  Not thread-safe: the caller holds its lock.
+    before layer l: wait for l's admissions requested at the previous token, and
+                    for the experts prefetched for l at layer l-1;
+    layer l:        c / n of compute; then its f waited fetches take the link at
+                    once (f x one expert's transfer time + latency; background
+                    transfers on the link are pushed back by as long);
+    after it:       its admissions and the next layer's prefetches queue behind
+                    whatever the link still carries and overlap what follows.
+
+  Transfers queued at the end of a token carry over to the next.  `token` returns
+  the token's emulated seconds and its waits; the caller sleeps the difference to
+  its compute time.  Pure host arithmetic: no thread, no device call.
   """
 
-  def __init__(self, link: Link, background_chunks: int = 4):
-    if background_chunks < 1:
-      raise ValueError(f"background_chunks must be >= 1, got {background_chunks}")
+  def __init__(self, link: Link, expert_bytes: int, moe_layers: tuple[int, ...]):
     self.link = link
-    self.background_chunks = int(background_chunks)
-    self._link_free_at = 0.0       # end of every committed transfer
-    self._sync_free_at = 0.0       # end of the last committed sync transfer
-    # unfinished background transfers in link order: [transfer, total, done, resume]
-    # (its whole link time, the part done before it last took the link, and when)
-    self._bgs: list[list] = []
+    self.expert_s = link.transfer_time(expert_bytes) - link.latency_s if link.emulated else 0.0
+    self.moe_layers = tuple(moe_layers)
+    self.reset()
 
-  def in_flight(self) -> list:
-    """The background transfers the schedule holds (unfinished on the link)."""
-    return [b[0] for b in self._bgs]
+  def reset(self):
+    """A new sequence: nothing on the link."""
+    self._free = 0.0                                  # link busy until (token-relative)
+    self._admit = {l: 0.0 for l in self.moe_layers}   # admissions for l arrive at
 
-  def release(self, t):
-    """Forgets transfer t (its link time has elapsed: nothing left to schedule)."""
-    self._bgs = [b for b in self._bgs if b[0] is not t]
+  def _burst(self, n: float) -> float:
+    return n * self.expert_s + (self.link.latency_s if n else 0.0)
 
-  def _prune(self, now: float):
-    self._bgs = [b for b in self._bgs if b[0].finished_s > now]
-
-  def commit_sync(self, t, at: float):
-    """Puts sync transfer t on the link at the first moment >= `at` when no earlier
-    sync transfer holds it and the background transfer on it reaches the end of a
-    piece (none for a background transfer upgraded to sync); every background
-    transfer not finished by then resumes after t, in order."""
-    total = self.link.transfer_time(t.nbytes)
-    self._prune(at)
-    start = max(at, self._sync_free_at)
-    for b in self._bgs:
-      bt, b_total, b_done, b_resume = b
-      if b_resume <= start < bt.finished_s:                 # on the link
-        piece = b_total / self.background_chunks
-        done = b_done + (start - b_resume)
-        edge = min(b_total, math.ceil(done / piece - 1e-9) * piece)
-        if bt.priority == "sync" or edge >= b_total:
-          start = bt.finished_s
-        else:
-          start = b_resume + (edge - b_done)
-          b[2] = edge
-        break
-    t.started_s = start
-    t.finished_s = start + total
-    cursor = t.finished_s
-    for b in self._bgs:                 # the unfinished background transfers, after t
-      bt, b_total, b_done, b_resume = b
-      if bt.finished_s <= start:
-        continue
-      if b_resume > start and b_done == 0.0:                # not begun
-        bt.started_s = max(cursor, bt.requested_s)
-        b[3] = bt.started_s
-      else:
-        b[3] = cursor
-      bt.finished_s = b[3] + (b_total - b_done)
-      cursor = bt.finished_s
-    self._sync_free_at = t.finished_s
-    self._link_free_at = max(self._link_free_at, cursor)
-
-  def commit_background(self, t, now: float):
-    """Puts copied background transfer t on the link after everything committed;
-    later sync transfers may split it (see commit_sync)."""
-    self._prune(now)
-    total = self.link.transfer_time(t.nbytes)
-    t.started_s = max(t.requested_s, self._link_free_at)
-    t.finished_s = max(t.started_s + total, now)
-    self._link_free_at = t.finished_s
-    self._bgs.append([t, total, 0.0, t.started_s])
+  def token(self, compute_s: float, fetches, admissions, prefetches) -> tuple[float, dict]:
+    """-> (emulated seconds of the token, {"wait_s", "admission_wait_s",
+    "prefetch_wait_s"}); counts are per MoE layer, prefetches[j] for layer j."""
+    waits = dict(wait_s=0.0, admission_wait_s=0.0, prefetch_wait_s=0.0)
+    if not self.link.emulated:
+      return compute_s, waits
+    c = compute_s / max(1, len(self.moe_layers))
+    t, pf_at, admit = 0.0, 0.0, {}
+    for j, l in enumerate(self.moe_layers):
+      if self._admit[l] > t:
+        waits["admission_wait_s"] += self._admit[l] - t
+        t = self._admit[l]
+      if pf_at > t:
+        waits["prefetch_wait_s"] += pf_at - t
+        t = pf_at
+      t += c
+      if fetches[j]:
+        d = self._burst(fetches[j])
+        waits["wait_s"] += d
+        self._free = (self._free + d) if self._free > t else self._free
+        t += d
+      self._free = max(self._free, t)
+      if admissions[j]:
+        self._free += self._burst(admissions[j])
+        admit[l] = self._free
+      nxt = prefetches[j + 1] if j + 1 < len(prefetches) else 0
+      pf_at = 0.0
+      if nxt:
+        self._free += self._burst(nxt)
+        pf_at = self._free
+    self._admit = {l: max(0.0, admit.get(l, 0.0) - t) for l in self.moe_layers}
+    self._free = max(0.0, self._free - t)
+    return t, waits

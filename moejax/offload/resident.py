@@ -125,13 +125,14 @@ class ResidentState:
 
 
 def init_state(num_experts: int, num_slots: int, expert_spec: dict,
-               buffers: bool = True) -> ResidentState:
+               buffers: bool = True, extra_rows: int = 0) -> ResidentState:
   """An empty cache.  expert_spec: {name: (shape without the expert axis, dtype)}.
 
   buffers=False gives a state without slot buffers (for tools that only need
-  residency: the simulator).
+  residency: the simulator).  extra_rows: rows after the scratch row (speculative
+  prefetch's K rows, `prefetch_steps.view`).
   """
-  bufs = ({k: jnp.zeros((num_slots + 1,) + tuple(shp), dt)
+  bufs = ({k: jnp.zeros((num_slots + 1 + extra_rows,) + tuple(shp), dt)
            for k, (shp, dt) in expert_spec.items()} if buffers else {})
   return ResidentState(
       buffers=bufs,

@@ -15,7 +15,6 @@ import dataclasses
 import numpy as np
 
 from moejax.config import ModelConfig
-from moejax.offload.policy import DROP, HIT, HOST, SUBSTITUTE
 
 COUNT_KEYS = ("expert_calls", "hits", "misses", "fetches", "fetch_bytes", "substituted",
               "substituted_mass", "dropped", "dropped_mass", "host_calls", "admissions",
@@ -27,8 +26,9 @@ STAT_KEYS = COUNT_KEYS + TIME_KEYS
 
 @dataclasses.dataclass(slots=True)
 class LayerRecord:
-  """One MoE layer of one token.  Expert ids; actions are policy.HIT/FETCH/...
-  Lists while the token is decoded, tuples in the finished record (`freeze`).
+  """One MoE layer of one token.  Expert ids, as tuples of ints (the garbage collector
+  does not scan them: a long run's records do not slow its collections); actions are
+  policy.HIT/FETCH/...
 
   ids          the K selected experts, by router score
   actions      their actions
@@ -43,22 +43,16 @@ class LayerRecord:
   true_ids     the true router's top-k (with prefetch on; `ids` are the predicted ones
                under speculative execution)
   """
-  ids: list[int] = dataclasses.field(default_factory=list)
-  actions: list[int] = dataclasses.field(default_factory=list)
-  substitutes: list[int] = dataclasses.field(default_factory=list)
-  fetched: list[int] = dataclasses.field(default_factory=list)
-  admissions: list[int] = dataclasses.field(default_factory=list)
-  admitted: list[int] = dataclasses.field(default_factory=list)
-  evicted: list[int] = dataclasses.field(default_factory=list)
-  predicted: list[int] = dataclasses.field(default_factory=list)
-  prefetched: list[int] = dataclasses.field(default_factory=list)
-  true_ids: list[int] = dataclasses.field(default_factory=list)
-
-  def freeze(self):
-    """The token is done: lists become tuples (of ints, which the garbage collector
-    stops scanning, so a long run's records do not slow its collections)."""
-    for name in self.__slots__:
-      setattr(self, name, tuple(getattr(self, name)))
+  ids: tuple[int, ...] = ()
+  actions: tuple[int, ...] = ()
+  substitutes: tuple[int, ...] = ()
+  fetched: tuple[int, ...] = ()
+  admissions: tuple[int, ...] = ()
+  admitted: tuple[int, ...] = ()
+  evicted: tuple[int, ...] = ()
+  predicted: tuple[int, ...] = ()
+  prefetched: tuple[int, ...] = ()
+  true_ids: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass
@@ -95,40 +89,55 @@ class TokenRecord:
   def __getitem__(self, key: str):
     return getattr(self, key)
 
-  def layer(self, l: int) -> LayerRecord:
-    return self.layers.setdefault(l, LayerRecord())
+  def finish(self, wall_s: float, wait_s: float = 0.0, admission_wait_s: float = 0.0,
+             prefetch_wait_s: float = 0.0):
+    """The token's wall time and its emulated-link waits; compute_s is the rest."""
+    self.wall_s, self.wait_s = wall_s, wait_s
+    self.admission_wait_s, self.prefetch_wait_s = admission_wait_s, prefetch_wait_s
+    self.compute_s = wall_s - wait_s - admission_wait_s - prefetch_wait_s - self.host_s
 
-  def count_decision(self, l: int, action: np.ndarray, ids: np.ndarray, exec_ids: np.ndarray,
-                     gates: np.ndarray):
-    """Adds one layer's decision (K actions, ids, executed ids and gate weights)."""
-    act = action.tolist()
-    self.expert_calls += len(act)
-    hits = act.count(HIT)
-    self.hits += hits
-    self.misses += len(act) - hits
-    rec = self.layer(l)
-    rec.ids, rec.actions = ids.tolist(), act
-    if hits == len(act):      # all hits: nothing substituted, dropped or on the host
-      rec.substitutes = [-1] * len(act)
-      return
-    g = gates.tolist()
-    total = max(sum(g), 1e-20)
-    self.substituted += act.count(SUBSTITUTE)
-    self.substituted_mass += sum(w for a, w in zip(act, g) if a == SUBSTITUTE) / total
-    self.dropped += act.count(DROP)
-    self.dropped_mass += sum(w for a, w in zip(act, g) if a == DROP) / total
-    self.host_calls += act.count(HOST)
-    rec.substitutes = [int(e) if a == SUBSTITUTE else -1 for a, e in zip(act, exec_ids.tolist())]
 
-  def finish(self, wall_s: float):
-    """Counts the evictions (the layers' evicted ids) and splits the wall time."""
-    self.evictions = float(sum(len(r.evicted) for r in self.layers.values()))
-    self.admitted = float(sum(len(r.admitted) for r in self.layers.values()))
-    for r in self.layers.values():
-      r.freeze()
-    self.wall_s = wall_s
-    self.compute_s = (wall_s - self.wait_s - self.admission_wait_s - self.prefetch_wait_s
-                      - self.host_s)
+_FROM_STATS = ("expert_calls", "hits", "fetches", "substituted", "substituted_mass", "dropped",
+               "dropped_mass", "host_calls", "admissions", "admitted", "evictions",
+               "prefetches", "useful_prefetches", "recall_hits", "predicted_calls")
+_LAYER_IDS = ("ids", "actions", "substitutes", "fetched", "admissions", "admitted", "evicted",
+              "predicted", "prefetched", "true_ids")
+_DENSE = ("ids", "actions", "substitutes", "true_ids")     # K entries each, -1 kept
+
+
+def build_record(packed_LxW: np.ndarray, layout, moe_layers, expert_bytes: int) -> TokenRecord:
+  """A decoded token's record from its packed decisions (`decode.Layout`; rows in
+  `moe_layers` order).  Per layer, id lists drop the -1 padding (ids, actions,
+  substitutes and true_ids keep their K entries)."""
+  from moejax.offload.layer import STATS   # pylint: disable=import-outside-toplevel
+  cols = layout.split(np.asarray(packed_LxW))
+  tot = dict(zip(STATS, np.sum(cols["stats"], axis=0, dtype=np.float64).tolist()))
+  rec = TokenRecord(**{k: tot[k] for k in _FROM_STATS})
+  rec.misses = rec.expert_calls - rec.hits
+  rec.fetch_bytes = rec.fetches * expert_bytes
+  rec.prefetch_bytes = rec.prefetches * expert_bytes
+  rec.wasted_bytes = (rec.prefetches - rec.useful_prefetches) * expert_bytes
+  ints = {name: cols[name].astype(np.int64).tolist() for name in _LAYER_IDS}
+  for j, l in enumerate(moe_layers):
+    rec.layers[l] = LayerRecord(**{
+        name: tuple(v[j]) if name in _DENSE else tuple(e for e in v[j] if e >= 0)
+        for name, v in ints.items()})
+  return rec
+
+
+def prefill_record(tokens: int, moe_layers, copied_LxE, evicted_LxN, expert_bytes: int,
+                   wall_s: float) -> TokenRecord:
+  """The prompt's record: the experts it fetched (made available) and evicted per layer."""
+  rec = TokenRecord(tokens=tokens)
+  for j, l in enumerate(moe_layers):
+    fetched = tuple(int(e) for e in copied_LxE[j] if e >= 0)
+    rec.layers[l] = LayerRecord(fetched=fetched,
+                                evicted=tuple(int(e) for e in evicted_LxN[j] if e >= 0))
+    rec.fetches += len(fetched)
+    rec.evictions += len(rec.layers[l].evicted)
+  rec.fetch_bytes = rec.fetches * expert_bytes
+  rec.finish(wall_s)
+  return rec
 
 
 def summarize(records: list[TokenRecord], cfg: ModelConfig) -> dict:

@@ -77,7 +77,7 @@ def decode(ctx: layer_lib.Ctx, dtype, params, layers, srcs, carry, token, pos, k
 def prefill(ctx: layer_lib.Ctx, dtype, max_len: int, params, layers, srcs, states, tokens_P,
             length, decay_pow, scan: bool):
   """An exact prompt (the first `length` of tokens_P) of one stream -> (logits [V], carry,
-  evicted per MoE layer).  Per MoE layer the prompt's experts are computed from the whole
+  (experts made available [L, E] (-1 padded), evicted [L, E + P])).  Per MoE layer the prompt's experts are computed from the whole
   layer on the device (the table, or a copy of the store's layer), then the missing ones
   it used most are inserted (`prefill_step`)."""
   cfg, pol = ctx.cfg, ctx.policy.cache
@@ -108,15 +108,15 @@ def prefill(ctx: layer_lib.Ctx, dtype, max_len: int, params, layers, srcs, state
     if ctx.source == "slots":
       st = dataclasses.replace(st, buffers=layer_lib.copy_rows(
           st.buffers, table, copy_ids, copy_slots, False, loop=True))
-    return x, (cache, st, pending), evicted
+    return x, (cache, st, pending), (copy_ids, evicted)
 
   cache, _, pending = empty_carry(ctx, dtype, max_len, {}, scan)
-  x, per_layer, evicted = layer_stack.run_layers(
+  x, per_layer, outs = layer_stack.run_layers(
       cfg, dtype, layer_fn, layers, srcs, x,
       layer_stack.zip_carry(cfg, cache, states, pending, scan=scan), scan=scan)
   logits = model.apply({"params": params}, jax.lax.dynamic_index_in_dim(x[0], length - 1),
                        method="logits")[0]
-  return logits, layer_stack.unzip_carry(cfg, per_layer, scan=scan), evicted
+  return logits, layer_stack.unzip_carry(cfg, per_layer, scan=scan), outs
 
 
 def prefill_step(cache, trim_to, state, ids_PxK, valid_P, decay_pow):

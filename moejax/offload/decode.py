@@ -1,0 +1,133 @@
+"""The engine's programs: a decode step, N decode steps in one while_loop, a prompt.
+
+Each is ONE jitted program over explicit pytrees (the parameters, each MoE layer's
+source: its host store arrays and predictors, the carry: KV cache, ResidentStates,
+pending admissions), with the carry donated.  Inside, every layer runs
+`layer.moe_layer` on the `slots` source: waited fetches, admissions and prefetches
+are in-program copies from the host store into the slot buffers (`layer.copy_rows`).
+The host's only per-token work is the dispatch and, when it wants them, reading the
+token's packed decisions (`Layout`) to build its record.
+
+`Program` (hashable) is the static part: the layer context, dtype and cache length.
+Compiles: one per program and argument shapes (one per prompt bucket for `prefill`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from moejax.config import ModelConfig
+from moejax.offload import layer as layer_lib
+from moejax.offload import token as token_lib
+from moejax.sampler import sample_token
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+  ctx: layer_lib.Ctx
+  dtype: str
+  max_len: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """Columns of one MoE layer's row in a token's packed decisions [L, width] (f32: the
+  ids and counts are small integers, exact)."""
+  k: int
+  evicted: int
+
+  @property
+  def fields(self) -> tuple[tuple[str, int], ...]:
+    k = self.k
+    return (("ids", k), ("actions", k), ("substitutes", k), ("fetched", k), ("admitted", k),
+            ("admissions", k), ("prefetched", k), ("predicted", k), ("true_ids", k),
+            ("evicted", self.evicted),
+            ("stats", len(layer_lib.STATS)))
+
+  @property
+  def width(self) -> int:
+    return sum(n for _, n in self.fields)
+
+  def split(self, row):
+    out, at = {}, 0
+    for name, n in self.fields:
+      out[name] = row[..., at:at + n]
+      at += n
+    return out
+
+
+def layout(ctx: layer_lib.Ctx, num_slots: int) -> Layout:
+  k = ctx.cfg.top_k
+  return Layout(k, (3 if ctx.spec_on else 2) * k + num_slots)
+
+
+def _pack(steps: layer_lib.Step):
+  f = lambda a: a.astype(jnp.float32)
+  d = steps.dec
+  return jnp.concatenate([f(d.ids[:, 0]), f(d.action[:, 0]), f(d.sub_ids[:, 0]),
+                          f(steps.fetched), f(steps.admitted), f(steps.pending),
+                          f(steps.pf_ids), f(steps.predicted), f(steps.true_ids),
+                          f(steps.evicted), steps.stats], axis=-1)
+
+
+def _layers(cfg: ModelConfig, params):
+  return [params[f"layers_{i}"] for i in range(cfg.num_layers)]
+
+
+def _decode(prog: Program, params, srcs, carry, token, pos):
+  ctx = prog.ctx
+  carry, logits, steps = token_lib.decode(
+      ctx, jnp.dtype(prog.dtype), params, _layers(ctx.cfg, params), srcs, carry, token, pos,
+      jax.random.PRNGKey(0), scan=False)
+  return carry, logits, _pack(steps)
+
+
+@functools.partial(jax.jit, static_argnames=("prog",), donate_argnums=(3,))
+def step(prog: Program, params, srcs, carry, token, pos):
+  """One decoded token at position `pos` -> (carry, logits [V], packed [L, width])."""
+  return _decode(prog, params, srcs, carry, token, pos)
+
+
+@functools.partial(jax.jit, static_argnames=("prog", "steps", "temperature", "top_p"),
+                   donate_argnums=(3,))
+def loop(prog: Program, params, srcs, carry, logits, pos, key, stop_ids, steps: int,
+         temperature: float, top_p: float):
+  """Up to `steps` sampled tokens in one `while_loop` (gemma's sampler shape), as
+  `OffloadEngine.generate`'s per-token path: token i is sampled from the last logits
+  with the next split of `key`; generation ends after `steps` tokens or at a stop id
+  (kept); every token but the last is decoded at position pos + i.
+  -> (carry, tokens [steps] (-1 after the end), count, packed [steps, L, width]: row i
+  is the decode of token i, rows from count - 1 on unused)."""
+  sample = lambda lg, k: sample_token(lg[None], k, temperature, top_p)[0]
+  key, sub = jax.random.split(key)
+  tok = sample(logits, sub)
+  packed0 = jax.eval_shape(lambda c: _decode(prog, params, srcs, c, tok, pos)[2], carry)
+  toks = jnp.full((steps,), -1, jnp.int32).at[0].set(tok)
+  packs = jnp.zeros((steps,) + packed0.shape, packed0.dtype)
+  done = jnp.any(tok == stop_ids) | (steps == 1)
+
+  def body(c):
+    i, _, key, carry, tok, toks, packs = c
+    carry, logits, packed = _decode(prog, params, srcs, carry, tok, pos + i - 1)
+    packs = packs.at[i - 1].set(packed)
+    key, sub = jax.random.split(key)
+    tok = sample(logits, sub)
+    toks = toks.at[i].set(tok)
+    return i + 1, jnp.any(tok == stop_ids) | (i + 1 == steps), key, carry, tok, toks, packs
+
+  i, _, _, carry, _, toks, packs = jax.lax.while_loop(
+      lambda c: ~c[1], body, (jnp.int32(1), done, key, carry, tok, toks, packs))
+  return carry, toks, i, packs
+
+
+@functools.partial(jax.jit, static_argnames=("prog",), donate_argnums=(3,))
+def prefill(prog: Program, params, srcs, states, tokens_P, length, decay_pow):
+  """An exact prompt -> (logits [V], carry, (copied ids [L, E], evicted [L, E + P]))."""
+  ctx = prog.ctx
+  return token_lib.prefill(ctx, jnp.dtype(prog.dtype), prog.max_len, params,
+                           _layers(ctx.cfg, params), srcs, states, tokens_P, length, decay_pow,
+                           scan=False)

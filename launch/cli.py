@@ -6,6 +6,15 @@
           and a pointer to --help
   exit 1  runtime failure: e.g. a corrupt checkpoint; one line naming the file and
           tensor (the traceback only with --verbose)
+  exit 130  interrupted (Ctrl-C / SIGINT; 128 + 2, the shell's convention): one line,
+          no traceback.  At any moment once `run` has started, compilation included:
+          KeyboardInterrupt unwinds the script (finally blocks and atexit handlers run;
+          the interpreter's finalization is skipped), and a watchdog ends the process
+          with os._exit(130) if it is still alive INTERRUPT_GRACE_S after the signal (the
+          main thread held in C++ by XLA, where Python's handler cannot run, or an
+          interrupt swallowed where exceptions are ignored, e.g. in JAX's gc callback).  Only the interpreter's
+          first ~0.1 s of start-up, before `run`, ends by the signal itself (status -2,
+          which a shell also shows as 130).
 
     from launch import cli
     ...
@@ -16,13 +25,16 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
 import traceback
 
 from absl import app, flags
 
 FLAGS = flags.FLAGS
-EXIT_FAILURE, EXIT_USAGE = 1, 2
+EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPT = 1, 2, 130
+INTERRUPT_GRACE_S = 0.7       # the watchdog's wait after SIGINT before os._exit(130)
 HELP_ARGS = ("-h", "-?", "--help", "--helpshort", "--helpfull")
 
 flags.DEFINE_bool("verbose", False, "Print tracebacks of checkpoint errors and more detail.")
@@ -95,14 +107,142 @@ def checkpoint_errors() -> tuple[type, ...]:
   return (CheckpointError, ConfigError, TokenizerError)
 
 
+# ------------------------------------------------------------------------ Ctrl-C
+_interrupt = {"seen": False, "reported": False, "timer": None}
+_interrupt_lock = threading.RLock()    # reentrant: the handler may run while main holds it
+
+
+def interrupted() -> bool:
+  """Whether SIGINT has arrived since `run` installed its handler."""
+  return _interrupt["seen"]
+
+
+def _say_interrupted():
+  """The one line, once (whoever ends the process first writes it)."""
+  with _interrupt_lock:
+    if _interrupt["reported"]:
+      return
+    _interrupt["reported"] = True
+  try:
+    sys.stderr.write(f"{prog()}: interrupted\n")
+    sys.stderr.flush()
+  except Exception:  # pylint: disable=broad-except
+    pass
+
+
+def _watchdog_exit():
+  _say_interrupted()
+  os._exit(EXIT_INTERRUPT)
+
+
+def _arm_watchdog():
+  with _interrupt_lock:
+    _interrupt["seen"] = True
+    if _interrupt["timer"] is None:
+      t = threading.Timer(INTERRUPT_GRACE_S, _watchdog_exit)
+      t.daemon = True
+      t.name = "moejax-interrupt-watchdog"
+      _interrupt["timer"] = t
+      t.start()
+
+
+def _on_sigint(signum, frame):
+  del signum, frame
+  _arm_watchdog()
+  raise KeyboardInterrupt
+
+
+def _watch_wakeup_fd(fd: int):
+  """Arms the watchdog at the signal itself: Python runs `_on_sigint` only when the main
+  thread is back in bytecode (not while it waits in C++ for an XLA compile or
+  computation), but the C-level handler writes the signal number to the wakeup fd at
+  once, and this thread reads it (those waits release the GIL)."""
+  while True:
+    try:
+      data = os.read(fd, 64)
+    except OSError:
+      return
+    if not data:
+      return
+    if int(signal.SIGINT) in data:
+      _arm_watchdog()
+
+
+def _redeliver():
+  import _thread
+  import time
+  time.sleep(0.005)            # let the main thread leave the callback and the hook
+  _thread.interrupt_main(signal.SIGINT)
+
+
+def _schedule_redelivery():
+  threading.Thread(target=_redeliver, daemon=True, name="moejax-sigint-redeliver").start()
+
+
+def _unraisable(hook):
+  """sys.unraisablehook that re-delivers a swallowed KeyboardInterrupt (e.g. raised in
+  JAX's gc callback, where exceptions are ignored) to the main thread, silently: from
+  another thread a moment later, once the main thread has left the callback (if it lands
+  in one again, it comes back here; the watchdog bounds the loop)."""
+  def wrapped(unraisable):
+    try:
+      if not isinstance(unraisable.exc_value, KeyboardInterrupt):
+        hook(unraisable)
+        return
+      _arm_watchdog()
+      _schedule_redelivery()
+    except KeyboardInterrupt:  # landed in here: deliver it again (the watchdog is armed)
+      try:
+        _schedule_redelivery()
+      except BaseException:  # pylint: disable=broad-except
+        pass
+  return wrapped
+
+
+def install_interrupt_handler():
+  """SIGINT -> KeyboardInterrupt plus the watchdog (see the module docstring).  Main
+  thread only; `run` calls it first.  A process started with SIGINT ignored (e.g. `cmd &`
+  in a script) keeps ignoring it."""
+  if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    return
+  signal.signal(signal.SIGINT, _on_sigint)
+  r, w = os.pipe()
+  os.set_blocking(w, False)
+  signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+  threading.Thread(target=_watch_wakeup_fd, args=(r,), daemon=True,
+                   name="moejax-sigint-wakeup").start()
+  sys.unraisablehook = _unraisable(sys.unraisablehook)
+
+
+def interrupted_exit():
+  """Prints the one line and ends the process with 130, once the script has unwound (its
+  finally blocks ran): atexit handlers run (the watchdog still armed), then os._exit
+  skips the interpreter's finalization, which can wait on (and crash in) an XLA compile
+  still running on another thread."""
+  _arm_watchdog()
+  _say_interrupted()
+  try:
+    import atexit
+    atexit._run_exitfuncs()  # pylint: disable=protected-access
+    for f in (sys.stdout, sys.stderr):
+      f.flush()
+  except BaseException:  # pylint: disable=broad-except
+    pass
+  os._exit(EXIT_INTERRUPT)
+
+
 def run(main):
   """app.run(main) with the exit codes and one-line errors of the module docstring."""
+  install_interrupt_handler()
+
   def wrapped(argv):
     try:
       return main(argv)
     except (UsageError, app.UsageError) as e:
       usage_exit(str(e))
     except Exception as e:  # pylint: disable=broad-except
+      if interrupted():          # e.g. an interrupt that surfaced as another error
+        interrupted_exit()
       if isinstance(e, user_errors()):
         if FLAGS.verbose:
           traceback.print_exc()
@@ -110,4 +250,12 @@ def run(main):
       if isinstance(e, checkpoint_errors()):
         failure_exit(str(e))
       raise
-  app.run(wrapped, flags_parser=parse_flags)
+
+  try:
+    app.run(wrapped, flags_parser=parse_flags)
+  except KeyboardInterrupt:
+    interrupted_exit()
+  except SystemExit:
+    if interrupted():            # main finished (or failed) after a swallowed interrupt
+      interrupted_exit()
+    raise

@@ -106,16 +106,19 @@ def _ctx(setup: Setup) -> layer_lib.Ctx:
 
 def _token_step(setup: Setup, params, layers, table, carry, token, pos, key):
   """One decoded token of one stream: returns (carry, logits [V], stats, detail)."""
-  carry, logits, step = token_lib.decode(_ctx(setup), jnp.dtype(setup.dtype), params, layers,
-                                         table, carry, token, pos, key, scan=True)
+  carry, logits, (step, admitted) = token_lib.decode(
+      _ctx(setup), jnp.dtype(setup.dtype), params, layers, table, carry, token, pos, key,
+      scan=True)
+  stats = jax.vmap(layer_lib.layer_counts)(step, admitted)
   det = {}
   if setup.detail:
-    det = dict(action=step.dec.action[:, 0], ids=step.dec.ids[:, 0],
-               sub_ids=step.dec.sub_ids[:, 0], share=step.dec.share[:, 0],
-               fetched=step.fetched, admitted=step.admitted, evicted=step.evicted,
-               admissions=step.pending, logits=logits,
+    h = step.head
+    det = dict(action=h.dec.action[:, 0], ids=h.dec.ids[:, 0], sub_ids=h.dec.sub_ids[:, 0],
+               share=h.dec.share[:, 0], fetched=h.fetched, admitted=admitted[0],
+               evicted=jnp.concatenate([admitted[2], step.evicted], axis=-1),
+               admissions=step.pending[0], logits=logits,
                slot_expert=_slot_experts(setup.cfg, carry[1]))
-  return carry, logits, jnp.sum(step.stats, axis=0), det
+  return carry, logits, jnp.sum(stats, axis=0), det
 
 
 def _slot_experts(cfg: ModelConfig, states):

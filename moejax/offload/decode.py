@@ -35,18 +35,17 @@ class Program:
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-  """Columns of one MoE layer's row in a token's packed decisions [L, width] (f32: the
-  ids and counts are small integers, exact)."""
+  """Columns of one MoE layer's row in a token's packed decisions [L, width] (f32: ids
+  are small integers, exact)."""
   k: int
   evicted: int
 
   @property
   def fields(self) -> tuple[tuple[str, int], ...]:
     k = self.k
-    return (("ids", k), ("actions", k), ("substitutes", k), ("fetched", k), ("admitted", k),
-            ("admissions", k), ("prefetched", k), ("predicted", k), ("true_ids", k),
-            ("evicted", self.evicted),
-            ("stats", len(layer_lib.STATS)))
+    return (("ids", k), ("actions", k), ("substitutes", k), ("share", k), ("fetched", k),
+            ("admitted", k), ("admissions", k), ("prefetched", k), ("predicted", k),
+            ("true_ids", k), ("evicted", self.evicted), ("pf_stats", 4))
 
   @property
   def width(self) -> int:
@@ -65,13 +64,15 @@ def layout(ctx: layer_lib.Ctx, num_slots: int) -> Layout:
   return Layout(k, (3 if ctx.spec_on else 2) * k + num_slots)
 
 
-def _pack(steps: layer_lib.Step):
+def _pack(outs):
+  steps, admitted = outs
   f = lambda a: a.astype(jnp.float32)
-  d = steps.dec
-  return jnp.concatenate([f(d.ids[:, 0]), f(d.action[:, 0]), f(d.sub_ids[:, 0]),
-                          f(steps.fetched), f(steps.admitted), f(steps.pending),
-                          f(steps.pf_ids), f(steps.predicted), f(steps.true_ids),
-                          f(steps.evicted), steps.stats], axis=-1)
+  h = steps.head
+  d = h.dec
+  return jnp.concatenate([f(d.ids[:, 0]), f(d.action[:, 0]), f(d.sub_ids[:, 0]), d.share[:, 0],
+                          f(h.fetched), f(admitted[0]), f(steps.pending[0]), f(h.pf_ids),
+                          f(h.predicted), f(h.true_ids), f(admitted[2]), f(steps.evicted),
+                          h.pf_stats], axis=-1)
 
 
 def _layers(cfg: ModelConfig, params):

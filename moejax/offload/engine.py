@@ -22,6 +22,7 @@ step inside one program; native link only, since an emulated link waits per toke
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import jax
@@ -91,9 +92,8 @@ class OffloadEngine:
           "simulator's host time model)")
     trim_to = self.budget.slots if self.budget.staging else None
     ctx = layer_lib.Ctx(cfg, policy, trim_to, pf.kind, pf.speculative, not pf.streaming,
-                        None, "slots", pinned)
-    self._prog = decode.Program(ctx, jnp.dtype(dtype).name, max_len)
-    self._layout = decode.layout(ctx, self.budget.physical)
+                        None, "slots", pinned, defer_tail=True,
+                        skip_empty=self.device.platform == "cpu")
     put = lambda a: jax.device_put(a, self.device)
     self.params = put(params)
     preds = (prefetch_lib.stacked_predictors(cfg, pf.kind, pf.predictors, stack=False)
@@ -113,11 +113,16 @@ class OffloadEngine:
     self._states, self.initial = resident_lib.fill_initial(
         states, "profile" if counts is not None else initial, self.budget, store,
         policy.cache, cfg, counts)
+    ctx = dataclasses.replace(ctx, all_resident=self.budget.all_resident and
+                              self.initial == "all" and not self.mode.on)
+    self._prog = decode.Program(ctx, jnp.dtype(dtype).name, max_len)
+    self._layout = decode.layout(ctx, self.budget.physical)
     self._clock = link_lib.LinkClock(self.link, nbytes, self.moe_layers)
     self._carry = None            # (KV cache, states, pending) once a prompt ran
     self.end_index = 0
     self._records: list[TokenRecord] = []
-    self._deferred: list[tuple] = []     # (packed device array, wall_s) of lazy steps
+    self._deferred: list[tuple] = []     # (packed device array, start) of lazy steps
+    self._unbuilt: list[tuple] = []      # (packed numpy array, wall_s, waits) per step
     self.prefill_record: TokenRecord | None = None
     self._failed: BaseException | None = None
 
@@ -160,6 +165,7 @@ class OffloadEngine:
   def records(self) -> list[TokenRecord]:
     """The decode steps' records, in order (lazy steps' are read first)."""
     self._read_deferred()
+    self._build_records()
     return self._records
 
   def stats(self, skip: int = 0) -> dict:
@@ -237,37 +243,38 @@ class OffloadEngine:
         self._read_deferred(keep=32)
       return logits
     self._read_deferred()
-    try:
-      transfer.wait_ready((logits, packed), self.transfer_timeout_s,
-                          f"decode step at position {self.end_index - 1}")
-    except transfer.TransferError as e:
-      self._failed = e
-      raise
+    out, packed = jax.device_get((logits, packed))
     compute = time.perf_counter() - t0
-    out, packed = jax.device_get((logits, packed)) if not lazy else (logits, np.asarray(packed))
-    rec = build_record(packed, self._layout, self.moe_layers, self.store.expert_nbytes())
-    emulated, waits = self._clock.token(compute, *_link_counts(packed, self._layout))
-    if emulated - compute > self.transfer_timeout_s:
-      transfer.sleep_until(t0 + self.transfer_timeout_s)
-      self._failed = transfer.TransferTimeout(
-          f"the emulated link needs {emulated - compute:.3g} s for the copies of the token "
-          f"at position {self.end_index - 1}, beyond transfer_timeout_s="
-          f"{self.transfer_timeout_s:g}")
-      raise self._failed
-    transfer.sleep_until(t0 + emulated)
-    rec.finish(time.perf_counter() - t0, **waits)
-    self._records.append(rec)
-    return out
+    waits = {}
+    if self.link.emulated:
+      emulated, waits = self._clock.token(compute, *_link_counts(packed, self._layout))
+      if emulated - compute > self.transfer_timeout_s:
+        transfer.sleep_until(t0 + compute + self.transfer_timeout_s)
+        self._failed = transfer.TransferTimeout(
+            f"the emulated link needs {emulated - compute:.3g} s for the copies of the token "
+            f"at position {self.end_index - 1}, beyond transfer_timeout_s="
+            f"{self.transfer_timeout_s:g}")
+        raise self._failed
+      transfer.sleep_until(t0 + emulated)
+    self._unbuilt.append((packed, time.perf_counter() - t0, waits))
+    return jnp.asarray(out) if lazy else out
 
   def _read_deferred(self, keep: int = 0):
-    """Builds the records of lazy steps, all but the newest `keep`."""
+    """Reads back the packed decisions of lazy steps, all but the newest `keep`."""
     while len(self._deferred) > keep:
       packed, t0 = self._deferred.pop(0)
-      nxt = self._deferred[0][1] if self._deferred else None
-      packed = np.asarray(packed)
-      rec = build_record(packed, self._layout, self.moe_layers, self.store.expert_nbytes())
-      rec.finish((nxt if nxt is not None else time.perf_counter()) - t0)
+      nxt = self._deferred[0][1] if self._deferred else time.perf_counter()
+      self._unbuilt.append((np.asarray(packed), nxt - t0, {}))
+
+  def _build_records(self):
+    """Turns the steps' packed decisions into records (when `records` is read: a
+    decode step itself only keeps its small numpy array)."""
+    eb = self.store.expert_nbytes()
+    for packed, wall, waits in self._unbuilt:
+      rec = build_record(packed, self._layout, self.moe_layers, eb)
+      rec.finish(wall, **waits)
       self._records.append(rec)
+    self._unbuilt.clear()
 
   def generate(self, prompt_ids, sp: SamplingParams, seed: int = 0, on_token=None) -> list[int]:
     """Prefill + up to sp.max_new_tokens sampled tokens (batch 1).  Without `on_token`
@@ -306,10 +313,7 @@ class OffloadEngine:
     toks, n, packs = jax.device_get((toks, n, packs))
     n = int(n)
     wall = (time.perf_counter() - t0) / max(1, n - 1)
-    for i in range(n - 1):
-      rec = build_record(packs[i], self._layout, self.moe_layers, self.store.expert_nbytes())
-      rec.finish(wall)
-      self._records.append(rec)
+    self._unbuilt.extend((packs[i], wall, {}) for i in range(n - 1))
     self.end_index += n - 1
     return [int(x) for x in toks[:n]]
 

@@ -61,26 +61,59 @@ class Ctx:
   control: Any = None                 # controls.Control (emulator studies)
   source: str = "table"               # "table" (emulator) | "slots" (engine)
   pinned: bool = False                # the host store is in pinned_host memory
+  defer_tail: bool = False            # `policy_tail` after the last layer (token.decode)
+  skip_empty: bool = False            # inserts under a cond (`_maybe`): the CPU backend
+  all_resident: bool = False          # every expert resident for good: all hits
 
   @property
   def spec_on(self) -> bool:
     return self.prefetch != "none"
 
 
-class Step(NamedTuple):
-  """What one MoE layer of one token decided and did (device arrays)."""
+class Head(NamedTuple):
+  """A MoE layer's decision and what its experts need now (`policy_head`)."""
   dec: policy_lib.Decision
-  admitted: jax.Array      # [K] admissions inserted before the decision (-1: none)
-  copy_ids: jax.Array      # [J] experts to copy into slots, in insert order
-  copy_slots: jax.Array    # [J] their slots (-1: nothing to copy)
-  rows: jax.Array          # [K] buffer row of each executed expert (-1: none)
   fetched: jax.Array       # [K] FETCH experts (-1: none)
+  fetch_slots: jax.Array   # [K] their slots (-1: nothing to copy)
+  rows: jax.Array          # [K] buffer row of each executed expert (-1: none)
   pf_ids: jax.Array        # [K] prefetched experts (not resident when predicted; -1)
   predicted: jax.Array     # [K] the experts predicted for this layer (-1: no prediction)
   true_ids: jax.Array      # [K] the true router's top-k
-  evicted: jax.Array       # [2K (+K) + P] experts evicted here (-1: none)
-  pending: jax.Array       # [K] admissions requested now, for the next token
-  stats: jax.Array         # [len(STATS)] f32
+  evicted: jax.Array       # [K] evicted by the fetch insert
+  pf_stats: jax.Array      # [4] prefetches, useful ones, recall hits, predicted calls
+
+
+class Step(NamedTuple):
+  """What one MoE layer of one token decided and did (`policy_step`)."""
+  head: Head
+  kept: jax.Array          # [K] prefetched experts inserted after the layer (-1: none)
+  kept_slots: jax.Array    # [K] their slots: copied from prefetch row P + 1 + j
+  evicted: jax.Array       # [K (+K) + P] evicted by this token's inserts and trim
+  pending: tuple           # (admissions [K], their slots [K], their evictions [K])
+
+  @property
+  def dec(self) -> policy_lib.Decision:
+    return self.head.dec
+
+
+def no_pending(k: int) -> tuple:
+  """A layer's pending admissions at the start of a stream: none."""
+  none = jnp.full((k,), -1, jnp.int32)
+  return none, none, none
+
+
+def counts(xp, action, share, admissions, admitted, evicted, pf_stats):
+  """The `STATS` of MoE layers (leading axes kept, the last reduced): the same numbers
+  in jnp inside the emulator's scan and in numpy from the engine's packed decisions.
+  admissions: ids requested now; admitted: ids inserted for this token (-1 padded)."""
+  f32 = lambda a: xp.asarray(a, xp.float32)
+  n = lambda m: xp.sum(f32(m), axis=-1)
+  sub, drop = f32(action == SUBSTITUTE), f32(action == DROP)
+  k = xp.full(action.shape[:-1], action.shape[-1], xp.float32)
+  return xp.stack([k, n(action == HIT), n(action == FETCH), n(sub), xp.sum(sub * share, axis=-1),
+                   n(drop), xp.sum(drop * share, axis=-1), n(action == HOST),
+                   n(admissions >= 0), n(admitted >= 0), n(evicted >= 0),
+                   *[pf_stats[..., i] for i in range(4)], sub[..., 0] + drop[..., 0]], axis=-1)
 
 
 def first_k(mask_E, k: int):
@@ -100,32 +133,37 @@ def placed(before, after, ids_J):
 
 
 def _in_use(ids, num_e: int):
-  return jnp.zeros((num_e + 1,), bool).at[jnp.where(ids >= 0, ids, num_e).reshape(-1)].set(
-      True)[:num_e]
+  return jnp.any(ids.reshape(-1, 1) == jnp.arange(num_e), axis=0)     # ids < 0 match none
 
 
-def policy_step(cfg: ModelConfig, decision, cache, trim_to, state, pending_K, logits_1xE, *,
-                decide_fn: Callable | None = None, spec=None, keep: bool = True,
-                speculative: str = "off"):
-  """The cache's side of one MoE layer (module docstring) -> (state, Step).
+def _insert(state, ids, in_use, cache, skip_empty: bool):
+  """resident.insert -> (state, evicted, slots); with skip_empty under a cond on there
+  being anything to insert (cheap on a CPU, where it saves the insert's work; a GPU
+  runs it unconditionally: a data-dependent branch there costs more than the insert)."""
+  def run(st):
+    new, ev = resident_lib.insert(st, ids, None, in_use, cache)
+    return new, ev, placed(st, new, ids)
+  if not skip_empty:
+    return run(state)
+  none = jnp.full(ids.shape, -1, jnp.int32)
+  return jax.lax.cond(jnp.any(ids >= 0), run, lambda st: (st, none, none), state)
 
-  decision, cache: the policy's parts (`DecideParams`, `CacheParams`; the simulator
-  passes copies with traced tau/beta/decay).  decide_fn(logits, state) replaces
-  `policy.decide` (a control rule).  spec = (predicted logits [1, E'], whether there is
-  a prediction) turns on speculative prefetch.
-  """
+
+def policy_head(cfg: ModelConfig, decision, cache, state, logits_1xE, *,
+                decide_fn: Callable | None = None, spec=None, speculative: str = "off",
+                skip_empty: bool = False, all_resident: bool = False):
+  """Steps 1-2 (module docstring): the decision and the fetch inserts -> (state, Head):
+  what the layer's experts need; `policy_tail` finishes the step.  all_resident: every
+  expert is resident for good (a budget that holds them all, filled at the start), so
+  `decide` can only answer HIT and nothing is inserted: the decision is the routing."""
   num_e, k = cfg.num_experts, cfg.top_k
-  num_p = state.slot_expert.shape[0]
+  none_K = jnp.full((k,), -1, jnp.int32)
+  if all_resident and spec is None and decide_fn is None:
+    dec = policy_lib.all_hits(logits_1xE, state, cfg)
+    return state, Head(dec, none_K, none_K, state.expert_slot[dec.ids[0]], none_K, none_K,
+                       dec.ids[0], none_K, jnp.zeros((4,), jnp.float32))
   decide = decide_fn or (lambda lg, st: policy_lib.decide(lg, st, decision, cfg))
-  st0 = state
-  admitted = pending_K
-  if decision.admission_beta is not None:
-    state, ev_adm = resident_lib.insert(state, pending_K, None, jnp.zeros((num_e,), bool), cache)
-  else:
-    admitted = jnp.full((k,), -1, jnp.int32)
-    ev_adm = admitted
-  adm_slots = placed(st0, state, admitted)
-  pf_ids = predicted = jnp.full((k,), -1, jnp.int32)
+  pf_ids = predicted = none_K
   pf_stats = jnp.zeros((4,), jnp.float32)
   if spec is None:
     dec = decide(logits_1xE, state)
@@ -145,45 +183,71 @@ def policy_step(cfg: ModelConfig, decision, cache, trim_to, state, pending_K, lo
     f = jnp.float32
     pf_stats = jnp.stack([jnp.sum(pf_ids >= 0).astype(f), jnp.sum(used).astype(f),
                           jnp.where(has, hits, 0).astype(f), jnp.where(has, k, 0).astype(f)])
-  act = dec.action[0]
-  fetched = jnp.where(act == FETCH, dec.ids[0], -1).astype(jnp.int32)
-  in_use = _in_use(dec.exec_ids[0], num_e)
-  st1 = state
-  state, ev_fetch = resident_lib.insert(state, fetched, None, in_use, cache)
-  fetch_slots = placed(st1, state, fetched)
+  fetched = jnp.where(dec.action[0] == FETCH, dec.ids[0], -1).astype(jnp.int32)
+  state, ev_fetch, fetch_slots = _insert(state, fetched, _in_use(dec.exec_ids[0], num_e), cache,
+                                         skip_empty)
   # the row each executed expert is read from: its slot, or its prefetch row
-  view = pf.view(state, pf_ids) if spec is not None else state
+  seen = pf.view(state, pf_ids) if spec is not None else state
   rows = jnp.where(dec.exec_ids[0] >= 0,
-                   view.expert_slot[jnp.maximum(dec.exec_ids[0], 0)], -1).astype(jnp.int32)
+                   seen.expert_slot[jnp.maximum(dec.exec_ids[0], 0)], -1).astype(jnp.int32)
+  return state, Head(dec, fetched, fetch_slots, rows, pf_ids, predicted,
+                     true_ids.astype(jnp.int32), ev_fetch, pf_stats)
+
+
+def policy_tail(cfg: ModelConfig, decision, cache, trim_to, state, head: Head, *,
+                spec_on: bool = False, keep: bool = True, skip_empty: bool = False):
+  """Steps 3-6: usage, the executed prefetches into the cache, the trim, then this
+  token's admission requests inserted for the next token -> (state, Step).  It touches
+  only the layer's own state and nothing its experts read this token, so the engine
+  runs it for every MoE layer at once after the last layer (vmapped)."""
+  k, num_e = cfg.top_k, cfg.num_experts
+  dec = head.dec
+  none_K = jnp.full((k,), -1, jnp.int32)
   state = policy_lib.update_usage(state, dec, cache)
-  copy_ids = [admitted, fetched]
-  copy_slots = [adm_slots, fetch_slots]
-  evicted = [ev_adm, ev_fetch]
-  if spec is not None:
-    pf_used = jnp.where(jnp.any(pf_ids[:, None] == dec.exec_ids[0][None, :], axis=1), pf_ids, -1)
-    ev_pf = jnp.full((k,), -1, jnp.int32)
+  kept = kept_slots = none_K
+  evicted = [head.evicted]
+  if spec_on:
+    ev_pf = none_K
     if keep:
-      st2 = state
-      state, ev_pf = resident_lib.insert(state, pf_used, None, in_use, cache)
-      copy_ids.append(pf_used)
-      copy_slots.append(placed(st2, state, pf_used))
+      kept = jnp.where(jnp.any(head.pf_ids[:, None] == dec.exec_ids[0][None, :], axis=1),
+                       head.pf_ids, -1)
+      state, ev_pf, kept_slots = _insert(state, kept, _in_use(dec.exec_ids[0], num_e), cache,
+                                         skip_empty)
     evicted.append(ev_pf)
-  ev_trim = jnp.full((num_p,), -1, jnp.int32)
+  ev_trim = jnp.full(state.slot_expert.shape, -1, jnp.int32)
   if trim_to is not None:          # staging slots hold the token in flight only
     state, ev_trim = resident_lib.trim(state, trim_to, cache)
-  evicted = jnp.concatenate(evicted + [ev_trim])
-  share = dec.share[0]
-  is_ = lambda a: (act == a).astype(jnp.float32)
-  stats = jnp.stack([
-      jnp.float32(k), jnp.sum(is_(HIT)), jnp.sum(is_(FETCH)), jnp.sum(is_(SUBSTITUTE)),
-      jnp.sum(is_(SUBSTITUTE) * share), jnp.sum(is_(DROP)), jnp.sum(is_(DROP) * share),
-      jnp.sum(is_(HOST)), jnp.sum(dec.admit.astype(jnp.float32)),
-      jnp.sum((admitted >= 0).astype(jnp.float32)),
-      jnp.sum((evicted >= 0).astype(jnp.float32)), *pf_stats,
-      is_(SUBSTITUTE)[0] + is_(DROP)[0]])
-  return state, Step(dec, admitted, jnp.concatenate(copy_ids), jnp.concatenate(copy_slots),
-                     rows, fetched, pf_ids, predicted, true_ids.astype(jnp.int32), evicted,
-                     first_k(dec.admit, k), stats)
+  pending = no_pending(k)
+  if decision.admission_beta is not None:   # in place before the layer's next decision
+    adm = first_k(dec.admit, k)
+    state, ev_adm, adm_slots = _insert(state, adm, jnp.zeros((num_e,), bool), cache, skip_empty)
+    pending = (adm, adm_slots, ev_adm)
+  return state, Step(head, kept, kept_slots, jnp.concatenate(evicted + [ev_trim]), pending)
+
+
+def policy_step(cfg: ModelConfig, decision, cache, trim_to, state, logits_1xE, *,
+                decide_fn: Callable | None = None, spec=None, keep: bool = True,
+                speculative: str = "off"):
+  """The cache's side of one MoE layer (module docstring) -> (state, Step): `policy_head`
+  then `policy_tail`.
+
+  decision, cache: the policy's parts (`DecideParams`, `CacheParams`; the simulator
+  passes copies with traced tau/beta/decay).  decide_fn(logits, state) replaces
+  `policy.decide` (a control rule).  spec = (predicted logits [1, E'], whether there is
+  a prediction) turns on speculative prefetch.
+  """
+  state, head = policy_head(cfg, decision, cache, state, logits_1xE, decide_fn=decide_fn,
+                            spec=spec, speculative=speculative)
+  return policy_tail(cfg, decision, cache, trim_to, state, head, spec_on=spec is not None,
+                     keep=keep)
+
+
+def layer_counts(step: Step, prev_pending: tuple):
+  """`counts` of one layer's step (jnp): the admissions inserted for this token and
+  their evictions come from the previous token's tail (`prev_pending`)."""
+  h = step.head
+  return counts(jnp, h.dec.action[0], h.dec.share[0], step.pending[0], prev_pending[0],
+                jnp.concatenate([prev_pending[2], step.evicted]), h.pf_stats)
 
 
 # ------------------------------------------------------------------ expert sources
@@ -192,18 +256,20 @@ def copy_rows(buffers: dict, store: dict, ids_J, slots_J, pinned: bool,
   """Copies store[k][ids_J[j]] into buffers[k][slots_J[j]] for every j with a slot, in
   order (a later copy into the same slot wins), inside the program.
 
-  Decode steps (`loop` False) take one `lax.switch` on the number of copies: its branch
-  n makes exactly n slices of the store, so a skipped entry copies nothing, at one
-  data-dependent branch per call (a GPU's cheapest: ~40 us, a while loop ~150 us).  A
-  prompt's copies (up to E) take a `fori_loop` instead (the switch's size grows as J^2).
-  A pinned_host store's slices are moved to device memory."""
+  Either way a skipped entry copies nothing.  `loop`: a `fori_loop` over the copies
+  (the CPU backend, where a while loop is cheap and updates the buffers in place, while a
+  switch copies its operands; and a prompt's up to E copies).  Else one `lax.switch` on
+  the number of copies, its branch n making exactly n slices: one data-dependent branch
+  per call, a GPU's cheapest (~40 us; a while loop ~150 us).  A pinned_host store's
+  slices are moved to device memory."""
   j_max = ids_J.shape[0]
   if j_max == 0:
     return buffers
   valid = slots_J >= 0
   at = jnp.where(valid, jnp.cumsum(valid) - 1, j_max)
-  ids = jnp.zeros((j_max,), jnp.int32).at[at].set(ids_J, mode="drop")
-  slots = jnp.zeros((j_max,), jnp.int32).at[at].set(slots_J, mode="drop")
+  to_JxJ = at[None, :] == jnp.arange(j_max)[:, None]     # [to, from]: compaction, no scatter
+  ids = jnp.sum(jnp.where(to_JxJ, ids_J[None, :], 0), axis=1)
+  slots = jnp.sum(jnp.where(to_JxJ, slots_J[None, :], 0), axis=1)
   n = jnp.sum(valid).astype(jnp.int32)
 
   def copy_one(j, bufs):
@@ -229,19 +295,32 @@ def copy_rows(buffers: dict, store: dict, ids_J, slots_J, pinned: bool,
   return jax.lax.switch(n, [branch(c) for c in range(j_max + 1)], dict(buffers))
 
 
-def copy_prefetch(buffers: dict, store: dict, pf_ids_K, num_p: int, pinned: bool) -> dict:
+def copy_prefetch(buffers: dict, store: dict, pf_ids_K, num_p: int, pinned: bool,
+                  loop: bool) -> dict:
   """The prefetched experts into their rows P + 1 + j (`prefetch_steps.view`)."""
   rows = jnp.where(pf_ids_K >= 0, num_p + 1 + jnp.arange(pf_ids_K.shape[0]), -1)
-  return copy_rows(buffers, store, pf_ids_K, rows.astype(jnp.int32), pinned)
+  return copy_rows(buffers, store, pf_ids_K, rows.astype(jnp.int32), pinned, loop)
+
+
+def move_rows(buffers: dict, from_K, to_K) -> dict:
+  """buffers[k][to_K[j]] = buffers[k][from_K[j]] where to_K[j] >= 0 (device-side copies:
+  the executed prefetches from their rows into the slots the cache gave them)."""
+  def one(j, bufs):
+    ok = to_K[j] >= 0
+    return {name: jax.lax.dynamic_update_slice_in_dim(
+        b, jax.lax.dynamic_slice_in_dim(b, from_K[j], 1, axis=0),
+        jnp.where(ok, to_K[j], b.shape[0] - 1 - to_K.shape[0]), axis=0)   # else: scratch row
+            for name, b in bufs.items()}
+  return jax.lax.fori_loop(0, to_K.shape[0], one, dict(buffers))
 
 
 def _swiglu(cfg: ModelConfig):
   return (cfg.swiglu_alpha, cfg.swiglu_limit)
 
 
-def run_experts(ctx: Ctx, mod, p, src: dict, h, moe_in, state, step: Step):
+def run_experts(ctx: Ctx, mod, p, src: dict, h, moe_in, state, head: Head):
   """The layer's experts and residual from the source -> (x, state)."""
-  dec, k = step.dec, ctx.cfg.top_k
+  dec, k = head.dec, ctx.cfg.top_k
   run = dec.exec_ids[0]
   if ctx.source == "table":        # every expert on the device: by id; HOST exact
     run = jnp.where(dec.action[0] == HOST, dec.ids[0], run)
@@ -251,12 +330,13 @@ def run_experts(ctx: Ctx, mod, p, src: dict, h, moe_in, state, step: Step):
     return x, state
   store, bufs = src["store"], state.buffers
   num_p = state.slot_expert.shape[0]
-  if ctx.spec_on:
-    bufs = copy_prefetch(bufs, store, step.pf_ids, num_p, ctx.pinned)
-  bufs = copy_rows(bufs, store, step.copy_ids, step.copy_slots, ctx.pinned)
-  state = dataclasses.replace(state, buffers=bufs)
-  w = jnp.where(step.rows >= 0, dec.weights[0], 0.0)
-  x = mod.apply({"params": p}, h, moe_in, jnp.maximum(step.rows, 0).reshape(1, 1, k),
+  if not ctx.all_resident:         # nothing to copy when every expert stays resident
+    if ctx.spec_on:
+      bufs = copy_prefetch(bufs, store, head.pf_ids, num_p, ctx.pinned, ctx.skip_empty)
+    bufs = copy_rows(bufs, store, head.fetched, head.fetch_slots, ctx.pinned, ctx.skip_empty)
+    state = dataclasses.replace(state, buffers=bufs)
+  w = jnp.where(head.rows >= 0, dec.weights[0], 0.0)
+  x = mod.apply({"params": p}, h, moe_in, jnp.maximum(head.rows, 0).reshape(1, 1, k),
                 w.reshape(1, 1, k), bufs, method="moe_residual")
   if ctx.policy.miss == "host":    # computed where the store lives (the CPU backend)
     host = dec.action[0] == HOST
@@ -280,13 +360,17 @@ def dense(mdl, x, pos, cache, end):
 
 
 def moe_layer(ctx: Ctx, mod, p, src: dict, x, pos_11, cache, state, pending, key):
-  """One MoE layer of one decoded token -> (x, cache, state, pending, Step).
+  """One MoE layer of one decoded token -> (x, cache, state, pending, (out, admitted)):
+  out is the layer's Step, or with `ctx.defer_tail` its Head (the caller runs
+  `policy_tail` after the last layer, which gives the new pending admissions);
+  admitted is the pending triple this token consumed (inserted at the previous token's
+  end: counted here, where it takes effect).
 
-  Without prefetch x is [1, 1, D] and pending the admissions [K].  With prefetch x is
-  (x, r, d, has): the previous MoE layer's post-attention residual r, its offset d and
-  whether there was one; pending is (admissions [K], this layer's true logits at the
-  previous token [1, E'], whether there was one); src has the layer's predictor
-  ("vectors", "est", "use_last").
+  Without prefetch x is [1, 1, D] and pending the admission triple (`Step.pending`).
+  With prefetch x is (x, r, d, has): the previous MoE layer's post-attention residual
+  r, its offset d and whether there was one; pending is (the admission triple, this
+  layer's true logits at the previous token [1, E'], whether there was one); src has
+  the layer's predictor ("vectors", "est", "use_last").
   """
   cfg = ctx.cfg
   apply = lambda *a, method: mod.apply({"params": p}, *a, method=method)
@@ -298,19 +382,24 @@ def moe_layer(ctx: Ctx, mod, p, src: dict, x, pos_11, cache, state, pending, key
     from moejax import controls   # pylint: disable=import-outside-toplevel
     decide_fn = lambda l, s: controls.decide(ctx.control, l, s, ctx.policy.decision, cfg, key)
   spec = None
-  adm = pending[0] if ctx.spec_on else pending
+  admitted = pending[0] if ctx.spec_on else pending
   if ctx.spec_on:
     _, r_prev, d_prev, has = x
     last = (pending[1], pending[2])
     hybrid = ctx.prefetch == "hybrid"
     spec = pf.predicted(cfg, mod, p, ctx.prefetch, src["est"] if hybrid else None,
                         src["use_last"] if hybrid else None, r_prev, d_prev, has, last, lg)
-  state, step = policy_step(cfg, ctx.policy.decision, ctx.policy.cache, ctx.trim_to, state, adm,
-                            lg, decide_fn=decide_fn, spec=spec, keep=ctx.keep,
-                            speculative=ctx.speculative)
-  x_out, state = run_experts(ctx, mod, p, src, h, moe_in, state, step)
+  state, head = policy_head(cfg, ctx.policy.decision, ctx.policy.cache, state, lg,
+                            decide_fn=decide_fn, spec=spec, speculative=ctx.speculative,
+                            skip_empty=ctx.skip_empty, all_resident=ctx.all_resident)
+  x_out, state = run_experts(ctx, mod, p, src, h, moe_in, state, head)
+  out, adm = head, admitted
+  if not ctx.defer_tail:
+    state, out = policy_tail(cfg, ctx.policy.decision, ctx.policy.cache, ctx.trim_to, state,
+                             head, spec_on=ctx.spec_on, keep=ctx.keep)
+    adm = out.pending
   if ctx.spec_on:
-    d = pf.quasi_offset(step.dec.exec_ids[0], step.dec.weights[0], src["vectors"])
+    d = pf.quasi_offset(head.dec.exec_ids[0], head.dec.weights[0], src["vectors"])
     return ((x_out, h.reshape(1, -1), d, jnp.bool_(True)), cache, state,
-            (step.pending, lg.astype(jnp.float32), jnp.bool_(True)), step)
-  return x_out, cache, state, step.pending, step
+            (adm, lg.astype(jnp.float32), jnp.bool_(True)), (out, admitted))
+  return x_out, cache, state, adm, (out, admitted)

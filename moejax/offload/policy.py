@@ -247,7 +247,7 @@ def decide(router_logits_NxE: jax.Array, resident, params: DecideParams | Policy
                         0.0)
   else:
     # candidates: resident and not selected for this token, best router score first
-    selected = jnp.zeros((n, num_e), bool).at[jnp.arange(n)[:, None], ids].set(True)
+    selected = jnp.any(ids[..., None] == jnp.arange(num_e), axis=-2)          # [N,E]
     cand_ok = (resident.expert_slot[None, :] >= 0) & ~selected
     cand_score = jnp.where(cand_ok, scores, -jnp.inf)
     c_score, c_ids = jax.lax.top_k(cand_score, k)                  # [N,K]
@@ -266,8 +266,8 @@ def decide(router_logits_NxE: jax.Array, resident, params: DecideParams | Policy
   acc = resident.acc
   admit = jnp.zeros((num_e,), bool)
   if params.admission_beta is not None:
-    add = jnp.zeros((num_e,), jnp.float32).at[ids.reshape(-1)].add(
-        jnp.where(served_elsewhere, share, 0.0).reshape(-1))
+    w = jnp.where(served_elsewhere, share, 0.0).reshape(-1, 1)
+    add = jnp.sum(jnp.where(ids.reshape(-1, 1) == jnp.arange(num_e), w, 0.0), axis=0)
     acc = acc + add
     admit = acc >= params.admission_beta
     acc = jnp.where(admit, 0.0, acc)
@@ -275,21 +275,21 @@ def decide(router_logits_NxE: jax.Array, resident, params: DecideParams | Policy
                   exec_ids=exec_ids, weights=weights, admit=admit, acc=acc)
 
 
-def eviction_order(resident, protected_S: jax.Array, params: CacheParams | PolicyParams):
-  """Slots in the order insertions overwrite them, and how many may be overwritten.
+def all_hits(router_logits_NxE: jax.Array, resident, cfg: ModelConfig) -> Decision:
+  """`decide`'s answer when every expert is resident for good (any policy): the
+  routing, every action HIT, nothing admitted."""
+  ids, gates, _ = routing.route(cfg, router_logits_NxE)
+  total = jnp.sum(gates, axis=-1, keepdims=True)
+  share = gates / jnp.where(total > 0, total, 1.0)
+  return Decision(ids=ids, gates=gates, share=share, action=jnp.zeros_like(ids),
+                  sub_ids=jnp.full_like(ids, -1), exec_ids=ids, weights=gates,
+                  admit=jnp.zeros(resident.acc.shape, bool), acc=resident.acc)
 
-  Empty slots first, then per the eviction policy (lru: oldest last use; lfu:
-  smallest decayed count, ties by oldest use), ties by the lowest slot;
-  protected slots (in use by the current token) last and never overwritten.
-  Inserting J experts one after another, each protecting the one before,
-  overwrites exactly the first J slots of this order.
 
-  The order is the lexicographic order of the keys (protected, freq [lfu], last
-  use, slot), computed as each slot's rank = the number of slots whose keys come
-  before its own (S x S comparisons, then a scatter): the same permutation as a
-  lexsort, and many times faster than XLA's sort on CPU for the slot counts of a
-  cache (the simulator calls this twice per token and layer).
-  """
+def eviction_rank(resident, protected_S: jax.Array, params: CacheParams | PolicyParams):
+  """Each slot's position in `eviction_order` [S], and how many may be overwritten:
+  the number of slots whose keys (protected, freq [lfu], last use, slot) come before
+  its own (S x S comparisons; many times faster than XLA's sort on CPU at cache sizes)."""
   params = cache_params(params)
   slot_e = resident.slot_expert
   e = jnp.maximum(slot_e, 0)
@@ -304,9 +304,24 @@ def eviction_order(resident, protected_S: jax.Array, params: CacheParams | Polic
     before = (freq[None, :] < freq[:, None]) | ((freq[None, :] == freq[:, None]) & before)
   prot = protected_S.astype(bool)
   before = (~prot[None, :] & prot[:, None]) | ((prot[None, :] == prot[:, None]) & before)
-  rank = jnp.sum(before, axis=1, dtype=jnp.int32)
-  order = jnp.zeros_like(idx).at[rank].set(idx, unique_indices=True)
-  return order.astype(jnp.int32), jnp.sum(~prot)
+  return jnp.sum(before, axis=1, dtype=jnp.int32), jnp.sum(~prot)
+
+
+def eviction_order(resident, protected_S: jax.Array, params: CacheParams | PolicyParams):
+  """Slots in the order insertions overwrite them, and how many may be overwritten.
+
+  Empty slots first, then per the eviction policy (lru: oldest last use; lfu:
+  smallest decayed count, ties by oldest use), ties by the lowest slot;
+  protected slots (in use by the current token) last and never overwritten.
+  Inserting J experts one after another, each protecting the one before,
+  overwrites exactly the first J slots of this order (the lexicographic order of
+  `eviction_rank`'s keys: the same permutation as a lexsort).
+  """
+  rank, usable = eviction_rank(resident, protected_S, params)
+  idx = jnp.arange(rank.shape[0], dtype=jnp.int32)
+  # the inverse permutation by one-hot compares (a scatter is a loop of its own on XLA CPU)
+  order = jnp.sum(jnp.where(rank[None, :] == idx[:, None], idx[None, :], 0), axis=1)
+  return order.astype(jnp.int32), usable
 
 
 def victim_slot(resident, protected_S: jax.Array,

@@ -172,11 +172,18 @@ def insert(state: ResidentState, ids_J: jax.Array, rows_J: dict, in_use_E: jax.A
   valid = want & (rank < usable)
   slot = order[jnp.clip(rank, 0, num_s - 1)]
   old = jnp.where(valid, slot_e[slot], -1)
-  drop_e = lambda m, v: jnp.where(m, v, num_e)           # out of bounds: dropped
-  exp_s = exp_s.at[drop_e(old >= 0, old)].set(-1, mode="drop")
-  exp_s = exp_s.at[drop_e(valid, ec)].set(slot, mode="drop")
-  slot_e = slot_e.at[jnp.where(valid, slot, num_s)].set(ec, mode="drop")
-  last = state.last_used.at[drop_e(valid, ec)].set(state.step, mode="drop")
+  # one-hot compares, not scatters (XLA CPU runs each scatter as a loop of its own):
+  # valid insertions have distinct experts, not resident, and distinct slots
+  e_E, s_S = jnp.arange(num_e), jnp.arange(num_s)
+  ins_JxE = valid[:, None] & (ec[:, None] == e_E)
+  got_E = jnp.any(ins_JxE, axis=0)
+  gone_E = jnp.any((old[:, None] >= 0) & (old[:, None] == e_E), axis=0)
+  exp_s = jnp.where(got_E, jnp.sum(jnp.where(ins_JxE, slot[:, None], 0), axis=0),
+                    jnp.where(gone_E, -1, exp_s)).astype(jnp.int32)
+  ins_JxS = valid[:, None] & (slot[:, None] == s_S)
+  slot_e = jnp.where(jnp.any(ins_JxS, axis=0),
+                     jnp.sum(jnp.where(ins_JxS, ec[:, None], 0), axis=0), slot_e).astype(jnp.int32)
+  last = jnp.where(got_E, state.step, state.last_used)
   # one dynamic_update_slice per row and buffer, in place when donated; a skipped
   # insertion goes to the scratch row (buffers never read here, so no copies)
   bufs = dict(state.buffers)
@@ -205,12 +212,12 @@ def trim(state: ResidentState, budget_slots: int,
   num_s = state.slot_expert.shape[0]
   slot_e = state.slot_expert
   excess = jnp.sum(slot_e >= 0) - budget_slots
-  order, _ = policy_lib.eviction_order(state, jnp.zeros((num_s,), bool), params)
+  rank, _ = policy_lib.eviction_rank(state, jnp.zeros((num_s,), bool), params)
   num_empty = jnp.sum(slot_e < 0)
-  rank = jnp.zeros((num_s,), jnp.int32).at[order].set(jnp.arange(num_s, dtype=jnp.int32))
   evict = (slot_e >= 0) & (rank >= num_empty) & (rank < num_empty + excess)
   old = jnp.where(evict, slot_e, -1)
-  exp_s = state.expert_slot.at[jnp.where(evict, slot_e, num_e)].set(-1, mode="drop")
+  gone_E = jnp.any(evict[:, None] & (slot_e[:, None] == jnp.arange(num_e)), axis=0)
+  exp_s = jnp.where(gone_E, -1, state.expert_slot)
   new_state = dataclasses.replace(state, slot_expert=jnp.where(evict, -1, slot_e),
                                   expert_slot=exp_s)
   return new_state, old.astype(jnp.int32)

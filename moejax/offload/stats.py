@@ -97,9 +97,6 @@ class TokenRecord:
     self.compute_s = wall_s - wait_s - admission_wait_s - prefetch_wait_s - self.host_s
 
 
-_FROM_STATS = ("expert_calls", "hits", "fetches", "substituted", "substituted_mass", "dropped",
-               "dropped_mass", "host_calls", "admissions", "admitted", "evictions",
-               "prefetches", "useful_prefetches", "recall_hits", "predicted_calls")
 _LAYER_IDS = ("ids", "actions", "substitutes", "fetched", "admissions", "admitted", "evicted",
               "predicted", "prefetched", "true_ids")
 _DENSE = ("ids", "actions", "substitutes", "true_ids")     # K entries each, -1 kept
@@ -107,12 +104,15 @@ _DENSE = ("ids", "actions", "substitutes", "true_ids")     # K entries each, -1 
 
 def build_record(packed_LxW: np.ndarray, layout, moe_layers, expert_bytes: int) -> TokenRecord:
   """A decoded token's record from its packed decisions (`decode.Layout`; rows in
-  `moe_layers` order).  Per layer, id lists drop the -1 padding (ids, actions,
-  substitutes and true_ids keep their K entries)."""
-  from moejax.offload.layer import STATS   # pylint: disable=import-outside-toplevel
+  `moe_layers` order): the counts by `layer.counts`, the same function the emulator's
+  statistics use.  Per layer, id lists drop the -1 padding (ids, actions, substitutes
+  and true_ids keep their K entries)."""
+  from moejax.offload import layer   # pylint: disable=import-outside-toplevel
   cols = layout.split(np.asarray(packed_LxW))
-  tot = dict(zip(STATS, np.sum(cols["stats"], axis=0, dtype=np.float64).tolist()))
-  rec = TokenRecord(**{k: tot[k] for k in _FROM_STATS})
+  c = layer.counts(np, cols["actions"].astype(np.int32), cols["share"], cols["admissions"],
+                   cols["admitted"], cols["evicted"], cols["pf_stats"])
+  tot = dict(zip(layer.STATS, np.sum(c, axis=0, dtype=np.float64).tolist()))
+  rec = TokenRecord(**{k: tot[k] for k in layer.STATS if k != "first_substituted"})
   rec.misses = rec.expert_calls - rec.hits
   rec.fetch_bytes = rec.fetches * expert_bytes
   rec.prefetch_bytes = rec.prefetches * expert_bytes

@@ -25,7 +25,7 @@ from moejax.offload import resident as resident_lib
 
 def empty_pending(ctx: layer_lib.Ctx):
   """A MoE layer's pending at the start of a stream."""
-  adm = jnp.full((ctx.cfg.top_k,), -1, jnp.int32)
+  adm = layer_lib.no_pending(ctx.cfg.top_k)
   if not ctx.spec_on:
     return adm
   return adm, jnp.zeros((1, routing.router_width(ctx.cfg)), jnp.float32), jnp.bool_(False)
@@ -47,7 +47,8 @@ def _apply(mod, p, *args, method):
 
 
 def decode(ctx: layer_lib.Ctx, dtype, params, layers, srcs, carry, token, pos, key, scan: bool):
-  """One decoded token of one stream -> (carry, logits [V], Step stacked over MoE layers)."""
+  """One decoded token of one stream -> (carry, logits [V], (Step, admitted)) stacked over
+  MoE layers (`layer.moe_layer`)."""
   cfg = ctx.cfg
   model = Transformer(cfg, dtype)
   x = model.apply({"params": params}, token.reshape(1, 1), method="embed")
@@ -71,7 +72,43 @@ def decode(ctx: layer_lib.Ctx, dtype, params, layers, srcs, carry, token, pos, k
       scan=scan)
   x = x[0] if ctx.spec_on else x
   logits = model.apply({"params": params}, x[:, -1], method="logits")[0]
-  return layer_stack.unzip_carry(cfg, per_layer, scan=scan), logits, steps
+  carry = layer_stack.unzip_carry(cfg, per_layer, scan=scan)
+  if ctx.defer_tail:
+    carry, steps = _tails(ctx, carry, steps, srcs)
+  return carry, logits, steps
+
+
+_META = ("slot_expert", "expert_slot", "last_used", "freq", "acc", "step")
+
+
+def _tails(ctx: layer_lib.Ctx, carry, outs, srcs):
+  """`layer.policy_tail` of every MoE layer at once (vmapped over their stacked
+  metadata: one set of small ops per token instead of one per layer), after the last
+  layer, then the copies of what it inserted (admissions from the store, executed
+  prefetches from their rows).  Unrolled carries only (dicts over layers)."""
+  cache, states, pending = carry
+  heads, admitted = outs
+  moe = ctx.cfg.moe_layers
+  meta = resident_lib.ResidentState(buffers={}, **{
+      f: jnp.stack([getattr(states[l], f) for l in moe]) for f in _META})
+  tail = lambda st, hd: layer_lib.policy_tail(
+      ctx.cfg, ctx.policy.decision, ctx.policy.cache, ctx.trim_to, st, hd,
+      spec_on=ctx.spec_on, keep=ctx.keep, skip_empty=False)
+  meta, steps = jax.vmap(tail)(meta, heads)
+  states, pending = dict(states), dict(pending)
+  for j, l in enumerate(moe):
+    st = dataclasses.replace(states[l], **{f: getattr(meta, f)[j] for f in _META})
+    bufs = st.buffers
+    if ctx.spec_on and ctx.keep:
+      rows = st.slot_expert.shape[0] + 1 + jnp.arange(ctx.cfg.top_k, dtype=jnp.int32)
+      bufs = layer_lib.move_rows(bufs, rows, steps.kept_slots[j])
+    adm = jax.tree_util.tree_map(lambda a: a[j], steps.pending)
+    if ctx.policy.admission_beta is not None:
+      bufs = layer_lib.copy_rows(bufs, srcs[l]["store"], adm[0], adm[1], ctx.pinned,
+                                 ctx.skip_empty)
+    states[l] = dataclasses.replace(st, buffers=bufs)
+    pending[l] = (adm,) + tuple(pending[l][1:]) if ctx.spec_on else adm
+  return (cache, states, pending), (steps, admitted)
 
 
 def prefill(ctx: layer_lib.Ctx, dtype, max_len: int, params, layers, srcs, states, tokens_P,

@@ -90,13 +90,11 @@ def given(name: str) -> bool:
 
 def user_errors() -> tuple[type, ...]:
   """Errors whose message names the flag at fault: usage errors (exit 2)."""
-  from moejax.offload.host_experts import HostComputeError
   from moejax.offload.host_store import StoreBackendError
   from moejax.offload.link import LinkSpecError
   from moejax.offload.policy import PolicyError
   from moejax.offload.resident import BudgetError
-  return (UsageError, app.UsageError, PolicyError, BudgetError, LinkSpecError, StoreBackendError,
-          HostComputeError)
+  return (UsageError, app.UsageError, PolicyError, BudgetError, LinkSpecError, StoreBackendError)
 
 
 def checkpoint_errors() -> tuple[type, ...]:

@@ -22,10 +22,9 @@ import numpy as np
 
 from moejax import routing
 from moejax.config import ModelConfig
-from moejax.model import DecoderLayer, init_cache
-from moejax.offload import copies
+from moejax.model import DecoderLayer, Transformer, init_cache
+from moejax.offload.host_store import owned_device_put
 from moejax.offload import link as link_lib
-from moejax.offload.steps import layer_kind, model_steps
 
 
 @functools.lru_cache(maxsize=None)
@@ -34,6 +33,15 @@ def _layer_forward(cfg: ModelConfig, dtype, kind: tuple, layer_idx: int):
   del kind  # the cache key: layers of one kind share the compiled function
   return jax.jit(lambda p, x, pos, kv, end, experts: mod.apply({"params": p}, x, pos, kv, end,
                                                               experts))
+
+
+def layer_kind(cfg: ModelConfig, i: int) -> tuple[bool, str]:
+  """Layers of one kind share their compiled forward."""
+  return bool(cfg.sparse_layers[i]), (cfg.layer_types[i] if cfg.layer_types else "")
+
+
+def _embed(cfg: ModelConfig, dtype, params, tokens):
+  return Transformer(cfg, dtype).apply({"params": params}, tokens, method="embed")
 
 
 def _layer_fn(cfg: ModelConfig, dtype, i: int):
@@ -50,7 +58,7 @@ def layer_experts(store, layer: int, dtype, device=None) -> dict[str, jax.Array]
     v = np.asarray(v)
     if jnp.issubdtype(v.dtype, jnp.floating) and v.dtype != jnp.dtype(dtype):
       v = v.astype(jnp.dtype(dtype))
-    out[k] = copies.owned_device_put(v, sh)
+    out[k] = owned_device_put(v, sh)
   return out
 
 
@@ -85,7 +93,7 @@ def layer_compute_seconds(cfg: ModelConfig, params, store, dtype=jnp.float32,
   experts = layer_experts(store, l, dtype)
   max_len = steps + 8
   kv = init_cache(cfg, 1, max_len, dtype)[l]
-  x = model_steps(cfg, dtype).embed(params, jnp.zeros((1, 1), jnp.int32))
+  x = _embed(cfg, dtype, params, jnp.zeros((1, 1), jnp.int32))
   times = []
   for i in range(steps + 3):
     pos, end = jnp.full((1, 1), i, jnp.int32), jnp.int32(i)
@@ -112,7 +120,7 @@ def profile_counts(cfg: ModelConfig, params, store, tokens, dtype=jnp.float32) -
   toks = jnp.asarray([list(tokens)], jnp.int32)
   t = toks.shape[1]
   pos = jnp.arange(t, dtype=jnp.int32)[None]
-  x = model_steps(cfg, dtype).embed(params, toks)
+  x = _embed(cfg, dtype, params, toks)
   kv_all = init_cache(cfg, 1, t, dtype)
   out = {}
   for i in range(cfg.num_layers):

@@ -87,10 +87,17 @@ def _decode(prog: Program, params, srcs, carry, token, pos):
   return carry, logits, _pack(steps)
 
 
-@functools.partial(jax.jit, static_argnames=("prog",), donate_argnums=(3,))
+@functools.lru_cache(maxsize=None)
+def step_fn(prog: Program):
+  """The jitted decode step of `prog`: fn(params, srcs, carry, token, pos) -> (carry,
+  logits [V], packed [L, width]), the carry donated.  One function per program, so a
+  call hashes no static argument (the model config's hash is ~25 us a call)."""
+  return jax.jit(functools.partial(_decode, prog), donate_argnums=(2,))
+
+
 def step(prog: Program, params, srcs, carry, token, pos):
-  """One decoded token at position `pos` -> (carry, logits [V], packed [L, width])."""
-  return _decode(prog, params, srcs, carry, token, pos)
+  """One decoded token at position `pos` (`step_fn(prog)`)."""
+  return step_fn(prog)(params, srcs, carry, token, pos)
 
 
 @functools.partial(jax.jit, static_argnames=("prog", "steps", "temperature", "top_p"),

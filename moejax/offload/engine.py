@@ -116,6 +116,7 @@ class OffloadEngine:
     ctx = dataclasses.replace(ctx, all_resident=self.budget.all_resident and
                               self.initial == "all" and not self.mode.on)
     self._prog = decode.Program(ctx, jnp.dtype(dtype).name, max_len)
+    self._step = decode.step_fn(self._prog)
     self._layout = decode.layout(ctx, self.budget.physical)
     self._clock = link_lib.LinkClock(self.link, nbytes, self.moe_layers)
     self._carry = None            # (KV cache, states, pending) once a prompt ran
@@ -185,7 +186,7 @@ class OffloadEngine:
     token) on throwaway state, so that records measure decoding, not compilation."""
     self._check()
     carry = self._new_carry(jax.tree_util.tree_map(jnp.copy, self._states))
-    out = decode.step(self._prog, self.params, self._srcs, carry, np.int32(0), np.int32(0))
+    out = self._step(self.params, self._srcs, carry, np.int32(0), np.int32(0))
     jax.block_until_ready(out)
 
   def _new_carry(self, states):
@@ -233,9 +234,9 @@ class OffloadEngine:
     if self.end_index >= self.max_len:
       raise ValueError(f"max_len={self.max_len} reached")
     t0 = time.perf_counter()
-    self._carry, logits, packed = decode.step(self._prog, self.params, self._srcs, self._carry,
-                                              token if lazy else np.int32(token),
-                                              np.int32(self.end_index))
+    self._carry, logits, packed = self._step(self.params, self._srcs, self._carry,
+                                             token if lazy else np.int32(token),
+                                             np.int32(self.end_index))
     self.end_index += 1
     if lazy and not self.link.emulated:
       self._deferred.append((packed, t0))

@@ -21,12 +21,49 @@ import tempfile
 import jax
 import numpy as np
 
-from moejax.offload.copies import owned_device_put
 from moejax.safetensors_io import NAMES, SafetensorsFile, save_file
 from moejax.store import ExpertStore, LayerExperts
 
 BACKENDS = ("numpy", "mmap", "pinned_host")
 SPILL_FILE = "experts.safetensors"
+
+
+def _host_pointer(x) -> int | None:
+  if isinstance(x, np.ndarray):
+    return x.__array_interface__["data"][0]
+  if isinstance(x, jax.Array):
+    try:
+      return x.unsafe_buffer_pointer()
+    except Exception:  # pylint: disable=broad-except  (sharded / deleted arrays)
+      return None
+  return None
+
+
+def shares_buffer(out: jax.Array, src) -> bool:
+  """True when device array `out` aliases the memory of `src` (numpy or jax)."""
+  p = _host_pointer(src)
+  if p is None or getattr(src, "size", 1) == 0:
+    return False
+  try:
+    return out.unsafe_buffer_pointer() == p
+  except Exception:  # pylint: disable=broad-except
+    return False
+
+
+def owned_device_put(x, sharding: jax.sharding.Sharding) -> jax.Array:
+  """`jax.device_put(x, sharding)` whose result never aliases x's buffer (slot buffers
+  and pinned copies must be owned: on the CPU backend a put may wrap the numpy buffer).
+
+  On an accelerator the put is the host->device copy itself.  On the CPU
+  backend jax may wrap the numpy buffer (even a read-only memmap) or return
+  the source array; then a private host copy is put instead, which only the
+  returned array references (cheaper than an XLA copy, which would also
+  compile once per shape).
+  """
+  out = jax.device_put(x, sharding)
+  if shares_buffer(out, x):
+    out = jax.device_put(np.array(x, copy=True), sharding)
+  return out
 
 
 class StoreBackendError(ValueError):

@@ -89,7 +89,8 @@ class Step(NamedTuple):
   kept: jax.Array          # [K] prefetched experts inserted after the layer (-1: none)
   kept_slots: jax.Array    # [K] their slots: copied from prefetch row P + 1 + j
   evicted: jax.Array       # [K (+K) + P] evicted by this token's inserts and trim
-  pending: tuple           # (admissions [K], their slots [K], their evictions [K])
+  pending: tuple           # for the next token: (admissions inserted [K], their slots [K],
+                           # their evictions [K], slots of the executed prefetches [K])
 
   @property
   def dec(self) -> policy_lib.Decision:
@@ -97,9 +98,9 @@ class Step(NamedTuple):
 
 
 def no_pending(k: int) -> tuple:
-  """A layer's pending admissions at the start of a stream: none."""
-  none = jnp.full((k,), -1, jnp.int32)
-  return none, none, none
+  """A layer's `Step.pending` at the start of a stream: nothing (four arrays: a donated
+  carry must not hold one buffer twice)."""
+  return tuple(jnp.full((k,), -1, jnp.int32) for _ in range(4))
 
 
 def counts(xp, action, share, admissions, admitted, evicted, pf_stats):
@@ -119,9 +120,10 @@ def counts(xp, action, share, admissions, admitted, evicted, pf_stats):
 def first_k(mask_E, k: int):
   """The first k set positions of mask_E in increasing order, -1 padded (k x E compares:
   jnp.nonzero with a size is a sort on XLA CPU)."""
-  rank = jnp.cumsum(mask_E) - 1
+  rank = policy_lib.prefix_count(mask_E) - 1
   hit = mask_E[None, :] & (rank[None, :] == jnp.arange(k)[:, None])
-  return jnp.where(jnp.any(hit, axis=1), jnp.argmax(hit, axis=1), -1).astype(jnp.int32)
+  e = jnp.sum(jnp.where(hit, jnp.arange(mask_E.shape[0]), 0), axis=1)     # one hit per row
+  return jnp.where(jnp.any(hit, axis=1), e, -1).astype(jnp.int32)
 
 
 def placed(before, after, ids_J):
@@ -217,11 +219,11 @@ def policy_tail(cfg: ModelConfig, decision, cache, trim_to, state, head: Head, *
   ev_trim = jnp.full(state.slot_expert.shape, -1, jnp.int32)
   if trim_to is not None:          # staging slots hold the token in flight only
     state, ev_trim = resident_lib.trim(state, trim_to, cache)
-  pending = no_pending(k)
+  adm = ev_adm = adm_slots = none_K
   if decision.admission_beta is not None:   # in place before the layer's next decision
     adm = first_k(dec.admit, k)
     state, ev_adm, adm_slots = _insert(state, adm, jnp.zeros((num_e,), bool), cache, skip_empty)
-    pending = (adm, adm_slots, ev_adm)
+  pending = (adm, adm_slots, ev_adm, kept_slots)
   return state, Step(head, kept, kept_slots, jnp.concatenate(evicted + [ev_trim]), pending)
 
 
@@ -266,7 +268,7 @@ def copy_rows(buffers: dict, store: dict, ids_J, slots_J, pinned: bool,
   if j_max == 0:
     return buffers
   valid = slots_J >= 0
-  at = jnp.where(valid, jnp.cumsum(valid) - 1, j_max)
+  at = jnp.where(valid, policy_lib.prefix_count(valid) - 1, j_max)
   to_JxJ = at[None, :] == jnp.arange(j_max)[:, None]     # [to, from]: compaction, no scatter
   ids = jnp.sum(jnp.where(to_JxJ, ids_J[None, :], 0), axis=1)
   slots = jnp.sum(jnp.where(to_JxJ, slots_J[None, :], 0), axis=1)
@@ -318,8 +320,11 @@ def _swiglu(cfg: ModelConfig):
   return (cfg.swiglu_alpha, cfg.swiglu_limit)
 
 
-def run_experts(ctx: Ctx, mod, p, src: dict, h, moe_in, state, head: Head):
-  """The layer's experts and residual from the source -> (x, state)."""
+def run_experts(ctx: Ctx, mod, p, src: dict, h, moe_in, state, head: Head, carried: tuple):
+  """The layer's experts and residual from the source -> (x, state).  The slots source
+  first makes the copies the cache's metadata already promises, in order: the previous
+  token's executed prefetches into their slots and its admissions (`carried`, its
+  `Step.pending`), this token's prefetches into their rows, its fetches."""
   dec, k = head.dec, ctx.cfg.top_k
   run = dec.exec_ids[0]
   if ctx.source == "table":        # every expert on the device: by id; HOST exact
@@ -332,8 +337,11 @@ def run_experts(ctx: Ctx, mod, p, src: dict, h, moe_in, state, head: Head):
   num_p = state.slot_expert.shape[0]
   if not ctx.all_resident:         # nothing to copy when every expert stays resident
     if ctx.spec_on:
+      if ctx.keep:
+        bufs = move_rows(bufs, num_p + 1 + jnp.arange(k, dtype=jnp.int32), carried[3])
       bufs = copy_prefetch(bufs, store, head.pf_ids, num_p, ctx.pinned, ctx.skip_empty)
-    bufs = copy_rows(bufs, store, head.fetched, head.fetch_slots, ctx.pinned, ctx.skip_empty)
+    bufs = copy_rows(bufs, store, jnp.concatenate([carried[0], head.fetched]),
+                     jnp.concatenate([carried[1], head.fetch_slots]), ctx.pinned, ctx.skip_empty)
     state = dataclasses.replace(state, buffers=bufs)
   w = jnp.where(head.rows >= 0, dec.weights[0], 0.0)
   x = mod.apply({"params": p}, h, moe_in, jnp.maximum(head.rows, 0).reshape(1, 1, k),
@@ -392,7 +400,7 @@ def moe_layer(ctx: Ctx, mod, p, src: dict, x, pos_11, cache, state, pending, key
   state, head = policy_head(cfg, ctx.policy.decision, ctx.policy.cache, state, lg,
                             decide_fn=decide_fn, spec=spec, speculative=ctx.speculative,
                             skip_empty=ctx.skip_empty, all_resident=ctx.all_resident)
-  x_out, state = run_experts(ctx, mod, p, src, h, moe_in, state, head)
+  x_out, state = run_experts(ctx, mod, p, src, h, moe_in, state, head, admitted)
   out, adm = head, admitted
   if not ctx.defer_tail:
     state, out = policy_tail(cfg, ctx.policy.decision, ctx.policy.cache, ctx.trim_to, state,

@@ -166,7 +166,7 @@ def insert(state: ResidentState, ids_J: jax.Array, rows_J: dict, in_use_E: jax.A
   j = jnp.arange(ids.shape[0])
   first = jnp.all((ids[:, None] != ids[None, :]) | (j[None, :] >= j[:, None]), axis=1)
   want = (ids >= 0) & (exp_s[ec] < 0) & first          # not resident, first occurrence
-  rank = jnp.cumsum(want) - 1
+  rank = policy_lib.prefix_count(want) - 1
   protected = (slot_e >= 0) & in_use_E[jnp.maximum(slot_e, 0)]
   order, usable = policy_lib.eviction_order(state, protected, params)
   valid = want & (rank < usable)

@@ -74,18 +74,18 @@ def decode(ctx: layer_lib.Ctx, dtype, params, layers, srcs, carry, token, pos, k
   logits = model.apply({"params": params}, x[:, -1], method="logits")[0]
   carry = layer_stack.unzip_carry(cfg, per_layer, scan=scan)
   if ctx.defer_tail:
-    carry, steps = _tails(ctx, carry, steps, srcs)
+    carry, steps = _tails(ctx, carry, steps)
   return carry, logits, steps
 
 
 _META = ("slot_expert", "expert_slot", "last_used", "freq", "acc", "step")
 
 
-def _tails(ctx: layer_lib.Ctx, carry, outs, srcs):
+def _tails(ctx: layer_lib.Ctx, carry, outs):
   """`layer.policy_tail` of every MoE layer at once (vmapped over their stacked
   metadata: one set of small ops per token instead of one per layer), after the last
-  layer, then the copies of what it inserted (admissions from the store, executed
-  prefetches from their rows).  Unrolled carries only (dicts over layers)."""
+  layer.  The copies its inserts promise are made by the layer at the next token
+  (`layer.run_experts`).  Unrolled carries only (dicts over layers)."""
   cache, states, pending = carry
   heads, admitted = outs
   moe = ctx.cfg.moe_layers
@@ -97,16 +97,8 @@ def _tails(ctx: layer_lib.Ctx, carry, outs, srcs):
   meta, steps = jax.vmap(tail)(meta, heads)
   states, pending = dict(states), dict(pending)
   for j, l in enumerate(moe):
-    st = dataclasses.replace(states[l], **{f: getattr(meta, f)[j] for f in _META})
-    bufs = st.buffers
-    if ctx.spec_on and ctx.keep:
-      rows = st.slot_expert.shape[0] + 1 + jnp.arange(ctx.cfg.top_k, dtype=jnp.int32)
-      bufs = layer_lib.move_rows(bufs, rows, steps.kept_slots[j])
+    states[l] = dataclasses.replace(states[l], **{f: getattr(meta, f)[j] for f in _META})
     adm = jax.tree_util.tree_map(lambda a: a[j], steps.pending)
-    if ctx.policy.admission_beta is not None:
-      bufs = layer_lib.copy_rows(bufs, srcs[l]["store"], adm[0], adm[1], ctx.pinned,
-                                 ctx.skip_empty)
-    states[l] = dataclasses.replace(st, buffers=bufs)
     pending[l] = (adm,) + tuple(pending[l][1:]) if ctx.spec_on else adm
   return (cache, states, pending), (steps, admitted)
 

@@ -8,8 +8,9 @@ when pinning fails.  On the CPU backend device memory *is* host memory: a numpy 
 memory-mapped) store is handed over without a copy where jax can share the buffer,
 and a `pinned_host` store stays in that memory kind.
 
-Errors: `TransferError` (a store the program cannot read: the message names the
-layer and tensor), `TransferTimeout` (a result not ready within the timeout).
+Errors: `TransferError` (a store the program cannot read: the message names the layer
+and tensor), `TransferTimeout` (an emulated link whose waits exceed the engine's
+`transfer_timeout_s`: raised once, after that timeout).
 """
 
 from __future__ import annotations
@@ -38,58 +39,52 @@ def sleep_until(deadline: float, spin_s: float = 2e-4):
     time.sleep(left - spin_s if left > 2 * spin_s else 0)
 
 
-def wait_ready(arrays, timeout_s: float, what: str):
-  """Blocks until every array is ready; TransferTimeout after `timeout_s` (raised once:
-  nothing else waits on the step afterwards)."""
-  leaves = [a for a in jax.tree_util.tree_leaves(arrays) if isinstance(a, jax.Array)]
-  if all(a.is_ready() for a in leaves):
-    return
-  deadline = time.perf_counter() + timeout_s
-  while not all(a.is_ready() for a in leaves):
-    if time.perf_counter() > deadline:
-      raise TransferTimeout(f"{what} did not complete within transfer_timeout_s={timeout_s:g}")
-    time.sleep(1e-4)
-
-
-def _memory_kind(device) -> str | None:
-  """The memory the program reads the store from (None: device memory = host, CPU)."""
-  if device.platform == "cpu":
-    return None
+def _memory_kinds(store, device) -> list:
+  """Where the program may read the store from, best first (None: the device's default
+  memory, which on the CPU backend is host memory)."""
   kinds = host_store.memory_kinds(device)
-  return "pinned_host" if "pinned_host" in kinds else "unpinned_host"
+  if device.platform == "cpu":
+    pinned = host_store.store_backend(store) == "pinned_host" and "pinned_host" in kinds
+    return (["pinned_host"] if pinned else []) + [None]
+  return [k for k in ("pinned_host", "unpinned_host") if k in kinds]
+
+
+def _put(host: np.ndarray, device, kind):
+  if kind is None:
+    return jax.device_put(host, device)
+  return jax.device_put(host, jax.sharding.SingleDeviceSharding(device, memory_kind=kind))
 
 
 def program_store(store, device) -> tuple[dict, bool]:
   """{MoE layer: {name: [E, ...] jax array}} for in-program copies, and whether the
-  arrays are in a host memory kind the program must move slices out of."""
-  kind = _memory_kind(device)
-  if host_store.store_backend(store) == "pinned_host" and device.platform == "cpu":
-    kind = "pinned_host"
-  out, warned = {}, False
+  arrays are in a host memory kind the program moves slices out of.  A store that
+  cannot be pinned falls back to the next memory (one warning line)."""
+  kinds = _memory_kinds(store, device)
+  if not kinds:
+    raise TransferError(f"{device} offers no host memory kind the decode program can read "
+                        f"the expert store from (memory kinds: "
+                        f"{', '.join(host_store.memory_kinds(device))})")
+  out = {}
   for l in store.moe_layers:
     layer = {}
     for name, arr in store.stacked(l).items():
       try:
         host = np.asarray(arr)
-        if kind is None:
-          layer[name] = jax.device_put(host, device)
-          continue
-        try:
-          layer[name] = jax.device_put(host, jax.sharding.SingleDeviceSharding(device,
-                                                                              memory_kind=kind))
-        except Exception as e:  # pylint: disable=broad-except  (pinning can fail for size)
-          if kind != "pinned_host":
-            raise
-          if not warned:
-            print(f"[moejax] warning: the expert store could not be pinned ({type(e).__name__}: "
-                  f"{e}); reading it from unpinned host memory (slower copies)", file=sys.stderr)
-            warned = True
-          kind = "unpinned_host"
-          layer[name] = jax.device_put(host, jax.sharding.SingleDeviceSharding(device,
-                                                                              memory_kind=kind))
-      except Exception as e:  # pylint: disable=broad-except
+      except Exception as e:  # pylint: disable=broad-except  (a truncated or unreadable file)
         raise TransferError(f"cannot read expert tensor '{name}' of MoE layer {l}: "
                             f"{type(e).__name__}: {e}") from e
+      while True:
+        try:
+          layer[name] = _put(host, device, kinds[0])
+          break
+        except Exception as e:  # pylint: disable=broad-except  (pinning can fail for size)
+          if len(kinds) == 1:
+            raise TransferError(f"cannot place expert tensor '{name}' of MoE layer {l} in "
+                                f"{kinds[0] or 'device'} memory: {type(e).__name__}: {e}") from e
+          print(f"[moejax] warning: the expert store cannot be held in {kinds[0]} memory "
+                f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); using "
+                f"{kinds[1] or 'unpinned host (numpy)'} memory instead", file=sys.stderr)
+          kinds = kinds[1:]
     out[l] = layer
   jax.block_until_ready(out)
-  return out, kind is not None
+  return out, kinds[0] is not None

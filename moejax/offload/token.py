@@ -123,7 +123,7 @@ def prefill(ctx: layer_lib.Ctx, dtype, max_len: int, params, layers, srcs, state
       x, cache = _apply(mod, p, x, pos, cache, 0, method=layer_lib.dense)
       return x, (cache, st, pending), None
     h, moe_in, logits, cache = _apply(mod, p, x, pos, cache, 0, method=layer_lib.attend_route)
-    ids, gates, _ = routing.route(cfg, logits.reshape(plen, num_e))
+    ids, gates, _ = routing.route(cfg, logits.reshape(plen, -1))   # [P, router_width]
     if ctx.source == "table":
       table = src["table"]
     else:   # the layer's experts, on the device for this call only

@@ -159,7 +159,7 @@ class OffloadEngine:
     if self._carry is None:
       return {l: [] for l in self.moe_layers}
     pend = jax.device_get(self._carry[2])
-    get = (lambda p: p[0]) if self.mode.on else (lambda p: p)
+    get = (lambda p: p[0][0]) if self.mode.on else (lambda p: p[0])   # Step.pending[0]
     return {l: [int(e) for e in get(pend[l]) if e >= 0] for l in self.moe_layers}
 
   @property

@@ -87,10 +87,10 @@ class Step(NamedTuple):
   """What one MoE layer of one token decided and did (`policy_step`)."""
   head: Head
   kept: jax.Array          # [K] prefetched experts inserted after the layer (-1: none)
-  kept_slots: jax.Array    # [K] their slots: copied from prefetch row P + 1 + j
+  kept_slots: jax.Array    # [K] their slots (copied from the store at the next token)
   evicted: jax.Array       # [K (+K) + P] evicted by this token's inserts and trim
   pending: tuple           # for the next token: (admissions inserted [K], their slots [K],
-                           # their evictions [K], slots of the executed prefetches [K])
+                           # their evictions [K], executed prefetches kept [K], their slots)
 
   @property
   def dec(self) -> policy_lib.Decision:
@@ -98,9 +98,9 @@ class Step(NamedTuple):
 
 
 def no_pending(k: int) -> tuple:
-  """A layer's `Step.pending` at the start of a stream: nothing (four arrays: a donated
+  """A layer's `Step.pending` at the start of a stream: nothing (five arrays: a donated
   carry must not hold one buffer twice)."""
-  return tuple(jnp.full((k,), -1, jnp.int32) for _ in range(4))
+  return tuple(jnp.full((k,), -1, jnp.int32) for _ in range(5))
 
 
 def counts(xp, action, share, admissions, admitted, evicted, pf_stats):
@@ -223,7 +223,7 @@ def policy_tail(cfg: ModelConfig, decision, cache, trim_to, state, head: Head, *
   if decision.admission_beta is not None:   # in place before the layer's next decision
     adm = first_k(dec.admit, k)
     state, ev_adm, adm_slots = _insert(state, adm, jnp.zeros((num_e,), bool), cache, skip_empty)
-  pending = (adm, adm_slots, ev_adm, kept_slots)
+  pending = (adm, adm_slots, ev_adm, kept, kept_slots)
   return state, Step(head, kept, kept_slots, jnp.concatenate(evicted + [ev_trim]), pending)
 
 
@@ -253,6 +253,16 @@ def layer_counts(step: Step, prev_pending: tuple):
 
 
 # ------------------------------------------------------------------ expert sources
+def _row(src, i, dtype):
+  """src[i:i+1] as `dtype`.  The program store holds 16-bit floats as their uint16 bits
+  (`transfer.program_store`): XLA CPU slices a bf16 array by converting all of it to
+  f32 first, and hoists that convert of the whole store out of the copy loop."""
+  row = jax.lax.dynamic_slice_in_dim(src, i, 1, axis=0)
+  if row.dtype != dtype and row.dtype.itemsize == jnp.dtype(dtype).itemsize:
+    return jax.lax.bitcast_convert_type(row, dtype)
+  return row.astype(dtype)
+
+
 def copy_rows(buffers: dict, store: dict, ids_J, slots_J, pinned: bool,
               loop: bool = False) -> dict:
   """Copies store[k][ids_J[j]] into buffers[k][slots_J[j]] for every j with a slot, in
@@ -280,8 +290,9 @@ def copy_rows(buffers: dict, store: dict, ids_J, slots_J, pinned: bool,
       row = jax.lax.dynamic_slice_in_dim(store[name], ids[j], 1, axis=0)
       if pinned:
         row = jax.device_put(row, jax.memory.Space.Device)
-      bufs[name] = jax.lax.dynamic_update_slice_in_dim(buf, row.astype(buf.dtype), slots[j],
-                                                       axis=0)
+      bits = row.dtype != buf.dtype and row.dtype.itemsize == buf.dtype.itemsize
+      row = jax.lax.bitcast_convert_type(row, buf.dtype) if bits else row.astype(buf.dtype)
+      bufs[name] = jax.lax.dynamic_update_slice_in_dim(buf, row, slots[j], axis=0)
     return bufs
 
   if loop:
@@ -304,18 +315,6 @@ def copy_prefetch(buffers: dict, store: dict, pf_ids_K, num_p: int, pinned: bool
   return copy_rows(buffers, store, pf_ids_K, rows.astype(jnp.int32), pinned, loop)
 
 
-def move_rows(buffers: dict, from_K, to_K) -> dict:
-  """buffers[k][to_K[j]] = buffers[k][from_K[j]] where to_K[j] >= 0 (device-side copies:
-  the executed prefetches from their rows into the slots the cache gave them)."""
-  def one(j, bufs):
-    ok = to_K[j] >= 0
-    return {name: jax.lax.dynamic_update_slice_in_dim(
-        b, jax.lax.dynamic_slice_in_dim(b, from_K[j], 1, axis=0),
-        jnp.where(ok, to_K[j], b.shape[0] - 1 - to_K.shape[0]), axis=0)   # else: scratch row
-            for name, b in bufs.items()}
-  return jax.lax.fori_loop(0, to_K.shape[0], one, dict(buffers))
-
-
 def _swiglu(cfg: ModelConfig):
   return (cfg.swiglu_alpha, cfg.swiglu_limit)
 
@@ -336,21 +335,26 @@ def run_experts(ctx: Ctx, mod, p, src: dict, h, moe_in, state, head: Head, carri
   store, bufs = src["store"], state.buffers
   num_p = state.slot_expert.shape[0]
   if not ctx.all_resident:         # nothing to copy when every expert stays resident
+    # the previous token's kept prefetches and admissions (in the order its tail
+    # inserted them), then this token's prefetches into their rows and its fetches
+    ids, slots = [carried[0], head.fetched], [carried[1], head.fetch_slots]
     if ctx.spec_on:
-      if ctx.keep:
-        bufs = move_rows(bufs, num_p + 1 + jnp.arange(k, dtype=jnp.int32), carried[3])
+      ids, slots = [carried[3]] + ids, [carried[4]] + slots
       bufs = copy_prefetch(bufs, store, head.pf_ids, num_p, ctx.pinned, ctx.skip_empty)
-    bufs = copy_rows(bufs, store, jnp.concatenate([carried[0], head.fetched]),
-                     jnp.concatenate([carried[1], head.fetch_slots]), ctx.pinned, ctx.skip_empty)
+    bufs = copy_rows(bufs, store, jnp.concatenate(ids), jnp.concatenate(slots), ctx.pinned,
+                     ctx.skip_empty)
     state = dataclasses.replace(state, buffers=bufs)
   w = jnp.where(head.rows >= 0, dec.weights[0], 0.0)
   x = mod.apply({"params": p}, h, moe_in, jnp.maximum(head.rows, 0).reshape(1, 1, k),
                 w.reshape(1, 1, k), bufs, method="moe_residual")
-  if ctx.policy.miss == "host":    # computed where the store lives (the CPU backend)
+  if ctx.policy.miss == "host":    # read where the store lives (the CPU backend's host memory)
     host = dec.action[0] == HOST
     wh = jnp.where(host, dec.weights[0], 0.0)
-    y = experts_lib.apply_experts(moe_in.reshape(1, -1), jnp.where(host, dec.ids[0], 0)[None],
-                                  wh[None], store, swiglu=_swiglu(ctx.cfg))
+    e = jnp.where(host, dec.ids[0], 0)
+    rows = {name: jnp.concatenate([_row(v, e[j], bufs[name].dtype) for j in range(k)])
+            for name, v in store.items()}
+    y = experts_lib.apply_experts(moe_in.reshape(1, -1), jnp.arange(k)[None], wh[None], rows,
+                                  swiglu=_swiglu(ctx.cfg))
     x = x + y.reshape(x.shape).astype(x.dtype)
   return x, state
 

@@ -81,6 +81,10 @@ def decode(ctx: layer_lib.Ctx, dtype, params, layers, srcs, carry, token, pos, k
 _META = ("slot_expert", "expert_slot", "last_used", "freq", "acc", "step")
 
 
+def _slots(states) -> int:
+  return next(iter(states.values())).slot_expert.shape[0]
+
+
 def _tails(ctx: layer_lib.Ctx, carry, outs):
   """`layer.policy_tail` of every MoE layer at once (vmapped over their stacked
   metadata: one set of small ops per token instead of one per layer), after the last
@@ -88,6 +92,10 @@ def _tails(ctx: layer_lib.Ctx, carry, outs):
   (`layer.run_experts`).  Unrolled carries only (dicts over layers)."""
   cache, states, pending = carry
   heads, admitted = outs
+  if ctx.all_resident:    # nothing can change: no usage counts kept (nothing is evicted)
+    none = jnp.full(heads.fetched.shape, -1, jnp.int32)
+    ev = jnp.full(heads.fetched.shape[:1] + (ctx.cfg.top_k + _slots(states),), -1, jnp.int32)
+    return carry, (layer_lib.Step(heads, none, none, ev, admitted), admitted)
   moe = ctx.cfg.moe_layers
   meta = resident_lib.ResidentState(buffers={}, **{
       f: jnp.stack([getattr(states[l], f) for l in moe]) for f in _META})
@@ -130,6 +138,8 @@ def prefill(ctx: layer_lib.Ctx, dtype, max_len: int, params, layers, srcs, state
       table = src["store"]
       if ctx.pinned:
         table = jax.device_put(table, jax.memory.Space.Device)
+      table = {k: (jax.lax.bitcast_convert_type(v, st.buffers[k].dtype)
+                   if v.dtype != st.buffers[k].dtype else v) for k, v in table.items()}
     x = _apply(mod, p, h, moe_in, ids.reshape(1, plen, k), gates.reshape(1, plen, k), table,
                method="moe_residual")
     st, copy_ids, copy_slots, evicted = prefill_step(pol, ctx.trim_to, st, ids, valid,

@@ -19,6 +19,7 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from moejax.offload import host_store
@@ -70,6 +71,8 @@ def program_store(store, device) -> tuple[dict, bool]:
     for name, arr in store.stacked(l).items():
       try:
         host = np.asarray(arr)
+        if host.dtype.itemsize == 2 and jnp.issubdtype(host.dtype, jnp.floating):
+          host = host.view(np.uint16)     # the bits (`layer._row`): slicing bf16 costs on CPU
       except Exception as e:  # pylint: disable=broad-except  (a truncated or unreadable file)
         raise TransferError(f"cannot read expert tensor '{name}' of MoE layer {l}: "
                             f"{type(e).__name__}: {e}") from e

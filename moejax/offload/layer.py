@@ -253,6 +253,12 @@ def layer_counts(step: Step, prev_pending: tuple):
 
 
 # ------------------------------------------------------------------ expert sources
+def device_memory():
+  """Device memory of the (single) device: where in-program copies from a host memory
+  kind go."""
+  return jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="device")
+
+
 def _row(src, i, dtype):
   """src[i:i+1] as `dtype`.  The program store holds 16-bit floats as their uint16 bits
   (`transfer.program_store`): XLA CPU slices a bf16 array by converting all of it to
@@ -289,7 +295,7 @@ def copy_rows(buffers: dict, store: dict, ids_J, slots_J, pinned: bool,
     for name, buf in bufs.items():
       row = jax.lax.dynamic_slice_in_dim(store[name], ids[j], 1, axis=0)
       if pinned:
-        row = jax.device_put(row, jax.memory.Space.Device)
+        row = jax.device_put(row, device_memory())
       bits = row.dtype != buf.dtype and row.dtype.itemsize == buf.dtype.itemsize
       row = jax.lax.bitcast_convert_type(row, buf.dtype) if bits else row.astype(buf.dtype)
       bufs[name] = jax.lax.dynamic_update_slice_in_dim(buf, row, slots[j], axis=0)

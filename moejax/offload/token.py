@@ -137,7 +137,7 @@ def prefill(ctx: layer_lib.Ctx, dtype, max_len: int, params, layers, srcs, state
     else:   # the layer's experts, on the device for this call only
       table = src["store"]
       if ctx.pinned:
-        table = jax.device_put(table, jax.memory.Space.Device)
+        table = jax.device_put(table, layer_lib.device_memory())
       table = {k: (jax.lax.bitcast_convert_type(v, st.buffers[k].dtype)
                    if v.dtype != st.buffers[k].dtype else v) for k, v in table.items()}
     x = _apply(mod, p, h, moe_in, ids.reshape(1, plen, k), gates.reshape(1, plen, k), table,

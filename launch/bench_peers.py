@@ -14,16 +14,12 @@ Then, per model (bench shape f32, demo f32, demo bf16):
     the moejax Sampler (one jitted decode step a token), `sampler_loop`: the Sampler's
     device loop (the --decode_tokens steps in one `lax.while_loop` call,
     Sampler.decode_loop), the OffloadEngine with every expert resident
-    (cache_fraction 1.0, policy baseline; its default: layers that need no host work in
-    one call, `runs`, decoded as the Sampler is: greedy tokens stay on the device,
-    `decode_step(tok, lazy=True)`, records read behind the device; `engine_sync`: the
-    same engine fed host ints and returning numpy logits, on synchronous dispatch, as
-    before lazy steps; `engine_layers`: one call per MoE layer, run_layers=False;
-    `engine_unfused`: two calls per MoE layer, fuse_layers=False as well;
-    `engine_conds`: the layer run with its per-layer conds, straight_run=False), and
-    transformers (torch, --threads threads).  `sampler_pool` / `engine_pool`: the
-    same with the CPU kernel's decode helpers on XLA's thread pool instead of its own
-    spinning threads (cpu_kernel.set_spin_us(0); before 2026-12-04).
+    (cache_fraction 1.0, policy baseline; one jitted program per token, decoded as the
+    Sampler is: greedy tokens stay on the device, `decode_step(tok, lazy=True)`, records
+    read behind the device), and transformers (torch, --threads threads).
+    `sampler_pool` / `engine_pool`: the same with the CPU kernel's decode helpers on
+    XLA's thread pool instead of its own spinning threads (cpu_kernel.set_spin_us(0);
+    before 2026-12-04).
 Reported: best round's tok/s per engine (a shared machine only slows runs down), the
 median, and ratios to llama.cpp (the faster of --threads and 1 thread: llama.cpp's
 threads spin at barriers, so on a machine busier than its cores 2 threads collapse);
@@ -32,7 +28,6 @@ the load average at start and end.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import statistics
 import sys
@@ -57,10 +52,8 @@ flags.DEFINE_list("models", ["bench_f32", "demo_f32", "demo_bf16"],
                   f"Models: {', '.join(bench_models.NAMES)}.")
 flags.DEFINE_list("engines", ["llama.cpp", "sampler", "engine", "transformers"],
                   "Engines to time (also: sampler_loop, the Sampler's tokens in one device "
-                  "loop; engine_sync, host tokens and numpy logits on "
-                  "synchronous dispatch; engine_layers, the OffloadEngine with "
-                  "run_layers=False; engine_unfused, with fuse_layers=False too; "
-                  "engine_conds, the all-resident run with conds, straight_run=False).")
+                  "loop; sampler_pool, engine_pool: the CPU kernel's decode helpers on "
+                  "XLA's thread pool).")
 flags.DEFINE_string("demo_dir", bench_models.DEMO_DIR, "The demo checkpoint.")
 flags.DEFINE_string("llama_cache", llama_cpp.DEFAULT_CACHE,
                     "Where llama.cpp is built and the GGUF files are written.")
@@ -74,17 +67,6 @@ flags.DEFINE_integer("rounds", 4, "Interleaved rounds.")
 flags.DEFINE_string("agree_prompt", "def binary_search(items, target):\n",
                     "Prompt of the greedy agreement check.")
 flags.DEFINE_integer("agree_tokens", 32, "Greedy tokens compared.")
-
-
-@contextlib.contextmanager
-def _sync_dispatch():
-  """The engine syncs with the host every layer: it runs dispatch on the calling thread."""
-  prev = jax.config.values["jax_cpu_enable_async_dispatch"]
-  jax.config.update("jax_cpu_enable_async_dispatch", False)
-  try:
-    yield
-  finally:
-    jax.config.update("jax_cpu_enable_async_dispatch", prev)
 
 
 def _rate(n: int, fn) -> float:
@@ -129,44 +111,31 @@ class SamplerLoopRunner(SamplerRunner):
 
 
 class EngineRunner:
-  """`lazy`: tokens on the device and lazy steps (async dispatch, as the Sampler runs);
-  else host tokens, numpy logits, synchronous dispatch (the engine syncs every layer
-  that needs the host, and then runs dispatch best on the calling thread)."""
+  """Greedy tokens on the device and lazy steps (as the Sampler runs): the records are
+  built when read, after the timed decode (their cost is reported apart)."""
 
-  def __init__(self, cfg, params, store, dtype, max_len, run_layers=True, fuse_layers=True,
-               straight_run=True, lazy=False):
-    self.lazy, self.build_ms = lazy, []     # per round: building the records, ms per token
+  def __init__(self, cfg, params, store, dtype, max_len):
+    self.build_ms = []     # per round: building the records, ms per token
     self.eng = OffloadEngine(cfg, params, store, "baseline", cache_fraction=1.0,
-                             max_len=max_len, dtype=dtype, fuse_layers=fuse_layers,
-                             run_layers=run_layers, straight_run=straight_run)
-    with _sync_dispatch():
-      self.eng.warmup()
+                             max_len=max_len, dtype=dtype)
+    self.eng.warmup()
 
   def decode(self, prompt: np.ndarray) -> float:
-    if self.lazy:
-      key = jax.random.PRNGKey(0)   # greedy (temperature 0), one jitted dispatch a token
-      tok = next_token(self.eng.prefill([int(t) for t in prompt]), key, 0.0, 1.0)
-      def run_lazy():
-        nonlocal tok
-        for _ in range(FLAGS.decode_tokens):
-          tok = next_token(self.eng.decode_step(tok, lazy=True), key, 0.0, 1.0)
-        tok.block_until_ready()
-      rate = _rate(FLAGS.decode_tokens, run_lazy)
-      t = time.perf_counter()     # the records, built when read (not in the decode time)
-      assert len(self.eng.records) >= FLAGS.decode_tokens
-      self.build_ms.append((time.perf_counter() - t) * 1e3 / FLAGS.decode_tokens)
-      return rate
-    with _sync_dispatch():
-      tok = int(np.argmax(self.eng.prefill([int(t) for t in prompt])))
-      def run():
-        nonlocal tok
-        for _ in range(FLAGS.decode_tokens):
-          tok = int(np.argmax(self.eng.decode_step(tok)))
-      return _rate(FLAGS.decode_tokens, run)
+    key = jax.random.PRNGKey(0)   # greedy (temperature 0), one jitted dispatch a token
+    tok = next_token(self.eng.prefill([int(t) for t in prompt]), key, 0.0, 1.0)
+    def run():
+      nonlocal tok
+      for _ in range(FLAGS.decode_tokens):
+        tok = next_token(self.eng.decode_step(tok, lazy=True), key, 0.0, 1.0)
+      tok.block_until_ready()
+    rate = _rate(FLAGS.decode_tokens, run)
+    t = time.perf_counter()     # the records, built when read (not in the decode time)
+    assert len(self.eng.records) >= FLAGS.decode_tokens
+    self.build_ms.append((time.perf_counter() - t) * 1e3 / FLAGS.decode_tokens)
+    return rate
 
   def prefill(self, prompt: np.ndarray) -> float:
-    with _sync_dispatch():
-      return _rate(len(prompt), lambda: self.eng.prefill([int(t) for t in prompt]))
+    return _rate(len(prompt), lambda: self.eng.prefill([int(t) for t in prompt]))
 
 
 class PoolRunner:
@@ -277,22 +246,12 @@ def bench_model(name: str, bins, work: str) -> dict:
   if "sampler_loop" in FLAGS.engines:
     runners["sampler_loop"] = SamplerLoopRunner(cfg, params, store.to_device(), dtype, max_len)
   if "engine" in FLAGS.engines:
-    runners["engine"] = EngineRunner(cfg, params, store, dtype, max_len, lazy=True)
+    runners["engine"] = EngineRunner(cfg, params, store, dtype, max_len)
   if "sampler_pool" in FLAGS.engines:
     runners["sampler_pool"] = PoolRunner(SamplerRunner(cfg, params, store.to_device(), dtype,
                                                        max_len))
   if "engine_pool" in FLAGS.engines:
-    runners["engine_pool"] = PoolRunner(EngineRunner(cfg, params, store, dtype, max_len,
-                                                     lazy=True))
-  if "engine_sync" in FLAGS.engines:     # host tokens and numpy logits (before lazy steps)
-    runners["engine_sync"] = EngineRunner(cfg, params, store, dtype, max_len)
-  if "engine_layers" in FLAGS.engines:    # one call per MoE layer (before layer runs)
-    runners["engine_layers"] = EngineRunner(cfg, params, store, dtype, max_len, False)
-  if "engine_conds" in FLAGS.engines:   # the layer run with its conds (before straight runs)
-    runners["engine_conds"] = EngineRunner(cfg, params, store, dtype, max_len,
-                                           straight_run=False)
-  if "engine_unfused" in FLAGS.engines:   # separate moe and decision calls (before fusion)
-    runners["engine_unfused"] = EngineRunner(cfg, params, store, dtype, max_len, False, False)
+    runners["engine_pool"] = PoolRunner(EngineRunner(cfg, params, store, dtype, max_len))
   if "transformers" in FLAGS.engines:
     runners["transformers"] = TransformersRunner(hf_dir, dtype)
     res["transformers_experts_implementation"] = runners["transformers"].impl
@@ -319,7 +278,7 @@ def bench_model(name: str, bins, work: str) -> dict:
                          "decode_tok_s_median": statistics.median(d),
                          "prefill_tok_s_median": statistics.median(p),
                          "decode_rounds": d, "prefill_rounds": p}
-    if getattr(runners[e], "lazy", False):   # its records' cost, paid when read
+    if isinstance(runners[e], EngineRunner):   # its records' cost, paid when read
       res["engines"][e]["record_build_ms_per_token"] = runners[e].build_ms[1:]
   if "llama.cpp" in runners:  # ratios to llama.cpp's faster thread count, per metric
     ref = {m: max(v[m] for e, v in res["engines"].items() if e.startswith("llama.cpp"))

@@ -4,8 +4,10 @@
 
 Speed (the engine, `--link`, default the scaled emulated link): the same held-out stdlib
 tokens are teacher-forced through one OffloadEngine per mode; per mode the time per token,
-the share of link time hidden behind compute (1 - stalled / link busy time), and the bytes
-moved per token (every transfer: fetches, prefetches used or wasted, admissions).
+the share of link time hidden behind compute (1 - stalled / link busy time; the link busy
+time is the emulated link's time for every transfer the records name, as
+`link.LinkClock` charges it; none on the native link), and the bytes moved per token
+(every transfer: fetches, prefetches used or wasted, admissions requested).
 
 Quality (the emulator, idealised link): perplexity of each mode against exact execution
 on held-out stdlib files and HumanEval problems (moejax.study.streams), and greedy
@@ -25,10 +27,8 @@ from __future__ import annotations
 
 import json
 import os
-import time
 
 from absl import app, flags
-import jax
 import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
@@ -65,8 +65,6 @@ flags.DEFINE_string("speed_from", "", "Take the engine half from this earlier ou
 flags.DEFINE_integer("rounds", 3, "Interleaved rounds of the engine half (each runs every "
                      "mode, in rotated order); a mode's figures are those of its median-tpot "
                      "round, every round's tpot is kept (`tpot_ms_rounds`).")
-flags.DEFINE_bool("fuse_layers", True, "Engine: one call per MoE layer (False: the moe call "
-                  "separate from the next layer's decision and prediction).")
 flags.DEFINE_list("recall_modes", ["stream_hybrid_exact"],
                   "Exact modes still emulated, for their predictor's recall@k on the held-out "
                   "streams (top-level `heldout_recall_at_k`).")
@@ -84,18 +82,13 @@ MODES = {
     "stream_hybrid_exact": dict(STREAM, prefetch="hybrid"),
     "stream_previous_spec": dict(STREAM, prefetch="previous", speculative="predicted_weights"),
     "stream_previous_exact": dict(STREAM, prefetch="previous"),
-    # the same modes with the moe call separate from the next layer's decision and
-    # prediction (before/after of the one-call layer, side by side in one run)
-    "stream_quasi_spec_separate": dict(STREAM, prefetch="quasi", speculative="predicted_weights",
-                                       fuse_layers=False),
-    "stream_hybrid_spec_true_router_separate": dict(STREAM, prefetch="hybrid",
-                                                    speculative="true_router", fuse_layers=False),
     "cache_quality": dict(CACHE),
     "cache_quality_hybrid": dict(CACHE, prefetch="hybrid"),
 }
 
 
 def _engine_kw(mode: dict, preds: dict) -> dict:
+  """The emulator's keyword arguments of `mode` (`emulator.make`)."""
   kw = {k: v for k, v in mode.items() if k != "policy"}
   if not kw.get("streaming"):
     kw["cache_fraction"] = FLAGS.cache_fraction
@@ -104,21 +97,43 @@ def _engine_kw(mode: dict, preds: dict) -> dict:
   return kw
 
 
+def engine_kw(mode: dict, preds: dict) -> dict:
+  """The OffloadEngine's keyword arguments of `mode` (its prefetch as a `Prefetch`)."""
+  kw = _engine_kw(mode, preds)
+  pf = prefetch_lib.Prefetch(kw.pop("prefetch", "none"), kw.pop("speculative", "off"),
+                             kw.pop("predictors", None), streaming=kw.pop("streaming", False))
+  return dict(kw, prefetch=pf)
+
+
+def link_busy_seconds(records, link, expert_bytes: int) -> float | None:
+  """The emulated link's time for the records' transfers (per MoE layer its waited
+  fetches, admissions requested and experts prefetched, each a burst as
+  `link.LinkClock` charges it); None on the native link."""
+  if not link.emulated:
+    return None
+  per = link.transfer_time(expert_bytes) - link.latency_s
+  burst = lambda n: n * per + (link.latency_s if n else 0.0)
+  return sum(burst(len(r.fetched)) + burst(len(r.admissions)) + burst(len(r.prefetched))
+             for rec in records for r in rec.layers.values())
+
+
 def time_mode(cfg, params, store, link, mode: dict, preds: dict, tokens: np.ndarray) -> dict:
   """Teacher-forced engine run: time per token, stalls, link time and bytes per token."""
   p, n = FLAGS.prompt_tokens, FLAGS.decode_tokens
   with OffloadEngine(cfg, params, store, mode["policy"], link=link, max_len=p + n + 1,
-                     **dict({"fuse_layers": FLAGS.fuse_layers}, **_engine_kw(mode, preds))) as eng:
+                     **engine_kw(mode, preds)) as eng:
     eng.warmup()
     eng.prefill([int(t) for t in tokens[:p]])
-    for i, t in enumerate(tokens[p:p + n]):
-      if i == min(FLAGS.skip_tokens, n - 1):
-        t0 = eng.transfer_stats()
+    for t in tokens[p:p + n]:
       eng.decode_step(int(t))
-    t1 = eng.transfer_stats()
   s = eng.stats(skip=FLAGS.skip_tokens)
   k = s["tokens"]
-  link_ms = 1e3 * (t1["link_busy_s"] - t0["link_busy_s"]) / k
+  timed = eng.records[FLAGS.skip_tokens:]
+  eb = store.expert_nbytes()
+  busy = link_busy_seconds(timed, link, eb)
+  link_ms = None if busy is None else 1e3 * busy / k
+  moved = sum(len(r.fetched) + len(r.admissions) + len(r.prefetched)
+              for rec in timed for r in rec.layers.values())
   stall_ms = s["wait_ms_per_token"] + s["prefetch_wait_ms_per_token"] + s[
       "admission_wait_ms_per_token"]
   recall = {}
@@ -129,8 +144,8 @@ def time_mode(cfg, params, store, link, mode: dict, preds: dict, tokens: np.ndar
       recall[str(l)] = float(np.mean([len(set(a) & set(b)) / len(b) for a, b in pairs]))
   return dict(tpot_ms=s["tpot_ms"], tpot_median_ms=s["tpot_median_ms"], tokens=k,
               stall_ms_per_token=stall_ms, link_ms_per_token=link_ms,
-              hidden_transfer_share=(1.0 - stall_ms / link_ms) if link_ms > 0 else None,
-              bytes_per_token=(t1["bytes"] - t0.get("bytes", 0)) / k,
+              hidden_transfer_share=(1.0 - stall_ms / link_ms) if link_ms else None,
+              bytes_per_token=moved * eb / k,
               wasted_bytes_per_token=s["wasted_bytes_per_token"],
               fetches_per_token=s["fetches_per_token"],
               prefetches_per_token=s["prefetches_per_token"],
@@ -196,9 +211,7 @@ def quality(cfg, params, store, preds: dict, names: list[str], tok, save=None) -
     if exact and name not in FLAGS.recall_modes:
       res["modes"][name] = {"ppl_increase_pct": 0.0, "exact": True}
       continue
-    kw = _engine_kw(mode, preds)
-    kw.pop("fuse_layers", None)      # an engine option: the same decisions either way
-    run = runner.run(name.removesuffix("_separate") + tag, P.make_policy(mode["policy"]), **kw)
+    run = runner.run(name + tag, P.make_policy(mode["policy"]), **_engine_kw(mode, preds))
     m = M.metrics(run, base, reps=500)
     tot = dict(zip(E.STATS, run["totals"]))
     m["recall_at_k"] = (tot["recall_hits"] / tot["predicted_calls"]
@@ -254,8 +267,6 @@ def main(_):
   tok = Tokenizer(FLAGS.model_dir)
   docs = [d for d in S.documents(tok, humaneval=False) if len(d[2]) > 200]
   tokens = np.concatenate([d[2] for d in docs])[:FLAGS.prompt_tokens + FLAGS.decode_tokens]
-  if jax.devices()[0].platform == "cpu":
-    jax.config.update("jax_cpu_enable_async_dispatch", False)   # as launch.generate
   link = calibrate.calibrated_link(FLAGS.link, cfg, params, store, jnp.float32)
   res = {"model_dir": FLAGS.model_dir, "link": link.describe(), "modes": {},
          "load_average_before": os.getloadavg()}
@@ -340,7 +351,7 @@ def format_table(res: dict) -> str:
   f = lambda v, fmt: "-" if v is None else format(v, fmt)
   for n, r in res["modes"].items():
     lines.append(f"{n:<32}{r['tpot_ms']:>9.2f}{r['stall_ms_per_token']:>9.2f}"
-                 f"{r['link_ms_per_token']:>9.2f}{f(r['hidden_transfer_share'], '.2f'):>8}"
+                 f"{f(r['link_ms_per_token'], '.2f'):>9}{f(r['hidden_transfer_share'], '.2f'):>8}"
                  f"{r['bytes_per_token'] / 1024:>9.0f}{r['wasted_bytes_per_token'] / 1024:>8.0f}"
                  f"{f(r['recall_at_k'], '.3f'):>8}{f(r.get('ppl_increase_pct'), '.2f'):>8}"
                  f"{f(q.get(n, {}).get('greedy_token_agreement'), '.3f'):>8}")

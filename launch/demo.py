@@ -264,9 +264,6 @@ def main(_):
   for name in FLAGS.presets:
     make_policy(name)                     # an unknown preset fails before any work
   platform = jax.devices()[0].platform
-  if platform == "cpu":
-    # per-layer steps sync with the host every layer: run them on the calling thread
-    jax.config.update("jax_cpu_enable_async_dispatch", False)
   dtype = jnp.dtype(FLAGS.dtype)
   cfg, params, store = load_model(FLAGS.model_dir, dtype=dtype)
   tok = Tokenizer(os.path.join(FLAGS.model_dir, "tokenizer.json"))

@@ -268,23 +268,22 @@ def load(cfg, folder, dtype, store_kind):
 def generate_offloaded(cfg, params, store, tok, ids, sp, dtype, seq):
   """The OffloadEngine path: generates, then prints the per-token statistics table."""
   import jax
-  from moejax.offload.engine import OffloadEngine, format_stats
-  if jax.devices()[0].platform == "cpu":
-    # per-layer steps sync with the host every layer: run them on the calling thread
-    jax.config.update("jax_cpu_enable_async_dispatch", False)
   from moejax.offload.calibrate import calibrated_link
-  link = calibrated_link(link_spec(), cfg, params, store, dtype)   # scaled: measures a layer
+  from moejax.offload.engine import OffloadEngine
   from moejax.offload import prefetch as prefetch_lib
+  from moejax.offload.stats import format_stats
+  link = calibrated_link(link_spec(), cfg, params, store, dtype)   # scaled: measures a layer
   kind = FLAGS.prefetch or "none"
   try:
     preds = prefetch_lib.load_predictors(kind, cfg, FLAGS.model_dir, FLAGS.estimators)
   except prefetch_lib.PrefetchError as e:
     raise cli.UsageError(str(e)) from None
+  prefetch = prefetch_lib.Prefetch(kind, FLAGS.speculative or "off", preds,
+                                   streaming=bool(FLAGS.streaming))
   eng = OffloadEngine(cfg, params, store, make_policy(),
                       cache_fraction=None if FLAGS.cache_bytes else cache_fraction(),
                       cache_bytes=FLAGS.cache_bytes, link=link, max_len=seq, dtype=dtype,
-                      prefetch=kind, speculative=FLAGS.speculative or "off",
-                      predictors=preds, streaming=bool(FLAGS.streaming))
+                      prefetch=prefetch)
   with eng:
     print(f"[moejax] {eng.describe()}", file=sys.stderr)
     if not link.emulated and jax.devices()[0].platform == "cpu":

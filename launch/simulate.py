@@ -95,11 +95,9 @@ def check_engine(tr, out_dir):
   """Calibrates this_machine on the trace's second window, then compares simulated and
   measured time per token of baseline, quality and speed on its first window."""
   import dataclasses
-  import jax
   import jax.numpy as jnp
   from moejax.loader import load_model
   from moejax.offload import calibrate as calibrate_lib
-  jax.config.update("jax_cpu_enable_async_dispatch", False)   # as bench_offload
   model_dir = FLAGS.model_dir or tr.meta.get("model_dir")
   cfg, params, store = load_model(model_dir, dtype=jnp.float32)
   prompt, skip = FLAGS.prefill_tokens, FLAGS.check_skip
@@ -109,18 +107,21 @@ def check_engine(tr, out_dir):
     raise app.UsageError(f"--check_engine needs two trace windows of >= {n} tokens")
   link = calibrate_lib.calibrated_link(FLAGS.check_link, cfg, params, store)
   names = ["baseline", "quality", "speed"]
+  time_host = "host" in FLAGS.policies and profiles.CALIBRATED in FLAGS.profiles
+  simulated = names + (["host"] if time_host else [])
 
   def segment(w):
     lo = w[0]
     toks = [int(t) for t in tr.token_ids[lo:lo + n]]
-    sims = simulator.simulate(tr.cfg, tr.logits_TxLxR[lo:lo + n], names, prefill_tokens=prompt)
-    return toks, {k: s for k, s in zip(names, sims)}
+    sims = simulator.simulate(tr.cfg, tr.logits_TxLxR[lo:lo + n], simulated,
+                              prefill_tokens=prompt)
+    return toks, {k: s for k, s in zip(simulated, sims)}
 
   cal_tokens, cal_steps = segment(wins[1])
   tp = timemodel.calibrate_engine(
       cfg, params, store, cal_tokens, prompt, link,
       {k: s.steps_TxLxC for k, s in cal_steps.items()}, skip=skip,
-      time_host="host" in FLAGS.policies and profiles.CALIBRATED in FLAGS.profiles,
+      time_host=time_host,
       repeats=FLAGS.check_repeats)
   print(f"[check] calibrated: {tp}", file=sys.stderr)
   tokens, sims = segment(wins[0])

@@ -1,29 +1,21 @@
 """Replays router traces through the offload policy, without the model.
 
-The per-(token, layer) step is the engine's, made of the same functions
-(`moejax.offload.policy` and `moejax.offload.resident`), in the engine's order:
+The per-(token, layer) step is the engine's and the emulator's own function,
+`layer.policy_step` (decide, insert the FETCH experts, usage, trim, then insert the
+admissions this token requested: the state the layer's next decision sees), on the
+recorded router logits; its counts are `layer.layer_counts` (an admission and its
+evictions count at the next token, where they take effect).
 
-  1. insert the background admissions requested at this layer on the previous
-     token (`resident.insert`, nothing protected; ids in increasing order, as the
-     engine requests them);
-  2. `policy.decide` on the layer's router output;
-  3. insert the FETCH experts in router-score order, never evicting an expert
-     this token computes (`resident.insert` with the token's executed experts
-     protected);
-  4. `policy.update_usage`;
-  then the experts `decide` marked for admission are pending for step 1 of the
-  next token.
-
-A trace may start with a prompt (`prefill_tokens`): it is handled like the
+A trace may start with a prompt (`prefill_tokens`): `token.prefill_step`, the
 engine's exact prefill (the union of the prompt's selected experts is made
 available; the fetched ones the prompt used most are inserted).
 
 One jitted `lax.scan` over tokens carries every layer's ResidentState (without
-slot buffers), `vmap`ped over MoE layers (each layer has its own cache) and over
-policy variants whose static fields (miss rule, substitution variant, eviction,
-admission on/off) agree; their numeric fields (tau, beta, LFU decay) are traced
-values.  Output per policy: totals per layer (hits, misses, sync fetches,
-substitutions, substituted mass, ...) and, per (token, layer), the counts the
+slot buffers) and its `Step.pending`, `vmap`ped over MoE layers (each layer has its
+own cache) and over policy variants whose static fields (miss rule, substitution
+variant, eviction, admission on/off) agree; their numeric fields (tau, beta, LFU
+decay) are traced values.  Output per policy: totals per layer (hits, misses, sync
+fetches, substitutions, substituted mass, ...) and, per (token, layer), the counts the
 time model needs (`STEP_FIELDS`).
 """
 
@@ -39,9 +31,11 @@ import numpy as np
 
 from moejax import routing
 from moejax.config import ModelConfig
+from moejax.offload import layer as layer_lib
 from moejax.offload import policy as policy_lib
 from moejax.offload import resident as resident_lib
-from moejax.offload.policy import DROP, FETCH, HIT, HOST, SUBSTITUTE, PolicyParams
+from moejax.offload import token as token_lib
+from moejax.offload.policy import PolicyParams
 
 # totals per policy and layer (float: masses are shares g / sum(selected g))
 STAT_FIELDS = ("expert_calls", "hits", "misses", "fetches", "substituted", "substituted_mass",
@@ -59,8 +53,9 @@ class SimResult:
   totals_LxF: np.ndarray             # [L, len(STAT_FIELDS)]
   steps_TxLxC: np.ndarray | None     # [T, L, len(STEP_FIELDS)] int8
   # detail=True: per (token, layer) "stats" [T, L, F], "resident" [T, L, P] (slot_expert
-  # after the token), and the decisions: "ids", "action", "sub_ids" [T, L, K] and "admit"
-  # [T, L, K] (experts requested in the background, increasing, -1 padded)
+  # after the token, its admission requests inserted), and the decisions: "ids", "action",
+  # "sub_ids" [T, L, K] and "admit" [T, L, K] (experts requested in the background,
+  # increasing, -1 padded)
   detail: dict | None = None
 
   def total(self, name: str) -> float:
@@ -109,70 +104,37 @@ def _traced(static: PolicyParams, dyn_3):
 
 
 # ------------------------------------------------------------------ one lane
-def _decode_step(cfg: ModelConfig, static: PolicyParams, trim_to, state, pending_K, logits_R,
-                 dyn_3):
-  """One (token, layer) of one policy: the engine's order (module docstring)."""
+# STAT_FIELDS from `layer.STATS` (misses: the calls that were not hits)
+_FROM_STATS = tuple(layer_lib.STATS.index("expert_calls" if f == "misses" else f)
+                    for f in STAT_FIELDS)
+
+
+def _decode_step(cfg: ModelConfig, static: PolicyParams, trim_to, state, prev_pending,
+                 logits_R, dyn_3):
+  """One (token, layer) of one policy: `layer.policy_step`.  prev_pending: the layer's
+  `Step.pending` at the previous token (its admissions, inserted at that token's end,
+  are counted here, where they take effect)."""
   dparams, params = _traced(static, dyn_3)
-  num_e, k = cfg.num_experts, cfg.top_k
-  admitted = jnp.zeros((), jnp.float32)
-  ev_adm = jnp.zeros((), jnp.float32)
-  if static.admission_beta is not None:
-    state, ev = resident_lib.insert(state, pending_K, {}, jnp.zeros((num_e,), bool), params)
-    admitted = jnp.sum(pending_K >= 0).astype(jnp.float32)
-    ev_adm = jnp.sum(ev >= 0).astype(jnp.float32)
-  dec = policy_lib.decide(logits_R[None], state, dparams, cfg)
-  act, ids, ex = dec.action[0], dec.ids[0], dec.exec_ids[0]
-  fetch = jnp.where(act == FETCH, ids, -1)
-  in_use = jnp.zeros((num_e + 1,), bool).at[jnp.where(ex >= 0, ex, num_e)].set(True)[:num_e]
-  state, ev = resident_lib.insert(state, fetch, {}, in_use, params)
-  state = policy_lib.update_usage(state, dec, params)
-  ev_trim = jnp.zeros((), jnp.float32)
-  if trim_to is not None:                  # staging slots: back within the budget S
-    state, evt = resident_lib.trim(state, trim_to, params)
-    ev_trim = jnp.sum(evt >= 0).astype(jnp.float32)
-  pending = _first_k(dec.admit, k)
-
-  share = dec.share[0]
-  n = lambda a: jnp.sum(act == a).astype(jnp.float32)
-  n_adm = jnp.sum(dec.admit).astype(jnp.float32)
-  stats = jnp.stack([
-      jnp.float32(k), n(HIT), k - n(HIT), n(FETCH), n(SUBSTITUTE),
-      jnp.sum(jnp.where(act == SUBSTITUTE, share, 0.0)), n(DROP),
-      jnp.sum(jnp.where(act == DROP, share, 0.0)), n(HOST), n_adm, admitted,
-      ev_adm + jnp.sum(ev >= 0) + ev_trim])
-  step = jnp.stack([n(FETCH), n(HOST), n_adm, jnp.sum(ex >= 0).astype(jnp.float32)])
-  decisions = dict(ids=ids, action=act, sub_ids=dec.sub_ids[0], admit=pending)
-  return state, pending, stats, step.astype(jnp.int8), decisions
+  state, step = layer_lib.policy_step(cfg, dparams, params, trim_to, state, logits_R[None])
+  c = layer_lib.layer_counts(step, prev_pending)
+  stats = c[jnp.asarray(_FROM_STATS)]
+  stats = stats.at[STAT_FIELDS.index("misses")].add(-c[layer_lib.STATS.index("hits")])
+  n = lambda f: c[layer_lib.STATS.index(f)]
+  dec = step.dec
+  steps = jnp.stack([n("fetches"), n("host_calls"), n("admissions"),
+                     jnp.sum(dec.exec_ids[0] >= 0).astype(jnp.float32)])
+  decisions = dict(ids=dec.ids[0], action=dec.action[0], sub_ids=dec.sub_ids[0],
+                   admit=step.pending[0])
+  return state, step.pending, stats, steps.astype(jnp.int8), decisions
 
 
-def _first_k(mask_E, k: int):
-  """The first k set positions of mask_E in increasing order, -1 padded (jnp.nonzero
-  with a size is a sort on XLA CPU; this is k x E compares)."""
-  rank = jnp.cumsum(mask_E) - 1
-  hit = mask_E[None, :] & (rank[None, :] == jnp.arange(k)[:, None])
-  return jnp.where(jnp.any(hit, axis=1), jnp.argmax(hit, axis=1), -1).astype(jnp.int32)
-
-
-def _prefill(cfg: ModelConfig, static: PolicyParams, trim_to, state, logits_PxR, dyn_3):
-  """The engine's prefill of a P-token prompt for one layer (see module docstring)."""
+def _prefill(cfg: ModelConfig, static: PolicyParams, trim_to, state, logits_PxR, dyn_3,
+             decay_pow):
+  """A P-token prompt at one layer: `token.prefill_step` on its routing."""
   _, params = _traced(static, dyn_3)
-  num_e = cfg.num_experts
   ids, _, _ = routing.route(cfg, logits_PxR)
-  counts = jnp.zeros((num_e,), jnp.float32).at[ids.reshape(-1)].add(1.0)
-  used = counts > 0
-  resident = state.expert_slot >= 0
-  missing = used & ~resident
-  # most used first, ties by id; experts not missing sort last and are skipped (-1)
-  order = jnp.lexsort((jnp.arange(num_e), -counts, (~missing).astype(jnp.int32)))
-  cand = jnp.where(missing[order], order, -1).astype(jnp.int32)
-  state, _ = resident_lib.insert(state, cand, {}, used & resident, params)
-  p = logits_PxR.shape[0]
-  state = dataclasses.replace(
-      state, last_used=jnp.where(used, state.step, state.last_used),
-      freq=state.freq * params.lfu_decay ** p + counts, step=state.step + 1)
-  if trim_to is not None:
-    state, _ = resident_lib.trim(state, trim_to, params)
-  return state
+  valid = jnp.ones((logits_PxR.shape[0],), jnp.float32)
+  return token_lib.prefill_step(params, trim_to, state, ids, valid, decay_pow)[0]
 
 
 # ------------------------------------------------------------------ jitted scans
@@ -194,9 +156,10 @@ def _scan(cfg, static, trim_to, states, pending, totals, logits_TxLxR, dyn_Px3, 
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "static", "trim_to"))
-def _prefill_all(cfg, static, trim_to, states, logits_PxLxR, dyn_Px3):
-  f = jax.vmap(functools.partial(_prefill, cfg, static, trim_to), in_axes=(0, 1, None))
-  return jax.vmap(f, in_axes=(0, None, 0))(states, logits_PxLxR.astype(jnp.float32), dyn_Px3)
+def _prefill_all(cfg, static, trim_to, states, logits_PxLxR, dyn_Px3, decay_P):
+  f = jax.vmap(functools.partial(_prefill, cfg, static, trim_to), in_axes=(0, 1, None, None))
+  return jax.vmap(f, in_axes=(0, None, 0, 0))(states, logits_PxLxR.astype(jnp.float32),
+                                              dyn_Px3, decay_P)
 
 
 @functools.partial(jax.jit, static_argnames=("num_experts", "num_slots", "params"))
@@ -263,10 +226,13 @@ def simulate(cfg: ModelConfig, logits_TxLxR, policies, *, cache_fraction: float 
                     constant_values=-1))
     st = _initial_states(jnp.asarray(order), cfg.num_experts, budget.physical, static.cache)
     states = jax.tree_util.tree_map(lambda a: jnp.broadcast_to(a, (npol,) + a.shape), st)
-    if prefill_tokens:
+    if prefill_tokens:   # the LFU decay over the prompt, rounded from f64 as the engine's
+      decay = np.asarray([np.float32(float(policies[i].lfu_decay) ** np.float64(prefill_tokens))
+                          for i in members])
       states = _prefill_all(cfg, static, trim_to, states, jnp.asarray(logits[:prefill_tokens]),
-                            dyn)
-    pending = jnp.full((npol, nl, cfg.top_k), -1, jnp.int32)
+                            dyn, jnp.asarray(decay))
+    pending = jax.tree_util.tree_map(lambda a: jnp.broadcast_to(a, (npol, nl) + a.shape),
+                                     layer_lib.no_pending(cfg.top_k))
     totals = jnp.zeros((npol, nl, len(STAT_FIELDS)), jnp.float32)
     steps, det = [], []
     for lo in range(prefill_tokens, nt, chunk):

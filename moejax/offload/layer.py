@@ -274,17 +274,16 @@ def _row(src, i, dtype):
   return row.astype(dtype)
 
 
-def copy_rows(buffers: dict, store: dict, ids_J, slots_J, pinned: bool,
-              loop: bool = False) -> dict:
+def copy_rows(buffers: dict, store: dict, ids_J, slots_J, pinned: bool) -> dict:
   """Copies store[k][ids_J[j]] into buffers[k][slots_J[j]] for every j with a slot, in
-  order (a later copy into the same slot wins), inside the program.
+  order (a later copy into the same slot wins), inside the program; a skipped entry
+  copies nothing.  A pinned_host store's slices are moved to device memory.
 
-  Either way a skipped entry copies nothing.  `loop`: a `fori_loop` over the copies
-  (the CPU backend, where a while loop is cheap and updates the buffers in place, while a
-  switch copies its operands; and a prompt's up to E copies).  Else one `lax.switch` on
-  the number of copies, its branch n making exactly n slices: one data-dependent branch
-  per call, a GPU's cheapest (~40 us; a while loop ~150 us).  A pinned_host store's
-  slices are moved to device memory."""
+  One `fori_loop` over the copies: a while loop updates the slot buffers in place.  A
+  conditional does not: with the buffers as its operand XLA copies every slot buffer
+  into and out of it, whichever branch runs (a `lax.switch` on the number of copies, and
+  a `lax.cond` on there being any, both measured: 16 buffer copies a token on a 4-layer
+  model; docs/engine.md).  On a GPU the loop costs one device->host sync of its bound."""
   j_max = ids_J.shape[0]
   if j_max == 0:
     return buffers
@@ -306,24 +305,13 @@ def copy_rows(buffers: dict, store: dict, ids_J, slots_J, pinned: bool,
       bufs[name] = jax.lax.dynamic_update_slice_in_dim(buf, row, slots[j], axis=0)
     return bufs
 
-  if loop:
-    return jax.lax.fori_loop(0, n, copy_one, dict(buffers))
-
-  def branch(count):
-    def copy(bufs):
-      for j in range(count):
-        bufs = copy_one(j, bufs)
-      return dict(bufs)
-    return copy
-
-  return jax.lax.switch(n, [branch(c) for c in range(j_max + 1)], dict(buffers))
+  return jax.lax.fori_loop(0, n, copy_one, dict(buffers))
 
 
-def copy_prefetch(buffers: dict, store: dict, pf_ids_K, num_p: int, pinned: bool,
-                  loop: bool) -> dict:
+def copy_prefetch(buffers: dict, store: dict, pf_ids_K, num_p: int, pinned: bool) -> dict:
   """The prefetched experts into their rows P + 1 + j (`prefetch_steps.view`)."""
   rows = jnp.where(pf_ids_K >= 0, num_p + 1 + jnp.arange(pf_ids_K.shape[0]), -1)
-  return copy_rows(buffers, store, pf_ids_K, rows.astype(jnp.int32), pinned, loop)
+  return copy_rows(buffers, store, pf_ids_K, rows.astype(jnp.int32), pinned)
 
 
 def _swiglu(cfg: ModelConfig):
@@ -351,9 +339,8 @@ def run_experts(ctx: Ctx, mod, p, src: dict, h, moe_in, state, head: Head, carri
     ids, slots = [carried[0], head.fetched], [carried[1], head.fetch_slots]
     if ctx.spec_on:
       ids, slots = [carried[3]] + ids, [carried[4]] + slots
-      bufs = copy_prefetch(bufs, store, head.pf_ids, num_p, ctx.pinned, ctx.skip_empty)
-    bufs = copy_rows(bufs, store, jnp.concatenate(ids), jnp.concatenate(slots), ctx.pinned,
-                     ctx.skip_empty)
+      bufs = copy_prefetch(bufs, store, head.pf_ids, num_p, ctx.pinned)
+    bufs = copy_rows(bufs, store, jnp.concatenate(ids), jnp.concatenate(slots), ctx.pinned)
     state = dataclasses.replace(state, buffers=bufs)
   w = jnp.where(head.rows >= 0, dec.weights[0], 0.0)
   x = mod.apply({"params": p}, h, moe_in, jnp.maximum(head.rows, 0).reshape(1, 1, k),

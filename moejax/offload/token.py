@@ -146,7 +146,7 @@ def prefill(ctx: layer_lib.Ctx, dtype, max_len: int, params, layers, srcs, state
                                                      decay_pow)
     if ctx.source == "slots":
       st = dataclasses.replace(st, buffers=layer_lib.copy_rows(
-          st.buffers, table, copy_ids, copy_slots, False, loop=True))
+          st.buffers, table, copy_ids, copy_slots, False))
     return x, (cache, st, pending), (copy_ids, evicted)
 
   cache, _, pending = empty_carry(ctx, dtype, max_len, {}, scan)

@@ -264,11 +264,13 @@ def device_memory():
   return jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="device")
 
 
-def _row(src, i, dtype):
-  """src[i:i+1] as `dtype`.  The program store holds 16-bit floats as their uint16 bits
-  (`transfer.program_store`): XLA CPU slices a bf16 array by converting all of it to
-  f32 first, and hoists that convert of the whole store out of the copy loop."""
+def _row(src, i, dtype, pinned: bool):
+  """src[i:i+1] on the device, as `dtype`.  The program store holds 16-bit floats as their
+  uint16 bits (`transfer.program_store`): XLA CPU slices a bf16 array by converting all
+  of it to f32 first, and hoists that convert of the whole store out of the copy loop."""
   row = jax.lax.dynamic_slice_in_dim(src, i, 1, axis=0)
+  if pinned:
+    row = jax.device_put(row, device_memory())
   if row.dtype != dtype and row.dtype.itemsize == jnp.dtype(dtype).itemsize:
     return jax.lax.bitcast_convert_type(row, dtype)
   return row.astype(dtype)
@@ -297,11 +299,7 @@ def copy_rows(buffers: dict, store: dict, ids_J, slots_J, pinned: bool) -> dict:
   def copy_one(j, bufs):
     bufs = dict(bufs)
     for name, buf in bufs.items():
-      row = jax.lax.dynamic_slice_in_dim(store[name], ids[j], 1, axis=0)
-      if pinned:
-        row = jax.device_put(row, device_memory())
-      bits = row.dtype != buf.dtype and row.dtype.itemsize == buf.dtype.itemsize
-      row = jax.lax.bitcast_convert_type(row, buf.dtype) if bits else row.astype(buf.dtype)
+      row = _row(store[name], ids[j], buf.dtype, pinned)
       bufs[name] = jax.lax.dynamic_update_slice_in_dim(buf, row, slots[j], axis=0)
     return bufs
 
@@ -349,8 +347,8 @@ def run_experts(ctx: Ctx, mod, p, src: dict, h, moe_in, state, head: Head, carri
     host = dec.action[0] == HOST
     wh = jnp.where(host, dec.weights[0], 0.0)
     e = jnp.where(host, dec.ids[0], 0)
-    rows = {name: jnp.concatenate([_row(v, e[j], bufs[name].dtype) for j in range(k)])
-            for name, v in store.items()}
+    rows = {name: jnp.concatenate([_row(v, e[j], bufs[name].dtype, ctx.pinned)
+                                   for j in range(k)]) for name, v in store.items()}
     y = experts_lib.apply_experts(moe_in.reshape(1, -1), jnp.arange(k)[None], wh[None], rows,
                                   swiglu=_swiglu(ctx.cfg))
     x = x + y.reshape(x.shape).astype(x.dtype)

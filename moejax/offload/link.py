@@ -256,20 +256,21 @@ class LinkClock:
   The engine's program makes every copy itself, at memcpy speed on a CPU; with an
   emulated link the host then waits out the time the copies would have taken, per
   token, from the token's measured compute time c (spread evenly over its n MoE
-  layers) and, per layer in order, its counts of waited fetches, admissions
-  requested and experts prefetched for the next layer:
+  layers, half before the layer's decision: attention and router, half after: its
+  experts) and, per layer in order, its counts of waited fetches, admissions requested
+  and experts prefetched for it:
 
-    before layer l: wait for l's admissions requested at the previous token, and
-                    for the experts prefetched for l at layer l-1;
-    layer l:        c / n of compute; then its f waited fetches take the link at
-                    once (f x one expert's transfer time + latency; background
-                    transfers on the link are pushed back by as long);
-    after it:       its admissions and the next layer's prefetches queue behind
-                    whatever the link still carries and overlap what follows.
+    before the decision: wait for the layer's admissions (requested at the previous
+                    token); after it, request the next layer's predicted experts
+                    (they overlap this layer's experts and the next one's attention);
+    before the experts: wait for the layer's own prefetched experts; its f waited
+                    fetches take the link at once (f x one expert's transfer time +
+                    latency; background transfers on the link are pushed back);
+    after them:     its admissions queue behind whatever the link still carries.
 
-  Transfers queued at the end of a token carry over to the next.  `token` returns
-  the token's emulated seconds and its waits; the caller sleeps the difference to
-  its compute time.  Pure host arithmetic: no thread, no device call.
+  Transfers queued at the end of a token carry over to the next.  `token` returns the
+  token's emulated seconds and its waits; the caller sleeps the difference to its
+  compute time.  Pure host arithmetic: no thread, no device call.
   """
 
   def __init__(self, link: Link, expert_bytes: int, moe_layers: tuple[int, ...]):
@@ -286,36 +287,40 @@ class LinkClock:
   def _burst(self, n: float) -> float:
     return n * self.expert_s + (self.link.latency_s if n else 0.0)
 
+  def _wait(self, t: float, until: float, waits: dict, key: str) -> float:
+    if until > t:
+      waits[key] += until - t
+      return until
+    return t
+
   def token(self, compute_s: float, fetches, admissions, prefetches) -> tuple[float, dict]:
     """-> (emulated seconds of the token, {"wait_s", "admission_wait_s",
-    "prefetch_wait_s"}); counts are per MoE layer, prefetches[j] for layer j."""
+    "prefetch_wait_s"}); counts are per MoE layer, prefetches[j] those for layer j."""
     waits = dict(wait_s=0.0, admission_wait_s=0.0, prefetch_wait_s=0.0)
     if not self.link.emulated:
       return compute_s, waits
-    c = compute_s / max(1, len(self.moe_layers))
+    half = compute_s / max(1, len(self.moe_layers)) / 2
+    n = len(self.moe_layers)
     t, pf_at, admit = 0.0, 0.0, {}
     for j, l in enumerate(self.moe_layers):
-      if self._admit[l] > t:
-        waits["admission_wait_s"] += self._admit[l] - t
-        t = self._admit[l]
-      if pf_at > t:
-        waits["prefetch_wait_s"] += pf_at - t
-        t = pf_at
-      t += c
+      t = self._wait(t, self._admit[l], waits, "admission_wait_s") + half
+      nxt_pf_at = 0.0
+      if j + 1 < n and prefetches[j + 1]:
+        self._free = max(self._free, t) + self._burst(prefetches[j + 1])
+        nxt_pf_at = self._free
+      t = self._wait(t, pf_at, waits, "prefetch_wait_s")
       if fetches[j]:
         d = self._burst(fetches[j])
         waits["wait_s"] += d
-        self._free = (self._free + d) if self._free > t else self._free
+        if self._free > t:        # the background transfers on the link are pushed back
+          self._free += d
+          nxt_pf_at += d if nxt_pf_at else 0.0
         t += d
-      self._free = max(self._free, t)
+      t += half
       if admissions[j]:
-        self._free += self._burst(admissions[j])
+        self._free = max(self._free, t) + self._burst(admissions[j])
         admit[l] = self._free
-      nxt = prefetches[j + 1] if j + 1 < len(prefetches) else 0
-      pf_at = 0.0
-      if nxt:
-        self._free += self._burst(nxt)
-        pf_at = self._free
+      pf_at = nxt_pf_at
     self._admit = {l: max(0.0, admit.get(l, 0.0) - t) for l in self.moe_layers}
     self._free = max(0.0, self._free - t)
     return t, waits

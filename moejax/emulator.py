@@ -247,13 +247,9 @@ def make(cfg: ModelConfig, params, store, policy: PolicyParams | str, *,
     policy = policy_lib.make_policy(policy)
   if max_len < 2:
     raise EmulatorError(f"--max_len must be >= 2, got {max_len}")
-  if streaming:
-    budget = resident_lib.Budget(cfg.num_experts, cfg.top_k, 0, cfg.top_k, store.expert_nbytes(),
-                                 len(cfg.moe_layers), "streaming: no expert kept across tokens")
-  else:
-    budget = resident_lib.make_budget(cfg.num_experts, cfg.top_k, store.expert_nbytes(),
-                                      len(cfg.moe_layers), fraction=cache_fraction,
-                                      nbytes=cache_bytes)
+  budget = resident_lib.make_budget(cfg.num_experts, cfg.top_k, store.expert_nbytes(),
+                                    len(cfg.moe_layers), fraction=cache_fraction,
+                                    nbytes=cache_bytes, streaming=streaming)
   if stacked is None:
     stacked = stack_layers(cfg, params, store.to_device(dtype))
   preds = pf_files.stacked_predictors(cfg, prefetch, predictors) if mode.on else None

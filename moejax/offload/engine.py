@@ -74,22 +74,17 @@ class OffloadEngine:
     self.prefetch = pf
     self.mode = pf_steps.Mode(pf.kind, pf.speculative, keep=not pf.streaming)
     nbytes = store.expert_nbytes()
-    if pf.streaming:      # no cache: K staging slots, emptied after every token
-      self.budget = resident_lib.Budget(cfg.num_experts, cfg.top_k, 0, cfg.top_k, nbytes,
-                                        len(self.moe_layers),
-                                        "streaming: no expert kept across tokens")
-    else:
-      self.budget = resident_lib.make_budget(cfg.num_experts, cfg.top_k, nbytes,
-                                             len(self.moe_layers), fraction=cache_fraction,
-                                             nbytes=cache_bytes)
+    self.budget = resident_lib.make_budget(cfg.num_experts, cfg.top_k, nbytes,
+                                           len(self.moe_layers), fraction=cache_fraction,
+                                           nbytes=cache_bytes, streaming=pf.streaming)
     self.link = link if isinstance(link, link_lib.Link) else link_lib.parse_link(
         link, expert_bytes=nbytes)
-    host, pinned = transfer.program_store(store, self.device)
     if policy.miss == "host" and self.device.platform != "cpu":
       raise policy_lib.PolicyError(
           "--policy=host computes misses on the host CPU, inside the decode program where "
           "the store lives: that needs the CPU backend (on an accelerator, use the "
           "simulator's host time model)")
+    host, pinned = transfer.program_store(store, self.device)
     trim_to = self.budget.slots if self.budget.staging else None
     ctx = layer_lib.Ctx(cfg, policy, trim_to, pf.kind, pf.speculative, not pf.streaming,
                         None, "slots", pinned, defer_tail=True,

@@ -79,8 +79,13 @@ class Budget:
 
 
 def make_budget(num_experts: int, top_k: int, expert_bytes: int, num_moe_layers: int, *,
-                fraction: float | None = 0.25, nbytes: int | None = None) -> Budget:
-  """S = round(fraction * E), or from a device-memory budget in bytes over all MoE layers."""
+                fraction: float | None = 0.25, nbytes: int | None = None,
+                streaming: bool = False) -> Budget:
+  """S = round(fraction * E), or from a device-memory budget in bytes over all MoE layers;
+  streaming: no cache (K staging slots emptied after every token)."""
+  if streaming:
+    return Budget(num_experts, top_k, 0, top_k, expert_bytes, num_moe_layers,
+                  "streaming: no expert kept across tokens")
   if nbytes is not None:
     if nbytes <= 0:
       raise BudgetError(f"--cache_bytes must be positive, got {nbytes}")

@@ -13,15 +13,26 @@ from moejax.loader import expert_shapes, load_model
 from moejax.model import Transformer
 from moejax.offload import policy as P
 from moejax.offload.engine import OffloadEngine
+from moejax.offload.prefetch import Prefetch
 from moejax.store import ExpertStore
 
 DEMO = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ckpts", "demo")
-POLICIES = ("baseline", "quality", "speed", "fetch_all", "threshold", "first_choice",
-            "substitute_all", "host")
+# every preset and miss rule (fetch_all is baseline's rule: baseline covers it), and the
+# drop variant of substitution
+POLICIES = {name: name for name in ("baseline", "quality", "speed", "threshold", "first_choice",
+                                    "substitute_all", "host")}
+POLICIES["drop"] = P.make_policy("quality", substitution="drop")
+PREFETCH_KW = ("prefetch", "speculative", "predictors", "streaming")
 
 
 def engine_run(cfg, params, store, policy, tokens, **kw):
-  """Engine teacher-forced on `tokens` (first one as the prompt): logits and records."""
+  """Engine teacher-forced on `tokens` (first one as the prompt): logits, records and the
+  final resident sets.  prefetch, speculative, predictors and streaming as the emulator's
+  (`emulator.make`) become the engine's `Prefetch`."""
+  pf = {k: kw.pop(k) for k in PREFETCH_KW if k in kw}
+  if pf:
+    kw["prefetch"] = Prefetch(pf.get("prefetch", "none"), pf.get("speculative", "off"),
+                              pf.get("predictors"), pf.get("streaming", False))
   with OffloadEngine(cfg, params, store, policy, max_len=len(tokens) + 1, **kw) as eng:
     out = [eng.prefill(tokens[:1])] + [eng.decode_step(t) for t in tokens[1:]]
     final = eng.resident_sets()
@@ -66,18 +77,58 @@ def demo():
   return cfg, params, store, toks
 
 
-@pytest.mark.parametrize("policy", POLICIES)
-def test_agrees_with_engine_on_demo_model(demo, policy):
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_agrees_with_engine_on_demo_model(demo, name):
   cfg, params, store, toks = demo
+  policy = POLICIES[name]
   ref, records, final = engine_run(cfg, params, store, policy, toks)
   logits, out = emulator_run(cfg, params, store, policy, toks)
   np.testing.assert_allclose(logits, ref, atol=1e-5, rtol=0)
   assert_same_decisions(cfg, records, out)
+  assert final == {l: sorted(int(e) for e in out["slot_expert"][0, -1, j] if e >= 0)
+                   for j, l in enumerate(cfg.moe_layers)}
   st = out["stats"][0].sum(0)
-  if policy in ("quality", "threshold", "speed", "first_choice", "substitute_all"):
+  if name in ("quality", "threshold", "speed", "first_choice", "substitute_all"):
     assert st[E.STATS.index("substituted")] > 0          # the policy really substituted
-  if policy in ("quality", "speed"):
+  if name in ("quality", "speed", "drop"):
     assert st[E.STATS.index("admitted")] > 0             # and admitted in the background
+  if name == "drop":
+    assert st[E.STATS.index("dropped")] > 0 and st[E.STATS.index("substituted")] == 0
+  if name == "host":
+    assert st[E.STATS.index("host_calls")] > 0
+
+
+# ------------------------------------------------------------------ other families
+# quality with high tau and low beta: substitutes (top-2 shares are near 0.5) and admits on
+# these tiny models
+FAMILY_QUALITY = P.make_policy("quality", tau=0.6, admission_beta=0.05)
+
+
+@pytest.mark.parametrize("family,fraction", [("qwen3_next", 0.25), ("glm4_moe", 0.25),
+                                             ("qwen3_moe", 0.125)],
+                         ids=["qwen3_next", "glm4_moe", "qwen3_moe-staging"])
+def test_agrees_with_engine_on_models_with_several_layer_kinds(family, fraction,
+                                                              tmp_path_factory):
+  """Each family's tiny random model (tests/hf_models.py): qwen3_next (DeltaNet and gated
+  full attention, a dense layer), glm4_moe (a dense first layer, a sigmoid group router),
+  qwen3_moe with one slot per layer below top-2 (a staging slot, trimmed after every
+  token): the same logits, decisions, admissions, evictions and final resident sets."""
+  from tests.test_engine import FAMILY_PROMPT, FAMILY_STREAM, family_model
+  cfg, params, store, _ = family_model(family, tmp_path_factory)
+  assert not all(cfg.sparse_layers)                  # a dense layer among the MoE layers
+  toks = FAMILY_PROMPT + FAMILY_STREAM + FAMILY_PROMPT
+  ref, records, final = engine_run(cfg, params, store, FAMILY_QUALITY, toks,
+                                   cache_fraction=fraction)
+  logits, out = emulator_run(cfg, params, store, FAMILY_QUALITY, toks, cache_fraction=fraction)
+  np.testing.assert_allclose(logits, ref, atol=1e-5, rtol=0)
+  assert_same_decisions(cfg, records, out)
+  assert final == {l: sorted(int(e) for e in out["slot_expert"][0, -1, j] if e >= 0)
+                   for j, l in enumerate(cfg.moe_layers)}
+  assert sum(r.substituted for r in records) > 0 and sum(r.admitted for r in records) > 0
+  if fraction == 0.125:   # trimmed back to S = 1 after every token, then the admissions
+    resident = (out["slot_expert"] >= 0).sum(-1)         # [1, T, L]
+    assert np.all(resident - (out["admissions"] >= 0).sum(-1) <= 1)
+    assert np.any(resident == 2)                         # an admission in the staging slot
 
 
 # ------------------------------------------------------------------ tiny random model
@@ -96,16 +147,6 @@ def tiny():
       jax.random.PRNGKey(1))
   toks = [int(t) for t in rng.integers(0, 64, 16)]
   return cfg, params, store, toks
-
-
-def test_staging_slots_trim_like_the_engine(tiny):
-  cfg, params, store, toks = tiny
-  # S = round(0.125 * 8) = 1 < K = 2: one staging slot, trimmed after each token
-  ref, records, final = engine_run(cfg, params, store, "quality", toks, cache_fraction=0.125)
-  logits, out = emulator_run(cfg, params, store, "quality", toks, cache_fraction=0.125)
-  np.testing.assert_allclose(logits, ref, atol=1e-5, rtol=0)
-  assert_same_decisions(cfg, records, out)
-  assert np.all((out["slot_expert"] >= 0).sum(-1) <= 1)  # back within the budget S = 1
 
 
 def test_streams_reset_attention_and_fetch_all_is_exact(tiny):

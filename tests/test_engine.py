@@ -1,26 +1,40 @@
-"""OffloadEngine invariants on a tiny random model (DESIGN.md, issue 4 part 6)."""
+"""OffloadEngine invariants on a tiny random model: exactness against the resident model,
+the budget, records, the emulated link, errors, compiles, lazy steps and the on-device
+generation loop (DESIGN.md, issue 4 part 6); and every family's tiny model through
+speculative prefetch."""
 
+import dataclasses
 import time
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import torch
 
 from moejax.config import ModelConfig
-from moejax.loader import expert_shapes
+from moejax.loader import expert_shapes, load_model
 from moejax.model import Transformer
-from moejax.offload import calibrate
-from moejax.offload import stats as stats_lib
-from moejax.offload import steps as steps_lib
+from moejax.offload import calibrate, decode
 from moejax.offload import link as link_lib
 from moejax.offload import policy as P
 from moejax.offload import resident as R
+from moejax.offload import stats as stats_lib
+from moejax.offload import token as token_lib
 from moejax.offload.engine import OffloadEngine
+from moejax.offload.transfer import TransferError, TransferTimeout
+from moejax.sampler import SamplingParams
 from moejax.store import ExpertStore
+from tests import hf_models
+from tests.test_prefetch import _run as prefetch_run
+from tests.test_prefetch import _vectors as vectors
 
 PROMPT = [3, 17, 5, 60, 22]
 STREAM = [int(t) for t in np.random.default_rng(3).integers(0, 64, 14)]
+MAX_LEN = 96          # one cache length for every engine here: tests share their programs
+# quality with a low threshold and admission: substitutes, fetches and admits on this model
+ADMITTING = P.make_policy("quality", tau=0.6, admission_beta=0.2)
 
 
 @pytest.fixture(scope="module")
@@ -46,31 +60,48 @@ def model():
   return cfg, params, store, ref
 
 
-def run(model, policy, check=None, **kw):
+def run(model, policy, check=None, tokens=STREAM, **kw):
   cfg, params, store, _ = model
   kw.setdefault("cache_fraction", 0.25)
-  with OffloadEngine(cfg, params, store, policy, max_len=32, **kw) as eng:
+  with OffloadEngine(cfg, params, store, policy, max_len=MAX_LEN, **kw) as eng:
     eng.warmup()                                   # compiles on throwaway state only
     out = [eng.prefill(PROMPT)]
-    for tok in STREAM:
+    for tok in tokens:
       out.append(eng.decode_step(tok))
       if check:
         check(eng)
+    run.sets = eng.resident_sets()      # the final resident sets (states are freed by close)
   return eng, np.stack(out)
 
 
 def check_budget(eng):
+  """Within the budget, metadata consistent, every resident expert's slot holds its
+  weights -- except the admissions requested at the last token: inserted into the cache
+  at the end of that token, their copies are made by their layer at the next token."""
+  pending = eng.pending_admissions()
   for layer, st in eng.states.items():
     se, es = np.asarray(st.slot_expert), np.asarray(st.expert_slot)
-    assert (se >= 0).sum() <= eng.budget.slots     # staging slots are drained after a token
+    # staging slots are drained after a token; then its admissions are inserted
+    assert (se >= 0).sum() - len(pending[layer]) <= eng.budget.slots
     assert (es >= 0).sum() == (se >= 0).sum()
+    assert set(pending[layer]) <= set(eng.resident_sets()[layer])
     for s, e in enumerate(se):
       if e >= 0:
         assert es[e] == s
-        np.testing.assert_array_equal(np.asarray(st.buffers["down"][s]),
-                                      eng.store.get(layer, int(e))["down"])
+        if e not in pending[layer]:
+          np.testing.assert_array_equal(np.asarray(st.buffers["down"][s]),
+                                        eng.store.get(layer, int(e))["down"])
 
 
+def layer_records(rec):
+  return {l: dataclasses.asdict(r) for l, r in rec.layers.items()}
+
+
+def counts(rec):
+  return {k: rec[k] for k in stats_lib.COUNT_KEYS}
+
+
+# ------------------------------------------------------------------ exactness, budget
 def test_fetch_all_matches_fully_resident_model_and_keeps_budget(model):
   eng, out = run(model, "baseline", check=check_budget)
   np.testing.assert_allclose(out, model[3], atol=1e-6, rtol=0)
@@ -80,27 +111,33 @@ def test_fetch_all_matches_fully_resident_model_and_keeps_budget(model):
   for r in eng.records:
     assert r["hits"] + r["misses"] == r["expert_calls"] == 2 * 2   # K x MoE layers
     assert r["fetches"] == r["misses"]
+    for lr in r.layers.values():
+      assert set(lr.fetched) == {e for e, a in zip(lr.ids, lr.actions) if a == P.FETCH}
   assert eng.prefill_record["fetches"] > 0
+  assert eng.pending_admissions() == {0: [], 2: []}
 
 
 def test_staging_slots_when_budget_is_below_top_k(model):
   eng, out = run(model, "baseline", cache_fraction=0.125, check=check_budget)  # S=1 < K=2
   assert (eng.budget.slots, eng.budget.staging) == (1, 1)
   np.testing.assert_allclose(out, model[3], atol=1e-6, rtol=0)
+  for r in eng.records:
+    assert all(lr.actions.count(P.HIT) <= 1 for lr in r.layers.values())
 
 
-def test_host_policy_computes_misses_exactly_on_the_host(model):
+def test_host_policy_computes_misses_exactly_inside_the_program(model):
   eng, out = run(model, "host")
   np.testing.assert_allclose(out, model[3], atol=1e-5, rtol=0)
   st = eng.stats()
   assert st["host_calls_per_token"] > 0 and st["fetches_per_token"] == 0
-  assert st["host_ms_per_token"] > 0
+  assert st["host_ms_per_token"] == 0          # no host-side expert work: it is in the program
+  assert any(P.HOST in lr.actions for r in eng.records for lr in r.layers.values())
 
 
 def test_full_budget_fetches_nothing_after_warm_up(model):
   cfg, params, store, ref = model
   with OffloadEngine(cfg, params, store, "baseline", cache_fraction=1.0, initial="empty",
-                     max_len=32) as eng:
+                     max_len=MAX_LEN) as eng:
     out = [eng.prefill(PROMPT)] + [eng.decode_step(t) for t in STREAM]
     np.testing.assert_allclose(np.stack(out), ref, atol=1e-6, rtol=0)
     fetched = eng.prefill_record["fetches"] + sum(r["fetches"] for r in eng.records)
@@ -114,38 +151,78 @@ def test_full_budget_fetches_nothing_after_warm_up(model):
   eng2, out2 = run(model, "baseline", cache_fraction=1.0)
   assert "every expert" in eng2.describe()
   assert eng2.prefill_record["fetches"] == 0 and sum(r["fetches"] for r in eng2.records) == 0
+  assert all(r["hits"] == r["expert_calls"] for r in eng2.records)
   np.testing.assert_allclose(out2, model[3], atol=1e-6, rtol=0)
 
 
 def test_substituting_presets_count_consistently_and_are_deterministic(model):
   link = link_lib.parse_link("2GB/s,20us")
-  eng, out = run(model, "quality", check=check_budget, link=link)
-  eng_b, out_b = run(model, "quality", link=link)
+  eng, out = run(model, ADMITTING, check=check_budget, link=link)
+  sets = run.sets
+  eng_b, out_b = run(model, ADMITTING, link=link)
   np.testing.assert_array_equal(out, out_b)
-  keys = ("hits", "misses", "fetches", "substituted", "admissions", "admitted", "evictions")
-  assert [[r[k] for k in keys] for r in eng.records] == [[r[k] for k in keys]
-                                                        for r in eng_b.records]
-  sub, _ = run(model, "substitute_all", check=check_budget)
-  s = sub.stats()
-  assert s["fetches_per_token"] == 0 and s["substituted_call_pct"] > 0
-  assert 0 < s["substituted_mass_per_token"] <= 2.0 + 1e-6
-  for r in sub.records:
+  assert [counts(r) for r in eng.records] == [counts(r) for r in eng_b.records]
+  assert [layer_records(r) for r in eng.records] == [layer_records(r) for r in eng_b.records]
+  assert sets == run.sets
+  s = eng.stats()
+  assert s["substituted_call_pct"] > 0 and s["admitted_per_token"] > 0
+  for r in eng.records:
     assert r["hits"] + r["misses"] == r["expert_calls"]
     assert r["substituted"] + r["dropped"] + r["fetches"] + r["host_calls"] == r["misses"]
 
 
-def test_results_do_not_depend_on_link_speed_or_thread_timing(model):
-  # admissions arrive at different times on these links, so some are inserted while
-  # a fetch crosses the link and some before their own layer: same inserts either way
+def test_admissions_are_in_the_cache_at_the_end_of_their_token(model):
+  """An admission requested at token t is resident right after t (`resident_sets`,
+  `pending_admissions`), and recorded as admitted at token t + 1 at the same layer."""
+  cfg, params, store, _ = model
+  with OffloadEngine(cfg, params, store, ADMITTING, cache_fraction=0.25,
+                     max_len=MAX_LEN) as eng:
+    eng.prefill(PROMPT)
+    requested = []
+    for tok in STREAM:
+      eng.decode_step(tok)
+      pend, sets = eng.pending_admissions(), eng.resident_sets()
+      assert all(set(pend[l]) <= set(sets[l]) for l in cfg.moe_layers)
+      requested.append(pend)
+    recs = eng.records
+  for t, rec in enumerate(recs):
+    for l in cfg.moe_layers:
+      assert sorted(rec.layers[l].admissions) == sorted(requested[t][l])
+      if t:
+        assert sorted(rec.layers[l].admitted) == sorted(requested[t - 1][l])
+  assert sum(len(p[l]) for p in requested for l in p) > 0
+
+
+def test_profile_initial_contents(model):
+  cfg, params, store, _ = model
+  counts_ = calibrate.profile_counts(cfg, params, store, PROMPT + STREAM)
+  with OffloadEngine(cfg, params, store, ADMITTING, cache_fraction=0.25, max_len=MAX_LEN,
+                     initial=counts_) as eng:
+    assert eng.initial == "profile"
+    for layer, experts in eng.resident_sets().items():
+      top = R.profile_order(counts_[layer])[:eng.budget.slots]
+      assert experts == sorted(top)
+    eng.prefill(PROMPT)
+    for t in STREAM:
+      eng.decode_step(t)
+    check_budget(eng)
+    for r in eng.records:
+      assert r["hits"] + r["misses"] == r["expert_calls"]
+
+
+# ------------------------------------------------------------------ the emulated link
+def test_results_do_not_depend_on_link_speed(model):
   keys = ("hits", "fetches", "substituted", "admissions", "admitted", "evictions")
-  policy = P.make_policy("quality", tau=0.6, admission_beta=0.2)  # admits on this tiny model
-  runs = [run(model, policy, link=link) for link in
+  runs = [run(model, ADMITTING, link=link) for link in
           ("native", link_lib.parse_link("1MB/s,50us"))]
   (fast, out_fast), (slow, out_slow) = runs
   np.testing.assert_array_equal(out_fast, out_slow)
   assert [[r[k] for k in keys] for r in fast.records] == [[r[k] for k in keys]
                                                           for r in slow.records]
+  assert [layer_records(r) for r in fast.records] == [layer_records(r) for r in slow.records]
   assert sum(r["admitted"] for r in fast.records) > 0
+  assert sum(r["admission_wait_s"] for r in slow.records) >= 0
+  assert all(r["wait_s"] == 0 and r["admission_wait_s"] == 0 for r in fast.records)
 
 
 def test_emulated_link_waits_at_least_the_transfer_time(model):
@@ -153,17 +230,51 @@ def test_emulated_link_waits_at_least_the_transfer_time(model):
   link = link_lib.parse_link("1MB/s,100us")          # one 6 KiB expert: >= 6.2 ms
   eng, _ = run(model, "baseline", link=link)
   s = eng.stats()
-  per_fetch = link.transfer_time(store.expert_nbytes())
+  per = link.transfer_time(store.expert_nbytes()) - link.latency_s
   assert s["fetches_per_token"] > 0
-  # the fetched rows are inserted while their link time elapses, so the wait is shorter
-  # than the link time; the token still lasts at least its fetches' link time
   for r in eng.records:
-    assert r["wall_s"] >= per_fetch * r["fetches"] and r["wait_s"] > 0
-  p = eng.transfer_stats()
-  assert p["link_busy_s"] >= 0.999 * per_fetch * p["transfers"] > 0
+    # each MoE layer's waited fetches take the link at once: n x per expert + latency
+    want = sum(len(lr.fetched) * per + (link.latency_s if lr.fetched else 0.0)
+               for lr in r.layers.values())
+    assert r["wait_s"] == pytest.approx(want, rel=1e-9, abs=1e-12)
+    assert r["wall_s"] >= r["wait_s"] + r["admission_wait_s"] + r["prefetch_wait_s"]
+    assert r["wall_s"] >= per * r["fetches"]
+    assert r["compute_s"] >= 0
+  assert s["wait_ms_per_token"] > 0
   assert eng.link.describe() in stats_lib.format_stats(s, eng.link.describe())
 
 
+def test_a_hung_copy_surfaces_once_after_the_timeout(model):
+  """A link so slow that one token's copies outlast transfer_timeout_s: that step raises
+  TransferTimeout after about the timeout; every later call raises TransferError naming
+  the earlier failure; close() returns at once."""
+  cfg, params, store, _ = model
+  timeout = 0.5
+  with OffloadEngine(cfg, params, store, "baseline", cache_fraction=0.25, max_len=MAX_LEN,
+                     link="1KB/s,0us", transfer_timeout_s=timeout) as eng:   # 6 s an expert
+    eng.warmup()
+    eng.prefill(PROMPT)
+    with pytest.raises(TransferTimeout, match="transfer_timeout_s=0.5") as first:
+      for tok in STREAM:
+        t0 = time.perf_counter()
+        eng.decode_step(tok)                        # a token without a fetch waits nothing
+    elapsed = time.perf_counter() - t0
+    assert timeout <= elapsed < 2 * timeout
+    for call in (lambda: eng.decode_step(STREAM[0]), lambda: eng.prefill(PROMPT),
+                 eng.warmup):
+      t0 = time.perf_counter()
+      with pytest.raises(TransferError, match="earlier failure.*transfer_timeout_s") as later:
+        call()
+      assert type(later.value) is TransferError and later.value.__cause__ is first.value
+      assert time.perf_counter() - t0 < 0.1
+    t0 = time.perf_counter()
+    eng.close()
+    assert time.perf_counter() - t0 < 0.1
+  with pytest.raises(TransferError):
+    eng.decode_step(STREAM[0])
+
+
+# ------------------------------------------------------------------ errors
 def test_bad_inputs_name_the_flag(model):
   cfg, params, store, _ = model
   with pytest.raises(P.PolicyError, match="--policy"):
@@ -172,130 +283,43 @@ def test_bad_inputs_name_the_flag(model):
     OffloadEngine(cfg, params, store, "baseline", cache_fraction=0.01)
   with pytest.raises(link_lib.LinkSpecError, match="--link"):
     OffloadEngine(cfg, params, store, "baseline", link="fast please")
+  with OffloadEngine(cfg, params, store, "baseline", max_len=MAX_LEN) as eng:
+    with pytest.raises(ValueError, match="before prefill"):
+      eng.decode_step(1)
+    with pytest.raises(ValueError, match="max_len"):
+      eng.prefill(list(range(MAX_LEN)))
+    with pytest.raises(ValueError, match="max_len"):
+      eng.generate(PROMPT, SamplingParams(max_new_tokens=MAX_LEN))
 
 
-def test_a_failing_transfer_stops_the_run_with_a_clear_error(model):
-  from moejax.offload.tickets import TransferError
+class _Unreadable:
+  """An expert tensor whose bytes cannot be read (a truncated memory-mapped file)."""
+  shape, dtype = (8, 32, 16), np.float32
+
+  def __array__(self, dtype=None, copy=None):
+    raise OSError("truncated file")
+
+
+class BrokenStore:
+  """The store with MoE layer 2's `down` tensor unreadable."""
+
+  def __init__(self, inner):
+    self.inner = inner
+
+  def __getattr__(self, name):
+    return getattr(self.inner, name)
+
+  def stacked(self, layer):
+    st = dict(self.inner.stacked(layer))
+    if layer == 2:
+      st["down"] = _Unreadable()
+    return st
+
+
+def test_an_unreadable_store_is_a_clear_error_naming_layer_and_tensor(model):
   cfg, params, store, _ = model
-
-  class BrokenStore:
-    def __init__(self, inner):
-      self.inner = inner
-      self.layers, self.num_layers = inner.layers, inner.num_layers
-
-    def __getattr__(self, name):
-      return getattr(self.inner, name)
-
-    def get(self, layer, expert):
-      if expert == 7:
-        raise OSError(f"cannot read expert {expert} of layer {layer}")
-      return self.inner.get(layer, expert)
-
-  with pytest.raises(TransferError, match="cannot read expert 7"):
-    with OffloadEngine(cfg, params, BrokenStore(store), "fetch_all", cache_fraction=0.25,
-                       max_len=32) as eng:
-      eng.prefill(list(range(8)) * 2)
-      for t in STREAM:
-        eng.decode_step(t)
-  assert not eng.transfer_stats()["alive"]
-
-
-def test_profile_initial_contents(model):
-  cfg, params, store, ref = model
-  counts = calibrate.profile_counts(cfg, params, store, PROMPT + STREAM)
-  with OffloadEngine(cfg, params, store, "quality", cache_fraction=0.25, max_len=32,
-                     initial="profile", profile_counts=counts) as eng:
-    for layer, experts in eng.resident_sets().items():
-      top = R.profile_order(counts[layer])[:eng.budget.slots]
-      assert experts == sorted(top)
-    eng.prefill(PROMPT)
-    for t in STREAM:
-      eng.decode_step(t)
-    check_budget(eng)
-    for r in eng.records:
-      assert r["hits"] + r["misses"] == r["expert_calls"]
-      assert r["admitted"] <= sum(x["admissions"] for x in eng.records)
-
-
-def test_decode_compiles_once_per_layer_kind(model):
-  cfg, params, store, _ = model
-  policy = P.make_policy("speed", lfu_decay=0.5)     # its own compile-cache keys
-  kinds = {steps_lib.layer_kind(cfg, i): steps_lib.layer_steps(
-      cfg, jnp.float32, i, policy.decision, policy.cache, None) for i in range(cfg.num_layers)}
-  sizes = lambda: {k: {n: f._cache_size() for n, f in st._asdict().items() if f is not None}
-                   for k, st in kinds.items()}
-  with OffloadEngine(cfg, params, store, policy, cache_fraction=0.25, max_len=32) as eng:
-    eng.warmup()
-    before = sizes()
-    eng.prefill(PROMPT)
-    after_prefill = sizes()
-    for t in STREAM:                       # two MoE layers and a dense layer per token
-      eng.decode_step(t)
-    assert sizes() == after_prefill        # no decode step compiled again
-    for (sparse, _), fns in before.items():
-      if not sparse:
-        assert fns["dense_decode"] == 1
-        continue
-      assert fns["attend_decide"] == 1 and fns["moe"] == 1
-      # one per row bucket (K = 2: one) and per kind of rows: host stacks (the CPU
-      # backend's copies) or device arrays (gathered across groups)
-      assert fns["insert_attend_decide"] == 2 and fns["insert"] == 2
-
-
-def test_trace_marks_every_layer_in_order_and_the_link_wait(model):
-  cfg, params, store, _ = model
-  link = link_lib.parse_link("10MB/s", expert_bytes=store.expert_nbytes())
-  with OffloadEngine(cfg, params, store, "baseline", cache_fraction=0.25, max_len=32,
-                     link=link, run_layers=False) as eng:     # one call per layer
-    eng.prefill(PROMPT)
-    eng.decode_step(STREAM[0])
-    assert eng.traces == []                           # off by default
-    eng.trace = True
-    for tok in STREAM[1:6]:
-      eng.decode_step(tok)
-  assert len(eng.traces) == 5
-  fetch_layers = 0
-  for tr, rec in zip(eng.traces, eng.records[1:]):
-    times = [t for _, _, t in tr]
-    assert times == sorted(times) and tr[0][0] == "start" and tr[-1][0] == "end"
-    assert abs(times[-1] - times[0] - rec["wall_s"]) < 1e-12
-    evs = [(ev, l) for ev, l, _ in tr]
-    assert ("dense", 1) in evs
-    for l in (0, 2):
-      mine = [ev for ev, ll in evs if ll == l]
-      assert mine in (["attend", "decided", "moe", "moe_done"],
-                      ["attend", "decided", "fetch", "arrived", "moe", "moe_done"])
-      if "fetch" in mine:
-        fetch_layers += 1
-        at = {ev: t for ev, ll, t in tr if ll == l}
-        assert at["arrived"] - at["fetch"] >= link.transfer_time(store.expert_nbytes())
-    assert evs.index(("head", -1)) == len(evs) - 2
-  assert 0 < fetch_layers <= sum(r["fetches"] for r in eng.records[1:])
-
-
-# ------------------------------------------------ memory, timeouts, shutdown (issue 11)
-def prefetch_threads() -> int:
-  import threading
-  return sum(t.name == "moejax-prefetch" and t.is_alive() for t in threading.enumerate())
-
-
-def test_background_transfers_are_released_over_thousands_of_sampled_tokens(model):
-  from moejax.sampler import SamplingParams
-  cfg, params, store, _ = model
-  policy = P.make_policy("substitute_all", admission_beta=0.3)    # no sync fetch, ever
-  n = 1500
-  with OffloadEngine(cfg, params, store, policy, cache_fraction=0.25, max_len=n + 16) as eng:
-    peak = [0]
-    track = lambda _: peak.__setitem__(0, max(peak[0], eng.held_bytes()))
-    out = eng.generate(PROMPT, SamplingParams(temperature=1.0, max_new_tokens=n), seed=1,
-                       on_token=track)
-    assert len(out) == n
-    admitted = sum(r.admitted for r in eng.records)
-    assert admitted > n // 4                          # plenty of background transfers
-    # at most one transfer per (layer, expert) in flight, each padded to K rows
-    bound = len(cfg.moe_layers) * (cfg.num_experts + cfg.top_k) * store.expert_nbytes()
-    assert peak[0] <= bound
-    assert eng.transfer_stats()["bytes"] > 20 * bound     # far more than the bound crossed
+  with pytest.raises(TransferError, match=r"'down' of MoE layer 2.*OSError: truncated file"):
+    OffloadEngine(cfg, params, BrokenStore(store), "baseline", max_len=MAX_LEN)
 
 
 def test_calibration_keeps_no_device_copy_of_the_experts(model):
@@ -315,81 +339,153 @@ def test_calibration_keeps_no_device_copy_of_the_experts(model):
     OffloadEngine(cfg, params, store, "baseline", link="scaled")   # no hidden benchmark
 
 
-class HangingStore:
-  """Copies on the prefetch thread block until `gate` opens (a transfer that hangs)."""
-
-  def __init__(self, inner, gate):
-    import threading
-    self.inner, self.gate = inner, gate
-    self.entered = threading.Event()      # the prefetch thread is stuck in a copy
-    self.layers, self.num_layers = inner.layers, inner.num_layers
-
-  def __getattr__(self, name):
-    return getattr(self.inner, name)
-
-  def get(self, layer, expert):
-    import threading
-    if threading.current_thread().name == "moejax-prefetch":
-      self.entered.set()
-      self.gate.wait(30)
-    return self.inner.get(layer, expert)
-
-
-def test_a_transfer_that_never_completes_raises_instead_of_hanging(model):
-  import threading
-  from moejax.offload.tickets import TransferError
+# ------------------------------------------------------------------ compiles
+def test_one_trace_per_program_and_identical_statistics_across_engines(model, monkeypatch):
+  """The decode step is traced once for every token of two engines with the same program,
+  plain or lazy steps (and the prompt once per bucket); two identical runs give identical
+  statistics."""
   cfg, params, store, _ = model
-  gate = threading.Event()
-  policy = P.make_policy("substitute_all", admission_beta=0.05)  # admits at once
-  try:
-    with OffloadEngine(cfg, params, HangingStore(store, gate), policy, cache_fraction=0.25,
-                       max_len=32, transfer_timeout_s=0.5) as eng:
+  traced = {"step": 0, "prompt": 0}
+  step_fn, prompt_fn = decode._decode, token_lib.prefill
+
+  def step(*args, **kw):
+    traced["step"] += 1
+    return step_fn(*args, **kw)
+
+  def prompt(*args, **kw):
+    traced["prompt"] += 1
+    return prompt_fn(*args, **kw)
+
+  chex.clear_trace_counter()      # (chex counts by source and name: two functions)
+  monkeypatch.setattr(decode, "_decode", chex.assert_max_traces(step, n=1))
+  monkeypatch.setattr(token_lib, "prefill", chex.assert_max_traces(prompt, n=1))
+  # substitute_all with admission: a program no other test builds
+  policy = P.make_policy("substitute_all", admission_beta=0.3, lfu_decay=0.5)
+  stats, records = [], []
+  for lazy in (False, True):     # the second engine: lazy steps, the token on the device
+    with OffloadEngine(cfg, params, store, policy, cache_fraction=0.25, max_len=MAX_LEN) as eng:
       eng.warmup()
-      eng.prefill(PROMPT)
-      t0 = time.perf_counter()
-      with pytest.raises(TransferError, match=r"layer \d+ expert \d+"):
-        for tok in STREAM:
-          eng.decode_step(tok)
-      assert time.perf_counter() - t0 < 25        # the store would release it after 30 s
-      gate.set()
-      eng.close(timeout=30)                 # the released copy finishes, the thread stops
-  finally:
-    gate.set()
+      for prompt in (PROMPT, PROMPT[:3]):             # one prompt bucket
+        eng.prefill(prompt)
+        for t in STREAM:
+          eng.decode_step(jnp.asarray(t, jnp.int32), lazy=True) if lazy else eng.decode_step(t)
+          check_budget(eng)
+      stats.append(eng.stats())
+      records.append(eng.records)
+  assert traced == {"step": 1, "prompt": 1}
+  times = {k for k in stats[0] if k.endswith("_ms_per_token") or k.startswith("tpot")}
+  a, b = ({k: v for k, v in s.items() if k not in times} for s in stats)
+  assert a == b and a["tokens"] == 2 * len(STREAM)
+  assert [layer_records(r) for r in records[0]] == [layer_records(r) for r in records[1]]
+  assert a["fetches_per_token"] == 0 and a["substituted_call_pct"] > 0
+  assert a["admitted_per_token"] > 0
+  assert 0 < a["substituted_mass_per_token"] <= 2.0 + 1e-6
+  for r in records[0]:
+    assert r["hits"] + r["misses"] == r["expert_calls"]
+    assert r["substituted"] + r["dropped"] + r["host_calls"] == r["misses"]
 
 
-def test_close_failure_is_noted_on_the_propagating_error_not_swallowed(model):
-  import threading
+# ------------------------------------------------------------------ lazy steps, loop
+def test_lazy_steps_equal_plain_steps(model):
+  """decode_step(tok, lazy=True) with the token on the device: the same logits, greedy
+  tokens, records and resident sets as plain steps (past the 64 steps after which lazy
+  records are read back); a plain step after lazy ones keeps the records in order."""
   cfg, params, store, _ = model
-  gate = threading.Event()
-  policy = P.make_policy("substitute_all", admission_beta=0.05)
-  try:
-    hanging = HangingStore(store, gate)
-    with pytest.raises(ValueError) as e:
-      with OffloadEngine(cfg, params, hanging, policy, cache_fraction=0.25,
-                         max_len=32, transfer_timeout_s=0.2) as eng:
-        eng.prefill(PROMPT)
-        eng.decode_step(STREAM[0])        # requests admissions: the thread is stuck on them
-        # (on a loaded machine the thread may not have reached the copy yet: wait for it,
-        # else close() finds it idle and stops it cleanly, with nothing to note)
-        assert hanging.entered.wait(30)
-        raise ValueError("caller bug")
-    assert any("did not stop" in n for n in getattr(e.value, "__notes__", []))
-  finally:
-    gate.set()
+  n = 80
+  outs = {}
+  for lazy in (False, True):
+    with OffloadEngine(cfg, params, store, ADMITTING, cache_fraction=0.25,
+                       max_len=MAX_LEN) as eng:
+      logits = eng.prefill(PROMPT)
+      got = []
+      for _ in range(n):
+        if lazy:
+          logits = eng.decode_step(jnp.argmax(logits).astype(jnp.int32), lazy=True)
+          assert isinstance(logits, jax.Array)
+        else:
+          logits = eng.decode_step(int(np.argmax(logits)))
+        got.append(np.asarray(logits))
+      outs[lazy] = (np.stack(got), list(eng.records), eng.resident_sets())
+      if lazy:
+        eng.decode_step(jnp.argmax(logits).astype(jnp.int32), lazy=True)
+        assert isinstance(eng.decode_step(int(np.argmax(logits))), np.ndarray)
+        assert len(eng.records) == n + 2 and eng.records[:n] == outs[True][1]
+  np.testing.assert_array_equal(outs[True][0], outs[False][0])
+  assert len(outs[True][1]) == len(outs[False][1]) == n
+  for a, b in zip(outs[True][1], outs[False][1]):
+    assert counts(a) == counts(b) and layer_records(a) == layer_records(b)
+    assert a.wall_s > 0
+  assert outs[True][2] == outs[False][2]
+  assert sum(r.admitted for r in outs[True][1]) > 0
 
 
-def test_an_engine_never_closed_stops_its_thread_when_collected(model):
-  import gc
-  import threading
+def _generate(model, sp, loop):
   cfg, params, store, _ = model
-  gc.collect()                       # engines left by earlier tests stop their threads now
-  others = {t for t in threading.enumerate() if t.name == "moejax-prefetch"}
-  eng = OffloadEngine(cfg, params, store, "quality", cache_fraction=0.25, max_len=32)
-  eng.prefill(PROMPT)
-  eng.decode_step(STREAM[0])
-  ours = [t for t in threading.enumerate() if t.name == "moejax-prefetch" and t not in others]
-  assert len(ours) == 1 and ours[0].is_alive()
-  del eng
-  gc.collect()
-  ours[0].join(timeout=10)
-  assert not ours[0].is_alive()
+  with OffloadEngine(cfg, params, store, ADMITTING, cache_fraction=0.25,
+                     max_len=MAX_LEN) as eng:
+    seen = []
+    toks = eng.generate(PROMPT, sp, seed=3, on_token=None if loop else seen.append)
+    assert loop or seen == toks
+    return toks, eng.records, eng.resident_sets()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_on_device_loop_equals_per_token_generation(model, temperature):
+  """generate() without on_token (one while_loop on the device) gives the tokens, records
+  and final resident sets of per-token generation, also when a stop id ends it early."""
+  sp = SamplingParams(temperature=temperature, max_new_tokens=24)
+  full = _generate(model, sp, loop=False)
+  assert len(full[0]) == 24 and len(full[1]) == 23
+  stop = full[0][9]
+  sp_stop = dataclasses.replace(sp, stop_ids=(stop,))   # the shape of no stop id ([-1])
+  for s in (sp, sp_stop):
+    per_token = full if s is sp else _generate(model, s, loop=False)
+    loop = _generate(model, s, loop=True)
+    assert loop[0] == per_token[0]
+    assert [layer_records(r) for r in loop[1]] == [layer_records(r) for r in per_token[1]]
+    assert [counts(r) for r in loop[1]] == [counts(r) for r in per_token[1]]
+    assert loop[2] == per_token[2]
+  assert len(loop[0]) == full[0].index(stop) + 1 and loop[0][-1] == stop
+  assert len(loop[1]) == len(loop[0]) - 1
+  assert sum(r.admitted for r in full[1]) > 0 and sum(r.substituted for r in full[1]) > 0
+
+
+# ------------------------------------------------------------------ every family
+FAMILIES = ["qwen3_moe", "mixtral", "olmoe", "qwen3_next", "gpt_oss", "glm4_moe"]
+FAMILY_PROMPT, FAMILY_STREAM = [3, 17, 5, 60, 22, 9], [4, 8, 15, 16, 23, 42]
+_BUILT = {}
+
+
+def family_model(family, tmp_path_factory):
+  """A family's tiny random model (tests/hf_models.py), built once per process: (cfg,
+  params, store, transformers' logits of FAMILY_PROMPT + FAMILY_STREAM from the prompt's
+  last position)."""
+  if family not in _BUILT:
+    hf = hf_models.build(family)
+    with torch.no_grad():
+      ref = hf(torch.tensor([FAMILY_PROMPT + FAMILY_STREAM])).logits[0].float().numpy()
+    d = hf_models.save(hf, str(tmp_path_factory.mktemp(family)), "per_expert")
+    _BUILT[family] = load_model(d) + (ref[len(FAMILY_PROMPT) - 1:],)
+  return _BUILT[family]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_prefetches_and_speculates(family, tmp_path_factory):
+  """Every family's router through prediction and speculative execution: the oracle's
+  true predictions run the exact model (transformers' logits); quasi and previous run."""
+  cfg, params, store, ref = family_model(family, tmp_path_factory)
+  run_ = lambda **kw: prefetch_run(cfg, params, store, FAMILY_PROMPT, FAMILY_STREAM,
+                                   streaming=True, **kw)
+  _, out, _ = run_(prefetch="oracle", speculative="true_router")
+  np.testing.assert_allclose(out, ref, atol=1e-4, rtol=1e-4)
+  eng, out, _ = run_(prefetch="quasi", speculative="predicted_weights", predictors=vectors(cfg))
+  chex.assert_tree_all_finite(out)
+  s = eng.stats()
+  if len(cfg.moe_layers) > 1:
+    assert s["prefetches_per_token"] > 0 and 0.0 <= s["recall_at_k"] <= 1.0
+  # previous: the family's own router output at the previous token, through its rule
+  eng, out, _ = run_(prefetch="previous", speculative="predicted_weights")
+  chex.assert_tree_all_finite(out)
+  for prev, r in zip(eng.records, eng.records[1:]):
+    for l in cfg.moe_layers[1:]:
+      assert r.layers[l].predicted == prev.layers[l].true_ids

@@ -10,10 +10,9 @@ import pytest
 
 from moejax.config import ModelConfig
 from moejax.loader import init_random, load_model, save_hf
-from moejax.offload.host_store import BACKENDS, StoreBackendError, make_store
-from moejax.offload.link import NATIVE
-from moejax.offload.copies import shares_buffer
-from moejax.offload.transfer import Prefetcher
+from moejax.offload import transfer
+from moejax.offload.engine import OffloadEngine
+from moejax.offload.host_store import BACKENDS, StoreBackendError, make_store, shares_buffer
 from moejax.safetensors_io import SafetensorsFile
 from moejax.store import ExpertStore
 
@@ -101,21 +100,29 @@ def test_conversions_chain_without_changing_an_expert(model):
   assert make_store(pinned, "pinned_host") is pinned
 
 
-def test_prefetcher_transfers_identical_arrays_from_every_backend(model, tmp_path):
+def test_every_backend_gives_the_program_identical_experts_and_the_same_decoding(model):
+  """The decode program's view of the store (`transfer.program_store`) holds the same
+  experts from every back-end (also a per-expert checkpoint memory-mapped), and engines
+  over them decode identical logits and records."""
   exps, dirs = model
-  ref = ExpertStore.from_stacked(exps)
+  cfg, params, ref = load_model(dirs["per_expert"])
   _, _, per_expert_mm = load_model(dirs["per_expert"], mmap=True)
   stores = {b: make_store(ref, b) for b in BACKENDS}
   stores["mmap(per_expert checkpoint)"] = per_expert_mm
-  keys = [(1, 0), (1, 7), (2, 3)]
+  toks = [3, 17, 5, 60, 22, 9, 4, 8, 15, 16]
+  runs = {}
   for name, st in stores.items():
-    with Prefetcher(st, NATIVE) as pf:
-      got = {k: pf.request(*k).wait(5.0) for k in keys}
-      assert pf.stats()["bytes"] == len(keys) * ref.expert_nbytes(), name
-    for (i, e), arrays in got.items():
-      for k, v in arrays.items():
-        assert v.sharding.memory_kind == "device"
-        np.testing.assert_array_equal(np.asarray(v), exps[i][k][e], err_msg=f"{name} {i},{e}")
+    out, pinned = transfer.program_store(st, jax.devices()[0])
+    assert pinned == (name == "pinned_host"), name
+    for i in (1, 2):
+      for k, v in out[i].items():
+        np.testing.assert_array_equal(np.asarray(v), exps[i][k], err_msg=f"{name} {i} {k}")
+    with OffloadEngine(cfg, params, st, "quality", cache_fraction=0.25, max_len=16) as eng:
+      logits = [eng.prefill(toks[:4])] + [eng.decode_step(t) for t in toks[4:]]
+      runs[name] = (np.stack(logits), [r.layers for r in eng.records])
+  for name, (logits, layers) in runs.items():
+    np.testing.assert_array_equal(logits, runs["numpy"][0], err_msg=name)
+    assert layers == runs["numpy"][1], name
 
 
 def test_unknown_backend_names_the_flag_and_the_choices(model):

@@ -52,9 +52,9 @@ import numpy as np
 from launch.bench_transfer import expert_copy_seconds
 from moejax.config import ModelConfig
 from moejax.loader import init_random, load_model
-from moejax.offload import calibrate
+from moejax import calibrate
 from moejax.offload.engine import OffloadEngine
-from moejax.offload.host_store import BACKENDS, StoreBackendError, make_store
+from moejax.store import BACKENDS, StoreBackendError, make_store
 from moejax.offload.link import parse_link
 from moejax.sampler import Sampler, SamplingParams
 from moejax.store import ExpertStore
@@ -71,7 +71,7 @@ flags.DEFINE_list("presets", ["baseline", "quality", "speed", "host", "substitut
                   "Policies to time ('host' only on the CPU backend).")
 flags.DEFINE_list("links", ["scaled", "native"], "--link specs to time side by side.")
 flags.DEFINE_enum("store", "numpy", list(BACKENDS), "Expert store back-end "
-                  "(moejax.offload.host_store.make_store).")
+                  "(moejax.store.make_store).")
 flags.DEFINE_float("cache_fraction", 0.25, "Experts per layer resident.")
 flags.DEFINE_integer("prompt_len", 16, "Prompt tokens.")
 flags.DEFINE_integer("warmup_tokens", 16, "Decoded tokens not timed (cache warm-up, compile).")

@@ -35,7 +35,8 @@ from tqdm import tqdm
 
 from moejax import emulator as E
 from moejax.loader import load_model
-from moejax.offload import calibrate
+from moejax import calibrate
+from moejax import speculation
 from moejax.offload import policy as P
 from moejax.offload import prefetch as prefetch_lib
 from moejax.offload.engine import OffloadEngine
@@ -260,9 +261,9 @@ def main(_):
     raise app.UsageError(f"--only: unknown modes {bad}; choose from {list(MODES)}")
   cfg, params, store = load_model(FLAGS.model_dir, dtype=jnp.float32)
   try:
-    preds = {k: prefetch_lib.load_predictors(k, cfg, FLAGS.model_dir, FLAGS.estimators)
+    preds = {k: speculation.load_predictors(k, cfg, FLAGS.model_dir, FLAGS.estimators)
              for k in ("reuse", "quasi", "previous", "hybrid")}
-  except prefetch_lib.PrefetchError as e:
+  except speculation.PrefetchError as e:
     raise app.UsageError(str(e)) from None
   tok = Tokenizer(FLAGS.model_dir)
   docs = [d for d in S.documents(tok, humaneval=False) if len(d[2]) > 200]
@@ -286,7 +287,7 @@ def main(_):
     for name, q in res["quality"]["modes"].items():
       if name in res["modes"]:
         res["modes"][name]["ppl_increase_pct"] = q["ppl_increase_pct"]
-  est_json = os.path.join(FLAGS.estimators or prefetch_lib.estimators_dir(FLAGS.model_dir),
+  est_json = os.path.join(FLAGS.estimators or speculation.estimators_dir(FLAGS.model_dir),
                           "estimators.json")
   if os.path.exists(est_json):
     res["estimators_heldout"] = json.load(open(est_json))

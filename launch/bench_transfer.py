@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moejax.offload import transfer
-from moejax.offload.host_store import (BACKENDS, StoreBackendError, make_store, shares_buffer,
+from moejax.store import (BACKENDS, StoreBackendError, make_store, shares_buffer,
                                       store_backend)
 from moejax.store import ExpertStore
 

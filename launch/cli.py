@@ -90,7 +90,7 @@ def given(name: str) -> bool:
 
 def user_errors() -> tuple[type, ...]:
   """Errors whose message names the flag at fault: usage errors (exit 2)."""
-  from moejax.offload.host_store import StoreBackendError
+  from moejax.store import StoreBackendError
   from moejax.offload.link import LinkSpecError
   from moejax.offload.policy import PolicyError
   from moejax.offload.resident import BudgetError

@@ -258,7 +258,7 @@ def main(_):
   import jax
   import jax.numpy as jnp
   from moejax.loader import load_model
-  from moejax.offload.calibrate import calibrated_link
+  from moejax.calibrate import calibrated_link
   from moejax.offload.policy import make_policy
   from moejax.tokenizer import Tokenizer
   for name in FLAGS.presets:

@@ -124,6 +124,7 @@ def cache_fraction() -> float:
 
 
 def make_policy():
+  from moejax import speculation
   from moejax.offload.policy import make_policy as make
   return make(FLAGS.policy, tau=FLAGS.tau, admission_beta=FLAGS.admission_beta,
               eviction=FLAGS.eviction)
@@ -208,7 +209,7 @@ def main(_):
     raise cli.UsageError("--prompt encodes to no tokens")
   seq = sequence_length(cfg, len(ids))
   if store_kind == "pinned_host":
-    from moejax.offload.host_store import memory_kinds
+    from moejax.store import memory_kinds
     if "pinned_host" not in memory_kinds():
       raise cli.UsageError(f"--store=pinned_host: {jax.devices()[0]} offers no pinned_host "
                            f"memory (it offers {', '.join(memory_kinds())}); use numpy or mmap")
@@ -248,7 +249,7 @@ def main(_):
 def load(cfg, folder, dtype, store_kind):
   """(cfg, params, store) from --model_dir (or the random model) in --store."""
   from moejax.loader import init_random, load_model
-  from moejax.offload.host_store import make_store
+  from moejax.store import make_store
   from moejax.store import ExpertStore
   t0 = time.time()
   if folder is None:
@@ -268,15 +269,15 @@ def load(cfg, folder, dtype, store_kind):
 def generate_offloaded(cfg, params, store, tok, ids, sp, dtype, seq):
   """The OffloadEngine path: generates, then prints the per-token statistics table."""
   import jax
-  from moejax.offload.calibrate import calibrated_link
+  from moejax.calibrate import calibrated_link
   from moejax.offload.engine import OffloadEngine
   from moejax.offload import prefetch as prefetch_lib
   from moejax.offload.stats import format_stats
   link = calibrated_link(link_spec(), cfg, params, store, dtype)   # scaled: measures a layer
   kind = FLAGS.prefetch or "none"
   try:
-    preds = prefetch_lib.load_predictors(kind, cfg, FLAGS.model_dir, FLAGS.estimators)
-  except prefetch_lib.PrefetchError as e:
+    preds = speculation.load_predictors(kind, cfg, FLAGS.model_dir, FLAGS.estimators)
+  except speculation.PrefetchError as e:
     raise cli.UsageError(str(e)) from None
   prefetch = prefetch_lib.Prefetch(kind, FLAGS.speculative or "off", preds,
                                    streaming=bool(FLAGS.streaming))

@@ -97,7 +97,7 @@ def check_engine(tr, out_dir):
   import dataclasses
   import jax.numpy as jnp
   from moejax.loader import load_model
-  from moejax.offload import calibrate as calibrate_lib
+  from moejax import calibrate as calibrate_lib
   model_dir = FLAGS.model_dir or tr.meta.get("model_dir")
   cfg, params, store = load_model(model_dir, dtype=jnp.float32)
   prompt, skip = FLAGS.prefill_tokens, FLAGS.check_skip

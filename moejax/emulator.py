@@ -46,10 +46,10 @@ from moejax.config import ModelConfig
 from moejax import layer_stack
 from moejax.controls import Control  # noqa: F401  (public: emulator.Control)
 from moejax.layer_stack import stack_layers  # noqa: F401  (public: emulator.stack_layers)
+from moejax import speculation
 from moejax.offload import layer as layer_lib
 from moejax.offload import policy as policy_lib
-from moejax.offload import prefetch as pf_files
-from moejax.offload import prefetch_steps as pf_steps
+from moejax.offload import prefetch as pf_steps
 from moejax.offload import resident as resident_lib
 from moejax.offload import token as token_lib
 from moejax.offload.layer import STATS  # noqa: F401  (per-token statistics, summed over MoE layers)
@@ -71,8 +71,8 @@ class Setup:
   dtype: str = "float32"
   control: Control | None = None
   detail: bool = False           # also return per-layer actions, resident sets, logits
-  prefetch: str = "none"         # speculative prefetch predictor (prefetch_steps.PREFETCH)
-  speculative: str = "off"       # prefetch_steps.SPECULATIVE
+  prefetch: str = "none"         # speculative prefetch predictor (prefetch.PREFETCH)
+  speculative: str = "off"       # prefetch.SPECULATIVE
   keep: bool = True              # executed prefetches enter the cache (False: streaming)
 
 
@@ -252,7 +252,7 @@ def make(cfg: ModelConfig, params, store, policy: PolicyParams | str, *,
                                     nbytes=cache_bytes, streaming=streaming)
   if stacked is None:
     stacked = stack_layers(cfg, params, store.to_device(dtype))
-  preds = pf_files.stacked_predictors(cfg, prefetch, predictors) if mode.on else None
+  preds = speculation.stacked_predictors(cfg, prefetch, predictors) if mode.on else None
   stacked = (stacked[0], _sources(cfg, stacked[1], preds))
   states = layer_stack.stack_states(
       cfg, init_states(cfg, budget, policy, initial, profile_counts))

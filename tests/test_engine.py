@@ -16,7 +16,7 @@ import torch
 from moejax.config import ModelConfig
 from moejax.loader import expert_shapes, load_model
 from moejax.model import Transformer
-from moejax.offload import calibrate, decode
+from moejax import calibrate, decode
 from moejax.offload import link as link_lib
 from moejax.offload import policy as P
 from moejax.offload import resident as R

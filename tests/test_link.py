@@ -151,9 +151,6 @@ def test_clock_prefetches_overlap_the_previous_layer_hand_checked():
   assert t == pytest.approx(2.0) and _approx(waits)
 
 
-@pytest.mark.xfail(strict=True, reason="LinkClock pushes the link's busy time (and the next "
-                   "layer's prefetches) back for a waited fetch, not the arrival of the "
-                   "admissions queued on the link")
 def test_a_waited_fetch_pushes_back_the_admissions_queued_on_the_link():
   """The docstring: a layer's waited fetches take the link at once and the background
   transfers on it are pushed back.  Layer 0 requests 3 admissions at t = 1 (on the link

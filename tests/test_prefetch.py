@@ -15,7 +15,7 @@ from moejax.loader import expert_shapes
 from moejax.model import Transformer
 from moejax.offload import policy as P
 from moejax.offload import prefetch as prefetch_lib
-from moejax.offload import prefetch_steps as pf_steps
+from moejax.offload import prefetch as pf_steps
 from moejax.offload.engine import OffloadEngine
 from moejax.offload.prefetch import Prefetch
 from moejax.speculation import save_default_vectors
@@ -276,18 +276,18 @@ def _save_vectors(tmp_path, cfg, h=None):
 
 def test_missing_or_foreign_predictor_files_are_refused(model, tmp_path):
   cfg = model[0]
-  with pytest.raises(prefetch_lib.PrefetchError, match="launch.default_vectors"):
-    prefetch_lib.load_predictors("quasi", cfg, str(tmp_path / "none"))
+  with pytest.raises(speculation.PrefetchError, match="launch.default_vectors"):
+    speculation.load_predictors("quasi", cfg, str(tmp_path / "none"))
   m, d = _save_vectors(tmp_path, cfg, h="0123456789abcdef")
-  with pytest.raises(prefetch_lib.PrefetchError, match="another model"):
-    prefetch_lib.load_predictors("quasi", cfg, str(m))
+  with pytest.raises(speculation.PrefetchError, match="another model"):
+    speculation.load_predictors("quasi", cfg, str(m))
   m, d = _save_vectors(tmp_path, cfg)
-  assert len(prefetch_lib.load_predictors("quasi", cfg, str(m))["vectors"]) == 3
-  with pytest.raises(prefetch_lib.PrefetchError, match="launch.train_estimators"):
-    prefetch_lib.load_predictors("hybrid", cfg, str(m))
+  assert len(speculation.load_predictors("quasi", cfg, str(m))["vectors"]) == 3
+  with pytest.raises(speculation.PrefetchError, match="launch.train_estimators"):
+    speculation.load_predictors("hybrid", cfg, str(m))
   (d / "estimators.json").write_text(json.dumps({"config_hash": "feedfeedfeedfeed"}))
-  with pytest.raises(prefetch_lib.PrefetchError, match="another model"):
-    prefetch_lib.load_predictors("hybrid", cfg, str(m))
+  with pytest.raises(speculation.PrefetchError, match="another model"):
+    speculation.load_predictors("hybrid", cfg, str(m))
   # estimators whose input is neither q [D] nor [q, previous probabilities] [D + E], or
   # a mix of the two
   import orbax.checkpoint as ocp
@@ -300,11 +300,11 @@ def test_missing_or_foreign_predictor_files_are_refused(model, tmp_path):
   for pairs, msg in (([bad, good[1]], "takes 35 inputs"), ([good[0], prev[1]], "differ in shape")):
     with ocp.StandardCheckpointer() as ck:
       ck.save(str(d / "estimators"), {"pairs": pairs}, force=True)
-    with pytest.raises(prefetch_lib.PrefetchError, match=msg):
-      prefetch_lib.load_predictors("hybrid", cfg, str(m))
+    with pytest.raises(speculation.PrefetchError, match=msg):
+      speculation.load_predictors("hybrid", cfg, str(m))
   with ocp.StandardCheckpointer() as ck:
     ck.save(str(d / "estimators"), {"pairs": prev}, force=True)
-  assert prefetch_lib.load_predictors("hybrid", cfg, str(m))["estimators"][1] is not None
+  assert speculation.load_predictors("hybrid", cfg, str(m))["estimators"][1] is not None
   with pytest.raises(ValueError, match="--speculative"):
     OffloadEngine(cfg, model[1], model[2], prefetch=Prefetch(speculative="true_router"))
   with pytest.raises(ValueError, match="--prefetch must be"):
@@ -346,7 +346,7 @@ def test_shipped_predictors_load_for_the_shipped_demo_model():
   """ckpts/demo-estimators must match ckpts/demo's config hash (a config field added or
   removed changes the hash; the shipped files then need their hash re-stamped)."""
   from moejax.config import ModelConfig
-  from moejax.offload.prefetch import load_predictors
+  from moejax.speculation import load_predictors
   cfg = ModelConfig.from_json_file("ckpts/demo/config.json")
   out = load_predictors("hybrid", cfg, "ckpts/demo")
   assert len(out["vectors"]) == len(cfg.moe_layers)

@@ -12,7 +12,7 @@ from moejax.config import ModelConfig
 from moejax.loader import init_random, load_model, save_hf
 from moejax.offload import transfer
 from moejax.offload.engine import OffloadEngine
-from moejax.offload.host_store import BACKENDS, StoreBackendError, make_store, shares_buffer
+from moejax.store import BACKENDS, StoreBackendError, make_store, shares_buffer
 from moejax.safetensors_io import SafetensorsFile
 from moejax.store import ExpertStore
 

@@ -14,7 +14,7 @@ from moejax.loader import expert_shapes
 from moejax.model import Transformer
 from moejax.offload import transfer
 from moejax.offload.engine import OffloadEngine
-from moejax.offload.host_store import make_store, owned_device_put, shares_buffer
+from moejax.store import make_store, owned_device_put, shares_buffer
 from moejax.offload.transfer import TransferError, TransferTimeout
 from moejax.store import ExpertStore
 

@@ -95,11 +95,6 @@ def step_fn(prog: Program):
   return jax.jit(functools.partial(_decode, prog), donate_argnums=(2,))
 
 
-def step(prog: Program, params, srcs, carry, token, pos):
-  """One decoded token at position `pos` (`step_fn(prog)`)."""
-  return step_fn(prog)(params, srcs, carry, token, pos)
-
-
 @functools.partial(jax.jit, static_argnames=("prog", "steps", "temperature", "top_p"),
                    donate_argnums=(3,))
 def loop(prog: Program, params, srcs, carry, logits, pos, key, stop_ids, steps: int,

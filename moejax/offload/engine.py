@@ -29,14 +29,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moejax import families
+from moejax import families, speculation
 from moejax.config import ModelConfig
 from moejax.offload import decode
 from moejax.offload import layer as layer_lib
 from moejax.offload import link as link_lib
 from moejax.offload import policy as policy_lib
-from moejax.offload import prefetch as prefetch_lib
-from moejax.offload import prefetch_steps as pf_steps
+from moejax.offload import prefetch as pf_steps
 from moejax.offload import resident as resident_lib
 from moejax.offload import token as token_lib
 from moejax.offload import transfer
@@ -63,7 +62,7 @@ class OffloadEngine:
     if isinstance(link, str) and link.strip().lower().startswith("scaled"):
       raise link_lib.LinkSpecError(
           f"link={link!r}: a scaled link needs this machine's layer compute time; build it "
-          f"with moejax.offload.calibrate.calibrated_link(spec, cfg, params, store, dtype) "
+          f"with moejax.calibrate.calibrated_link(spec, cfg, params, store, dtype) "
           f"and pass the Link")
     self.device = jax.devices()[0]
     self.cfg, self.store, self.policy = cfg, store, policy
@@ -91,7 +90,7 @@ class OffloadEngine:
                         skip_empty=self.device.platform == "cpu")
     put = lambda a: jax.device_put(a, self.device)
     self.params = put(params)
-    preds = (prefetch_lib.stacked_predictors(cfg, pf.kind, pf.predictors, stack=False)
+    preds = (speculation.stacked_predictors(cfg, pf.kind, pf.predictors, stack=False)
              if self.mode.on and pf.kind != "oracle" else None)
     self._srcs = [None if i not in host else dict(store=host[i], **(put(preds[i]) if preds
                                                                    else {}))
@@ -148,14 +147,6 @@ class OffloadEngine:
     """{MoE layer: resident experts} after the last step.  Admissions requested at the
     last token are pending: they are inserted before their layer at the next token."""
     return {l: s.resident_experts() for l, s in self.states.items()}
-
-  def pending_admissions(self) -> dict[int, list[int]]:
-    """{MoE layer: experts requested for admission at the last token}."""
-    if self._carry is None:
-      return {l: [] for l in self.moe_layers}
-    pend = jax.device_get(self._carry[2])
-    get = (lambda p: p[0][0]) if self.mode.on else (lambda p: p[0])   # Step.pending[0]
-    return {l: [int(e) for e in get(pend[l]) if e >= 0] for l in self.moe_layers}
 
   @property
   def records(self) -> list[TokenRecord]:

@@ -39,7 +39,7 @@ from moejax import experts as experts_lib
 from moejax import routing
 from moejax.config import ModelConfig
 from moejax.offload import policy as policy_lib
-from moejax.offload import prefetch_steps as pf
+from moejax.offload import prefetch as pf
 from moejax.offload import resident as resident_lib
 from moejax.offload.policy import DROP, FETCH, HIT, HOST, SUBSTITUTE
 
@@ -55,7 +55,7 @@ class Ctx:
   cfg: ModelConfig
   policy: policy_lib.PolicyParams
   trim_to: int | None                 # budget slots S when there are staging slots
-  prefetch: str = "none"              # prefetch_steps.PREFETCH
+  prefetch: str = "none"              # prefetch.PREFETCH
   speculative: str = "off"
   keep: bool = True                   # executed prefetches enter the cache (False: streaming)
   control: Any = None                 # controls.Control (emulator studies)
@@ -306,16 +306,6 @@ def copy_rows(buffers: dict, store: dict, ids_J, slots_J, pinned: bool) -> dict:
   return jax.lax.fori_loop(0, n, copy_one, dict(buffers))
 
 
-def copy_prefetch(buffers: dict, store: dict, pf_ids_K, num_p: int, pinned: bool) -> dict:
-  """The prefetched experts into their rows P + 1 + j (`prefetch_steps.view`)."""
-  rows = jnp.where(pf_ids_K >= 0, num_p + 1 + jnp.arange(pf_ids_K.shape[0]), -1)
-  return copy_rows(buffers, store, pf_ids_K, rows.astype(jnp.int32), pinned)
-
-
-def _swiglu(cfg: ModelConfig):
-  return (cfg.swiglu_alpha, cfg.swiglu_limit)
-
-
 def run_experts(ctx: Ctx, mod, p, src: dict, h, moe_in, state, head: Head, carried: tuple):
   """The layer's experts and residual from the source -> (x, state).  The slots source
   first makes the copies the cache's metadata already promises, in order: the previous
@@ -337,7 +327,8 @@ def run_experts(ctx: Ctx, mod, p, src: dict, h, moe_in, state, head: Head, carri
     ids, slots = [carried[0], head.fetched], [carried[1], head.fetch_slots]
     if ctx.spec_on:
       ids, slots = [carried[3]] + ids, [carried[4]] + slots
-      bufs = copy_prefetch(bufs, store, head.pf_ids, num_p, ctx.pinned)
+      pf_rows = jnp.where(head.pf_ids >= 0, num_p + 1 + jnp.arange(k), -1)   # `prefetch.view`
+      bufs = copy_rows(bufs, store, head.pf_ids, pf_rows.astype(jnp.int32), ctx.pinned)
     bufs = copy_rows(bufs, store, jnp.concatenate(ids), jnp.concatenate(slots), ctx.pinned)
     state = dataclasses.replace(state, buffers=bufs)
   w = jnp.where(head.rows >= 0, dec.weights[0], 0.0)
@@ -350,7 +341,7 @@ def run_experts(ctx: Ctx, mod, p, src: dict, h, moe_in, state, head: Head, carri
     rows = {name: jnp.concatenate([_row(v, e[j], bufs[name].dtype, ctx.pinned)
                                    for j in range(k)]) for name, v in store.items()}
     y = experts_lib.apply_experts(moe_in.reshape(1, -1), jnp.arange(k)[None], wh[None], rows,
-                                  swiglu=_swiglu(ctx.cfg))
+                                  swiglu=(ctx.cfg.swiglu_alpha, ctx.cfg.swiglu_limit))
     x = x + y.reshape(x.shape).astype(x.dtype)
   return x, state
 

@@ -315,6 +315,8 @@ class LinkClock:
         if self._free > t:        # the background transfers on the link are pushed back
           self._free += d
           nxt_pf_at += d if nxt_pf_at else 0.0
+          admit = {a: at + d if at > t else at for a, at in admit.items()}
+          self._admit = {a: at + d if at > t else at for a, at in self._admit.items()}
         t += d
       t += half
       if admissions[j]:

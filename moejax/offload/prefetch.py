@@ -1,134 +1,128 @@
-"""Speculative expert prefetch: the engine's setting and the predictors' files.
+"""Speculative prefetch: the pure prediction and decision functions and the engine's steps.
 
-  preds = prefetch.load_predictors("quasi", cfg, "ckpts/demo")   # default vectors (+ estimators)
-  OffloadEngine(..., prefetch=Prefetch("quasi", "true_router", preds))
+At MoE layer l, once attention is done (r_l = h), layer l+1's routing is predicted
+(DESIGN.md, quasi-hidden state):
 
-Per decoded token and MoE layer l, inside the decode program (`layer.moe_layer`,
-`prefetch_steps`): layer l's experts are predicted at layer l from the previous MoE
-layer's (r, d) (or taken from the previous token); the predicted experts not resident
-are copied into the layer's K prefetch rows (never a slot the cache holds, so a
-prefetch never evicts an expert this token needs) and count as resident for the
-decision; the executed ones are then inserted into the cache like fetched experts (not
-in streaming).  An expert predicted again at the next token is copied again.
+  reuse:    router_{l+1}(Norm_{l+1}(r_l))
+  quasi:    router_{l+1}(Norm_{l+1}(r_l + d_l)),  d_l = sum_k w_k D_l[e_k]
+  previous: layer l+1's true router logits at the previous token (no computation: a
+            model whose routing has temporal locality repeats its selections)
+  hybrid:   per layer pair the source chosen on held-out data (launch.train_estimators):
+            quasi, quasi plus the trained estimator's correction, or previous
+
+where e_k, w_k are the experts *executed* at layer l and their weights, and D_l the
+default vectors.  Every predictor goes through the next layer's own `route_logits`
+(its pre-MoE norm and router) and `routing.route`, so each family's rule applies.
+
+Prefetched experts live in R = K rows next to the slot buffers (never in a slot the
+cache holds): for the policy they count as resident through a *view* of the layer's
+`ResidentState` whose `expert_slot` maps prefetched expert j to row P + 1 + j of the
+table `buffers ++ rows` (P physical slots, then the scratch row).
+
+Speculative execution (`speculative`):
+  off                the true router decides, through `policy.decide` on the view (a
+                     mispredicted expert goes through the miss rule);
+  predicted_weights  `decide` on the *predicted* logits: layer l+1 runs the predicted
+                     experts with the predictor's own gates (the family's rule applied
+                     to the predicted logits); the true router is evaluated for the
+                     statistics only;
+  true_router        the predicted experts, with the true router's weights restricted
+                     to them (`restricted_gates`).
+The first MoE layer always uses its true routing.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-import orbax.checkpoint as ocp
 
-from moejax import layer_stack, routing, speculation
+from estimators.model import estimate
+from moejax import routing
 from moejax.config import ModelConfig
+from moejax.model import DecoderLayer
+from moejax.offload import policy as policy_lib
+from moejax.offload import resident as resident_lib
+from moejax.offload.policy import FETCH, HIT, HOST, SUBSTITUTE
+
+PREFETCH = ("none", "reuse", "quasi", "previous", "hybrid", "oracle")
+SPECULATIVE = ("off", "predicted_weights", "true_router")
 
 
-class PrefetchError(ValueError):
-  """Missing or mismatched predictor files; the message names the command that makes them."""
+# ------------------------------------------------------------------ pure functions
+def restricted_gates(cfg: ModelConfig, logits_NxE: jax.Array, ids_NxK: jax.Array) -> jax.Array:
+  """The true router's gate weights applied to the experts `ids` (not its own top-k).
+
+  softmax: p = softmax(logits) over all experts, p[ids], divided by their sum when the
+  family renormalises (norm_topk_prob; mixtral's family always sets it); topk_softmax (gpt_oss): softmax over
+  logits[ids]; sigmoid_group: sigmoid(logits)[ids] (unbiased), normalised when
+  norm_topk_prob, times routed_scaling_factor.  With ids = the true top-k these are
+  exactly `routing.route`'s gates."""
+  logits = logits_NxE.astype(jnp.float32)
+  take = lambda a: jnp.take_along_axis(a, ids_NxK, axis=-1)
+  if cfg.router == "softmax":
+    g = take(jax.nn.softmax(logits, axis=-1))
+    if cfg.norm_topk_prob:  # mixtral's family sets it
+      g = g / jnp.sum(g, axis=-1, keepdims=True)
+    return g
+  if cfg.router == "topk_softmax":
+    return jax.nn.softmax(take(logits), axis=-1)
+  if cfg.router == "sigmoid_group":
+    g = take(jax.nn.sigmoid(logits[..., :cfg.num_experts]))
+    if cfg.norm_topk_prob:
+      g = g / (jnp.sum(g, axis=-1, keepdims=True) + 1e-20)
+    return g * cfg.routed_scaling_factor
+  raise ValueError(f"unknown router rule {cfg.router!r} for model_type {cfg.model_type}")
 
 
-def estimators_dir(model_dir: str) -> str:
-  return model_dir.rstrip("/") + "-estimators"
+def quasi_offset(exec_ids_K: jax.Array, weights_K: jax.Array, vectors_ExD: jax.Array):
+  """d_l = sum_k w_k D_l[e_k] over the executed experts (e_k >= 0) -> [D]."""
+  w = jnp.where(exec_ids_K >= 0, weights_K, 0.0)
+  return jnp.einsum("k,kd->d", w, vectors_ExD[jnp.maximum(exec_ids_K, 0)].astype(jnp.float32))
 
 
-HYBRID_SOURCES = ("quasi", "estimator", "previous")   # what the hybrid may use for a pair
+def predict_logits(mod_next: DecoderLayer, p_next, r_1xD, d_D, estimator, kind: str,
+                   last=None):
+  """Layer l+1's predicted router logits [1, E'] from r_l (and d_l unless `reuse`);
+  `last` = (layer l+1's true logits [1, E'] at the previous token, whether there was
+  one), the input of an estimator that takes it (`estimators.model`)."""
+  x = r_1xD if kind == "reuse" else r_1xD + d_D.astype(r_1xD.dtype)[None]
+  q, logits = mod_next.apply({"params": p_next}, x, method="route_logits")
+  if estimator is not None:
+    logits = estimate(estimator, q, logits, *(last if last is not None else (None, None)))
+  return logits.astype(jnp.float32)
 
 
-def hybrid_sources(meta: dict) -> list[str]:
-  """The hybrid's per-pair sources recorded by launch.train_estimators (files made before
-  the `previous` source: the estimator where marked, quasi elsewhere)."""
-  return [row.get("hybrid_source", "estimator" if row["hybrid_uses_estimator"] else "quasi")
-          for row in meta["per_layer"]]
+def view(state: resident_lib.ResidentState, pf_ids_R: jax.Array) -> resident_lib.ResidentState:
+  """The state the policy sees: prefetched expert j (pf_ids_R[j] >= 0, not in a slot)
+  resident at table row P + 1 + j."""
+  num_e, num_p = state.expert_slot.shape[0], state.slot_expert.shape[0]
+  pf = jnp.where(pf_ids_R >= 0, pf_ids_R, num_e)
+  row = num_p + 1 + jnp.arange(pf_ids_R.shape[0], dtype=jnp.int32)
+  free = state.expert_slot[jnp.minimum(pf, num_e - 1)] < 0
+  slot = state.expert_slot.at[jnp.where(free, pf, num_e)].set(row, mode="drop")
+  return dataclasses.replace(state, expert_slot=slot)
 
 
-def load_predictors(kind: str, cfg: ModelConfig, model_dir: str | None = None,
-                    directory: str | None = None) -> dict:
-  """{"vectors": [E, D] per MoE layer, "estimators": params or None per layer pair,
-  "sources": the predictor of each layer pair (`kind`; for hybrid one of `HYBRID_SOURCES`)}.
-
-  quasi and hybrid need the default vectors (launch.default_vectors), hybrid also the
-  estimators and its per-pair choice (launch.train_estimators), both made for this
-  model (config hash); reuse and previous need no files."""
-  from moejax.traces import config_hash  # pylint: disable=g-import-not-at-top
-  n_moe = len(cfg.moe_layers)
-  n_pairs = max(0, n_moe - 1)
-  out = {"vectors": None, "estimators": [None] * n_pairs,
-         "sources": [kind] * n_pairs}
-  if kind not in ("quasi", "hybrid"):
-    return out
-  if directory is None and model_dir is None:
-    raise PrefetchError(f"--prefetch={kind} needs the model's default vectors: pass "
-                        f"--estimators=DIR or the model folder")
-  d = directory or estimators_dir(model_dir)
-  vdir = os.path.join(d, "default_vectors")
-  try:
-    out["vectors"] = speculation.load_default_vectors(vdir, cfg)
-  except (FileNotFoundError, ValueError) as e:
-    raise PrefetchError(f"--prefetch={kind}: {e}") from None
-  if kind == "quasi":
-    return out
-  meta_path = os.path.join(d, "estimators.json")
-  if not os.path.exists(meta_path):
-    raise PrefetchError(f"--prefetch=hybrid: no trained estimators in {d} (no estimators.json): "
-                        f"run `python -m launch.train_estimators --model_dir=<the model> "
-                        f"--out={d}`")
-  meta = json.load(open(meta_path))
-  if meta.get("config_hash") != config_hash(cfg):
-    raise PrefetchError(f"--prefetch=hybrid: {meta_path} was trained for another model "
-                        f"(config hash {meta.get('config_hash')}, this model "
-                        f"{config_hash(cfg)}); rerun launch.train_estimators for this model")
-  with ocp.StandardCheckpointer() as ckptr:
-    tree = ckptr.restore(os.path.abspath(os.path.join(d, "estimators")))
-  pairs = tree["pairs"]
-  if len(pairs) != n_pairs or len(meta["per_layer"]) != n_pairs:
-    raise PrefetchError(f"{d}: {len(pairs)} estimators for {n_pairs} MoE layer pairs; rerun "
-                        f"launch.train_estimators for this model")
-  out["sources"] = hybrid_sources(meta)
-  for j, src in enumerate(out["sources"]):
-    if src not in HYBRID_SOURCES:
-      raise PrefetchError(f"{meta_path}: pair {j} has hybrid source {src!r}; rerun "
-                          f"launch.train_estimators")
-    if src == "estimator":
-      kernel = np.asarray(pairs[j]["params"]["w_out"]["kernel"])
-      if kernel.shape[-1] != cfg.num_experts:
-        raise PrefetchError(f"{d}: estimator {j} predicts {kernel.shape[-1]} experts, the "
-                            f"model has {cfg.num_experts}; rerun launch.train_estimators")
-      rows = np.asarray(pairs[j]["params"]["w_in"]["kernel"]).shape[0]
-      dim, width = cfg.hidden_size, routing.router_width(cfg)
-      if rows not in (dim, dim + width):
-        raise PrefetchError(f"{d}: estimator {j} takes {rows} inputs, this model's q has "
-                            f"{dim} (and the previous token's router logits {width} more); rerun "
-                            f"launch.train_estimators")
-      out["estimators"][j] = jax.tree_util.tree_map(jnp.asarray, pairs[j])
-  widths = {np.shape(e["params"]["w_in"]["kernel"]) for e in out["estimators"] if e is not None}
-  if len(widths) > 1:
-    raise PrefetchError(f"{d}: the estimators differ in shape ({sorted(widths)}); rerun "
-                        f"launch.train_estimators")
-  return out
+def speculative_decision(cfg: ModelConfig, true_1xE, pred_1xE, state_view, decision,
+                         speculative: str) -> policy_lib.Decision:
+  """The decision of a layer under `speculative` (see the module docstring)."""
+  if speculative == "off":
+    return policy_lib.decide(true_1xE, state_view, decision, cfg)
+  dec = policy_lib.decide(pred_1xE, state_view, decision, cfg)
+  if speculative == "true_router":
+    g = restricted_gates(cfg, true_1xE, dec.ids)
+    runs = (dec.action == HIT) | (dec.action == FETCH) | (dec.action == SUBSTITUTE) | (
+        dec.action == HOST)
+    dec = dataclasses.replace(dec, gates=g, weights=jnp.where(runs, g, 0.0))
+  return dec
 
 
-def _predictors(kind: str, cfg: ModelConfig, predictors: dict | None) -> dict:
-  """The given predictors, else the shipped ones; quasi and hybrid need default vectors."""
-  preds = predictors or load_predictors(kind, cfg)
-  if kind in ("quasi", "hybrid") and preds["vectors"] is None:
-    raise PrefetchError(f"--prefetch={kind} needs default vectors: run "
-                        f"`python -m launch.default_vectors --model_dir=<the model>`")
-  n_pairs = max(0, len(cfg.moe_layers) - 1)
-  if kind != "hybrid":
-    preds = dict(preds, sources=[kind] * n_pairs)
-  elif "sources" not in preds:   # a hand-made dict: the estimator wherever there is one
-    preds = dict(preds, sources=["estimator" if e is not None else "quasi"
-                                 for e in preds["estimators"]])
-  return preds
-
-
+# ------------------------------------------------------------------ modes
 @dataclasses.dataclass(frozen=True)
 class Prefetch:
-  """The engine's speculative prefetch: the predictor `kind` (prefetch_steps.PREFETCH;
+  """The engine's speculative prefetch: the predictor `kind` (prefetch.PREFETCH;
   "none": off), speculative execution, the predictors' files (`load_predictors`; None:
   the shipped ones) and `streaming` (no expert cache: every expert of a token is fetched
   or prefetched)."""
@@ -138,26 +132,45 @@ class Prefetch:
   streaming: bool = False
 
 
-def stacked_predictors(cfg: ModelConfig, kind: str, predictors: dict | None,
-                       stack: bool = True):
-  """Per layer: the default vectors D_l (to form d_l), the estimator that predicts
-  layer l from the MoE layer before it (zero correction where none: W_out = 0 is the
-  plain quasi prediction) and whether layer l takes the previous token's routing
-  (the hybrid's `previous` source), stacked like the layers (`layer_stack.stack_layers`), for the emulator's scan."""
-  preds = _predictors(kind, cfg, predictors)
-  zero_v = jnp.zeros((cfg.num_experts, cfg.hidden_size), jnp.float32)
-  moe = list(cfg.moe_layers)
-  vec = {l: (jnp.asarray(preds["vectors"][j], jnp.float32) if preds["vectors"] is not None
-             else zero_v) for j, l in enumerate(moe)}
-  use_est = [src == "estimator" and e is not None
-             for src, e in zip(preds["sources"], preds["estimators"])]
-  ests = [e for e, u in zip(preds["estimators"], use_est) if u]
-  zero_e = jax.tree_util.tree_map(jnp.zeros_like, ests[0]) if ests else None
-  est = {l: (preds["estimators"][j - 1] if j and use_est[j - 1] else zero_e)
-         for j, l in enumerate(moe)}
-  last = {l: jnp.bool_(j > 0 and preds["sources"][j - 1] == "previous") for j, l in enumerate(moe)}
-  xs = [{"vectors": vec.get(i, zero_v), "est": est.get(i, zero_e),
-         "use_last": last.get(i, jnp.bool_(False))} for i in range(cfg.num_layers)]
-  if stack and layer_stack.uniform(cfg):
-    return jax.tree_util.tree_map(lambda *a: jnp.stack(a), *xs)
-  return xs
+@dataclasses.dataclass(frozen=True)
+class Mode:
+  """What the engine's prefetch does (hashable: keys the jitted steps)."""
+  prefetch: str = "none"
+  speculative: str = "off"
+  keep: bool = True            # insert the prefetched experts used into the cache
+
+  def __post_init__(self):
+    if self.prefetch not in PREFETCH:
+      raise ValueError(f"--prefetch must be one of {', '.join(PREFETCH)}, got {self.prefetch!r}")
+    if self.speculative not in SPECULATIVE:
+      raise ValueError(f"--speculative must be one of {', '.join(SPECULATIVE)}, got "
+                       f"{self.speculative!r}")
+    if self.speculative != "off" and self.prefetch == "none":
+      raise ValueError(f"--speculative={self.speculative} executes predicted experts: it "
+                       f"needs --prefetch=reuse, quasi, previous or hybrid")
+
+  @property
+  def on(self) -> bool:
+    return self.prefetch != "none"
+
+
+
+
+def predicted(cfg: ModelConfig, mod, p, prefetch: str, est, use_last, r_prev, d_prev, has,
+              last, true_1xE):
+  """(predicted router logits [1, E'] of this layer, whether there is a prediction).
+
+  From the previous MoE layer's (r, d) through this layer's own norm and router
+  (`predict_logits`), from `last` = (this layer's true logits at the previous token,
+  whether there was one) for `previous` (and where the hybrid's `use_last` says so),
+  or this layer's true logits (`oracle`: a check, not a predictor).  No prediction
+  reaches the first MoE layer (`has` False): its true routing decides."""
+  if prefetch == "oracle":
+    return true_1xE.astype(jnp.float32), has
+  if prefetch == "previous":
+    return last[0], has & last[1]
+  pred = predict_logits(mod, p, r_prev, d_prev, est, prefetch, last)
+  if use_last is not None and prefetch == "hybrid":
+    pred = jnp.where(use_last, last[0], pred)
+    has = has & (~use_last | last[1])
+  return pred, has

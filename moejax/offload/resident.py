@@ -135,7 +135,7 @@ def init_state(num_experts: int, num_slots: int, expert_spec: dict,
 
   buffers=False gives a state without slot buffers (for tools that only need
   residency: the simulator).  extra_rows: rows after the scratch row (speculative
-  prefetch's K rows, `prefetch_steps.view`).
+  prefetch's K rows, `prefetch.view`).
   """
   bufs = ({k: jnp.zeros((num_slots + 1 + extra_rows,) + tuple(shp), dt)
            for k, (shp, dt) in expert_spec.items()} if buffers else {})

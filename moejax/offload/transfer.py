@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moejax.offload import host_store
+from moejax import store as store_lib
 
 
 class TransferError(RuntimeError):
@@ -43,9 +43,9 @@ def sleep_until(deadline: float, spin_s: float = 2e-4):
 def _memory_kinds(store, device) -> list:
   """Where the program may read the store from, best first (None: the device's default
   memory, which on the CPU backend is host memory)."""
-  kinds = host_store.memory_kinds(device)
+  kinds = store_lib.memory_kinds(device)
   if device.platform == "cpu":
-    pinned = host_store.store_backend(store) == "pinned_host" and "pinned_host" in kinds
+    pinned = store_lib.store_backend(store) == "pinned_host" and "pinned_host" in kinds
     return (["pinned_host"] if pinned else []) + [None]
   return [k for k in ("pinned_host", "unpinned_host") if k in kinds]
 
@@ -64,7 +64,7 @@ def program_store(store, device) -> tuple[dict, bool]:
   if not kinds:
     raise TransferError(f"{device} offers no host memory kind the decode program can read "
                         f"the expert store from (memory kinds: "
-                        f"{', '.join(host_store.memory_kinds(device))})")
+                        f"{', '.join(store_lib.memory_kinds(device))})")
   out = {}
   for l in store.moe_layers:
     layer = {}

@@ -30,7 +30,7 @@ import numpy as np
 from moejax import emulator, loader
 from moejax.config import ModelConfig
 from moejax.model import Transformer
-from moejax.offload import host_store
+from moejax import store as host_store
 from moejax.offload.engine import OffloadEngine
 from moejax.sampler import Sampler, SamplingParams
 from moejax.store import ExpertStore

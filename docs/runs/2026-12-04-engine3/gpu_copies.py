@@ -15,7 +15,8 @@ sys.argv += [] if len(sys.argv) > 1 else ["."]
 src = open(os.path.join(os.path.dirname(__file__), "gpu_check.py")).read().split("for part in (exactness")[0]
 g = {}
 exec(compile(src, "gpu_check", "exec"), g)
-from moejax.offload import decode, host_store, layer as L
+from moejax import store as host_store
+from moejax.offload import decode, layer as L
 from moejax.offload.engine import OffloadEngine
 OUT, QUICK = g["OUT"], g["QUICK"]
 cfg = (g["cfg_of"](4, 256, 4, 2, 64, 32, 8, 128, 1024) if QUICK

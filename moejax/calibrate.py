@@ -23,7 +23,7 @@ import numpy as np
 from moejax import routing
 from moejax.config import ModelConfig
 from moejax.model import DecoderLayer, Transformer, init_cache
-from moejax.offload.host_store import owned_device_put
+from moejax.store import owned_device_put
 from moejax.offload import link as link_lib
 
 

@@ -13,10 +13,11 @@ import numpy as np
 import pytest
 import torch
 
+from moejax import calibrate
 from moejax.config import ModelConfig
 from moejax.loader import expert_shapes, load_model
 from moejax.model import Transformer
-from moejax import calibrate, decode
+from moejax.offload import decode
 from moejax.offload import link as link_lib
 from moejax.offload import policy as P
 from moejax.offload import resident as R

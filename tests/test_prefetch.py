@@ -9,16 +9,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moejax import routing
+from moejax import routing, speculation
 from moejax.config import ModelConfig
 from moejax.loader import expert_shapes
 from moejax.model import Transformer
 from moejax.offload import policy as P
 from moejax.offload import prefetch as prefetch_lib
-from moejax.offload import prefetch as pf_steps
 from moejax.offload.engine import OffloadEngine
 from moejax.offload.prefetch import Prefetch
-from moejax.speculation import save_default_vectors
 from moejax.store import ExpertStore
 from moejax.traces import config_hash
 
@@ -99,25 +97,25 @@ def _cfg(**kw):
 def test_restricted_gates_hand_checked():
   cfg = _cfg(model_type="olmoe", norm_topk_prob=False)
   logits = jnp.log(jnp.asarray([[0.1, 0.2, 0.3, 0.4]]))
-  g = pf_steps.restricted_gates(cfg, logits, jnp.asarray([[0, 2]]))
+  g = prefetch_lib.restricted_gates(cfg, logits, jnp.asarray([[0, 2]]))
   np.testing.assert_allclose(np.asarray(g), [[0.1, 0.3]], rtol=1e-6)   # p[ids], not renormalised
   cfg_n = _cfg(model_type="qwen3_moe", norm_topk_prob=True)
-  g = pf_steps.restricted_gates(cfg_n, logits, jnp.asarray([[0, 2]]))
+  g = prefetch_lib.restricted_gates(cfg_n, logits, jnp.asarray([[0, 2]]))
   np.testing.assert_allclose(np.asarray(g), [[0.25, 0.75]], rtol=1e-6)
   ids, gates, _ = routing.route(cfg_n, logits)                          # the true top-k: route's
-  np.testing.assert_allclose(np.asarray(pf_steps.restricted_gates(cfg_n, logits, ids)),
+  np.testing.assert_allclose(np.asarray(prefetch_lib.restricted_gates(cfg_n, logits, ids)),
                              np.asarray(gates), rtol=1e-6)
 
 
 def test_quasi_offset_and_view_hand_checked():
   vec = jnp.asarray([[1.0, 0.0], [0.0, 1.0], [5.0, 5.0]])
-  d = pf_steps.quasi_offset(jnp.asarray([1, -1, 0]), jnp.asarray([0.5, 9.0, 0.25]), vec)
+  d = prefetch_lib.quasi_offset(jnp.asarray([1, -1, 0]), jnp.asarray([0.5, 9.0, 0.25]), vec)
   np.testing.assert_allclose(np.asarray(d), [0.25, 0.5])                # -1 (nothing run) skipped
   from moejax.offload import resident as R
   st = R.init_state(4, 2, {}, buffers=False)
   st = st.__class__(**{**st.__dict__, "expert_slot": jnp.asarray([-1, 0, -1, -1]),
                        "slot_expert": jnp.asarray([1, -1])})
-  v = pf_steps.view(st, jnp.asarray([3, 1, -1]))
+  v = prefetch_lib.view(st, jnp.asarray([3, 1, -1]))
   # expert 3 -> row P + 1 + 0 = 3; expert 1 already in slot 0 keeps it; -1 ignored
   np.testing.assert_array_equal(np.asarray(v.expert_slot), [-1, 0, -1, 3])
 
@@ -191,7 +189,6 @@ def test_estimator_takes_the_previous_tokens_routing(model):
   equal the estimator applied to the teacher-forced (q, quasi logits, previous token's
   true logits) -- and differ from it fed no previous token.  Speculation off: exact."""
   from estimators.model import estimate
-  from moejax import speculation
   cfg, params, store, ref = model
   preds = with_estimators(cfg, previous=True)
   eng, out, _ = _run(cfg, params, store, PROMPT, STREAM, prefetch="hybrid", streaming=True,
@@ -268,7 +265,7 @@ def test_cache_preset_with_prefetch(model, policy):
 
 def _save_vectors(tmp_path, cfg, h=None):
   d = tmp_path / "m-estimators"
-  save_default_vectors(str(d / "default_vectors"), _vectors(cfg)["vectors"],
+  speculation.save_default_vectors(str(d / "default_vectors"), _vectors(cfg)["vectors"],
                        [np.ones(cfg.num_experts)] * len(cfg.moe_layers),
                        {"config_hash": h or config_hash(cfg)})
   return tmp_path / "m", d
@@ -308,7 +305,7 @@ def test_missing_or_foreign_predictor_files_are_refused(model, tmp_path):
   with pytest.raises(ValueError, match="--speculative"):
     OffloadEngine(cfg, model[1], model[2], prefetch=Prefetch(speculative="true_router"))
   with pytest.raises(ValueError, match="--prefetch must be"):
-    pf_steps.Mode("sometimes")
+    prefetch_lib.Mode("sometimes")
 
 
 @pytest.mark.parametrize("kw", [

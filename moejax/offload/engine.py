@@ -171,7 +171,7 @@ class OffloadEngine:
     """Compiles the decode step (and, with a native link, nothing else is compiled per
     token) on throwaway state, so that records measure decoding, not compilation."""
     self._check()
-    carry = self._new_carry(jax.tree_util.tree_map(jnp.copy, self._states))
+    carry = self._new_carry(jax.tree_util.tree_map(jnp.copy, self.states))
     out = self._step(self.params, self._srcs, carry, np.int32(0), np.int32(0))
     jax.block_until_ready(out)
 

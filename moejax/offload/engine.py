@@ -141,11 +141,13 @@ class OffloadEngine:
   @property
   def states(self) -> dict:
     """The per-MoE-layer ResidentStates (read-only)."""
+    if self._srcs is None:
+      raise transfer.TransferError("the engine is closed")
     return self._carry[1] if self._carry is not None else self._states
 
   def resident_sets(self) -> dict[int, list[int]]:
-    """{MoE layer: resident experts} after the last step.  Admissions requested at the
-    last token are pending: they are inserted before their layer at the next token."""
+    """{MoE layer: resident experts} after the last step, the admissions it requested
+    included (they are inserted at the end of the token that requests them)."""
     return {l: s.resident_experts() for l, s in self.states.items()}
 
   @property

@@ -124,7 +124,6 @@ def cache_fraction() -> float:
 
 
 def make_policy():
-  from moejax import speculation
   from moejax.offload.policy import make_policy as make
   return make(FLAGS.policy, tau=FLAGS.tau, admission_beta=FLAGS.admission_beta,
               eviction=FLAGS.eviction)
@@ -271,6 +270,7 @@ def generate_offloaded(cfg, params, store, tok, ids, sp, dtype, seq):
   import jax
   from moejax.calibrate import calibrated_link
   from moejax.offload.engine import OffloadEngine
+  from moejax import speculation
   from moejax.offload import prefetch as prefetch_lib
   from moejax.offload.stats import format_stats
   link = calibrated_link(link_spec(), cfg, params, store, dtype)   # scaled: measures a layer

@@ -7,10 +7,9 @@
     logits = eng.decode_step(token)        # [V]; one stats.TokenRecord appended
     logits = eng.decode_step(tok, lazy=True)   # a device array; the record is read later
     ids = eng.generate(prompt_ids, SamplingParams(...))   # on-device loop, or per token
-    eng.stats(skip=16)           # summary of the decode records
-    eng.resident_sets()          # {layer: resident expert ids}
+    eng.stats(skip=16); eng.resident_sets()    # summary of the records; resident ids
 
-A decode step is ONE jitted program (`decode.step`): every layer, and in each MoE
+A decode step is ONE jitted program (`decode.step_fn`): every layer, and in each MoE
 layer the one per-layer sequence (`layer.moe_layer`) with its copies from the host
 store made inside the program.  The host dispatches it and, to build the token's
 record, reads one small array of packed decisions; with `lazy=True` (or in

@@ -122,7 +122,10 @@ def _say_interrupted():
       return
     _interrupt["reported"] = True
   try:
-    sys.stderr.write(f"{prog()}: interrupted\n")
+    # On a line of its own even when the signal split a print (its text written, its
+    # newline not yet): print() writes the two separately.
+    start = "" if getattr(sys.stderr, "at_line_start", True) else "\n"
+    sys.stderr.write(f"{start}{prog()}: interrupted\n")
     sys.stderr.flush()
   except Exception:  # pylint: disable=broad-except
     pass
@@ -197,6 +200,21 @@ def _unraisable(hook):
   return wrapped
 
 
+class _LineTracking:
+  """sys.stderr that remembers whether its last write ended a line (for the one line)."""
+
+  def __init__(self, stream):
+    self._stream, self.at_line_start = stream, True
+
+  def write(self, text):
+    if text:
+      self.at_line_start = text.endswith("\n")
+    return self._stream.write(text)
+
+  def __getattr__(self, name):
+    return getattr(self._stream, name)
+
+
 def install_interrupt_handler():
   """SIGINT -> KeyboardInterrupt plus the watchdog (see the module docstring).  Main
   thread only; `run` calls it first.  A process started with SIGINT ignored (e.g. `cmd &`
@@ -210,6 +228,8 @@ def install_interrupt_handler():
   threading.Thread(target=_watch_wakeup_fd, args=(r,), daemon=True,
                    name="moejax-sigint-wakeup").start()
   sys.unraisablehook = _unraisable(sys.unraisablehook)
+  if not isinstance(sys.stderr, _LineTracking):
+    sys.stderr = _LineTracking(sys.stderr)
 
 
 def interrupted_exit():

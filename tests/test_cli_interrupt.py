@@ -154,6 +154,21 @@ def test_interrupt_swallowed_in_a_loop_still_exits_130(tmp_path):
   assert dt >= cli.INTERRUPT_GRACE_S * 0.9, dt      # it was the watchdog
 
 
+def test_interrupt_between_a_lines_text_and_its_newline(tmp_path):
+  # print() writes its text and its newline separately; a signal between the two (CI saw
+  # it after generate's "host RAM ..." line) must still leave the one line on its own line
+  proc = run_script(tmp_path, """
+  def main(argv):
+    say("ready")
+    sys.stderr.write("half a line")
+    sys.stderr.flush()
+    time.sleep(30)
+  """)
+  rc, dt = proc.interrupt(0.1)
+  assert_interrupted(proc, rc, dt, "script.py")
+  assert "half a line\n" in proc.stderr()
+
+
 def test_interrupt_unwinds_finally_blocks_and_exits_130(tmp_path):
   proc = run_script(tmp_path, """
   def main(argv):

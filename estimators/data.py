@@ -1,6 +1,6 @@
 """Training pairs for the estimators: (q_l, quasi logits, true logits of layer l+1).
 
-Recorded from teacher-forced runs (moejax.speculation.predictions) over windows of
+Recorded from teacher-forced runs (moejax.prefetch.speculation.predictions) over windows of
 text and written as shards ``shard_00000.npz`` ... with arrays ``q`` [P, N, D],
 ``quasi`` [P, N, E], ``true`` [P, N, E] (P = consecutive MoE-layer pairs, float16),
 plus ``meta.json`` (config hash, windows, tokens).
@@ -16,9 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from estimators import model
-from moejax import corpus, speculation
-from moejax import data as corpus_data
-from moejax.tokenizer import Tokenizer
+from moejax.train import corpus
+from moejax.prefetch import speculation
+from moejax.train import data as corpus_data
+from moejax.io.tokenizer import Tokenizer
 
 
 def train_stream(model_dir: str, tokens_file: str = "",

@@ -25,7 +25,7 @@ import optax
 import orbax.checkpoint as ocp
 
 from estimators.model import LogitCorrection
-from moejax import speculation
+from moejax.prefetch import speculation
 
 
 @dataclasses.dataclass(frozen=True)

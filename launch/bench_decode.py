@@ -22,9 +22,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moejax.config import ModelConfig
-from moejax.loader import init_random, save_hf
-from moejax.sampler import Sampler, SamplingParams
+from moejax.model.config import ModelConfig
+from moejax.io.loader import init_random, save_hf
+from moejax.model.sampler import Sampler, SamplingParams
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", "bench_decode.json", "JSON results file.")

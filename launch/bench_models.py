@@ -13,9 +13,9 @@ import os
 import jax
 import jax.numpy as jnp
 
-from moejax.config import ModelConfig
-from moejax.loader import init_random, load_model, save_hf
-from moejax.store import ExpertStore
+from moejax.model.config import ModelConfig
+from moejax.io.loader import init_random, load_model, save_hf
+from moejax.io.store import ExpertStore
 
 DEMO_DIR = "ckpts/demo"
 NAMES = ("bench_f32", "bench_bf16", "demo_f32", "demo_bf16")

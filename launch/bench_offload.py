@@ -10,7 +10,7 @@ the output).  The experts wait in a --store back-end (numpy, mmap, pinned_host).
 Every preset decodes the same teacher-forced token stream (so all see the same
 inputs), after a prompt and `--warmup_tokens` untimed tokens, one `decode_step` per
 token.  The caches start from the experts most often routed on a separate profiling
-stream.  Timed beside them, on the same tokens: the all-resident `moejax.sampler.Sampler`
+stream.  Timed beside them, on the same tokens: the all-resident `moejax.model.sampler.Sampler`
 (one jitted `decode_step` call per token, its logits read back as the engine's are)
 and the OffloadEngine with every expert resident.  The timed tokens are cut into
 `--rounds` blocks; in each round every runner decodes that block in turn (rotated
@@ -50,14 +50,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from launch.bench_transfer import expert_copy_seconds
-from moejax.config import ModelConfig
-from moejax.loader import init_random, load_model
-from moejax import calibrate
+from moejax.model.config import ModelConfig
+from moejax.io.loader import init_random, load_model
+from moejax.offload import calibrate
 from moejax.offload.engine import OffloadEngine
-from moejax.store import BACKENDS, StoreBackendError, make_store
+from moejax.io.store import BACKENDS, StoreBackendError, make_store
 from moejax.offload.link import parse_link
-from moejax.sampler import Sampler, SamplingParams
-from moejax.store import ExpertStore
+from moejax.model.sampler import Sampler, SamplingParams
+from moejax.io.store import ExpertStore
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", "bench_offload.json", "JSON results file.")
@@ -71,7 +71,7 @@ flags.DEFINE_list("presets", ["baseline", "quality", "speed", "host", "substitut
                   "Policies to time ('host' only on the CPU backend).")
 flags.DEFINE_list("links", ["scaled", "native"], "--link specs to time side by side.")
 flags.DEFINE_enum("store", "numpy", list(BACKENDS), "Expert store back-end "
-                  "(moejax.store.make_store).")
+                  "(moejax.io.store.make_store).")
 flags.DEFINE_float("cache_fraction", 0.25, "Experts per layer resident.")
 flags.DEFINE_integer("prompt_len", 16, "Prompt tokens.")
 flags.DEFINE_integer("warmup_tokens", 16, "Decoded tokens not timed (cache warm-up, compile).")
@@ -127,7 +127,7 @@ def load(dtype):
 def token_streams(cfg, tok_path, n: int):
   """(profiling stream, measured stream): held-out text when a tokenizer exists."""
   if tok_path:
-    from moejax.tokenizer import Tokenizer
+    from moejax.io.tokenizer import Tokenizer
     tok = Tokenizer(tok_path)
     lib = sysconfig.get_paths()["stdlib"]
     texts = [open(p, errors="ignore").read() for p in sorted(glob.glob(os.path.join(lib, "json",

@@ -41,10 +41,10 @@ from tqdm import tqdm
 
 from launch import bench_models
 from launch import llama_cpp
-from moejax import cpu_kernel
+from moejax.kernels import cpu_kernel
 from moejax.offload.engine import OffloadEngine
-from moejax.sampler import Sampler, SamplingParams, next_token
-from moejax.tokenizer import Tokenizer
+from moejax.model.sampler import Sampler, SamplingParams, next_token
+from moejax.io.tokenizer import Tokenizer
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", "bench_peers.json", "JSON results file.")

@@ -10,7 +10,7 @@ time is the emulated link's time for every transfer the records name, as
 (every transfer: fetches, prefetches used or wasted, admissions requested).
 
 Quality (the emulator, idealised link): perplexity of each mode against exact execution
-on held-out stdlib files and HumanEval problems (moejax.study.streams), and greedy
+on held-out stdlib files and HumanEval problems (moejax.research.study.streams), and greedy
 agreement with exact decoding on HumanEval prompts.  Modes without speculative execution
 and without substitution (on-demand, prefetch with speculative=off) are exact by
 construction (tests/test_prefetch.py) and are not emulated, except those named in
@@ -33,17 +33,17 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from moejax import emulator as E
-from moejax.loader import load_model
-from moejax import calibrate
-from moejax import speculation
-from moejax.offload import policy as P
-from moejax.offload import prefetch as prefetch_lib
+from moejax.research import emulator as E
+from moejax.io.loader import load_model
+from moejax.offload import calibrate
+from moejax.prefetch import speculation
+from moejax.cache import policy as P
+from moejax.prefetch import steps as prefetch_lib
 from moejax.offload.engine import OffloadEngine
-from moejax.study import metrics as M
-from moejax.study import runner as R
-from moejax.study import streams as S
-from moejax.tokenizer import Tokenizer
+from moejax.research.study import metrics as M
+from moejax.research.study import runner as R
+from moejax.research.study import streams as S
+from moejax.io.tokenizer import Tokenizer
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model_dir", "ckpts/demo", "HF-format model folder with tokenizer.json.")

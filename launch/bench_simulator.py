@@ -3,7 +3,7 @@
   python -m launch.bench_simulator --out=bench_simulator.json
 
 Replays a synthetic router trace shaped like Qwen3-30B-A3B (48 MoE layers, 128
-experts, top-8; moejax.synthetic with default generator parameters) under one
+experts, top-8; moejax.research.synthetic with default generator parameters) under one
 policy, after a compile run, and reports `decisions_per_s` = tokens x layers /
 seconds (best of --repeats).  With --sweep=P it also replays P variants of the
 policy (tau spread over [0.05, 0.5]: one static group, one vmapped scan) and
@@ -23,8 +23,8 @@ import time
 from absl import app, flags
 import numpy as np
 
-from moejax import simulator, synthetic
-from moejax.offload import policy as policy_lib
+from moejax.research import simulator, synthetic
+from moejax.cache import policy as policy_lib
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", "bench_simulator.json", "JSON results file.")

@@ -6,7 +6,7 @@ Variants, each compiled once and then timed in turn (round robin, so the load of
 shared machine falls on all alike):
   xla          XLA's expert dispatch (dynamic slice per expert / grouped blocks) and the
                LM head over every prompt position: the code before the CPU kernel
-  kernel       the C++ expert kernel (moejax.cpu_kernel), LM head over every position
+  kernel       the C++ expert kernel (moejax.kernels.cpu_kernel), LM head over every position
   kernel_last  the kernel and the LM head at the last prompt position only (the Sampler now)
 Decode: --decode_tokens greedy tokens after a --prompt_len prompt (tok/s, best round).
 Prefill: one --prefill_len prompt (tok/s, best round).  The load average is recorded.
@@ -24,9 +24,9 @@ import numpy as np
 from tqdm import tqdm
 
 from launch import bench_models
-from moejax import cpu_kernel
-from moejax import sampler as sampler_lib
-from moejax.model import Transformer, init_cache
+from moejax.kernels import cpu_kernel
+from moejax.model import sampler as sampler_lib
+from moejax.model.model import Transformer, init_cache
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", "bench_speed.json", "JSON results file.")

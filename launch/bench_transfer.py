@@ -31,9 +31,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from moejax.offload import transfer
-from moejax.store import (BACKENDS, StoreBackendError, make_store, shares_buffer,
+from moejax.io.store import (BACKENDS, StoreBackendError, make_store, shares_buffer,
                                       store_backend)
-from moejax.store import ExpertStore
+from moejax.io.store import ExpertStore
 
 FLAGS = flags.FLAGS
 

@@ -90,18 +90,18 @@ def given(name: str) -> bool:
 
 def user_errors() -> tuple[type, ...]:
   """Errors whose message names the flag at fault: usage errors (exit 2)."""
-  from moejax.store import StoreBackendError
+  from moejax.io.store import StoreBackendError
   from moejax.offload.link import LinkSpecError
-  from moejax.offload.policy import PolicyError
-  from moejax.offload.resident import BudgetError
+  from moejax.cache.policy import PolicyError
+  from moejax.cache.resident import BudgetError
   return (UsageError, app.UsageError, PolicyError, BudgetError, LinkSpecError, StoreBackendError)
 
 
 def checkpoint_errors() -> tuple[type, ...]:
   """Errors whose message names the file (and tensor) at fault: runtime failures (exit 1)."""
-  from moejax.config import ConfigError
-  from moejax.safetensors_io import CheckpointError
-  from moejax.tokenizer import TokenizerError
+  from moejax.model.config import ConfigError
+  from moejax.io.safetensors_io import CheckpointError
+  from moejax.io.tokenizer import TokenizerError
   return (CheckpointError, ConfigError, TokenizerError)
 
 

@@ -20,10 +20,11 @@ import numpy as np
 from tqdm import tqdm
 
 from estimators import data as est_data
-from moejax import data, speculation
-from moejax.loader import load_model
-from moejax.traces import config_hash
-from moejax.speculation import default_vectors_dir, save_default_vectors
+from moejax.train import data
+from moejax.prefetch import speculation
+from moejax.io.loader import load_model
+from moejax.io.traces import config_hash
+from moejax.prefetch.speculation import default_vectors_dir, save_default_vectors
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model_dir", "ckpts/demo", "HF-format model folder with tokenizer.json.")

@@ -78,7 +78,7 @@ def progress(total: int, desc: str):
 def make_engines(cfg, params, store, link, dtype, max_len: int) -> dict:
   """One warmed-up OffloadEngine per preset, all on the same link object."""
   from moejax.offload.engine import OffloadEngine
-  from moejax.offload.policy import make_policy
+  from moejax.cache.policy import make_policy
   engines = {}
   bar = progress(len(FLAGS.presets), "compile (one per preset)")
   for name in FLAGS.presets:
@@ -134,7 +134,7 @@ def time_same_tokens(engines: dict, prompt_ids: list[int], tokens: list[int]) ->
 # ------------------------------------------------------------------ perplexity
 def heldout_tokens(tok, n: int) -> list[int]:
   """The first `n` tokens of the demo corpus' held-out split (files in sorted order)."""
-  from moejax import data
+  from moejax.train import data
   root, files = data.stdlib_files()
   ids: list[int] = []
   for rel in files:
@@ -147,10 +147,10 @@ def heldout_tokens(tok, n: int) -> list[int]:
 
 def perplexity_increase(cfg, params, store, tokens: list[int], dtype) -> dict:
   """Per preset the teacher-forced perplexity on `tokens` (windows of --eval_window)
-  under its decisions, from the exact emulator (moejax.emulator), and its increase
+  under its decisions, from the exact emulator (moejax.research.emulator), and its increase
   over the exact model in percent.  Without the emulator: {"source": NO_EMULATOR}."""
   try:
-    from moejax import emulator
+    from moejax.research import emulator
   except ImportError:
     return {"source": NO_EMULATOR}
   w = FLAGS.eval_window
@@ -173,7 +173,7 @@ def perplexity_increase(cfg, params, store, tokens: list[int], dtype) -> dict:
     bar.update()
   bar.close()
   exact = ppl[FLAGS.presets[0]]
-  return {"source": "emulator (moejax.emulator: exact outputs, idealised transfers)",
+  return {"source": "emulator (moejax.research.emulator: exact outputs, idealised transfers)",
           "tokens": int(toks.size), "windows": rows, "exact_ppl": exact, "ppl": ppl,
           "increase_pct": {k: 100.0 * (v / exact - 1.0) for k, v in ppl.items()}}
 
@@ -257,10 +257,10 @@ def main(_):
   t_start = time.time()
   import jax
   import jax.numpy as jnp
-  from moejax.loader import load_model
-  from moejax.calibrate import calibrated_link
-  from moejax.offload.policy import make_policy
-  from moejax.tokenizer import Tokenizer
+  from moejax.io.loader import load_model
+  from moejax.offload.calibrate import calibrated_link
+  from moejax.cache.policy import make_policy
+  from moejax.io.tokenizer import Tokenizer
   for name in FLAGS.presets:
     make_policy(name)                     # an unknown preset fails before any work
   platform = jax.devices()[0].platform

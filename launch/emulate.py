@@ -3,7 +3,7 @@
   python -m launch.emulate --model_dir=ckpts/demo --cache_fraction=0.25 --out=runs/emulate
 
 Teacher-forced over deterministic streams of held-out stdlib files and HumanEval
-problems (moejax.study.streams), every policy on identical tokens with idealised
+problems (moejax.research.study.streams), every policy on identical tokens with idealised
 (zero-time) transfers.  Writes OUT/results.json, OUT/policies.png and
 OUT/mass_vs_ppl.png, and prints a table.  Finished runs are kept in OUT/runs/
 (a rerun with the same flags resumes; delete OUT to start over).
@@ -27,12 +27,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moejax.loader import load_model
-from moejax.offload.resident import BudgetError
-from moejax.study import metrics as M
-from moejax.study import runner as R
-from moejax.study import streams as S
-from moejax.tokenizer import Tokenizer
+from moejax.io.loader import load_model
+from moejax.cache.resident import BudgetError
+from moejax.research.study import metrics as M
+from moejax.research.study import runner as R
+from moejax.research.study import streams as S
+from moejax.io.tokenizer import Tokenizer
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model_dir", "ckpts/demo", "HF-format model folder with tokenizer.json.")
@@ -83,7 +83,7 @@ def streams_tag(st: S.Streams) -> str:
 
 def resident_tok_s(cfg, params, store, batch: int, steps: int = 16) -> float:
   """The fully resident model decoding the same batch (moejax Sampler), tokens/s."""
-  from moejax.sampler import Sampler, SamplingParams
+  from moejax.model.sampler import Sampler, SamplingParams
   s = Sampler(cfg, params, store.to_device(jnp.float32), max_len=FLAGS.window + 8)
   _, cache = s.prefill(np.zeros((batch, 1), np.int32))
   tok = jnp.zeros((batch,), jnp.int32)
@@ -126,7 +126,7 @@ def main(argv):
   specs = list(dict.fromkeys(["fetch_all"] + [s.strip() for s in FLAGS.policies]))
   parsed = {s: R.parse_spec(s) for s in specs}
   cfg, params, store = load_model(FLAGS.model_dir, dtype=jnp.float32)
-  from moejax.offload.resident import make_budget
+  from moejax.cache.resident import make_budget
   try:
     budget = make_budget(cfg.num_experts, cfg.top_k, store.expert_nbytes(),
                          len(cfg.moe_layers), fraction=FLAGS.cache_fraction)

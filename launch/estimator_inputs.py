@@ -28,7 +28,7 @@ import numpy as np
 
 from estimators import data as est_data
 from estimators.train import EstimatorConfig, train_pair
-from moejax.config import ModelConfig
+from moejax.model.config import ModelConfig
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model_dir", "ckpts/demo", "The model whose pairs were recorded.")

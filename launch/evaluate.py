@@ -3,11 +3,11 @@
   python -m launch.evaluate --model_dir=ckpts/demo --out=eval.json
 
 Reports teacher-forced perplexity (non-overlapping windows of --seq tokens) on the
-held-out documents of every corpus domain (moejax.corpus: held-out stdlib is the
+held-out documents of every corpus domain (moejax.train.corpus: held-out stdlib is the
 ``python`` domain) and on HumanEval, a bigram baseline on stdlib and HumanEval (trained
 on the stdlib train split, Dirichlet-smoothed toward the unigram), per layer the expert
 load distribution (min share, normalised entropy) and the mean gate weight by choice
-rank, and routing locality (moejax.locality): the hit rate of a plain LRU / LFU expert
+rank, and routing locality (moejax.research.locality): the hit rate of a plain LRU / LFU expert
 cache holding 6.25-50% of each layer's experts, in document order and with the same
 tokens shuffled.  Writes the JSON and a PNG of the locality curves next to it.
 """
@@ -26,11 +26,13 @@ import numpy as np
 import optax
 from tqdm import tqdm
 
-from moejax import corpus, data, locality, routing
-from moejax.config import ModelConfig
-from moejax.loader import load_model
-from moejax.model import Transformer
-from moejax.tokenizer import Tokenizer
+from moejax.train import corpus, data
+from moejax.research import locality
+from moejax.model import routing
+from moejax.model.config import ModelConfig
+from moejax.io.loader import load_model
+from moejax.model.model import Transformer
+from moejax.io.tokenizer import Tokenizer
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model_dir", "ckpts/demo", "HF-format model folder with tokenizer.json.")

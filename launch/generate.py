@@ -124,7 +124,7 @@ def cache_fraction() -> float:
 
 
 def make_policy():
-  from moejax.offload.policy import make_policy as make
+  from moejax.cache.policy import make_policy as make
   return make(FLAGS.policy, tau=FLAGS.tau, admission_beta=FLAGS.admission_beta,
               eviction=FLAGS.eviction)
 
@@ -153,7 +153,7 @@ def model_folder() -> str:
 
 
 def random_demo_config():
-  from moejax.config import ModelConfig
+  from moejax.model.config import ModelConfig
   return ModelConfig(model_type="qwen3_moe", vocab_size=256, hidden_size=64, num_layers=4,
                      num_heads=4, num_kv_heads=2, head_dim=16, num_experts=16, top_k=4,
                      moe_intermediate_size=16, intermediate_size=128,
@@ -164,7 +164,7 @@ def random_demo_config():
 def sequence_length(cfg, prompt_len: int) -> int:
   """The KV cache length: what the prompt and --max_new_tokens need, checked against
   --max_len (default: the model's limit), rounded up to a multiple of 64 within it."""
-  from moejax.sampler import bucket
+  from moejax.model.sampler import bucket
   limit = cfg.max_position_embeddings
   max_len = FLAGS.max_len if FLAGS.max_len is not None else limit
   if FLAGS.max_len is not None and FLAGS.max_len > limit:
@@ -188,9 +188,9 @@ def main(_):
   folder = None if FLAGS.random_model else model_folder()
   import jax
   import jax.numpy as jnp
-  from moejax import memory
-  from moejax.config import ModelConfig
-  from moejax.tokenizer import ByteTokenizer, Tokenizer
+  from moejax.offload import memory
+  from moejax.model.config import ModelConfig
+  from moejax.io.tokenizer import ByteTokenizer, Tokenizer
   dtype = jnp.dtype(FLAGS.dtype)
   store_kind = FLAGS.store or "numpy"
   if FLAGS.random_model:
@@ -208,7 +208,7 @@ def main(_):
     raise cli.UsageError("--prompt encodes to no tokens")
   seq = sequence_length(cfg, len(ids))
   if store_kind == "pinned_host":
-    from moejax.store import memory_kinds
+    from moejax.io.store import memory_kinds
     if "pinned_host" not in memory_kinds():
       raise cli.UsageError(f"--store=pinned_host: {jax.devices()[0]} offers no pinned_host "
                            f"memory (it offers {', '.join(memory_kinds())}); use numpy or mmap")
@@ -229,12 +229,12 @@ def main(_):
   if FLAGS.dry_run:
     return 0
   cfg, params, store = load(cfg, folder, dtype, store_kind)
-  from moejax.sampler import SamplingParams
+  from moejax.model.sampler import SamplingParams
   sp = SamplingParams(FLAGS.temperature, FLAGS.top_p, FLAGS.max_new_tokens,
                       tuple(cfg.eos_token_ids))
   if FLAGS.policy is not None:
     return generate_offloaded(cfg, params, store, tok, ids, sp, dtype, seq)
-  from moejax.sampler import Sampler
+  from moejax.model.sampler import Sampler
   sampler = Sampler(cfg, params, store.to_device(dtype), max_len=seq, dtype=dtype)
   print("[moejax] every expert resident (no --policy)", file=sys.stderr)
   t0 = time.time()
@@ -247,9 +247,9 @@ def main(_):
 
 def load(cfg, folder, dtype, store_kind):
   """(cfg, params, store) from --model_dir (or the random model) in --store."""
-  from moejax.loader import init_random, load_model
-  from moejax.store import make_store
-  from moejax.store import ExpertStore
+  from moejax.io.loader import init_random, load_model
+  from moejax.io.store import make_store
+  from moejax.io.store import ExpertStore
   t0 = time.time()
   if folder is None:
     params, exps = init_random(cfg, seed=0, dtype=dtype)
@@ -268,10 +268,10 @@ def load(cfg, folder, dtype, store_kind):
 def generate_offloaded(cfg, params, store, tok, ids, sp, dtype, seq):
   """The OffloadEngine path: generates, then prints the per-token statistics table."""
   import jax
-  from moejax.calibrate import calibrated_link
+  from moejax.offload.calibrate import calibrated_link
   from moejax.offload.engine import OffloadEngine
-  from moejax import speculation
-  from moejax.offload import prefetch as prefetch_lib
+  from moejax.prefetch import speculation
+  from moejax.prefetch import steps as prefetch_lib
   from moejax.offload.stats import format_stats
   link = calibrated_link(link_spec(), cfg, params, store, dtype)   # scaled: measures a layer
   kind = FLAGS.prefetch or "none"

@@ -2,7 +2,7 @@
 
   python -m launch.predictors --model_dir=ckpts/demo --out=predictors.json
 
-Predictors (moejax.speculation): ``reuse`` = router_{l+1}(Norm_{l+1}(r_l)) and
+Predictors (moejax.prefetch.speculation): ``reuse`` = router_{l+1}(Norm_{l+1}(r_l)) and
 ``quasi`` = router_{l+1}(Norm_{l+1}(r_l + d_l)) with the default vectors made by
 launch.default_vectors.  Per layer pair: recall@k, exact top-k match, the true gate
 mass the predicted set covers, and drift = 1 - exact match (how often the predicted
@@ -19,10 +19,11 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from moejax import corpus, data, speculation
-from moejax.speculation import default_vectors_dir, load_default_vectors
-from moejax.loader import load_model
-from moejax.tokenizer import Tokenizer
+from moejax.train import corpus, data
+from moejax.prefetch import speculation
+from moejax.prefetch.speculation import default_vectors_dir, load_default_vectors
+from moejax.io.loader import load_model
+from moejax.io.tokenizer import Tokenizer
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model_dir", "ckpts/demo", "HF-format model folder with tokenizer.json.")

@@ -7,7 +7,7 @@
 Writes OUT/results.json (per policy, cache fraction and profile: counts and the
 time model's time per token) and OUT/tpot_vs_mass.png (time per token against
 substituted mass, one panel per profile).  Times come from the time model
-(moejax/timemodel.py) with the profile's roofline for --shape (default: the
+(moejax/research/timemodel.py) with the profile's roofline for --shape (default: the
 named real model whose expert count and top-k the trace has, else the trace's own
 model); they are simulated, not measured.
 
@@ -28,17 +28,18 @@ from absl import app, flags
 import numpy as np
 from tqdm import tqdm
 
-from moejax import profiles, simulator, timemodel, traces
-from moejax.offload import policy as policy_lib
+from moejax.research import profiles, simulator, timemodel
+from moejax.io import traces
+from moejax.cache import policy as policy_lib
 from moejax.offload.link import moe_layer_bytes
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("trace", None, "Trace folder written by launch.trace.", required=True)
 flags.DEFINE_string("out", None, "Output folder (results.json, PNG).", required=True)
 flags.DEFINE_list("policies", ["baseline", "quality", "speed", "host", "substitute_all"],
-                  "Presets or miss rules (moejax.offload.policy).")
+                  "Presets or miss rules (moejax.cache.policy).")
 flags.DEFINE_list("profiles", ["rtx3090", "rtx4090", "a100", "h100", "h200", "gh200"],
-                  "Hardware profiles (moejax/profiles.py); this_machine needs --calibration "
+                  "Hardware profiles (moejax/research/profiles.py); this_machine needs --calibration "
                   "or --check_engine.")
 flags.DEFINE_list("cache_fractions", ["0.25"], "Experts per layer resident.")
 flags.DEFINE_string("shape", "auto", "Model shape for the roofline: auto, trace, or one of "
@@ -96,8 +97,8 @@ def check_engine(tr, out_dir):
   measured time per token of baseline, quality and speed on its first window."""
   import dataclasses
   import jax.numpy as jnp
-  from moejax.loader import load_model
-  from moejax import calibrate as calibrate_lib
+  from moejax.io.loader import load_model
+  from moejax.offload import calibrate as calibrate_lib
   model_dir = FLAGS.model_dir or tr.meta.get("model_dir")
   cfg, params, store = load_model(model_dir, dtype=jnp.float32)
   prompt, skip = FLAGS.prefill_tokens, FLAGS.check_skip

@@ -28,13 +28,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from launch import emulate as EM
-from moejax import routing
-from moejax.loader import load_model
-from moejax.model import Transformer
-from moejax.offload import policy as P
-from moejax.study import metrics as M
-from moejax.study import runner as R
-from moejax.tokenizer import Tokenizer
+from moejax.model import routing
+from moejax.io.loader import load_model
+from moejax.model.model import Transformer
+from moejax.cache import policy as P
+from moejax.research.study import metrics as M
+from moejax.research.study import runner as R
+from moejax.io.tokenizer import Tokenizer
 
 FLAGS = flags.FLAGS
 FLAGS.set_default("out", "runs/study")
@@ -321,7 +321,7 @@ class Study:
 
 
 def _band(lo: float, hi: float, p: float):
-  from moejax.emulator import Control
+  from moejax.research.emulator import Control
   return Control("band", prob=p, lo=lo, hi=hi, protect_first=True)
 
 

@@ -17,8 +17,8 @@ from absl import flags
 import numpy as np
 from tqdm import tqdm
 
-from moejax import emulator as E
-from moejax.offload import policy as P
+from moejax.research import emulator as E
+from moejax.cache import policy as P
 
 FLAGS = flags.FLAGS
 STOPS = ("\ndef ", "\nclass ", "\nif ", "\nprint(", "\n#")

@@ -8,14 +8,14 @@
 joined with the end-of-text token when the tokenizer has one; their start
 offsets go into trace.json.  Recording is teacher-forced over non-overlapping
 windows of --seq tokens with every expert resident (any supported family); the
-trace format is described in moejax/traces.py and docs/simulator.md.
+trace format is described in moejax/io/traces.py and docs/simulator.md.
 
   python -m launch.trace --synthesize=qwen3-30b-a3b --fit_trace=runs/trace_demo \
       --out=runs/trace_q30b_synth --max_tokens=4096
 
-synthesises a trace shaped like a named model (moejax.profiles.MODELS: expert
+synthesises a trace shaped like a named model (moejax.research.profiles.MODELS: expert
 count, top-k, MoE layers) from a recorded trace's routing statistics
-(moejax/synthetic.py), and records the fit check in trace.json: the recorded
+(moejax/research/synthetic.py), and records the fit check in trace.json: the recorded
 trace's statistics and hit-rate-vs-cache-size curve next to those of a synthetic
 trace of the recorded model's own shape.  A SYNTHETIC trace, labelled so.
 """
@@ -30,9 +30,11 @@ from absl import app, flags
 import jax.numpy as jnp
 import numpy as np
 
-from moejax import data, profiles, simulator, synthetic, traces
-from moejax.loader import load_model
-from moejax.tokenizer import Tokenizer
+from moejax.train import data
+from moejax.research import profiles, simulator, synthetic
+from moejax.io import traces
+from moejax.io.loader import load_model
+from moejax.io.tokenizer import Tokenizer
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model_dir", "ckpts/demo", "HF-format model folder (config.json, "

@@ -7,7 +7,7 @@ model (commit cc5f790, no locality loss) taken from this repository's history, 6
 of an 800-step schedule with the mutual-information locality loss at 0.2, then a second
 stage of 500 steps at 0.5 with expert revival to the end.  A run from scratch:
 --init_from='' --stop_at=0 --stage2='' and a schedule of its own.  The corpus is
-moejax.corpus (--domains); the tokenizer is reused from --tokenizer when given, so
+moejax.train.corpus (--domains); the tokenizer is reused from --tokenizer when given, so
 perplexities stay comparable with the model that made it.  Nothing under ckpts/ is
 written unless --export_dir names it.
 
@@ -31,16 +31,16 @@ import numpy as np
 import orbax.checkpoint as ocp
 from tqdm import tqdm
 
-from moejax import corpus, data
-from moejax.config import ModelConfig
-from moejax.loader import init_random, load_model, save_hf
-from moejax.train import TrainConfig, make_optimizer, revive_experts, train_step
+from moejax.train import corpus, data
+from moejax.model.config import ModelConfig
+from moejax.io.loader import init_random, load_model, save_hf
+from moejax.train.trainer import TrainConfig, make_optimizer, revive_experts, train_step
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("workdir", "runs/demo_train", "Checkpoints, tokenizer and token cache.")
 flags.DEFINE_string("export_dir", "runs/demo_export", "Where the HF-format model is written.")
 flags.DEFINE_string("data_dir", "", "Token cache (default: --workdir); pilots can share one.")
-flags.DEFINE_list("domains", ["python"], "Corpus domains (moejax.corpus: python, c, english).")
+flags.DEFINE_list("domains", ["python"], "Corpus domains (moejax.train.corpus: python, c, english).")
 flags.DEFINE_integer("domain_chars", 12_000_000, "Character cap of each non-python domain.")
 flags.DEFINE_string("tokenizer", "ckpts/demo/tokenizer.json",
                     "Reuse this tokenizer.json ('' = train a new BPE on the train split).")
@@ -58,7 +58,7 @@ flags.DEFINE_float("locality_coef", 0.2, "Weight of the routing-locality loss (-
 flags.DEFINE_float("logit_balance_coef", 0.0,
                    "Weight of the logit-balance loss that revives unused experts.")
 flags.DEFINE_enum("locality_loss", "mi", ["cosine", "tv", "mi"],
-                  "Locality measure (moejax.train.aux_losses): mutual information between "
+                  "Locality measure (moejax.train.trainer.aux_losses): mutual information between "
                   "sequence and expert, or adjacent-token consistency (cosine, tv).")
 flags.DEFINE_integer("revive_every", 50,
                      "Every N steps, split the most loaded experts into dead ones (0 = off); "

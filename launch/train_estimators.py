@@ -28,10 +28,11 @@ from tqdm import tqdm
 
 from estimators import data as est_data
 from estimators.train import EstimatorConfig, train_pair
-from moejax import corpus, data, speculation
-from moejax.speculation import load_default_vectors
-from moejax.loader import load_model
-from moejax.traces import config_hash, file_sha256
+from moejax.train import corpus, data
+from moejax.prefetch import speculation
+from moejax.prefetch.speculation import load_default_vectors
+from moejax.io.loader import load_model
+from moejax.io.traces import config_hash, file_sha256
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model_dir", "ckpts/demo", "HF-format model folder with tokenizer.json.")
@@ -41,7 +42,7 @@ flags.DEFINE_string("data_dir", "runs/estimator_pairs", "Recorded training pairs
                     "subfolder named by the model weights' hash: another model's never resume.")
 flags.DEFINE_integer("train_windows", 256, "Training windows of 256 tokens.")
 flags.DEFINE_list("domains", list(corpus.DOMAINS),
-                  "Corpus domains of the training windows (moejax.corpus; held-out windows "
+                  "Corpus domains of the training windows (moejax.train.corpus; held-out windows "
                   "are stdlib either way).")
 flags.DEFINE_integer("held_windows", 32, "Held-out stdlib windows.")
 flags.DEFINE_integer("hidden", 64, "Estimator hidden width.")

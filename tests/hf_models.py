@@ -10,7 +10,7 @@ import numpy as np
 import torch
 import transformers
 
-from moejax.sampler import Sampler, SamplingParams
+from moejax.model.sampler import Sampler, SamplingParams
 
 TINY = dict(vocab_size=96, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=2, head_dim=8, num_experts_per_tok=2, max_position_embeddings=256)

@@ -60,9 +60,9 @@ def test_heldout_recall_per_source_hand_checked():
   """Per-document recall sums (summarize_run) and their per-source recall: two streams,
   stream 0 a stdlib document, stream 1 a HumanEval one, 2 decoded tokens each."""
   import numpy as np
-  from moejax import emulator as E
-  from moejax.study import metrics as M
-  from moejax.study.streams import Streams
+  from moejax.research import emulator as E
+  from moejax.research.study import metrics as M
+  from moejax.research.study.streams import Streams
   t = 3
   st = Streams(tokens=np.zeros((2, t), np.int32), targets=np.zeros((2, t), np.int32),
                scored=np.ones((2, t), bool), real=np.ones((2, t), bool),

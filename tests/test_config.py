@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from moejax.config import ConfigError, ModelConfig
+from moejax.model.config import ConfigError, ModelConfig
 
 QWEN_HUB = dict(model_type="qwen3_moe", vocab_size=100, hidden_size=64, num_hidden_layers=4,
                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,

@@ -2,7 +2,7 @@
 
 import pytest
 
-from moejax import corpus, data
+from moejax.train import corpus, data
 
 
 def test_python_domain_is_the_stdlib_split():

@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moejax import cpu_attention
-from moejax import cpu_kernel
-from moejax import layers
+from moejax.kernels import cpu_attention
+from moejax.kernels import cpu_kernel
+from moejax.model import layers
 
 pytestmark = pytest.mark.skipif(not cpu_kernel.available(),
                                 reason="no C++ compiler: the kernel is not built")

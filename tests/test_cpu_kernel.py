@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moejax import cpu_kernel
-from moejax import experts as experts_lib
+from moejax.kernels import cpu_kernel
+from moejax.model import experts as experts_lib
 
 pytestmark = pytest.mark.skipif(not cpu_kernel.available(),
                                 reason="no C++ compiler: the kernel is not built")

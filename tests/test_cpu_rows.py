@@ -9,8 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moejax import cpu_kernel, cpu_rows, layers, routing
-from moejax.config import ModelConfig
+from moejax.kernels import cpu_kernel, cpu_rows
+from moejax.model import layers, routing
+from moejax.model.config import ModelConfig
 
 pytestmark = pytest.mark.skipif(not cpu_kernel.available(),
                                 reason="no C++ compiler: the kernel is not built")
@@ -159,7 +160,7 @@ def test_take_rows_matches_jnp_take_bits_vmap_and_grad():
 def test_bf16_embedding_is_one_call_and_no_longer_split_over_the_pool():
   """The model's bf16 lookup: one custom call, and no fusion of the compiled decode step
   carries XLA's thread-pool split (outer_dimension_partitions)."""
-  from moejax import model as model_lib
+  from moejax.model import model as model_lib
   cfg = ModelConfig(model_type="qwen3_moe", vocab_size=4096, hidden_size=64, num_layers=1,
                     num_heads=2, num_kv_heads=1, head_dim=32, num_experts=4, top_k=2,
                     moe_intermediate_size=32, intermediate_size=64,

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from moejax import data
+from moejax.train import data
 
 
 def _fake_stdlib(root):

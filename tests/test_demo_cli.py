@@ -11,7 +11,7 @@ PRESETS = ["baseline", "quality", "speed", "host", "substitute_all"]
 
 def emulator_available() -> bool:
   try:
-    import moejax.emulator  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
+    import moejax.research.emulator  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
     return True
   except ImportError:
     return False

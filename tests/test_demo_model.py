@@ -9,9 +9,9 @@ import pytest
 import torch
 import transformers
 
-from moejax.loader import load_model
-from moejax.model import Transformer
-from moejax.tokenizer import Tokenizer
+from moejax.io.loader import load_model
+from moejax.model.model import Transformer
+from moejax.io.tokenizer import Tokenizer
 
 DEMO = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ckpts", "demo")
 pytestmark = pytest.mark.skipif(not os.path.exists(os.path.join(DEMO, "config.json")),

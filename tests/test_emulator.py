@@ -7,14 +7,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moejax import emulator as E
-from moejax.config import ModelConfig
-from moejax.loader import expert_shapes, load_model
-from moejax.model import Transformer
-from moejax.offload import policy as P
+from moejax.research import emulator as E
+from moejax.model.config import ModelConfig
+from moejax.io.loader import expert_shapes, load_model
+from moejax.model.model import Transformer
+from moejax.cache import policy as P
 from moejax.offload.engine import OffloadEngine
-from moejax.offload.prefetch import Prefetch
-from moejax.store import ExpertStore
+from moejax.prefetch.steps import Prefetch
+from moejax.io.store import ExpertStore
 
 DEMO = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ckpts", "demo")
 # every preset and miss rule (fetch_all is baseline's rule: baseline covers it), and the
@@ -71,7 +71,7 @@ def demo():
   if not os.path.exists(os.path.join(DEMO, "config.json")):
     pytest.skip("no demo checkpoint")
   cfg, params, store = load_model(DEMO, dtype=jnp.float32)
-  from moejax.tokenizer import Tokenizer
+  from moejax.io.tokenizer import Tokenizer
   text = "def mean(xs):\n    total = 0\n    for x in xs:\n        total += x\n    return total"
   toks = Tokenizer(DEMO).encode(text)[:24]
   return cfg, params, store, toks

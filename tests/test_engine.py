@@ -13,20 +13,20 @@ import numpy as np
 import pytest
 import torch
 
-from moejax import calibrate
-from moejax.config import ModelConfig
-from moejax.loader import expert_shapes, load_model
-from moejax.model import Transformer
+from moejax.offload import calibrate
+from moejax.model.config import ModelConfig
+from moejax.io.loader import expert_shapes, load_model
+from moejax.model.model import Transformer
 from moejax.offload import decode
 from moejax.offload import link as link_lib
-from moejax.offload import policy as P
-from moejax.offload import resident as R
+from moejax.cache import policy as P
+from moejax.cache import resident as R
 from moejax.offload import stats as stats_lib
 from moejax.offload import token as token_lib
 from moejax.offload.engine import OffloadEngine
 from moejax.offload.transfer import TransferError, TransferTimeout
-from moejax.sampler import SamplingParams
-from moejax.store import ExpertStore
+from moejax.model.sampler import SamplingParams
+from moejax.io.store import ExpertStore
 from tests import hf_models
 from tests.test_prefetch import _run as prefetch_run
 from tests.test_prefetch import _vectors as vectors

@@ -7,11 +7,11 @@ import os
 import numpy as np
 import pytest
 
-from moejax.loader import load_model
+from moejax.io.loader import load_model
 from moejax.offload import link as link_lib
-from moejax.offload import policy as policy_lib
+from moejax.cache import policy as policy_lib
 from moejax.offload.engine import OffloadEngine
-from moejax.sampler import SamplingParams
+from moejax.model.sampler import SamplingParams
 
 DEMO = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ckpts", "demo")
 PROMPT = [17, 250, 31, 999, 12, 4000, 77, 5]

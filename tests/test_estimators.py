@@ -8,7 +8,7 @@ import pytest
 from estimators import data as est_data
 from estimators.model import LogitCorrection, estimate, previous_input, takes_previous
 from estimators.train import EstimatorConfig, kl_loss, loss_fn, topk_ce, train_pair
-from moejax.config import ModelConfig
+from moejax.model.config import ModelConfig
 
 CFG = ModelConfig(model_type="qwen3_moe", vocab_size=64, hidden_size=16, num_layers=2,
                   num_heads=2, num_kv_heads=1, head_dim=8, num_experts=8, top_k=2,

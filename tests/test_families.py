@@ -6,8 +6,8 @@ import re
 import numpy as np
 import pytest
 
-from moejax import families
-from moejax.config import ConfigError, ModelConfig
+from moejax.model import families
+from moejax.model.config import ConfigError, ModelConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -167,7 +167,7 @@ def test_help_exits_0_and_lists_the_flags():
 
 # ------------------------------------------------------------------ checkpoint errors
 def _save_partial_checkpoint(d):
-  from moejax.safetensors_io import save_file
+  from moejax.io.safetensors_io import save_file
   save_file({"model.embed_tokens.weight": np.zeros((8192, 128), np.float32)},
             str(d / "model.safetensors"))
 

@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moejax.config import ModelConfig
-from moejax.loader import init_random, load_model, save_hf
-from moejax.safetensors_io import CheckpointError, SafetensorsFile, save_file
+from moejax.model.config import ModelConfig
+from moejax.io.loader import init_random, load_model, save_hf
+from moejax.io.safetensors_io import CheckpointError, SafetensorsFile, save_file
 
 CFG = ModelConfig(model_type="qwen3_moe", vocab_size=64, hidden_size=32, num_layers=2,
                   num_heads=4, num_kv_heads=2, head_dim=8, num_experts=8, top_k=2,

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from moejax import locality
+from moejax.research import locality
 
 
 def test_lru_hand_checked():

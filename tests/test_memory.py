@@ -1,11 +1,11 @@
-"""moejax.memory: the bytes printed before loading, against hand counts and a loaded model."""
+"""moejax.offload.memory: the bytes printed before loading, against hand counts and a loaded model."""
 
 import os
 
 import jax.numpy as jnp
 
-from moejax import memory
-from moejax.config import ModelConfig
+from moejax.offload import memory
+from moejax.model.config import ModelConfig
 
 DEMO = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ckpts", "demo")
 
@@ -49,7 +49,7 @@ def test_bytes_of_real_expert_shapes():
 
 
 def test_plan_matches_the_loaded_demo_model():
-  from moejax.loader import load_model
+  from moejax.io.loader import load_model
   cfg, params, store = load_model(DEMO, dtype=jnp.float32)
   p = memory.plan_memory(cfg, jnp.float32)
   assert p.expert_bytes == store.expert_nbytes()

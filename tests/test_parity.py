@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moejax.loader import load_model
-from moejax.model import Transformer
+from moejax.io.loader import load_model
+from moejax.model.model import Transformer
 from tests import hf_models
 
 FAMILIES = ["qwen3_moe", "mixtral", "olmoe"]

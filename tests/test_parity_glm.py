@@ -17,12 +17,12 @@ import numpy as np
 import pytest
 import torch
 
-from moejax import routing
-from moejax.config import ConfigError, ModelConfig
-from moejax.layers import gqa_attention
-from moejax.loader import load_model
-from moejax.model import Transformer
-from moejax.safetensors_io import SafetensorsFile, save_file
+from moejax.model import routing
+from moejax.model.config import ConfigError, ModelConfig
+from moejax.model.layers import gqa_attention
+from moejax.io.loader import load_model
+from moejax.model.model import Transformer
+from moejax.io.safetensors_io import SafetensorsFile, save_file
 from tests import hf_models
 
 FAMILIES = ["glm4_moe", "glm4_moe_lite", "deepseek_v3"]
@@ -215,8 +215,8 @@ def test_threshold_compares_the_normalised_share_of_sigmoid_gates():
   threshold(0.15) e3 (share .10 < .15, but gate .25 >= .15) is substituted; e1, e2 wait.
   The substitute is ranked by the *biased* score: e4 .06 + .10 bias = .16 beats e5 .07.
   """
-  from moejax.offload import policy as policy_lib
-  from moejax.offload import resident as resident_lib
+  from moejax.cache import policy as policy_lib
+  from moejax.cache import resident as resident_lib
   cfg = _cfg(n_group=1, topk_group=1, top_k=4, routed_scaling_factor=2.5)
   s = [.9, .5, .4, .2, .06, .07, .01, .01]
   b = [0, 0, 0, 0, .10, 0, 0, 0]
@@ -267,7 +267,7 @@ def test_bf16_keeps_router_in_f32_and_runs_close(reference):
 
 def test_mla_absorbed_equals_expanded_with_causal_mask():
   """The decode-path MLA (kv_b absorbed into q and o) equals expanding keys and values."""
-  from moejax.families import glm
+  from moejax.model.families import glm
   r = np.random.default_rng(3)
   h, dn, dr, dv, c, t, s = 4, 8, 6, 12, 16, 5, 9
   f = lambda *shp: jnp.asarray(r.standard_normal(shp).astype(np.float32))

@@ -23,13 +23,13 @@ import pytest
 import torch
 import transformers
 
-from moejax import experts as experts_lib
-from moejax import routing
-from moejax.config import ModelConfig
-from moejax.families import gpt_oss, mxfp4
-from moejax.loader import load_model
-from moejax.model import Transformer
-from moejax.safetensors_io import CheckpointError, save_file
+from moejax.model import experts as experts_lib
+from moejax.model import routing
+from moejax.model.config import ModelConfig
+from moejax.model.families import gpt_oss, mxfp4
+from moejax.io.loader import load_model
+from moejax.model.model import Transformer
+from moejax.io.safetensors_io import CheckpointError, save_file
 from tests import hf_models
 
 LAYOUTS = ["fused", "mxfp4", "mxfp4_dequantized"]
@@ -382,7 +382,7 @@ def test_mxfp4_store_moves_4bit_bytes(reference):
 
 def test_loader_errors_name_the_tensor(reference, tmp_path):
   src = reference["dirs"]["mxfp4"]
-  from moejax.safetensors_io import SafetensorsFile
+  from moejax.io.safetensors_io import SafetensorsFile
   f = SafetensorsFile(os.path.join(src, "model.safetensors"))
   tensors = {k: np.array(f.get(k)) for k in f.keys()}
   bad = str(tmp_path / "bad")

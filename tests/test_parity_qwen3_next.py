@@ -17,13 +17,13 @@ import torch
 import transformers
 from transformers.models.qwen3_next import modeling_qwen3_next as hf_q3n
 
-from moejax import routing
-from moejax.config import ConfigError, ModelConfig
-from moejax.families import qwen3_next
-from moejax.loader import load_model
-from moejax.model import Transformer, init_cache
-from moejax.safetensors_io import SafetensorsFile, save_file
-from moejax.sampler import Sampler, SamplingParams
+from moejax.model import routing
+from moejax.model.config import ConfigError, ModelConfig
+from moejax.model.families import qwen3_next
+from moejax.io.loader import load_model
+from moejax.model.model import Transformer, init_cache
+from moejax.io.safetensors_io import SafetensorsFile, save_file
+from moejax.model.sampler import Sampler, SamplingParams
 from tests import hf_models
 
 STEPS = 32

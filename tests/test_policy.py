@@ -6,9 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moejax.config import ModelConfig
-from moejax.offload import policy as P
-from moejax.offload import resident as R
+from moejax.model.config import ModelConfig
+from moejax.cache import policy as P
+from moejax.cache import resident as R
 
 
 def cfg_for(num_experts=8, top_k=2, norm=True):

@@ -9,16 +9,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moejax import routing, speculation
-from moejax.config import ModelConfig
-from moejax.loader import expert_shapes
-from moejax.model import Transformer
-from moejax.offload import policy as P
-from moejax.offload import prefetch as prefetch_lib
+from moejax.model import routing
+from moejax.prefetch import speculation
+from moejax.model.config import ModelConfig
+from moejax.io.loader import expert_shapes
+from moejax.model.model import Transformer
+from moejax.cache import policy as P
+from moejax.prefetch import steps as prefetch_lib
 from moejax.offload.engine import OffloadEngine
-from moejax.offload.prefetch import Prefetch
-from moejax.store import ExpertStore
-from moejax.traces import config_hash
+from moejax.prefetch.steps import Prefetch
+from moejax.io.store import ExpertStore
+from moejax.io.traces import config_hash
 
 PROMPT = [3, 17, 5, 60, 22]
 STREAM = [int(t) for t in np.random.default_rng(3).integers(0, 64, 10)]
@@ -111,7 +112,7 @@ def test_quasi_offset_and_view_hand_checked():
   vec = jnp.asarray([[1.0, 0.0], [0.0, 1.0], [5.0, 5.0]])
   d = prefetch_lib.quasi_offset(jnp.asarray([1, -1, 0]), jnp.asarray([0.5, 9.0, 0.25]), vec)
   np.testing.assert_allclose(np.asarray(d), [0.25, 0.5])                # -1 (nothing run) skipped
-  from moejax.offload import resident as R
+  from moejax.cache import resident as R
   st = R.init_state(4, 2, {}, buffers=False)
   st = st.__class__(**{**st.__dict__, "expert_slot": jnp.asarray([-1, 0, -1, -1]),
                        "slot_expert": jnp.asarray([1, -1])})
@@ -214,7 +215,7 @@ def test_estimator_takes_the_previous_tokens_routing(model):
 
 def test_hybrid_sources_and_previous_agreement_hand_checked():
   from launch.train_estimators import choose_source
-  from moejax.speculation import previous_token_agreement
+  from moejax.prefetch.speculation import previous_token_agreement
   rec = {"quasi": 0.5, "estimator": 0.7, "previous": 0.9}
   assert choose_source(0.3, 0.0, rec) == "previous"
   assert choose_source(0.3, 0.0, dict(rec, previous=0.6)) == "estimator"
@@ -342,8 +343,8 @@ def test_emulator_prefetch_equals_the_engine(model, kw):
 def test_shipped_predictors_load_for_the_shipped_demo_model():
   """ckpts/demo-estimators must match ckpts/demo's config hash (a config field added or
   removed changes the hash; the shipped files then need their hash re-stamped)."""
-  from moejax.config import ModelConfig
-  from moejax.speculation import load_predictors
+  from moejax.model.config import ModelConfig
+  from moejax.prefetch.speculation import load_predictors
   cfg = ModelConfig.from_json_file("ckpts/demo/config.json")
   out = load_predictors("hybrid", cfg, "ckpts/demo")
   assert len(out["vectors"]) == len(cfg.moe_layers)

@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moejax.offload import policy as P
-from moejax.offload import resident as R
+from moejax.cache import policy as P
+from moejax.cache import resident as R
 
 E, I, D = 8, 4, 6
 SPEC = {"gate_up": ((2 * I, D), jnp.float32), "down": ((D, I), jnp.float32)}

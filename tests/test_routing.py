@@ -1,4 +1,4 @@
-"""moejax.routing: ties between -0.0 and +0.0 router logits go to the lowest expert id.
+"""moejax.model.routing: ties between -0.0 and +0.0 router logits go to the lowest expert id.
 
 XLA's top_k orders floats by their bits, so it ranks +0.0 above -0.0; the documented
 rule is that equal scores go to the lowest expert id, and -0.0 == +0.0.  Every rule
@@ -13,8 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moejax import cpu_kernel, routing
-from moejax.config import ModelConfig
+from moejax.kernels import cpu_kernel
+from moejax.model import routing
+from moejax.model.config import ModelConfig
 
 N0, P0 = -0.0, 0.0
 

@@ -8,12 +8,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moejax import sampler as sampler_lib
-from moejax.config import ModelConfig
-from moejax.loader import init_random, load_model
-from moejax.sampler import Sampler, SamplingParams, sample_token
-from moejax.store import ExpertStore
-from moejax.tokenizer import Tokenizer
+from moejax.model import sampler as sampler_lib
+from moejax.model.config import ModelConfig
+from moejax.io.loader import init_random, load_model
+from moejax.model.sampler import Sampler, SamplingParams, sample_token
+from moejax.io.store import ExpertStore
+from moejax.io.tokenizer import Tokenizer
 
 DEMO = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ckpts", "demo")
 needs_demo = pytest.mark.skipif(not os.path.exists(os.path.join(DEMO, "config.json")),

@@ -7,10 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moejax import simulator as sim
-from moejax import traces
-from moejax.config import ModelConfig
-from moejax.offload import policy as P
+from moejax.research import simulator as sim
+from moejax.io import traces
+from moejax.model.config import ModelConfig
+from moejax.cache import policy as P
 
 DEMO = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ckpts", "demo")
 
@@ -94,8 +94,8 @@ POLICIES = ["quality", "speed", "baseline", "threshold", "first_choice", "substi
 def demo():
   if not os.path.exists(os.path.join(DEMO, "config.json")):
     pytest.skip("no demo model at ckpts/demo")
-  from moejax.loader import load_model
-  from moejax.store import ExpertStore
+  from moejax.io.loader import load_model
+  from moejax.io.store import ExpertStore
   cfg, params, store = load_model(DEMO, dtype=jnp.float32)
   # zero expert outputs: the residual stream no longer depends on which experts ran,
   # so every policy's engine sees the router logits of the teacher-forced model
@@ -159,7 +159,7 @@ def _hf(model_dir):
 
 
 # ------------------------------------------------------------------ time model
-from moejax import profiles, timemodel  # noqa: E402
+from moejax.research import profiles, timemodel  # noqa: E402
 
 
 def tp(**kw):

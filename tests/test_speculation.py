@@ -5,10 +5,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moejax import speculation
-from moejax.config import ModelConfig
-from moejax.loader import init_random
-from moejax.model import Transformer
+from moejax.prefetch import speculation
+from moejax.model.config import ModelConfig
+from moejax.io.loader import init_random
+from moejax.model.model import Transformer
 
 CFG = ModelConfig(model_type="qwen3_moe", vocab_size=64, hidden_size=32, num_layers=3,
                   num_heads=4, num_kv_heads=2, head_dim=8, num_experts=8, top_k=2,

@@ -8,13 +8,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moejax.config import ModelConfig
-from moejax.loader import init_random, load_model, save_hf
+from moejax.model.config import ModelConfig
+from moejax.io.loader import init_random, load_model, save_hf
 from moejax.offload import transfer
 from moejax.offload.engine import OffloadEngine
-from moejax.store import BACKENDS, StoreBackendError, make_store, shares_buffer
-from moejax.safetensors_io import SafetensorsFile
-from moejax.store import ExpertStore
+from moejax.io.store import BACKENDS, StoreBackendError, make_store, shares_buffer
+from moejax.io.safetensors_io import SafetensorsFile
+from moejax.io.store import ExpertStore
 
 CFG = ModelConfig(model_type="qwen3_moe", vocab_size=64, hidden_size=32, num_layers=3,
                   num_heads=4, num_kv_heads=2, head_dim=8, num_experts=8, top_k=2,

@@ -5,14 +5,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moejax import emulator as E
-from moejax.config import ModelConfig
-from moejax.loader import expert_shapes
-from moejax.model import Transformer
-from moejax.store import ExpertStore
-from moejax.study import metrics as M
-from moejax.study import runner as R
-from moejax.study import streams as S
+from moejax.research import emulator as E
+from moejax.model.config import ModelConfig
+from moejax.io.loader import expert_shapes
+from moejax.model.model import Transformer
+from moejax.io.store import ExpertStore
+from moejax.research.study import metrics as M
+from moejax.research.study import runner as R
+from moejax.research.study import streams as S
 
 
 def test_streams_layout_is_deterministic_and_scores_in_document_targets():

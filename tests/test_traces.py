@@ -7,11 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moejax import traces
-from moejax.config import ModelConfig
-from moejax.loader import init_random
-from moejax.model import Transformer
-from moejax.store import ExpertStore
+from moejax.io import traces
+from moejax.model.config import ModelConfig
+from moejax.io.loader import init_random
+from moejax.model.model import Transformer
+from moejax.io.store import ExpertStore
 
 HF = {"model_type": "qwen3_moe", "vocab_size": 32, "hidden_size": 16, "intermediate_size": 32,
       "moe_intermediate_size": 8, "num_hidden_layers": 3, "num_attention_heads": 2,

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from launch.train_demo import run_training, stage_overrides
-from moejax.config import ModelConfig
-from moejax.train import TrainConfig, aux_losses, balance_schedule, revive_experts
+from moejax.model.config import ModelConfig
+from moejax.train.trainer import TrainConfig, aux_losses, balance_schedule, revive_experts
 
 TINY = ModelConfig(model_type="qwen3_moe", vocab_size=64, hidden_size=32, num_layers=2,
                    num_heads=4, num_kv_heads=2, head_dim=8, num_experts=8, top_k=2,
@@ -114,7 +114,7 @@ def test_second_stage_starts_from_the_first_stages_weights(stream, tmp_path):
 def test_a_stage_starts_from_an_exported_model(stream, tmp_path):
   """--init_from=<model dir> (config.json + model.safetensors, e.g. a shipped model):
   the same weights as the run that exported it; another layout is refused."""
-  from moejax.loader import save_hf
+  from moejax.io.loader import save_hf
   tc = TrainConfig(steps=4, warmup=1, lr=1e-2, batch=4, seq=32, seed=0)
   (params, experts), _ = run_training(TINY, tc, stream, str(tmp_path / "a"), save_every=4)
   save_hf(TINY, params, experts, str(tmp_path / "export"))

@@ -9,14 +9,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moejax.config import ModelConfig
-from moejax.loader import expert_shapes
-from moejax.model import Transformer
+from moejax.model.config import ModelConfig
+from moejax.io.loader import expert_shapes
+from moejax.model.model import Transformer
 from moejax.offload import transfer
 from moejax.offload.engine import OffloadEngine
-from moejax.store import make_store, owned_device_put, shares_buffer
+from moejax.io.store import make_store, owned_device_put, shares_buffer
 from moejax.offload.transfer import TransferError, TransferTimeout
-from moejax.store import ExpertStore
+from moejax.io.store import ExpertStore
 
 D, I, E = 32, 16, 8
 DEVICE = jax.devices()[0]

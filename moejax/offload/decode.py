@@ -20,10 +20,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from moejax.config import ModelConfig
+from moejax.model.config import ModelConfig
 from moejax.offload import layer as layer_lib
 from moejax.offload import token as token_lib
-from moejax.sampler import sample_token
+from moejax.model.sampler import sample_token
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,19 +28,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moejax import families, speculation
-from moejax.config import ModelConfig
+from moejax.model import families
+from moejax.prefetch import speculation
+from moejax.model.config import ModelConfig
 from moejax.offload import decode
 from moejax.offload import layer as layer_lib
 from moejax.offload import link as link_lib
-from moejax.offload import policy as policy_lib
-from moejax.offload import prefetch as pf_steps
-from moejax.offload import resident as resident_lib
+from moejax.cache import policy as policy_lib
+from moejax.prefetch import steps as pf_steps
+from moejax.cache import resident as resident_lib
 from moejax.offload import token as token_lib
 from moejax.offload import transfer
-from moejax.offload.prefetch import Prefetch
+from moejax.prefetch.steps import Prefetch
 from moejax.offload.stats import TokenRecord, build_record, prefill_record, summarize
-from moejax.sampler import SamplingParams, bucket, next_token
+from moejax.model.sampler import SamplingParams, bucket, next_token
 
 
 class OffloadEngine:
@@ -61,7 +62,7 @@ class OffloadEngine:
     if isinstance(link, str) and link.strip().lower().startswith("scaled"):
       raise link_lib.LinkSpecError(
           f"link={link!r}: a scaled link needs this machine's layer compute time; build it "
-          f"with moejax.calibrate.calibrated_link(spec, cfg, params, store, dtype) "
+          f"with moejax.offload.calibrate.calibrated_link(spec, cfg, params, store, dtype) "
           f"and pass the Link")
     self.device = jax.devices()[0]
     self.cfg, self.store, self.policy = cfg, store, policy

@@ -35,13 +35,13 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from moejax import experts as experts_lib
-from moejax import routing
-from moejax.config import ModelConfig
-from moejax.offload import policy as policy_lib
-from moejax.offload import prefetch as pf
-from moejax.offload import resident as resident_lib
-from moejax.offload.policy import DROP, FETCH, HIT, HOST, SUBSTITUTE
+from moejax.model import experts as experts_lib
+from moejax.model import routing
+from moejax.model.config import ModelConfig
+from moejax.cache import policy as policy_lib
+from moejax.prefetch import steps as pf
+from moejax.cache import resident as resident_lib
+from moejax.cache.policy import DROP, FETCH, HIT, HOST, SUBSTITUTE
 
 # per-layer counts of a decoded token (summed over MoE layers by the drivers)
 STATS = ("expert_calls", "hits", "fetches", "substituted", "substituted_mass", "dropped",
@@ -378,7 +378,7 @@ def moe_layer(ctx: Ctx, mod, p, src: dict, x, pos_11, cache, state, pending, key
   lg = logits.reshape(1, -1)
   decide_fn = None
   if ctx.control is not None:
-    from moejax import controls   # pylint: disable=import-outside-toplevel
+    from moejax.cache import controls   # pylint: disable=import-outside-toplevel
     decide_fn = lambda l, s: controls.decide(ctx.control, l, s, ctx.policy.decision, cfg, key)
   spec = None
   admitted = pending[0] if ctx.spec_on else pending

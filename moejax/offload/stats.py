@@ -14,7 +14,7 @@ import dataclasses
 
 import numpy as np
 
-from moejax.config import ModelConfig
+from moejax.model.config import ModelConfig
 
 COUNT_KEYS = ("expert_calls", "hits", "misses", "fetches", "fetch_bytes", "substituted",
               "substituted_mass", "dropped", "dropped_mass", "host_calls", "admissions",

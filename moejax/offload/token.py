@@ -17,10 +17,10 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from moejax import layer_stack, routing
-from moejax.model import Transformer, init_cache
+from moejax.model import layer_stack, routing
+from moejax.model.model import Transformer, init_cache
 from moejax.offload import layer as layer_lib
-from moejax.offload import resident as resident_lib
+from moejax.cache import resident as resident_lib
 
 
 def empty_pending(ctx: layer_lib.Ctx):

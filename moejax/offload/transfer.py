@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moejax import store as store_lib
+from moejax.io import store as store_lib
 
 
 class TransferError(RuntimeError):

@@ -27,13 +27,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moejax import emulator, loader
-from moejax.config import ModelConfig
-from moejax.model import Transformer
-from moejax import store as host_store
+from moejax.research import emulator
+from moejax.io import loader
+from moejax.model.config import ModelConfig
+from moejax.model.model import Transformer
+from moejax.io import store as host_store
 from moejax.offload.engine import OffloadEngine
-from moejax.sampler import Sampler, SamplingParams
-from moejax.store import ExpertStore
+from moejax.model.sampler import Sampler, SamplingParams
+from moejax.io.store import ExpertStore
 
 OUT = sys.argv[1] if len(sys.argv) > 1 else "."
 QUICK = "--quick" in sys.argv

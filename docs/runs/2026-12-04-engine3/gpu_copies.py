@@ -15,7 +15,7 @@ sys.argv += [] if len(sys.argv) > 1 else ["."]
 src = open(os.path.join(os.path.dirname(__file__), "gpu_check.py")).read().split("for part in (exactness")[0]
 g = {}
 exec(compile(src, "gpu_check", "exec"), g)
-from moejax import store as host_store
+from moejax.io import store as host_store
 from moejax.offload import decode, layer as L
 from moejax.offload.engine import OffloadEngine
 OUT, QUICK = g["OUT"], g["QUICK"]

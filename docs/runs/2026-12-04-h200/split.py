@@ -4,7 +4,7 @@ sys.path.insert(0, os.getcwd())
 from launch import bench_models
 from moejax.offload.engine import OffloadEngine
 from moejax.offload import runs as runs_lib
-from moejax.sampler import Sampler, SamplingParams, next_token
+from moejax.model.sampler import Sampler, SamplingParams, next_token
 res = {"device": str(jax.devices()[0]), "jax": jax.__version__}
 N = 256
 for name in sys.argv[1].split(","):

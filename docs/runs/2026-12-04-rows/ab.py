@@ -5,12 +5,12 @@ A/B (docs/speed.md, "One row at a time")."""
 import sys, time, statistics, numpy as np, jax
 import os
 sys.path.insert(0, os.environ.get("ROOT", "."))
-from moejax import cpu_kernel
+from moejax.kernels import cpu_kernel
 mode, name = sys.argv[1], sys.argv[2]
 if mode == "min0":
   cpu_kernel.LINEAR_MIN_F32_BYTES = 0
 from launch import bench_models
-from moejax.sampler import Sampler, SamplingParams
+from moejax.model.sampler import Sampler, SamplingParams
 cfg, params, store, _, _ = bench_models.load(name, os.path.join(os.environ.get("ROOT", "."), "ckpts", "demo"))
 kind, dtype = bench_models.split_name(name)
 s = Sampler(cfg, params, store.to_device(), max_len=256, dtype=dtype)

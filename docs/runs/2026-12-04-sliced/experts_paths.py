@@ -4,8 +4,8 @@ experts, hidden 64, intermediate 32, top-4), N tokens (docs/speed.md, "Sliced ex
 family's own layout"):  PYTHONPATH=. python docs/runs/2026-12-04-sliced/experts_paths.py"""
 import time
 import numpy as np, jax
-from moejax import experts as X
-from moejax.families import gpt_oss
+from moejax.model import experts as X
+from moejax.model.families import gpt_oss
 rng = np.random.default_rng(0)
 E, D, I, K = 16, 64, 32, 4
 w = {"gate_up": rng.standard_normal((E, 2 * I, D)).astype(np.float32) * 0.1,

@@ -6,7 +6,8 @@
 """
 import sys, time, numpy as np, jax, jax.numpy as jnp
 from launch import bench_models
-from moejax import cpu_rows, model as M, sampler as S
+from moejax.kernels import cpu_rows
+from moejax.model import model as M, sampler as S
 
 _take = cpu_rows.take_rows
 FLAG = {"u16": False}   # read while tracing: each variant has its own jitted step

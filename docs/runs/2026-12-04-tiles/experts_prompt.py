@@ -2,7 +2,7 @@
 512-token prompt, uniform random routing: ms per pass and GFLOP/s of the expert kernel
 (docs/speed.md, "Prompt tiles").  `python experts_prompt.py [ROUNDS] [bf16]`"""
 import time, sys, numpy as np, jax, jax.numpy as jnp
-from moejax import experts as E
+from moejax.model import experts as E
 rng = np.random.default_rng(0)
 dt = jnp.bfloat16 if "bf16" in sys.argv else jnp.float32
 N, D, I, NE, K = 512, 512, 256, 64, 8

@@ -7,7 +7,7 @@ Sampler's decode speed on the demo model (bf16, f32) and the bench shape (f32).
 import json, time
 import numpy as np, jax, jax.numpy as jnp
 from launch import bench_models
-from moejax import model as M, sampler as S
+from moejax.model import model as M, sampler as S
 
 out = {"devices": [str(d) for d in jax.devices()], "jax": jax.__version__}
 for name in ("demo_bf16", "demo_f32", "bench_f32"):

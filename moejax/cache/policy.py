@@ -1,0 +1,367 @@
+"""Miss policies, eviction and background admission: one pure, jittable `decide`.
+
+The same code serves the engine (real transfers), the emulator (exact outputs,
+idealised transfers) and the simulator (recorded router logits, no model).
+
+Per token, `decide` routes with the family's own rule (`moejax.model.routing.route`)
+and gives every selected expert one *action*:
+
+  HIT         resident: computed from its slot.
+  FETCH       missed, the policy waits: fetched synchronously and inserted.
+  SUBSTITUTE  missed, replaced by the resident expert with the highest router
+              score (`routing.rank_scores`: the router logit or the family's
+              pre-normalisation score, never an underflowing probability; ties
+              by lowest id) that is not selected for this token and not already used as
+              a substitute; computed with the missed expert's gate weight.
+              Misses take substitutes in the order of their own router scores.
+  HOST        missed, computed on the host CPU (`host` policy).
+  DROP        missed and skipped: the `drop` substitution variant (remaining
+              weights renormalised to the selected experts' total weight), or a
+              substitution for which no unused resident expert was left (no
+              renormalisation).
+
+Which misses wait: `fetch_all` every one; `threshold(tau)` the first choice and
+every miss whose *normalised share* g / sum(selected g) is >= tau (a share equal
+to tau waits; for routers that renormalise the share is g itself);
+`first_choice` only the first choice; `substitute_all` and `host` none.
+
+Background admission(beta): every miss that is not waited for (substituted,
+dropped or computed on the host) adds its normalised share g / sum(selected g)
+(the quantity the threshold rule compares) to the missed expert's accumulator; when the accumulator reaches beta (>=) the expert is requested
+asynchronously (``Decision.admit``) and its accumulator is reset to 0.
+
+Eviction picks, among slots not in use by the current token, an empty slot
+first, else `lru` (oldest last use) or `lfu` (smallest decayed selection count,
+ties broken by lru, then by the lowest slot).  The LFU count of expert e is
+updated once per token and layer as ``freq[e] <- lfu_decay * freq[e] + n_e``,
+where n_e is the number of this step's tokens whose router selected e (hit,
+fetched, substituted, dropped or host alike: it tracks demand).  The default
+decay 0.98 is a half-life of about 34 tokens.
+
+Parameters come in two hashable parts, so compile-cache keys follow from types:
+`DecideParams` (read by `decide`) and `CacheParams` (read by `eviction_order`,
+`update_usage` and `resident.insert`); `PolicyParams` holds both and a name.
+Every function is pure and jittable (no Python-side state, no callbacks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from moejax.model import routing
+from moejax.model.config import ModelConfig
+
+HIT, FETCH, SUBSTITUTE, HOST, DROP = 0, 1, 2, 3, 4
+
+MISS_RULES = ("fetch_all", "threshold", "first_choice", "substitute_all", "host")
+EVICTIONS = ("lru", "lfu")
+SUBSTITUTIONS = ("next_best", "drop")
+
+
+class PolicyError(ValueError):
+  """A policy the user asked for that does not exist or has an invalid parameter."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DecideParams:
+  """What `decide` reads: the miss rule, substitution variant and admission threshold.
+
+  Hashable: the static argument (compile-cache key) of jitted decision steps.
+  """
+  miss: str = "fetch_all"
+  tau: float = 0.15
+  substitution: str = "next_best"
+  admission_beta: float | None = None    # None: no background admission
+
+  def __post_init__(self):
+    if self.miss not in MISS_RULES:
+      raise PolicyError(f"miss: unknown miss rule {self.miss!r}; choose one of "
+                        f"{', '.join(MISS_RULES + tuple(PRESETS))}")
+    if not 0.0 < self.tau <= 1.0:
+      raise PolicyError(f"tau must be in (0, 1], got {self.tau}")
+    if self.substitution not in SUBSTITUTIONS:
+      raise PolicyError(f"substitution: unknown variant {self.substitution!r}; choose one "
+                        f"of {', '.join(SUBSTITUTIONS)}")
+    if self.admission_beta is not None and not self.admission_beta > 0:
+      raise PolicyError(f"admission_beta must be > 0, got {self.admission_beta}")
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheParams:
+  """What eviction (`eviction_order`, `resident.insert`) and `update_usage` read.
+
+  Hashable: the static argument (compile-cache key) of jitted insert/usage steps.
+  """
+  eviction: str = "lru"
+  lfu_decay: float = 0.98
+
+  def __post_init__(self):
+    if self.eviction not in EVICTIONS:
+      raise PolicyError(f"eviction: unknown policy {self.eviction!r}; choose one of "
+                        f"{', '.join(EVICTIONS)}")
+    if not 0.0 < self.lfu_decay <= 1.0:
+      raise PolicyError(f"lfu_decay must be in (0, 1], got {self.lfu_decay}")
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyParams:
+  """A complete policy: the decision rule, the cache rule and a display name.
+
+  Every function here takes the part it reads (`DecideParams` or `CacheParams`)
+  or a whole PolicyParams, so a jitted step keyed on a part compiles once for
+  all policies that share it.
+  """
+  decision: DecideParams = DecideParams()
+  cache: CacheParams = CacheParams()
+  name: str = ""
+
+  # read-only views of the parts' fields
+  miss = property(lambda self: self.decision.miss)
+  tau = property(lambda self: self.decision.tau)
+  substitution = property(lambda self: self.decision.substitution)
+  admission_beta = property(lambda self: self.decision.admission_beta)
+  eviction = property(lambda self: self.cache.eviction)
+  lfu_decay = property(lambda self: self.cache.lfu_decay)
+
+  def describe(self) -> str:
+    rule = f"threshold({self.tau:g})" if self.miss == "threshold" else self.miss
+    parts = [rule, self.eviction]
+    if self.substitution == "drop" and self.miss in ("threshold", "first_choice",
+                                                     "substitute_all"):
+      parts.append("drop")
+    if self.admission_beta is not None:
+      parts.append(f"admission({self.admission_beta:g})")
+    s = " + ".join(parts)
+    return f"{self.name} = {s}" if self.name else s
+
+
+def decide_params(params: DecideParams | PolicyParams) -> DecideParams:
+  return params.decision if isinstance(params, PolicyParams) else params
+
+
+def cache_params(params: CacheParams | PolicyParams) -> CacheParams:
+  return params.cache if isinstance(params, PolicyParams) else params
+
+
+PRESETS = {
+    "quality": dict(miss="threshold", tau=0.15, eviction="lfu", admission_beta=0.5),
+    "speed": dict(miss="first_choice", eviction="lfu", admission_beta=0.5),
+    "baseline": dict(miss="fetch_all", eviction="lru"),
+}
+
+
+_FLAGS = dict(miss="--policy", tau="--tau", substitution="--substitution",
+              admission_beta="--admission_beta", eviction="--eviction",
+              lfu_decay="--lfu_decay")
+
+
+def make_policy(name: str, *, tau: float | None = None, eviction: str | None = None,
+                admission_beta: float | None = None, substitution: str | None = None,
+                lfu_decay: float | None = None) -> PolicyParams:
+  """A preset (quality/speed/baseline) or a miss rule, with optional overrides.
+
+  Overrides given as None keep the preset's (or the default) value.  For a plain
+  miss rule, admission is off unless `admission_beta` is given.  Errors name the
+  command-line flag of the offending value.
+  """
+  if name in PRESETS:
+    kw = dict(PRESETS[name])
+  elif name in MISS_RULES:
+    kw = dict(miss=name)
+  else:
+    raise PolicyError(f"--policy: unknown policy or preset {name!r}; choose one of "
+                      f"{', '.join(tuple(PRESETS) + MISS_RULES)}")
+  for k, v in (("tau", tau), ("eviction", eviction), ("admission_beta", admission_beta),
+               ("substitution", substitution), ("lfu_decay", lfu_decay)):
+    if v is not None:
+      kw[k] = v
+  cache_kw = {k: kw.pop(k) for k in ("eviction", "lfu_decay") if k in kw}
+  try:
+    return PolicyParams(DecideParams(**kw), CacheParams(**cache_kw),
+                        name=name if name in PRESETS else "")
+  except PolicyError as e:
+    field = str(e).split(":")[0].split(" ")[0]
+    raise PolicyError(f"{_FLAGS.get(field, field)}: {e}") from None
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Decision:
+  """The policy's decision for N tokens of one MoE layer (K selected experts each)."""
+  ids: jax.Array        # [N,K] int32 routed experts, by router score (desc)
+  gates: jax.Array      # [N,K] f32 the model's own gate weights
+  share: jax.Array      # [N,K] f32 g / sum(selected g)
+  action: jax.Array     # [N,K] int32 HIT/FETCH/SUBSTITUTE/HOST/DROP
+  sub_ids: jax.Array    # [N,K] int32 the substitute (-1 unless SUBSTITUTE)
+  exec_ids: jax.Array   # [N,K] int32 expert computed on the device (-1: none)
+  weights: jax.Array    # [N,K] f32 weight applied to the executed (or host) expert
+  admit: jax.Array      # [E] bool: request in the background now
+  acc: jax.Array        # [E] f32 admission accumulator after this step
+
+
+def prefix_count(mask):
+  """The running count of a bool mask along its last axis, inclusive (int32): n x n
+  compares in one fusion (XLA CPU runs a cumsum as a reduce-window of its own, ~10 us
+  even for 64 entries)."""
+  n = mask.shape[-1]
+  tri = jnp.arange(n)[None, :] <= jnp.arange(n)[:, None]      # [i, j]: j <= i
+  return jnp.sum(tri & mask[..., None, :], axis=-1, dtype=jnp.int32)
+
+
+def pick(values, index):
+  """values[..., index[..., j]] along the last axis by one-hot compares (no gather)."""
+  hit = index[..., :, None] == jnp.arange(values.shape[-1])
+  return jnp.sum(jnp.where(hit, values[..., None, :], jnp.zeros((), values.dtype)), axis=-1)
+
+
+def decide(router_logits_NxE: jax.Array, resident, params: DecideParams | PolicyParams,
+           cfg: ModelConfig) -> Decision:
+  """The policy's decision for every selected expert of N tokens (pure, jittable).
+
+  `resident` is the layer's ResidentState (only `expert_slot` and `acc` are read).
+  The N tokens are decided against the same resident set (the engine decodes
+  one token at a time).  Substitutes are ranked by `routing.rank_scores` (the
+  router's logits, or the family's pre-normalisation score), ties by lowest id.
+  """
+  params = decide_params(params)
+  ids, gates, _ = routing.route(cfg, router_logits_NxE)
+  scores = routing.rank_scores(cfg, router_logits_NxE)
+  n, k = ids.shape
+  num_e = scores.shape[-1]
+  total = jnp.sum(gates, axis=-1, keepdims=True)
+  share = gates / jnp.where(total > 0, total, 1.0)
+  is_res = resident.expert_slot[ids] >= 0
+  miss = ~is_res
+  first = jnp.arange(k)[None, :] == 0
+
+  if params.miss == "fetch_all":
+    wait = miss
+  elif params.miss == "threshold":
+    wait = miss & (first | (share >= params.tau))
+  elif params.miss == "first_choice":
+    wait = miss & first
+  else:  # substitute_all, host
+    wait = jnp.zeros_like(miss)
+  served_elsewhere = miss & ~wait
+
+  action = jnp.where(is_res, HIT, FETCH)
+  sub_ids = jnp.full_like(ids, -1)
+  weights = gates
+  if params.miss == "host":
+    action = jnp.where(served_elsewhere, HOST, action)
+  elif params.miss == "fetch_all":   # every miss is waited for: nothing to substitute
+    pass
+  elif params.substitution == "drop":
+    action = jnp.where(served_elsewhere, DROP, action)
+    kept = jnp.where(served_elsewhere, 0.0, gates)
+    kept_total = jnp.sum(kept, axis=-1, keepdims=True)
+    weights = jnp.where(kept_total > 0, kept * total / jnp.where(kept_total > 0, kept_total, 1.0),
+                        0.0)
+  else:
+    # candidates: resident and not selected for this token, best router score first
+    selected = jnp.any(ids[..., None] == jnp.arange(num_e), axis=-2)          # [N,E]
+    cand_ok = (resident.expert_slot[None, :] >= 0) & ~selected
+    cand_score = jnp.where(cand_ok, scores, -jnp.inf)
+    c_score, c_ids = jax.lax.top_k(cand_score, k)                  # [N,K]
+    rank = prefix_count(served_elsewhere) - 1                       # misses in score order
+    rank = jnp.clip(rank, 0, k - 1)
+    got = pick(jnp.where(c_score > -jnp.inf, 1, 0), rank) > 0
+    sub = pick(c_ids.astype(jnp.int32), rank)
+    do_sub = served_elsewhere & got
+    action = jnp.where(do_sub, SUBSTITUTE, jnp.where(served_elsewhere, DROP, action))
+    sub_ids = jnp.where(do_sub, sub, -1)
+    weights = jnp.where(served_elsewhere & ~got, 0.0, gates)
+  action = action.astype(jnp.int32)
+  exec_ids = jnp.where((action == HIT) | (action == FETCH), ids,
+                       jnp.where(action == SUBSTITUTE, sub_ids, -1)).astype(jnp.int32)
+
+  acc = resident.acc
+  admit = jnp.zeros((num_e,), bool)
+  if params.admission_beta is not None:
+    w = jnp.where(served_elsewhere, share, 0.0).reshape(-1, 1)
+    add = jnp.sum(jnp.where(ids.reshape(-1, 1) == jnp.arange(num_e), w, 0.0), axis=0)
+    acc = acc + add
+    admit = acc >= params.admission_beta
+    acc = jnp.where(admit, 0.0, acc)
+  return Decision(ids=ids, gates=gates, share=share, action=action, sub_ids=sub_ids,
+                  exec_ids=exec_ids, weights=weights, admit=admit, acc=acc)
+
+
+def all_hits(router_logits_NxE: jax.Array, resident, cfg: ModelConfig) -> Decision:
+  """`decide`'s answer when every expert is resident for good (any policy): the
+  routing, every action HIT, nothing admitted."""
+  ids, gates, _ = routing.route(cfg, router_logits_NxE)
+  total = jnp.sum(gates, axis=-1, keepdims=True)
+  share = gates / jnp.where(total > 0, total, 1.0)
+  return Decision(ids=ids, gates=gates, share=share, action=jnp.zeros_like(ids),
+                  sub_ids=jnp.full_like(ids, -1), exec_ids=ids, weights=gates,
+                  admit=jnp.zeros(resident.acc.shape, bool), acc=resident.acc)
+
+
+def eviction_rank(resident, protected_S: jax.Array, params: CacheParams | PolicyParams):
+  """Each slot's position in `eviction_order` [S], and how many may be overwritten:
+  the number of slots whose keys (protected, freq [lfu], last use, slot) come before
+  its own (S x S comparisons; many times faster than XLA's sort on CPU at cache sizes)."""
+  params = cache_params(params)
+  slot_e = resident.slot_expert
+  e = jnp.maximum(slot_e, 0)
+  empty = slot_e < 0
+  last = jnp.where(empty, -2, resident.last_used[e])    # never-used resident: -1
+  idx = jnp.arange(slot_e.shape[0])
+  # before[i, j]: slot j comes before slot i; keys compared from the least significant up
+  before = idx[None, :] < idx[:, None]
+  before = (last[None, :] < last[:, None]) | ((last[None, :] == last[:, None]) & before)
+  if params.eviction == "lfu":
+    freq = jnp.where(empty, -jnp.inf, resident.freq[e])
+    before = (freq[None, :] < freq[:, None]) | ((freq[None, :] == freq[:, None]) & before)
+  prot = protected_S.astype(bool)
+  before = (~prot[None, :] & prot[:, None]) | ((prot[None, :] == prot[:, None]) & before)
+  return jnp.sum(before, axis=1, dtype=jnp.int32), jnp.sum(~prot)
+
+
+def eviction_order(resident, protected_S: jax.Array, params: CacheParams | PolicyParams):
+  """Slots in the order insertions overwrite them, and how many may be overwritten.
+
+  Empty slots first, then per the eviction policy (lru: oldest last use; lfu:
+  smallest decayed count, ties by oldest use), ties by the lowest slot;
+  protected slots (in use by the current token) last and never overwritten.
+  Inserting J experts one after another, each protecting the one before,
+  overwrites exactly the first J slots of this order (the lexicographic order of
+  `eviction_rank`'s keys: the same permutation as a lexsort).
+  """
+  rank, usable = eviction_rank(resident, protected_S, params)
+  idx = jnp.arange(rank.shape[0], dtype=jnp.int32)
+  # the inverse permutation by one-hot compares (a scatter is a loop of its own on XLA CPU)
+  order = jnp.sum(jnp.where(rank[None, :] == idx[:, None], idx[None, :], 0), axis=1)
+  return order.astype(jnp.int32), usable
+
+
+def victim_slot(resident, protected_S: jax.Array,
+                params: CacheParams | PolicyParams) -> jax.Array:
+  """The slot the next insertion overwrites (see `eviction_order`); -1 if all protected."""
+  order, usable = eviction_order(resident, protected_S, params)
+  return jnp.where(usable > 0, order[0], -1)
+
+
+def update_usage(resident, decision: Decision, params: CacheParams | PolicyParams):
+  """Usage statistics and admission accumulator after one step (pure).
+
+  lru: experts computed on the device this step get ``last_used = step``.
+  lfu: ``freq <- lfu_decay * freq + (router selections this step)``.
+  """
+  params = cache_params(params)
+  num_e = resident.expert_slot.shape[0]
+  # one-hot compares, not scatters (XLA CPU runs a scatter as a loop of its own; counts
+  # are sums of ones, exact in any order)
+  e_E = jnp.arange(num_e, dtype=jnp.int32)
+  used = jnp.any(decision.exec_ids.reshape(-1, 1) == e_E, axis=0)
+  counts = jnp.sum((decision.ids.reshape(-1, 1) == e_E).astype(jnp.float32), axis=0)
+  return dataclasses.replace(
+      resident,
+      last_used=jnp.where(used, resident.step, resident.last_used),
+      freq=resident.freq * params.lfu_decay + counts,
+      acc=decision.acc,
+      step=resident.step + 1)

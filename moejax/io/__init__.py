@@ -1,0 +1,1 @@
+"""Reading checkpoints and writing files: safetensors, the one loader, host expert stores, tokenizers and router traces."""

@@ -1,0 +1,109 @@
+"""An RMSNorm, the softmax router rule and the bf16 embedding lookup as one CPU custom
+call each (``cpu_rows.cc``, built and registered with the expert kernel by ``cpu_kernel``).
+
+XLA's CPU backend compiles an RMSNorm to 3-4 thunks and softmax + top-k + renormalisation
+to about 6, each with a fixed cost of about a microsecond; on a small model that is a
+tenth of a decode step (docs/speed.md, "Row-wise kernels"); XLA splits the bf16 lookup
+over its thread pool. Each function here takes an ``xla_fn`` with the same meaning: other
+platforms compile it, and the backward pass differentiates it (``custom_vjp``), so
+training is unchanged. Results agree with XLA's to
+float rounding (``tests/test_cpu_rows.py``). Under ``vmap`` the batch is folded into the
+rows of one call.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moejax.kernels import cpu_kernel
+
+_OK = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _kernel_or_xla(call, xla_fn, *args):
+  """`call(*args)` (a kernel) on CPU, `xla_fn(*args)` elsewhere; gradients are
+  `xla_fn`'s (integer outputs get none)."""
+  return jax.lax.platform_dependent(*args, cpu=call, default=xla_fn)
+
+
+def _kernel_fwd(call, xla_fn, *args):
+  return _kernel_or_xla(call, xla_fn, *args), args
+
+
+def _kernel_bwd(call, xla_fn, args, cts):
+  del call
+  return jax.vjp(xla_fn, *args)[1](cts)
+
+
+_kernel_or_xla.defvjp(_kernel_fwd, _kernel_bwd)
+
+
+def _norm_call(x_RxD, w_D, *, eps: float):
+  return jax.ffi.ffi_call(cpu_kernel.RMS_NORM_TARGET,
+                          jax.ShapeDtypeStruct(x_RxD.shape, x_RxD.dtype))(
+                              x_RxD, w_D, eps=np.float32(eps))
+
+
+@functools.lru_cache(maxsize=None)
+def _norm_caller(eps: float):
+  return cpu_kernel.rows_vmap(functools.partial(_norm_call, eps=eps), 1)
+
+
+def rms_norm(x, w_D, eps: float, xla_fn):
+  """`xla_fn(x, w, eps)` (an RMSNorm over the last axis), as the kernel on CPU when x and
+  w share an f32/bf16 dtype; else `xla_fn` itself."""
+  dt = jnp.dtype(x.dtype)
+  if dt not in _OK or jnp.dtype(w_D.dtype) != dt or w_D.ndim != 1 or not cpu_kernel.available():
+    return xla_fn(x, w_D, eps)
+  y = _kernel_or_xla(_norm_caller(float(eps)), functools.partial(xla_fn, eps=eps),
+                     x.reshape(-1, x.shape[-1]), w_D)
+  return y.reshape(x.shape)
+
+
+def _route_call(logits_RxE, *, k: int, renorm: bool):
+  r, e = logits_RxE.shape
+  return jax.ffi.ffi_call(cpu_kernel.ROUTE_SOFTMAX_TARGET, (
+      jax.ShapeDtypeStruct((r, k), jnp.int32), jax.ShapeDtypeStruct((r, k), jnp.float32),
+      jax.ShapeDtypeStruct((r, e), jnp.float32)))(logits_RxE, renorm=int(renorm))
+
+
+@functools.lru_cache(maxsize=None)
+def _route_caller(k: int, renorm: bool):
+  return cpu_kernel.rows_vmap(functools.partial(_route_call, k=k, renorm=renorm), 1)
+
+
+def route_softmax(logits_NxE, k: int, renorm: bool, xla_fn):
+  """(ids [...,K] int32, gates [...,K], scores [...,E]) of f32 logits [..., E]: the
+  softmax rule `xla_fn(logits)`, as the kernel on CPU (ties to the lower expert index, like
+  top_k)."""
+  if jnp.dtype(logits_NxE.dtype) != jnp.float32 or not cpu_kernel.available():
+    return xla_fn(logits_NxE)
+  lead, e = logits_NxE.shape[:-1], logits_NxE.shape[-1]
+  ids, gates, scores = _kernel_or_xla(_route_caller(int(k), bool(renorm)), xla_fn,
+                                      logits_NxE.reshape(-1, e))
+  return ids.reshape(*lead, -1), gates.reshape(*lead, -1), scores.reshape(*lead, e)
+
+
+def _take_call(ids_N, table_VxD):
+  return jax.ffi.ffi_call(cpu_kernel.TAKE_ROWS_TARGET,
+                          jax.ShapeDtypeStruct(ids_N.shape + table_VxD.shape[1:],
+                                               table_VxD.dtype))(ids_N, table_VxD)
+
+
+_take_caller = cpu_kernel.rows_vmap(_take_call, 1)
+
+
+def take_rows(table_VxD, ids, cpu_xla_fn):
+  """`jnp.take(table, ids, axis=0)` of a bf16 table: the kernel on CPU (XLA splits its
+  fused lookup over the thread pool at every step, docs/speed.md), else `cpu_xla_fn(table,
+  ids)` on a CPU without the kernel, and jnp.take on other platforms and for gradients."""
+  if jnp.dtype(table_VxD.dtype) != jnp.bfloat16 or not cpu_kernel.available():
+    return cpu_xla_fn(table_VxD, ids)
+  xla_fn = lambda i, t: jnp.take(t, i, axis=0)
+  rows = _kernel_or_xla(_take_caller, xla_fn, ids.reshape(-1).astype(jnp.int32), table_VxD)
+  return rows.reshape(ids.shape + table_VxD.shape[1:])

@@ -1,0 +1,95 @@
+"""The decoder layers as one `lax.scan` (uniform models) or an unrolled loop.
+
+Helpers shared by the emulator's jitted steps: when every layer is sparse and of
+one kind (qwen3_moe, mixtral, olmoe) the layers' parameters, expert tables and
+per-layer carries (KV cache, ResidentState, pending admissions) are stacked
+[L, ...] and the layers run as a scan over one compiled body; other families
+keep lists over layers and unroll.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from moejax.model.config import ModelConfig
+from moejax.model.model import DecoderLayer
+
+
+def decoder_modules(cfg: ModelConfig, dtype):
+  """One DecoderLayer module per layer."""
+  return [DecoderLayer(cfg, s, dtype, i) for i, s in enumerate(cfg.sparse_layers)]
+
+
+def uniform(cfg: ModelConfig) -> bool:
+  """Every layer sparse and of one kind: the layers run as a `lax.scan` (one compiled
+  layer body instead of one per layer)."""
+  kinds = {(cfg.layer_types[i] if cfg.layer_types else "") for i in range(cfg.num_layers)}
+  return all(cfg.sparse_layers) and len(kinds) == 1
+
+
+def stack_layers(cfg: ModelConfig, params, table):
+  """(layers, table) as the jitted functions take them: stacked [L, ...] for uniform
+  models, else lists over layers."""
+  layers = [params[f"layers_{i}"] for i in range(cfg.num_layers)]
+  if not uniform(cfg):
+    return layers, list(table)
+  stack = lambda *a: jnp.stack(a)
+  return jax.tree_util.tree_map(stack, *layers), jax.tree_util.tree_map(stack, *table)
+
+
+def stack_states(cfg: ModelConfig, states: dict):
+  """{MoE layer: ResidentState} stacked [L, ...] for uniform models, else as given."""
+  if not uniform(cfg):
+    return states
+  return jax.tree_util.tree_map(lambda *a: jnp.stack(a), *[states[l] for l in cfg.moe_layers])
+
+
+def run_layers(cfg: ModelConfig, dtype, layer_fn, layers, table, x, per_layer,
+               scan: bool = True):
+  """x through every layer: layer_fn(mod, sparse, p, table_l, x, per_layer_l, i) ->
+  (x, per_layer_l, out_l).  per_layer: stacked [L, ...] (a uniform model under `scan`)
+  or a list; returns (x, per_layer, outs stacked over MoE layers).  scan=False unrolls
+  every model (the engine: each layer's state and slot buffers stay separate arrays,
+  updated in place)."""
+  mods = decoder_modules(cfg, dtype)
+  if scan and uniform(cfg):
+    # the KV cache rides in the loop carry and is updated in place, one layer at a
+    # time (as scanned xs/ys it would be copied whole at every layer)
+    cache, rest = per_layer[0], per_layer[1:]
+
+    def body(carry, xs):
+      x, cache = carry
+      p, t, st, pend, i = xs
+      cache_l = jax.tree_util.tree_map(lambda c: c[i], cache)
+      x, (cache_l, st, pend), out = layer_fn(mods[0], True, p, t, x, (cache_l, st, pend), i)
+      cache = jax.tree_util.tree_map(lambda c, n: c.at[i].set(n), cache, cache_l)
+      return (x, cache), (st, pend, out)
+
+    (x, cache), (st, pend, outs) = jax.lax.scan(
+        body, (x, cache), (layers, table) + tuple(rest) + (jnp.arange(cfg.num_layers),))
+    return x, (cache, st, pend), outs
+  per_layer, outs = list(per_layer), []
+  for i, mod in enumerate(mods):
+    x, per_layer[i], out = layer_fn(mod, cfg.sparse_layers[i], layers[i], table[i], x,
+                                    per_layer[i], i)
+    if cfg.sparse_layers[i]:
+      outs.append(out)
+  return x, per_layer, jax.tree_util.tree_map(lambda *a: jnp.stack(a), *outs)
+
+
+def zip_carry(cfg: ModelConfig, cache, states, pending, scan: bool = True):
+  """Zips the carry into per-layer tuples (dense layers get None state)."""
+  if scan and uniform(cfg):
+    return (cache, states, pending)
+  return [(cache[i], states.get(i), pending.get(i)) for i in range(cfg.num_layers)]
+
+
+def unzip_carry(cfg: ModelConfig, per_layer, scan: bool = True):
+  """The inverse of `zip_carry`: (cache, states, pending)."""
+  if scan and uniform(cfg):
+    return per_layer
+  cache = [c for c, _, _ in per_layer]
+  states = {i: s for i, (_, s, _) in enumerate(per_layer) if s is not None}
+  pending = {i: a for i, (_, _, a) in enumerate(per_layer) if a is not None}
+  return cache, states, pending

@@ -1,0 +1,148 @@
+"""The pure-functional Flax MoE transformer of every family (``moejax.model.families``).
+
+Parameter names follow Hugging Face (``layers_3/self_attn/q_proj/weight`` is
+``model.layers.3.self_attn.q_proj.weight``), with ``weight`` as [out, in].
+Routed experts are *not* parameters: every call takes them explicitly, one
+``{"gate_up": [E, 2I, D], "down": [E, D, I]}`` dict per layer (None for dense
+layers), so the offload engine can hand in slot buffers instead.
+
+A decoder layer is exposed in two halves so an engine can decide between them:
+  (a) ``attend`` + ``route_logits``: attention with its residual, then the
+      pre-MoE norm and the router logits;
+  (b) ``moe_residual``: the routed experts (and residual) from given ids/gates.
+
+The KV cache is an explicit pytree: a list over layers of {"k", "v"} arrays of
+static shape [B, S, kv_heads, head_dim]; ``end_index`` is the number of
+positions already written.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from moejax.kernels import cpu_rows
+from moejax.model import experts as experts_lib
+from moejax.model import families
+from moejax.model import routing
+from moejax.model.config import ModelConfig
+from moejax.model.layers import Linear, SwiGLU
+
+Cache = list  # list over layers of {"k": [B,S,Hkv,K], "v": [B,S,Hkv,K]}
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> Cache:
+  return families.of(cfg).init_cache(cfg, batch, max_len, dtype)
+
+
+class DecoderLayer(nn.Module):
+  """One decoder layer; ``sparse`` selects routed experts vs a dense MLP."""
+  cfg: ModelConfig
+  sparse: bool
+  dtype: Any = jnp.float32
+  layer_idx: int = 0
+
+  def setup(self):
+    c = self.cfg
+    family = families.of(c)
+    self.input_layernorm = family.norm(c, self.dtype)
+    # named like the hub tensors: self_attn (attention) or linear_attn (Gated DeltaNet)
+    setattr(self, family.mixer_name(c, self.layer_idx), family.mixer(c, self.layer_idx, self.dtype))
+    self.post_attention_layernorm = family.norm(c, self.dtype)
+    if self.sparse:
+      self.mlp = family.sparse_mlp(c, self.dtype)
+    else:
+      self.mlp = SwiGLU(c.hidden_size, c.intermediate_size, self.dtype)
+
+  def attend(self, x_BxTxD, positions_BxT, cache, end_index):
+    """(a1) h = x + mixer(norm(x)); returns (h, new_cache)."""
+    mixer = getattr(self, families.of(self.cfg).mixer_name(self.cfg, self.layer_idx))
+    a, cache = mixer(self.input_layernorm(x_BxTxD), positions_BxT, cache, end_index)
+    return x_BxTxD + a, cache
+
+  def route_logits(self, h_BxTxD):
+    """(a2) the pre-MoE normed input and the router logits [B,T,E] (sparse layers)."""
+    moe_in = self.post_attention_layernorm(h_BxTxD)
+    return moe_in, self.mlp(moe_in)
+
+  def dense_residual(self, h_BxTxD):
+    return h_BxTxD + self.mlp(self.post_attention_layernorm(h_BxTxD))
+
+  def __call__(self, x_BxTxD, positions_BxT, cache, end_index, expert_weights):
+    h, cache = self.attend(x_BxTxD, positions_BxT, cache, end_index)
+    if not self.sparse:
+      return self.dense_residual(h), cache, None
+    moe_in, logits = self.route_logits(h)
+    ids, gates, _ = routing.route(self.cfg, logits)
+    return self.moe_residual(h, moe_in, ids, gates, expert_weights), cache, logits
+
+  def moe_residual(self, h_BxTxD, moe_in_BxTxD, ids_BxTxK, gates_BxTxK, expert_weights):
+    """(b) h + sum_k g_k * expert_k(moe_in); ids index into `expert_weights` (table or slots).
+
+    Families with shared experts add them here (the ``mlp``'s ``shared_output``: dense,
+    resident parameters).
+    """
+    b, t, d = h_BxTxD.shape
+    y = experts_lib.apply_experts(moe_in_BxTxD.reshape(b * t, d), ids_BxTxK.reshape(b * t, -1),
+                                  gates_BxTxK.reshape(b * t, -1), expert_weights,
+                                  swiglu=(self.cfg.swiglu_alpha, self.cfg.swiglu_limit))
+    y = y.reshape(b, t, d).astype(h_BxTxD.dtype)
+    if hasattr(self.mlp, "shared_output"):
+      y = y + self.mlp.shared_output(moe_in_BxTxD)
+    return h_BxTxD + y
+
+
+def _take_bf16_as_u16(table_VxD, tokens_BxT):
+  # XLA's CPU backend gathers bf16 in f32 (a convert of the table in the fusion, ~0.1 ms a
+  # decode step on the demo model): the same bits as uint16.  Out-of-range ids give NaN.
+  u16 = jax.lax.bitcast_convert_type(table_VxD, jnp.uint16)
+  return jax.lax.bitcast_convert_type(jnp.take(u16, tokens_BxT, axis=0), jnp.bfloat16)
+
+
+class Transformer(nn.Module):
+  cfg: ModelConfig
+  dtype: Any = jnp.float32
+
+  def setup(self):
+    c = self.cfg
+    self.embed_tokens = nn.Embed(c.vocab_size, c.hidden_size, param_dtype=self.dtype,
+                                 dtype=self.dtype, embedding_init=nn.initializers.normal(0.02))
+    self.layers = [DecoderLayer(c, s, self.dtype, i) for i, s in enumerate(c.sparse_layers)]
+    self.norm = families.of(c).norm(c, self.dtype)
+    if not c.tie_word_embeddings:
+      self.lm_head = Linear(c.vocab_size, dtype=self.dtype)
+
+  def embed(self, tokens_BxT):
+    table = self.embed_tokens.embedding
+    if table.dtype == jnp.bfloat16:   # a kernel call on CPU (cpu_rows.take_rows)
+      return cpu_rows.take_rows(table, tokens_BxT, _take_bf16_as_u16)
+    return self.embed_tokens(tokens_BxT)
+
+  def logits(self, x_BxTxD):
+    x = self.norm(x_BxTxD)
+    if self.cfg.tie_word_embeddings:
+      return self.embed_tokens.attend(x).astype(jnp.float32)
+    return self.lm_head(x).astype(jnp.float32)
+
+  def __call__(self, tokens_BxT, expert_weights, cache=None, end_index=0, positions_BxT=None):
+    """Full forward. Returns (logits [B,T,V] f32, new cache, router logits per layer)."""
+    x, new_cache, router_logits = self.hidden(tokens_BxT, expert_weights, cache, end_index,
+                                              positions_BxT)
+    return self.logits(x), new_cache, router_logits
+
+  def hidden(self, tokens_BxT, expert_weights, cache=None, end_index=0, positions_BxT=None):
+    """The forward before the final norm and LM head: (x [B,T,D], new cache, router logits)."""
+    b, t = tokens_BxT.shape
+    if positions_BxT is None:
+      positions_BxT = jnp.broadcast_to(end_index + jnp.arange(t), (b, t))
+    x = self.embed(tokens_BxT)
+    new_cache, router_logits = [], []
+    for i, layer in enumerate(self.layers):
+      x, ci, rl = layer(x, positions_BxT, None if cache is None else cache[i], end_index,
+                        expert_weights[i])
+      new_cache.append(ci)
+      router_logits.append(rl)
+    return x, (None if cache is None else new_cache), router_logits

@@ -1,0 +1,154 @@
+"""How much host RAM and device memory a model needs, computed from its config alone.
+
+`plan_memory` answers before anything is loaded (a 30B-parameter checkpoint takes
+minutes to read), from the same shapes the loader and the engine use:
+
+  dense parameters   every parameter that is not a routed expert (embeddings,
+                     attention, norms, routers, shared experts, dense MLPs), on the
+                     device, in the dtype each leaf has (`loader.abstract_params`);
+  one expert         the bytes one routed expert occupies, and moves per fetch;
+  expert cache       with a policy: `resident.make_budget`'s slots + staging slots +
+                     the scratch row, per MoE layer; without one: every expert;
+  KV cache           `model.init_cache` for the sequence length (shape only);
+  prefill fetches    transient: a long prompt may need every non-resident expert
+                     of one layer at once (at most E experts).
+
+Host RAM holds the expert store: every expert for ``numpy`` and ``pinned_host``,
+none for ``mmap`` (the OS page cache reads the checkpoint file on demand).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moejax.model.config import ModelConfig
+
+
+def tree_nbytes(tree) -> int:
+  """Bytes of every array (or ShapeDtypeStruct) leaf of a pytree."""
+  return int(sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize
+                 for x in jax.tree_util.tree_leaves(tree)))
+
+
+def checkpoint_is_mxfp4(model_dir: str) -> bool:
+  """Whether a folder's routed experts are stored as MXFP4 blocks (gpt_oss hub files)."""
+  from moejax.io.safetensors_io import SafetensorsFile
+  index = os.path.join(model_dir, "model.safetensors.index.json")
+  single = os.path.join(model_dir, "model.safetensors")
+  if os.path.exists(index):
+    with open(index) as f:
+      names = list(json.load(f).get("weight_map", {}))
+  elif os.path.exists(single):
+    names = list(SafetensorsFile(single).keys())
+  else:
+    return False
+  return any(n.endswith("_proj_blocks") for n in names)
+
+
+def expert_nbytes(cfg: ModelConfig, dtype, mxfp4: bool = False) -> int:
+  """Bytes of one routed expert as the store holds it: every tensor in `dtype`, except
+  gpt_oss MXFP4 blocks and scales, which stay one byte per element (biases in `dtype`)."""
+  from moejax.model import families
+  item = jnp.dtype(dtype).itemsize
+  if mxfp4:
+    shapes = families.of(cfg).expert_shapes(cfg, "mxfp4")
+    return int(sum(np.prod(s) * (item if k.endswith("bias") else 1) for k, s in shapes.items()))
+  return int(sum(np.prod(s) * item for s in families.of(cfg).expert_shapes(cfg).values()))
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+  """Bytes a run needs; `lines()` says where each figure comes from."""
+  store: str                 # "numpy" | "mmap" | "pinned_host"
+  offload: bool              # False: every expert on the device (no --policy)
+  dense_bytes: int
+  expert_bytes: int          # one routed expert
+  num_moe_layers: int
+  num_experts: int           # per MoE layer
+  cache_slots: int           # physical slots per MoE layer (+ scratch row when offloading)
+  kv_len: int
+  kv_bytes: int
+  prefill_bytes: int         # transient, at most
+
+  @property
+  def all_experts_bytes(self) -> int:
+    return self.expert_bytes * self.num_experts * self.num_moe_layers
+
+  @property
+  def expert_cache_bytes(self) -> int:
+    return self.expert_bytes * self.cache_slots * self.num_moe_layers
+
+  @property
+  def host_bytes(self) -> int:
+    """Host RAM the expert store keeps (the dense parameters only pass through)."""
+    return 0 if self.store == "mmap" else self.all_experts_bytes
+
+  @property
+  def device_bytes(self) -> int:
+    return self.dense_bytes + self.expert_cache_bytes + self.kv_bytes + self.prefill_bytes
+
+  def lines(self) -> list[str]:
+    if self.store == "mmap":
+      host = (f"0 B of experts kept in RAM (--store=mmap: the {gb(self.all_experts_bytes)} of "
+              f"experts are read from the checkpoint through the OS page cache)")
+    else:
+      where = "pinned host memory" if self.store == "pinned_host" else "RAM"
+      host = (f"{gb(self.host_bytes)} in {where} for every expert (--store={self.store}: "
+              f"{self.num_moe_layers} layers x {self.num_experts} experts x "
+              f"{mb(self.expert_bytes)})")
+    host += f"; the dense parameters ({gb(self.dense_bytes)}) pass through once while loading"
+    if self.offload:
+      cache = (f"expert cache {gb(self.expert_cache_bytes)} ({self.cache_slots} slots incl. "
+               f"staging + scratch x {self.num_moe_layers} layers x {mb(self.expert_bytes)})")
+      extra = f" + prompt prefill fetches up to {gb(self.prefill_bytes)}"
+    else:
+      cache = f"every expert {gb(self.expert_cache_bytes)} (no --policy: all resident)"
+      extra = ""
+    device = (f"{gb(self.device_bytes)} = dense parameters {gb(self.dense_bytes)} + {cache} + "
+              f"KV cache {gb(self.kv_bytes)} ({self.kv_len} positions){extra}")
+    return [f"host RAM       {host}", f"device memory  {device}"]
+
+  def as_dict(self) -> dict:
+    d = dataclasses.asdict(self)
+    d.update(host_bytes=self.host_bytes, device_bytes=self.device_bytes,
+             expert_cache_bytes=self.expert_cache_bytes, all_experts_bytes=self.all_experts_bytes)
+    return d
+
+
+def plan_memory(cfg: ModelConfig, dtype, *, store: str = "numpy", offload: bool = True,
+                cache_fraction: float | None = 0.25, cache_bytes: int | None = None,
+                kv_len: int = 4096, mxfp4: bool = False) -> MemoryPlan:
+  """The memory a run of `cfg` needs (see the module docstring); raises BudgetError for
+  a budget the engine would refuse, with the same message."""
+  from moejax.io.loader import abstract_params
+  from moejax.model.model import init_cache
+  from moejax.cache import resident
+  ebytes = expert_nbytes(cfg, dtype, mxfp4)
+  n_moe = len(cfg.moe_layers)
+  if offload:
+    budget = resident.make_budget(cfg.num_experts, cfg.top_k, ebytes, n_moe,
+                                  fraction=None if cache_bytes else cache_fraction,
+                                  nbytes=cache_bytes)
+    slots = budget.physical + 1                      # + the scratch row
+    prefill = cfg.num_experts * ebytes
+  else:
+    slots, prefill = cfg.num_experts, 0
+  kv = jax.eval_shape(lambda: init_cache(cfg, 1, kv_len, dtype))
+  return MemoryPlan(store=store, offload=offload,
+                    dense_bytes=tree_nbytes(abstract_params(cfg, dtype)), expert_bytes=ebytes,
+                    num_moe_layers=n_moe, num_experts=cfg.num_experts, cache_slots=int(slots),
+                    kv_len=kv_len, kv_bytes=tree_nbytes(kv), prefill_bytes=prefill)
+
+
+def gb(n: int) -> str:
+  return f"{n / 1e9:.2f} GB" if n >= 1e8 else mb(n)
+
+
+def mb(n: int) -> str:
+  return f"{n / 1e6:.2f} MB" if n >= 1e5 else f"{n / 1e3:.1f} kB"

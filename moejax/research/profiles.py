@@ -1,0 +1,123 @@
+"""Hardware profiles and model shapes for the simulator's time model (data, with sources).
+
+A *hardware profile* is a GPU, the link its experts cross, and the host that
+holds them.  A *model shape* says how many bytes a decode step reads.  At batch
+1 decode is memory-bound, so `moejax.research.timemodel.roofline` turns the pair into
+per-layer times: bytes / GPU memory bandwidth for attention, router and each
+expert; expert bytes / link bandwidth (+ latency) per transfer; expert bytes /
+host memory bandwidth for an expert computed on the host CPU (the llama.cpp /
+Fiddler baseline).  Kernel-launch and framework overheads are not in the
+roofline (a lower bound on compute time; `layer_overhead_s` adds a fixed cost).
+
+Sources for the figures (peak figures are vendor data sheets; "effective"
+figures are what published measurements typically reach, rounded):
+  RTX 3090     936 GB/s GDDR6X (NVIDIA GeForce RTX 3090 specifications).
+  RTX 4090     1008 GB/s GDDR6X (NVIDIA GeForce RTX 4090 specifications).
+  A100 PCIe    1935 GB/s HBM2e, 80 GB card (NVIDIA A100 data sheet).
+  H100 SXM     3.35 TB/s HBM3 (NVIDIA H100 data sheet); the same figure as
+               moejax.offload.link's scaled-link profile.
+  H200         4.8 TB/s HBM3e (NVIDIA H200 data sheet).
+  GH200        4.0 TB/s HBM3, 96 GB version (NVIDIA GH200 data sheet; the
+               144 GB HBM3e version lists 4.9 TB/s).
+  PCIe 4.0 x16 31.5 GB/s per direction raw (PCI-SIG 16 GT/s x 16 lanes,
+               128b/130b); pinned host->device copies measure ~25 GB/s
+               (CUDA bandwidthTest on such systems), used here.
+  PCIe 5.0 x16 63 GB/s per direction raw (32 GT/s); ~50 GB/s effective pinned
+               copies (the figure link.py uses for H100/H200).
+  NVLink-C2C   900 GB/s total, 450 GB/s per direction (NVIDIA Grace Hopper
+               superchip whitepaper); ~400 GB/s effective host->device assumed.
+  DMA latency  ~10 us per cudaMemcpyAsync over PCIe (launch + DMA set-up, the
+               order reported by microbenchmarks); ~5 us over C2C (assumed).
+  Host memory  (CPU expert compute, memory-bound): desktop DDR4-3200 dual
+               channel 51.2 GB/s peak -> 40 GB/s; desktop DDR5-5600 dual
+               channel 89.6 GB/s -> 70 GB/s; server 8-channel DDR4-3200
+               204.8 GB/s -> 150 GB/s; server 8-channel DDR5-4800 307 GB/s ->
+               230 GB/s; Grace LPDDR5X 500 GB/s peak (Grace CPU data sheet)
+               -> 400 GB/s.  The ~75-80% ratio is what STREAM-like reads reach.
+  "this machine (emulated link)": no datasheet; its compute times are measured
+               by timing the engine here (`timemodel.calibrate_engine`) and its
+               link is the emulated one the engine ran with.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from moejax.offload.link import moe_layer_bytes
+
+
+class ProfileError(ValueError):
+  """An unknown profile or model shape; the message lists the known ones."""
+
+
+@dataclasses.dataclass(frozen=True)
+class HardwareProfile:
+  name: str
+  gpu: str
+  link: str
+  gpu_memory_Bps: float
+  link_Bps: float              # effective pinned host->device bandwidth
+  link_latency_s: float
+  host_memory_Bps: float       # effective host-CPU read bandwidth (host expert compute)
+
+
+HARDWARE = {p.name: p for p in [
+    HardwareProfile("rtx3090", "RTX 3090", "PCIe 4.0 x16", 936e9, 25e9, 10e-6, 40e9),
+    HardwareProfile("rtx4090", "RTX 4090", "PCIe 4.0 x16", 1008e9, 25e9, 10e-6, 70e9),
+    HardwareProfile("a100", "A100 PCIe 80GB", "PCIe 4.0 x16", 1935e9, 25e9, 10e-6, 150e9),
+    HardwareProfile("h100", "H100 SXM", "PCIe 5.0 x16", 3.35e12, 50e9, 10e-6, 230e9),
+    HardwareProfile("h200", "H200", "PCIe 5.0 x16", 4.8e12, 50e9, 10e-6, 230e9),
+    HardwareProfile("gh200", "GH200 (96 GB)", "NVLink-C2C", 4.0e12, 400e9, 5e-6, 400e9),
+]}
+CALIBRATED = "this_machine"    # a profile measured by timing the engine (timemodel)
+
+
+def hardware(name: str) -> HardwareProfile:
+  if name not in HARDWARE:
+    raise ProfileError(f"--profiles: unknown hardware profile {name!r}; known: "
+                       f"{', '.join(list(HARDWARE) + [CALIBRATED])}")
+  return HARDWARE[name]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+  """Bytes one decode step reads (bf16 unless said), per MoE layer and per token."""
+  name: str
+  moe_layers: int
+  num_experts: int
+  top_k: int
+  expert_bytes: int            # one routed expert (what a fetch moves)
+  layer_bytes: int             # attention/mixer + router + norms + shared expert, per layer
+  head_bytes: int              # LM head (+ final norm) per token
+
+
+def _qwen3_30b() -> ModelShape:
+  # REFERENCE: 48 layers, hidden 2048, 32/4 heads x 128, 128 experts top-8 of 768, vocab
+  # 151936, untied head.  moe_layer_bytes counts q/k/v/o + router + norms + k experts.
+  expert, active = moe_layer_bytes(2048, 32, 4, 128, 128, 8, 768)
+  return ModelShape("qwen3-30b-a3b", 48, 128, 8, expert, active - 8 * expert,
+                    151936 * 2048 * 2)
+
+
+def _qwen3_next_80b() -> ModelShape:
+  # REFERENCE: 48 layers, hidden 2048; every 4th layer gated full attention (16/2 heads x
+  # 256, q_proj gives [q | gate]), the others Gated DeltaNet (16 key heads x 128, 32 value
+  # heads x 128: in_proj_qkvz 2048 x 12288, in_proj_ba 2048 x 64, out_proj 4096 x 2048);
+  # 512 experts top-10 of 512; one sigmoid-gated shared expert of 512; vocab 151936.
+  h = 2048
+  attn = h * (16 * 256 * 2) + 2 * h * 2 * 256 + 16 * 256 * h
+  delta = h * 12288 + h * 64 + 4096 * h
+  mixer = (12 * attn + 36 * delta) // 48
+  shared = 3 * h * 512 + h
+  router = 512 * h
+  return ModelShape("qwen3-next-80b-a3b", 48, 512, 10, 3 * h * 512 * 2,
+                    2 * (mixer + shared + router + 2 * h), 151936 * h * 2)
+
+
+MODELS = {m.name: m for m in [_qwen3_30b(), _qwen3_next_80b()]}
+
+
+def model_shape(name: str) -> ModelShape:
+  if name not in MODELS:
+    raise ProfileError(f"unknown model shape {name!r}; known: {', '.join(MODELS)}")
+  return MODELS[name]

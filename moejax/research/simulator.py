@@ -1,0 +1,256 @@
+"""Replays router traces through the offload policy, without the model.
+
+The per-(token, layer) step is the engine's and the emulator's own function,
+`layer.policy_step` (decide, insert the FETCH experts, usage, trim, then insert the
+admissions this token requested: the state the layer's next decision sees), on the
+recorded router logits; its counts are `layer.layer_counts` (an admission and its
+evictions count at the next token, where they take effect).
+
+A trace may start with a prompt (`prefill_tokens`): `token.prefill_step`, the
+engine's exact prefill (the union of the prompt's selected experts is made
+available; the fetched ones the prompt used most are inserted).
+
+One jitted `lax.scan` over tokens carries every layer's ResidentState (without
+slot buffers) and its `Step.pending`, `vmap`ped over MoE layers (each layer has its
+own cache) and over policy variants whose static fields (miss rule, substitution
+variant, eviction, admission on/off) agree; their numeric fields (tau, beta, LFU
+decay) are traced values.  Output per policy: totals per layer (hits, misses, sync
+fetches, substitutions, substituted mass, ...) and, per (token, layer), the counts the
+time model needs (`STEP_FIELDS`).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moejax.model import routing
+from moejax.model.config import ModelConfig
+from moejax.offload import layer as layer_lib
+from moejax.cache import policy as policy_lib
+from moejax.cache import resident as resident_lib
+from moejax.offload import token as token_lib
+from moejax.cache.policy import PolicyParams
+
+# totals per policy and layer (float: masses are shares g / sum(selected g))
+STAT_FIELDS = ("expert_calls", "hits", "misses", "fetches", "substituted", "substituted_mass",
+               "dropped", "dropped_mass", "host_calls", "admissions", "admitted", "evictions")
+# per (token, layer), int8: what the time model reads
+STEP_FIELDS = ("fetches", "host_calls", "admissions", "device_calls")
+
+
+@dataclasses.dataclass
+class SimResult:
+  """One policy's replay of a trace (decode tokens only; the prompt is separate)."""
+  policy: PolicyParams
+  slots: int
+  tokens: int
+  totals_LxF: np.ndarray             # [L, len(STAT_FIELDS)]
+  steps_TxLxC: np.ndarray | None     # [T, L, len(STEP_FIELDS)] int8
+  # detail=True: per (token, layer) "stats" [T, L, F], "resident" [T, L, P] (slot_expert
+  # after the token, its admission requests inserted), and the decisions: "ids", "action",
+  # "sub_ids" [T, L, K] and "admit" [T, L, K] (experts requested in the background,
+  # increasing, -1 padded)
+  detail: dict | None = None
+
+  def total(self, name: str) -> float:
+    return float(self.totals_LxF[:, STAT_FIELDS.index(name)].sum())
+
+  def per_layer(self, name: str) -> np.ndarray:
+    return self.totals_LxF[:, STAT_FIELDS.index(name)]
+
+  def summary(self) -> dict:
+    """Totals and per-token means, named like the engine's statistics."""
+    n, nl = max(self.tokens, 1), self.totals_LxF.shape[0]
+    calls = max(self.total("expert_calls"), 1.0)
+    s = {"policy": self.policy.describe(), "tokens": self.tokens, "slots_per_layer": self.slots}
+    s.update({f"{k}_per_token": self.total(k) / n for k in STAT_FIELDS})
+    s["hit_rate"] = self.total("hits") / calls
+    s["substituted_call_pct"] = 100.0 * self.total("substituted") / calls
+    s["substituted_mass_per_token_layer"] = self.total("substituted_mass") / (n * nl)
+    s["substituted_mass_per_token"] = self.total("substituted_mass") / n
+    s["per_layer"] = {k: [float(v) for v in self.per_layer(k)] for k in STAT_FIELDS}
+    return s
+
+
+def static_key(p: PolicyParams) -> PolicyParams:
+  """The fields that change the computation (policies sharing it share one compile):
+  miss rule, substitution variant, admission on/off, eviction."""
+  d = policy_lib.DecideParams(miss=p.miss, substitution=p.substitution,
+                              admission_beta=None if p.admission_beta is None else 0.5)
+  return PolicyParams(d, policy_lib.CacheParams(eviction=p.eviction))
+
+
+def _dyn(p: PolicyParams) -> np.ndarray:
+  return np.asarray([p.tau, p.admission_beta or 0.0, p.lfu_decay], np.float32)
+
+
+def _traced(static: PolicyParams, dyn_3):
+  """(DecideParams, CacheParams) of `static` with tau, beta and the LFU decay replaced
+  by traced values (vmap over variants).  The parts validate concrete numbers in
+  __post_init__; the variants were validated when they were built, so the copies
+  bypass it."""
+  d, c = copy.copy(static.decision), copy.copy(static.cache)
+  object.__setattr__(d, "tau", dyn_3[0])
+  if d.admission_beta is not None:
+    object.__setattr__(d, "admission_beta", dyn_3[1])
+  object.__setattr__(c, "lfu_decay", dyn_3[2])
+  return d, c
+
+
+# ------------------------------------------------------------------ one lane
+# STAT_FIELDS from `layer.STATS` (misses: the calls that were not hits)
+_FROM_STATS = tuple(layer_lib.STATS.index("expert_calls" if f == "misses" else f)
+                    for f in STAT_FIELDS)
+
+
+def _decode_step(cfg: ModelConfig, static: PolicyParams, trim_to, state, prev_pending,
+                 logits_R, dyn_3):
+  """One (token, layer) of one policy: `layer.policy_step`.  prev_pending: the layer's
+  `Step.pending` at the previous token (its admissions, inserted at that token's end,
+  are counted here, where they take effect)."""
+  dparams, params = _traced(static, dyn_3)
+  state, step = layer_lib.policy_step(cfg, dparams, params, trim_to, state, logits_R[None])
+  c = layer_lib.layer_counts(step, prev_pending)
+  stats = c[jnp.asarray(_FROM_STATS)]
+  stats = stats.at[STAT_FIELDS.index("misses")].add(-c[layer_lib.STATS.index("hits")])
+  n = lambda f: c[layer_lib.STATS.index(f)]
+  dec = step.dec
+  steps = jnp.stack([n("fetches"), n("host_calls"), n("admissions"),
+                     jnp.sum(dec.exec_ids[0] >= 0).astype(jnp.float32)])
+  decisions = dict(ids=dec.ids[0], action=dec.action[0], sub_ids=dec.sub_ids[0],
+                   admit=step.pending[0])
+  return state, step.pending, stats, steps.astype(jnp.int8), decisions
+
+
+def _prefill(cfg: ModelConfig, static: PolicyParams, trim_to, state, logits_PxR, dyn_3,
+             decay_pow):
+  """A P-token prompt at one layer: `token.prefill_step` on its routing."""
+  _, params = _traced(static, dyn_3)
+  ids, _, _ = routing.route(cfg, logits_PxR)
+  valid = jnp.ones((logits_PxR.shape[0],), jnp.float32)
+  return token_lib.prefill_step(params, trim_to, state, ids, valid, decay_pow)[0]
+
+
+# ------------------------------------------------------------------ jitted scans
+@functools.partial(jax.jit, static_argnames=("cfg", "static", "trim_to", "detail"))
+def _scan(cfg, static, trim_to, states, pending, totals, logits_TxLxR, dyn_Px3, detail=False):
+  """States [P, L, ...]; logits shared by the P policies."""
+  step_l = jax.vmap(functools.partial(_decode_step, cfg, static, trim_to),
+                    in_axes=(0, 0, 0, None))
+  step_pl = jax.vmap(step_l, in_axes=(0, 0, None, 0))
+
+  def body(carry, logits_LxR):
+    st, pend, tot = carry
+    st, pend, stats, step, dec = step_pl(st, pend, logits_LxR.astype(jnp.float32), dyn_Px3)
+    out = (step, dict(dec, stats=stats, resident=st.slot_expert)) if detail else (step,)
+    return (st, pend, tot + stats), out
+
+  (states, pending, totals), ys = jax.lax.scan(body, (states, pending, totals), logits_TxLxR)
+  return states, pending, totals, ys
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "static", "trim_to"))
+def _prefill_all(cfg, static, trim_to, states, logits_PxLxR, dyn_Px3, decay_P):
+  f = jax.vmap(functools.partial(_prefill, cfg, static, trim_to), in_axes=(0, 1, None, None))
+  return jax.vmap(f, in_axes=(0, None, 0, 0))(states, logits_PxLxR.astype(jnp.float32),
+                                              dyn_Px3, decay_P)
+
+
+@functools.partial(jax.jit, static_argnames=("num_experts", "num_slots", "params"))
+def _initial_states(order_LxS, num_experts: int, num_slots: int,
+                    params: policy_lib.CacheParams):
+  """Empty caches filled with order_LxS[l] (-1: nothing), as the engine's `fill` does."""
+  def one(order_S):
+    st = resident_lib.init_state(num_experts, num_slots, {}, buffers=False)
+    st, _ = resident_lib.insert(st, order_S, {}, jnp.zeros((num_experts,), bool), params)
+    return st
+  return jax.vmap(one)(order_LxS)
+
+
+# ------------------------------------------------------------------ driver
+def budget_slots(cfg: ModelConfig, cache_fraction: float) -> resident_lib.Budget:
+  """The engine's budget for `cache_fraction` (expert bytes do not matter here)."""
+  return resident_lib.make_budget(cfg.num_experts, cfg.top_k, 1, len(cfg.moe_layers),
+                                  fraction=cache_fraction)
+
+
+def profile_initial(logits_TxLxR, cfg: ModelConfig, slots: int) -> np.ndarray:
+  """[L, S]: per layer the `slots` experts routed most often on these logits (the
+  engine's initial="profile" contents for counts measured on the same stream)."""
+  out = []
+  for l in range(logits_TxLxR.shape[1]):
+    ids, _, _ = jax.jit(routing.route, static_argnums=0)(cfg, jnp.asarray(logits_TxLxR[:, l],
+                                                                          jnp.float32))
+    counts = np.bincount(np.asarray(ids).reshape(-1), minlength=cfg.num_experts)
+    out.append(resident_lib.profile_order(counts)[:slots])
+  return np.asarray(out, np.int32)
+
+
+def simulate(cfg: ModelConfig, logits_TxLxR, policies, *, cache_fraction: float = 0.25,
+             initial_LxS=None, prefill_tokens: int = 0, per_step: bool = True,
+             detail: bool = False, chunk: int = 8192, progress=None) -> list[SimResult]:
+  """Replays `logits_TxLxR` (router outputs of the MoE layers) under each policy.
+
+  initial_LxS: the experts each layer's cache starts with (e.g. `profile_initial`),
+  None = empty.  The first `prefill_tokens` tokens are a prompt (engine prefill);
+  the rest are decoded one by one.  detail=True also keeps every decision,
+  every step's statistics and every layer's resident set (for checks).  Policies are grouped by `static_key`; each
+  group is one vmapped scan, in chunks of `chunk` tokens.
+  """
+  policies = [policy_lib.make_policy(p) if isinstance(p, str) else p for p in policies]
+  logits = np.asarray(logits_TxLxR)
+  nt, nl, _ = logits.shape
+  if nl != len(cfg.moe_layers):
+    raise ValueError(f"router logits have {nl} layers; the model has {len(cfg.moe_layers)} "
+                     f"MoE layers")
+  if not 0 <= prefill_tokens < nt:
+    raise ValueError(f"prefill_tokens={prefill_tokens} must be in [0, {nt})")
+  budget = budget_slots(cfg, cache_fraction)
+  trim_to = budget.slots if budget.staging else None
+  groups: dict[PolicyParams, list[int]] = {}
+  for i, p in enumerate(policies):
+    groups.setdefault(static_key(p), []).append(i)
+  results: list[SimResult | None] = [None] * len(policies)
+  for static, members in groups.items():
+    dyn = jnp.asarray(np.stack([_dyn(policies[i]) for i in members]))
+    npol = len(members)
+    order = (np.full((nl, budget.physical), -1, np.int32) if initial_LxS is None else
+             np.pad(np.asarray(initial_LxS, np.int32)[:, :budget.physical],
+                    ((0, 0), (0, max(0, budget.physical - np.shape(initial_LxS)[1]))),
+                    constant_values=-1))
+    st = _initial_states(jnp.asarray(order), cfg.num_experts, budget.physical, static.cache)
+    states = jax.tree_util.tree_map(lambda a: jnp.broadcast_to(a, (npol,) + a.shape), st)
+    if prefill_tokens:   # the LFU decay over the prompt, rounded from f64 as the engine's
+      decay = np.asarray([np.float32(float(policies[i].lfu_decay) ** np.float64(prefill_tokens))
+                          for i in members])
+      states = _prefill_all(cfg, static, trim_to, states, jnp.asarray(logits[:prefill_tokens]),
+                            dyn, jnp.asarray(decay))
+    pending = jax.tree_util.tree_map(lambda a: jnp.broadcast_to(a, (npol, nl) + a.shape),
+                                     layer_lib.no_pending(cfg.top_k))
+    totals = jnp.zeros((npol, nl, len(STAT_FIELDS)), jnp.float32)
+    steps, det = [], []
+    for lo in range(prefill_tokens, nt, chunk):
+      xs = jnp.asarray(logits[lo:min(nt, lo + chunk)])
+      states, pending, totals, ys = _scan(cfg, static, trim_to, states, pending, totals, xs,
+                                          dyn, detail=detail)
+      if per_step:
+        steps.append(np.asarray(ys[0]))
+      if detail:
+        det.append(jax.tree_util.tree_map(np.asarray, ys[1]))
+      if progress is not None:
+        progress(min(nt, lo + chunk) - lo)
+    totals = np.asarray(totals)
+    for j, i in enumerate(members):
+      results[i] = SimResult(
+          policy=policies[i], slots=budget.slots, tokens=nt - prefill_tokens,
+          totals_LxF=totals[j],
+          steps_TxLxC=np.concatenate([s[:, j] for s in steps]) if per_step else None,
+          detail={k: np.concatenate([d[k][:, j] for d in det]) for k in det[0]}
+          if detail else None)
+  return results

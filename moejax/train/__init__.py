@@ -1,0 +1,1 @@
+"""Training the demo model: the loss and Optax step, and the corpora it reads."""

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moejax.kernels import cpu_kernel
 from moejax.model import families
 from moejax.prefetch import speculation
 from moejax.model.config import ModelConfig
@@ -118,6 +119,7 @@ class OffloadEngine:
     self._records: list[TokenRecord] = []
     self._deferred: list[tuple] = []     # (packed device array, start) of lazy steps
     self._unbuilt: list[tuple] = []      # (packed numpy array, wall_s, waits) per step
+    self._loops: dict = {}        # (steps, temperature, top_p, stop shape) -> compiled loop
     self.prefill_record: TokenRecord | None = None
     self._failed: BaseException | None = None
 
@@ -130,7 +132,7 @@ class OffloadEngine:
   # -------------------------------------------------------------- lifetime
   def close(self):
     """Releases the device state (nothing runs in the background)."""
-    self._carry, self._srcs = None, None
+    self._carry, self._srcs, self._loops = None, None, {}
 
   def __enter__(self):
     return self
@@ -215,6 +217,7 @@ class OffloadEngine:
     scalar; with a native link the step does not wait for the device, and its record
     is built when `records`/`stats` is next read (its wall time is then the interval
     between consecutive dispatches).  Decisions and logits are those of a plain step.
+    A loop of steps runs faster inside `cpu_kernel.decoding()` (`generate` enters it).
     """
     self._check()
     if self._carry is None:
@@ -278,27 +281,35 @@ class OffloadEngine:
     if sp.max_new_tokens == 0:
       return []
     if on_token is None and not self.link.emulated:
-      return self._generate_loop(logits, sp, key)
+      with cpu_kernel.decoding():     # the CPU kernel's helpers spin between calls
+        return self._generate_loop(logits, sp, key)
     out = []
-    for i in range(sp.max_new_tokens):
-      key, sub = jax.random.split(key)
-      tid = int(next_token(logits, sub, float(sp.temperature), float(sp.top_p)))
-      out.append(tid)
-      if on_token:
-        on_token(tid)
-      if tid in sp.stop_ids or i == sp.max_new_tokens - 1:
-        break
-      logits = self.decode_step(tid)
+    with cpu_kernel.decoding():
+      for i in range(sp.max_new_tokens):
+        key, sub = jax.random.split(key)
+        tid = int(next_token(logits, sub, float(sp.temperature), float(sp.top_p)))
+        out.append(tid)
+        if on_token:
+          on_token(tid)
+        if tid in sp.stop_ids or i == sp.max_new_tokens - 1:
+          break
+        logits = self.decode_step(tid)
     return out
 
   def _generate_loop(self, logits, sp: SamplingParams, key) -> list[int]:
     self._check()
-    t0 = time.perf_counter()
     stop = np.asarray(list(sp.stop_ids) or [-1], np.int32)
-    self._carry, toks, n, packs = decode.loop(
-        self._prog, self.params, self._srcs, self._carry, jnp.asarray(logits),
-        np.int32(self.end_index), key, stop, sp.max_new_tokens, float(sp.temperature),
-        float(sp.top_p))
+    args = (self.params, self._srcs, self._carry, jnp.asarray(logits),
+            np.int32(self.end_index), key, stop)
+    statics = (sp.max_new_tokens, float(sp.temperature), float(sp.top_p), stop.shape)
+    if statics not in self._loops:     # compiled ahead, so the records time decoding only
+      while len(self._loops) >= 4:
+        self._loops.pop(next(iter(self._loops)))
+      self._loops[statics] = decode.loop.lower(
+          self._prog, *args, steps=statics[0], temperature=statics[1],
+          top_p=statics[2]).compile()
+    t0 = time.perf_counter()
+    self._carry, toks, n, packs = self._loops[statics](*args)
     toks, n, packs = jax.device_get((toks, n, packs))
     n = int(n)
     wall = (time.perf_counter() - t0) / max(1, n - 1)

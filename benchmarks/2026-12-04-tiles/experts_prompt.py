@@ -1,6 +1,6 @@
 """The routed experts of 8 bench-shape layers (hidden 512, 64 experts, top 8, I=256) over a
 512-token prompt, uniform random routing: ms per pass and GFLOP/s of the expert kernel
-(docs/speed.md, "Prompt tiles").  `python experts_prompt.py [ROUNDS] [bf16]`"""
+(docs/notes/cpu_speed.md, "Prompt tiles").  `python experts_prompt.py [ROUNDS] [bf16]`"""
 import time, sys, numpy as np, jax, jax.numpy as jnp
 from moejax.model import experts as E
 rng = np.random.default_rng(0)

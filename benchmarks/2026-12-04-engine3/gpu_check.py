@@ -1,6 +1,6 @@
 """Engine III on a GPU: exactness, the presets against their lower bound, the loops.
 
-  PYTHONPATH=. python docs/runs/2026-12-04-engine3/gpu_check.py OUT_DIR [--quick]
+  PYTHONPATH=. python benchmarks/2026-12-04-engine3/gpu_check.py OUT_DIR [--quick]
   (--quick: a small shape instead of Qwen3-30B-A3B's, to smoke-test on a CPU)
 
 1. Exactness on a tiny random f32 model with a pinned_host store: the engine's fetch_all

@@ -1,7 +1,7 @@
 """Decode tok/s of the Sampler (128 greedy tokens after 64, medians of N rounds) for one
 model, from the checkout at $ROOT: `ROOT=<checkout> python ab.py <label> <model> [rounds]`;
 label min0 sends every f32 projection to the kernel. Run two checkouts alternately for an
-A/B (docs/speed.md, "One row at a time")."""
+A/B (docs/notes/cpu_speed.md, "One row at a time")."""
 import sys, time, statistics, numpy as np, jax
 import os
 sys.path.insert(0, os.environ.get("ROOT", "."))

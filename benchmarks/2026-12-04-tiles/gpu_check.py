@@ -2,7 +2,7 @@
 compiled step, same rows as jnp.take) and the demo model generates in bf16 and f32; then the
 Sampler's decode speed on the demo model (bf16, f32) and the bench shape (f32).
 
-  python docs/runs/2026-12-04-tiles/gpu_check.py
+  python benchmarks/2026-12-04-tiles/gpu_check.py
 """
 import json, time
 import numpy as np, jax, jax.numpy as jnp

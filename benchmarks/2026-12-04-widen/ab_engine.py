@@ -1,8 +1,8 @@
 """The Sampler against the all-resident lazy OffloadEngine (bench_peers' runners), one
 process, alternating 128-token decodes after a 64-token prompt; per-round tok/s and the
-median of the per-round ratios (docs/speed.md, "The bf16 widening"):
+median of the per-round ratios (docs/notes/cpu_speed.md, "The bf16 widening"):
 
-  PYTHONPATH=. python docs/runs/2026-12-04-widen/ab_engine.py demo_bf16 20
+  PYTHONPATH=. python benchmarks/2026-12-04-widen/ab_engine.py demo_bf16 20
 """
 import sys, time, numpy as np
 from absl import flags

@@ -1,6 +1,6 @@
 """Why the offloaded presets were slow on the H200 (gpu_check run 1): the copy mechanism.
 
-  PYTHONPATH=. python docs/runs/2026-12-04-engine3/gpu_copies.py OUT_DIR [--quick]
+  PYTHONPATH=. python benchmarks/2026-12-04-engine3/gpu_copies.py OUT_DIR [--quick]
 
 Qwen3-30B-A3B shape, 4 layers, bf16, pinned_host store, substitute_all at 25% (no fetch,
 no admission: every copy call copies nothing).  Per variant of the copy step the time per

@@ -1,8 +1,8 @@
 """Decode speed of model variants in one process, alternating chunks of 128 greedy tokens
-(docs/speed.md, "The bf16 embedding lookup").  Each spec is MODEL[:VARIANT]; VARIANT
+(docs/notes/cpu_speed.md, "The bf16 embedding lookup").  Each spec is MODEL[:VARIANT]; VARIANT
 `u16` runs the bf16 embedding lookup as XLA's uint16 gather instead of the kernel.
 
-  python docs/runs/2026-12-04-tiles/ab_decode.py demo_bf16:u16,demo_bf16,demo_f32 30
+  python benchmarks/2026-12-04-tiles/ab_decode.py demo_bf16:u16,demo_bf16,demo_f32 30
 """
 import sys, time, numpy as np, jax, jax.numpy as jnp
 from launch import bench_models

@@ -1,7 +1,7 @@
 """Compile and run time of the XLA expert paths (experts_sliced, experts_grouped) for a
 family's own expert layout (gpt_oss, MXFP4) against plain SwiGLU experts, tiny shapes (16
-experts, hidden 64, intermediate 32, top-4), N tokens (docs/speed.md, "Sliced experts of a
-family's own layout"):  PYTHONPATH=. python docs/runs/2026-12-04-sliced/experts_paths.py"""
+experts, hidden 64, intermediate 32, top-4), N tokens (docs/notes/cpu_speed.md, "Sliced experts of a
+family's own layout"):  PYTHONPATH=. python benchmarks/2026-12-04-sliced/experts_paths.py"""
 import time
 import numpy as np, jax
 from moejax.model import experts as X

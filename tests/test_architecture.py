@@ -1,0 +1,135 @@
+"""The package's layers (docs/architecture.md): a module imports only its own package and
+the layers below it; no moejax/ folder holds more than MAX_MODULES modules.
+
+Every module under moejax/ and estimators/ is parsed with `ast` (imports inside
+functions count too); nothing is imported.
+"""
+
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+MAX_MODULES = 12
+
+# Bottom first.  A module may import its own package and any package of a lower tier;
+# packages of one tier are peers and import none of each other.
+TIERS = (
+    ("moejax", "estimators", "moejax.kernels", "estimators.model"),  # leaves
+    ("moejax.model",),
+    ("moejax.io", "moejax.cache", "moejax.train"),
+    ("moejax.prefetch",),
+    ("moejax.offload",),
+    ("moejax.research", "estimators.data", "estimators.train"),
+    ("moejax.cli", "launch"),
+)
+RANK = {pkg: rank for rank, tier in enumerate(TIERS) for pkg in tier}
+PROJECT = ("moejax", "estimators", "launch")
+
+
+def layer_of(dotted: str) -> str | None:
+  """The longest package in RANK that `dotted` is (or is inside); None outside the project."""
+  parts = dotted.split(".")
+  if parts[0] not in PROJECT:
+    return None
+  for n in range(len(parts), 0, -1):
+    if ".".join(parts[:n]) in RANK:
+      return ".".join(parts[:n])
+  raise AssertionError(f"{dotted}: no layer in tests/test_architecture.py TIERS")
+
+
+def module_name(path: pathlib.Path) -> str:
+  parts = path.relative_to(ROOT).with_suffix("").parts
+  return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _is_module(dotted: str) -> bool:
+  p = ROOT.joinpath(*dotted.split("."))
+  return p.with_suffix(".py").is_file() or (p / "__init__.py").is_file()
+
+
+def imports_of(path: pathlib.Path, source: str | None = None):
+  """(line, imported module) for every import in the file, at any depth."""
+  name = module_name(path)
+  package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+  tree = ast.parse(path.read_text() if source is None else source, str(path))
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Import):
+      for alias in node.names:
+        yield node.lineno, alias.name
+    elif isinstance(node, ast.ImportFrom):
+      base = node.module or ""
+      if node.level:
+        up = package.split(".")[:len(package.split(".")) - node.level + 1]
+        base = ".".join(up + ([base] if base else []))
+      for alias in node.names:   # `from moejax.io import traces` imports moejax.io.traces
+        sub = f"{base}.{alias.name}"
+        yield node.lineno, sub if _is_module(sub) else base
+
+
+def violations(path: pathlib.Path, source: str | None = None) -> list[str]:
+  own = layer_of(module_name(path))
+  out = []
+  for line, target in imports_of(path, source):
+    dst = layer_of(target)
+    if dst is None or dst == own:
+      continue
+    if RANK[dst] >= RANK[own]:
+      where = "a peer" if RANK[dst] == RANK[own] else "a higher"
+      out.append(f"{path.relative_to(ROOT)}:{line}: {own} imports {target} ({where} layer "
+                 f"{dst}; see docs/architecture.md)")
+  return out
+
+
+def _modules():
+  return sorted(p for d in ("moejax", "estimators") for p in (ROOT / d).rglob("*.py"))
+
+
+def test_every_module_imports_only_lower_layers():
+  paths = _modules()
+  assert len(paths) > 50
+  bad = [v for p in paths for v in violations(p)]
+  assert not bad, "imports against the layer order:\n" + "\n".join(bad)
+
+
+def test_every_package_has_a_layer():
+  for p in _modules():
+    layer_of(module_name(p))
+
+
+@pytest.mark.parametrize("source,expected", [
+    ("from moejax.offload import engine\n", "moejax.model imports moejax.offload.engine (a higher"),
+    ("def f():\n  import moejax.research.simulator as s\n",
+     ":2: moejax.model imports moejax.research.simulator (a higher"),
+    ("from moejax.io.traces import config_hash\n",
+     "moejax.model imports moejax.io.traces (a higher"),
+    ("from ..cache import policy\n", "moejax.model imports moejax.cache.policy (a higher"),
+    ("from moejax.cli import app\n", "moejax.model imports moejax.cli.app"),
+])
+def test_a_forbidden_import_is_named_with_file_and_line(source, expected):
+  path = ROOT / "moejax" / "model" / "routing.py"
+  bad = violations(path, source)
+  assert len(bad) == 1 and bad[0].startswith("moejax/model/routing.py:")
+  assert expected in bad[0]
+
+
+def test_peers_and_lower_layers():
+  cache = ROOT / "moejax" / "cache" / "policy.py"
+  assert violations(cache, "from moejax.io import traces\n")[0].endswith(
+      "(a peer layer moejax.io; see docs/architecture.md)")
+  assert not violations(cache, "import jax\nfrom moejax.model import routing\n"
+                        "from moejax.cache import resident\nfrom . import resident\n")
+  steps = ROOT / "moejax" / "prefetch" / "steps.py"
+  assert not violations(steps, "from estimators.model import estimate\n")
+  assert violations(ROOT / "estimators" / "model.py", "from moejax.model import routing\n")
+
+
+def test_no_folder_has_more_than_max_modules():
+  counts = {}
+  for p in (ROOT / "moejax").rglob("*.py"):
+    if p.name != "__init__.py":
+      counts[p.parent.relative_to(ROOT)] = counts.get(p.parent.relative_to(ROOT), 0) + 1
+  assert counts[pathlib.Path("moejax/offload")] > 5
+  big = {str(d): n for d, n in counts.items() if n > MAX_MODULES}
+  assert not big, f"folders with more than {MAX_MODULES} modules (split them by layer): {big}"

@@ -3,8 +3,14 @@ clock (`LinkClock`)."""
 
 import pytest
 
-from moejax.offload.link import (DEFAULT_PROFILE, HARDWARE_PROFILES, NATIVE, Link, LinkClock,
-                                 LinkSpecError, moe_layer_bytes, parse_link)
+from moejax.offload import hardware
+from moejax.offload.hardware import moe_layer_bytes, scaled_profile
+from moejax.offload.link import DEFAULT_PROFILE, NATIVE, Link, LinkClock, LinkSpecError, parse_link
+
+
+def _ratio(key):
+  _, shape, hw = scaled_profile(key)
+  return hw.ratio(shape)
 
 
 def test_native_link_costs_nothing_and_says_so():
@@ -61,13 +67,25 @@ def test_qwen3_profile_numbers_match_their_derivation():
   assert expert == 9_437_184  # REFERENCE.md, bf16
   # attention 37,748,736 + router 524,288 + norms 8,704 + 8 experts 75,497,472
   assert layer == 113_779_200
-  p = HARDWARE_PROFILES[DEFAULT_PROFILE]
+  key, shape, p = scaled_profile(DEFAULT_PROFILE)
+  assert key == DEFAULT_PROFILE and shape.layer_active_bytes == layer
+  assert shape.expert_bytes == expert
   assert (p.gpu, p.link) == ("RTX 3090", "PCIe 4.0 x16")
-  assert p.expert_transfer_s == pytest.approx(377.48736e-6, rel=1e-9)
-  assert p.layer_compute_s == pytest.approx(121.558974e-6, rel=1e-6)
-  assert p.ratio == pytest.approx(3.10538, rel=1e-5)
-  assert HARDWARE_PROFILES["qwen3-30b-a3b@h100"].ratio == pytest.approx(5.55718, rel=1e-5)
-  assert HARDWARE_PROFILES["qwen3-30b-a3b@h200"].ratio == pytest.approx(7.96252, rel=1e-5)
+  assert p.expert_transfer_s(shape) == pytest.approx(377.48736e-6, rel=1e-9)
+  assert p.layer_compute_s(shape) == pytest.approx(121.558974e-6, rel=1e-6)
+  assert p.ratio(shape) == pytest.approx(3.10538, rel=1e-5)
+  assert _ratio("qwen3-30b-a3b@h100") == pytest.approx(5.55718, rel=1e-5)
+  assert _ratio("qwen3-30b-a3b@h200") == pytest.approx(7.96252, rel=1e-5)
+
+
+def test_scaled_profiles_come_from_the_one_hardware_table():
+  # the simulator's roofline and the scaled link read the same HardwareProfile
+  assert scaled_profile("rtx3090")[2] is hardware.hardware("rtx3090")
+  assert scaled_profile(" Qwen3-Next-80B-A3B@GH200 ")[0] == "qwen3-next-80b-a3b@gh200"
+  with pytest.raises(hardware.ProfileError, match="known: MODEL@GPU .* rtx3090"):
+    scaled_profile("qwen3-30b-a3b@rtx5090")
+  with pytest.raises(LinkSpecError, match="--link=scaled:nosuch@h100: .*qwen3-30b-a3b"):
+    parse_link("scaled:nosuch@h100", expert_bytes=1000, layer_compute_s=1e-3)
 
 
 def test_scaled_link_reproduces_the_profile_ratio_here():
@@ -76,7 +94,7 @@ def test_scaled_link_reproduces_the_profile_ratio_here():
   assert link.bandwidth_Bps == pytest.approx(31_655_983, rel=1e-6)
   assert link.latency_s == 0.0
   assert link.transfer_time(49_152) / 5e-4 == pytest.approx(
-      HARDWARE_PROFILES[DEFAULT_PROFILE].ratio, rel=1e-12)
+      _ratio(DEFAULT_PROFILE), rel=1e-12)
   assert "RTX 3090" in link.describe() and "emulated" in link.describe()
   assert link.profile == DEFAULT_PROFILE
   same = parse_link("scaled:qwen3-30b-a3b@rtx3090", expert_bytes=49_152, layer_compute_s=5e-4)

@@ -159,7 +159,8 @@ def _hf(model_dir):
 
 
 # ------------------------------------------------------------------ time model
-from moejax.research import profiles, timemodel  # noqa: E402
+from moejax.offload import hardware  # noqa: E402
+from moejax.research import timemodel  # noqa: E402
 
 
 def tp(**kw):
@@ -197,7 +198,7 @@ def test_sync_fetch_waits_only_for_the_background_piece_on_the_link():
 
 
 def test_roofline_of_qwen3_30b_on_rtx3090():
-  p = timemodel.roofline(profiles.hardware("rtx3090"), profiles.model_shape("qwen3-30b-a3b"))
+  p = timemodel.roofline(hardware.hardware("rtx3090"), hardware.model_shape("qwen3-30b-a3b"))
   np.testing.assert_allclose(p.transfer_s, 9_437_184 / 25e9)
   np.testing.assert_allclose(p.expert_s, 9_437_184 / 936e9)
   np.testing.assert_allclose(p.layer_s, (37_748_736 + 524_288 + 8_704) / 936e9)
@@ -205,6 +206,6 @@ def test_roofline_of_qwen3_30b_on_rtx3090():
 
 
 def test_unknown_profile_lists_the_known_ones():
-  with pytest.raises(profiles.ProfileError, match="known: rtx3090, rtx4090, a100, h100, h200, "
+  with pytest.raises(hardware.ProfileError, match="known: rtx3090, rtx4090, a100, h100, h200, "
                                                   "gh200, this_machine"):
-    profiles.hardware("rtx5090")
+    hardware.hardware("rtx5090")

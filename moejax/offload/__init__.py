@@ -1,13 +1,16 @@
-"""Expert offloading: a budgeted device-resident expert cache and the policies that run it.
+"""Expert offloading: the engine that runs a budgeted device-resident expert cache.
 
-  policy.py    the pure, jittable `decide`, eviction order, usage statistics
-  resident.py  ResidentState (one layer's cache as a pytree), budget, insert, trim
-  layer.py     the per-layer sequence, written once (emulator, simulator and engine)
-  token.py     a token or a prompt through every layer, on one expert source
-  decode.py    the engine's jitted programs (a step, an on-device loop, a prompt)
-  engine.py    OffloadEngine (docs/engine.md)
-  prefetch.py  speculative prefetch: predictions, speculative decisions, `Prefetch`
-  stats.py     per-token records, their summary and table
-  link.py      the host->device link (native, emulated, scaled) and its clock
-  transfer.py  the store as the decode program reads it; transfer errors
+The cache's state and its one policy are in moejax.cache, the speculative
+prefetch in moejax.prefetch; this package runs them against a host store.
+
+  layer.py      the per-layer sequence, written once (emulator, simulator and engine)
+  token.py      a token or a prompt through every layer, on one expert source
+  decode.py     the engine's jitted programs (a step, an on-device loop, a prompt)
+  engine.py     OffloadEngine (docs/engine.md)
+  stats.py      per-token records, their summary and table
+  link.py       the host->device link (native, emulated, scaled) and its clock
+  hardware.py   the one table of hardware profiles and model shapes (scaled link, time model)
+  transfer.py   the store as the decode program reads it; transfer errors
+  memory.py     host RAM and device memory a model needs, from its config alone
+  calibrate.py  measurements before an engine is built (a scaled link times a layer)
 """

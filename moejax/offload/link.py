@@ -17,7 +17,8 @@ so the emulated bandwidth is chosen to give the same rho on this machine:
 
 Every reported time names its link (`Link.describe`).
 
-How the profiles' rho is derived (HARDWARE_PROFILES holds the numbers):
+How the profiles' rho is derived (moejax.offload.hardware holds the numbers, for
+every MODEL@GPU pair of its tables; ``--link=scaled:GPU`` means Qwen3-30B-A3B):
 
   Qwen3-30B-A3B (REFERENCE.md): hidden 2048, 32 query / 4 kv heads x 128,
   128 experts, top-8, expert intermediate 768, bf16 (2 bytes per parameter).
@@ -52,6 +53,8 @@ import dataclasses
 import math
 import re
 
+from moejax.offload import hardware
+
 
 class LinkSpecError(ValueError):
   """A --link value that does not parse; the message names the flag."""
@@ -63,7 +66,7 @@ class Link:
   name: str
   bandwidth_Bps: float | None  # None = native: only the real device_put cost
   latency_s: float = 0.0
-  profile: str | None = None   # HARDWARE_PROFILES key of a scaled link
+  profile: str | None = None   # MODEL@GPU of a scaled link (moejax.offload.hardware)
 
   @property
   def emulated(self) -> bool:
@@ -88,75 +91,17 @@ class Link:
     d = {"name": self.name, "describe": self.describe(), "bandwidth_Bps": self.bandwidth_Bps,
          "latency_s": self.latency_s, "profile": self.profile}
     if self.profile is not None:
-      p = HARDWARE_PROFILES[self.profile]
-      d["profile_ratio"] = p.ratio
-      d["profile_expert_transfer_s"] = p.expert_transfer_s
-      d["profile_layer_compute_s"] = p.layer_compute_s
+      _, shape, hw = hardware.scaled_profile(self.profile)
+      d["profile_ratio"] = hw.ratio(shape)
+      d["profile_expert_transfer_s"] = hw.expert_transfer_s(shape)
+      d["profile_layer_compute_s"] = hw.layer_compute_s(shape)
     return d
 
 
 NATIVE = Link("native", None)
 
 
-@dataclasses.dataclass(frozen=True)
-class HardwareProfile:
-  """A (model, GPU, link) triple and the expert-transfer / layer-compute ratio rho."""
-  model: str
-  gpu: str
-  link: str
-  expert_bytes: int             # one routed expert, bf16
-  layer_active_bytes: int       # attention + router + norms + top-k experts, bf16
-  gpu_memory_Bps: float
-  link_Bps: float               # effective pinned host->device bandwidth
-
-  @property
-  def expert_transfer_s(self) -> float:
-    return self.expert_bytes / self.link_Bps
-
-  @property
-  def layer_compute_s(self) -> float:
-    return self.layer_active_bytes / self.gpu_memory_Bps
-
-  @property
-  def ratio(self) -> float:
-    """rho = one expert's transfer time / one layer's decode compute time."""
-    return self.expert_transfer_s / self.layer_compute_s
-
-  @property
-  def title(self) -> str:
-    return f"{self.model} on {self.gpu} ({self.link})"
-
-
-def moe_layer_bytes(hidden: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                    num_experts: int, top_k: int, expert_inter: int,
-                    bytes_per_param: int = 2) -> tuple[int, int]:
-  """(expert bytes, active bytes per layer per token) of a qwen3_moe-style layer.
-
-  Active bytes: q/k/v/o projections + router + the two RMSNorms and the q/k
-  head norms + top_k experts (gate, up, down).
-  """
-  expert = 3 * hidden * expert_inter
-  attention = (hidden * num_heads * head_dim * 2 + hidden * num_kv_heads * head_dim * 2)
-  router = num_experts * hidden
-  norms = 2 * hidden + 2 * head_dim
-  return (expert * bytes_per_param,
-          (attention + router + norms + top_k * expert) * bytes_per_param)
-
-
-_QWEN3_30B_EXPERT, _QWEN3_30B_LAYER = moe_layer_bytes(2048, 32, 4, 128, 128, 8, 768)
-
-HARDWARE_PROFILES: dict[str, HardwareProfile] = {
-    "qwen3-30b-a3b@rtx3090": HardwareProfile(
-        "Qwen3-30B-A3B", "RTX 3090", "PCIe 4.0 x16", _QWEN3_30B_EXPERT, _QWEN3_30B_LAYER,
-        gpu_memory_Bps=936e9, link_Bps=25e9),
-    "qwen3-30b-a3b@h100": HardwareProfile(
-        "Qwen3-30B-A3B", "H100 SXM", "PCIe 5.0 x16", _QWEN3_30B_EXPERT, _QWEN3_30B_LAYER,
-        gpu_memory_Bps=3.35e12, link_Bps=50e9),
-    "qwen3-30b-a3b@h200": HardwareProfile(
-        "Qwen3-30B-A3B", "H200", "PCIe 5.0 x16", _QWEN3_30B_EXPERT, _QWEN3_30B_LAYER,
-        gpu_memory_Bps=4.8e12, link_Bps=50e9),
-}
-DEFAULT_PROFILE = "qwen3-30b-a3b@rtx3090"
+DEFAULT_PROFILE = hardware.DEFAULT_SCALED
 
 
 def scaled_link(profile: str, expert_bytes: int, layer_compute_s: float,
@@ -166,20 +111,18 @@ def scaled_link(profile: str, expert_bytes: int, layer_compute_s: float,
   `expert_bytes` and `layer_compute_s` are measured on THIS machine for the
   model being run (one expert's bytes as stored, one MoE layer's decode time).
   """
-  key = profile.strip().lower()
-  short = [k for k in HARDWARE_PROFILES if k.endswith("@" + key)]  # "scaled:rtx3090"
-  key = short[0] if key not in HARDWARE_PROFILES and len(short) == 1 else key
-  if key not in HARDWARE_PROFILES:
-    raise LinkSpecError(f"{flag}=scaled:{profile}: unknown hardware profile; known: "
-                        f"{', '.join(sorted(HARDWARE_PROFILES))}")
+  try:
+    key, shape, hw = hardware.scaled_profile(profile)
+  except hardware.ProfileError as e:
+    raise LinkSpecError(f"{flag}=scaled:{profile}: {e}") from None
   if not expert_bytes or expert_bytes <= 0 or not layer_compute_s or layer_compute_s <= 0 \
       or not math.isfinite(layer_compute_s):
     raise LinkSpecError(
         f"{flag}=scaled:{key} needs expert_bytes and layer_compute_s measured on this machine "
         f"(got expert_bytes={expert_bytes}, layer_compute_s={layer_compute_s})")
-  p = HARDWARE_PROFILES[key]
-  bw = expert_bytes / (p.ratio * layer_compute_s)
-  return Link(f"scaled: {p.title}, rho {p.ratio:.3g}", bw, 0.0, profile=key)
+  rho = hw.ratio(shape)
+  bw = expert_bytes / (rho * layer_compute_s)
+  return Link(f"scaled: {hw.title(shape)}, rho {rho:.3g}", bw, 0.0, profile=key)
 
 
 _NUM = r"(\d+(?:\.\d*)?(?:[eE][+-]?\d+)?|\.\d+(?:[eE][+-]?\d+)?)"
@@ -192,8 +135,9 @@ _TERM = re.compile(_NUM + r"\s*(" + "|".join(re.escape(u) for u in
 
 
 def _usage(flag: str) -> str:
-  return (f"expected '{flag}=native', '{flag}=scaled' or '{flag}=scaled:PROFILE' (profiles: "
-          f"{', '.join(sorted(HARDWARE_PROFILES))}), or a bandwidth with optional latency "
+  return (f"expected '{flag}=native', '{flag}=scaled' or '{flag}=scaled:MODEL@GPU' (models: "
+          f"{', '.join(hardware.MODELS)}; GPUs: {', '.join(hardware.HARDWARE)}), "
+          f"or a bandwidth with optional latency "
           f"such as '{flag}=16GB/s,10us' or '{flag}=\"16 GB/s + 10 us\"' "
           f"(units: GB/s, MB/s, GiB/s, ...; us, ms, ns, s)")
 

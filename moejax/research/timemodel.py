@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moejax.research import profiles
+from moejax.offload import hardware
 from moejax.research.simulator import STEP_FIELDS
 
 FIELDS = ("head_s", "layer_s", "expert_s", "host_expert_s", "transfer_s", "latency_s",
@@ -57,9 +57,9 @@ class TimeParams:
     return np.asarray([getattr(self, f) for f in FIELDS] + [self.pieces], np.float32)
 
 
-def roofline(hw: profiles.HardwareProfile, shape: profiles.ModelShape,
+def roofline(hw: hardware.HardwareProfile, shape: hardware.ModelShape,
              layer_overhead_s: float = 0.0) -> TimeParams:
-  """Memory-bound decode times of `shape` on `hw` (see moejax.research.profiles)."""
+  """Memory-bound decode times of `shape` on `hw` (see moejax.offload.hardware)."""
   return TimeParams(
       name=hw.name, head_s=shape.head_bytes / hw.gpu_memory_Bps,
       layer_s=shape.layer_bytes / hw.gpu_memory_Bps + layer_overhead_s,
@@ -189,7 +189,7 @@ def calibrate_engine(cfg, params, store, tokens, prompt: int, link, steps: dict,
                                           repeats=repeats)
   ebytes = store.expert_nbytes()
   res = run("baseline", 1.0)
-  tp = TimeParams(profiles.CALIBRATED, head_s=0.0, layer_s=res["tpot_ms"] * 1e-3 / nl,
+  tp = TimeParams(hardware.CALIBRATED, head_s=0.0, layer_s=res["tpot_ms"] * 1e-3 / nl,
                   expert_s=0.0, host_expert_s=0.0,
                   transfer_s=link.transfer_time(ebytes) - link.latency_s,
                   latency_s=link.latency_s)

@@ -1,21 +1,28 @@
-"""Hardware profiles and model shapes for the simulator's time model (data, with sources).
+"""The one table of hardware profiles, and the model shapes they are applied to (data, with sources).
 
 A *hardware profile* is a GPU, the link its experts cross, and the host that
 holds them.  A *model shape* says how many bytes a decode step reads.  At batch
-1 decode is memory-bound, so `moejax.research.timemodel.roofline` turns the pair into
-per-layer times: bytes / GPU memory bandwidth for attention, router and each
-expert; expert bytes / link bandwidth (+ latency) per transfer; expert bytes /
-host memory bandwidth for an expert computed on the host CPU (the llama.cpp /
-Fiddler baseline).  Kernel-launch and framework overheads are not in the
-roofline (a lower bound on compute time; `layer_overhead_s` adds a fixed cost).
+1 decode is memory-bound, so bytes / bandwidth gives the times both users need:
+
+  the scaled link (moejax.offload.link, ``--link=scaled:MODEL@GPU``) takes the
+    ratio rho = one expert's transfer time / one layer's decode compute time
+    (`HardwareProfile.ratio`; link latency is not part of rho);
+  the simulator's time model (`moejax.research.timemodel.roofline`) takes
+    per-layer times: bytes / GPU memory bandwidth for attention, router and each
+    expert; expert bytes / link bandwidth (+ latency) per transfer; expert bytes
+    / host memory bandwidth for an expert computed on the host CPU (the
+    llama.cpp / Fiddler baseline).  Kernel-launch and framework overheads are
+    not in the roofline (a lower bound on compute time).
+
+It sits in offload (the scaled link needs it) and research imports it from
+here: offload may not import research.
 
 Sources for the figures (peak figures are vendor data sheets; "effective"
 figures are what published measurements typically reach, rounded):
   RTX 3090     936 GB/s GDDR6X (NVIDIA GeForce RTX 3090 specifications).
   RTX 4090     1008 GB/s GDDR6X (NVIDIA GeForce RTX 4090 specifications).
   A100 PCIe    1935 GB/s HBM2e, 80 GB card (NVIDIA A100 data sheet).
-  H100 SXM     3.35 TB/s HBM3 (NVIDIA H100 data sheet); the same figure as
-               moejax.offload.link's scaled-link profile.
+  H100 SXM     3.35 TB/s HBM3 (NVIDIA H100 data sheet).
   H200         4.8 TB/s HBM3e (NVIDIA H200 data sheet).
   GH200        4.0 TB/s HBM3, 96 GB version (NVIDIA GH200 data sheet; the
                144 GB HBM3e version lists 4.9 TB/s).
@@ -23,7 +30,7 @@ figures are what published measurements typically reach, rounded):
                128b/130b); pinned host->device copies measure ~25 GB/s
                (CUDA bandwidthTest on such systems), used here.
   PCIe 5.0 x16 63 GB/s per direction raw (32 GT/s); ~50 GB/s effective pinned
-               copies (the figure link.py uses for H100/H200).
+               copies.
   NVLink-C2C   900 GB/s total, 450 GB/s per direction (NVIDIA Grace Hopper
                superchip whitepaper); ~400 GB/s effective host->device assumed.
   DMA latency  ~10 us per cudaMemcpyAsync over PCIe (launch + DMA set-up, the
@@ -37,13 +44,13 @@ figures are what published measurements typically reach, rounded):
   "this machine (emulated link)": no datasheet; its compute times are measured
                by timing the engine here (`timemodel.calibrate_engine`) and its
                link is the emulated one the engine ran with.
+Model shapes are counted from the checkpoints' configs (REFERENCE.md); the
+derivation of Qwen3-30B-A3B's bytes and rho is in moejax.offload.link.
 """
 
 from __future__ import annotations
 
 import dataclasses
-
-from moejax.offload.link import moe_layer_bytes
 
 
 class ProfileError(ValueError):
@@ -51,7 +58,26 @@ class ProfileError(ValueError):
 
 
 @dataclasses.dataclass(frozen=True)
+class ModelShape:
+  """Bytes one decode step reads (bf16 unless said), per MoE layer and per token."""
+  name: str
+  moe_layers: int
+  num_experts: int
+  top_k: int
+  expert_bytes: int            # one routed expert (what a fetch moves)
+  layer_bytes: int             # attention/mixer + router + norms + shared expert, per layer
+  head_bytes: int              # LM head (+ final norm) per token
+  title: str = ""              # the checkpoint's own spelling, for printed link names
+
+  @property
+  def layer_active_bytes(self) -> int:
+    """Bytes one MoE layer reads per decoded token: the layer plus its top-k experts."""
+    return self.layer_bytes + self.top_k * self.expert_bytes
+
+
+@dataclasses.dataclass(frozen=True)
 class HardwareProfile:
+  """A GPU, the link its experts cross and the host that holds them."""
   name: str
   gpu: str
   link: str
@@ -60,8 +86,23 @@ class HardwareProfile:
   link_latency_s: float
   host_memory_Bps: float       # effective host-CPU read bandwidth (host expert compute)
 
+  def expert_transfer_s(self, shape: ModelShape) -> float:
+    """One expert of `shape` over the link (no latency)."""
+    return shape.expert_bytes / self.link_Bps
 
-HARDWARE = {p.name: p for p in [
+  def layer_compute_s(self, shape: ModelShape) -> float:
+    """One MoE layer's decode time of `shape` at batch 1 (the memory roofline)."""
+    return shape.layer_active_bytes / self.gpu_memory_Bps
+
+  def ratio(self, shape: ModelShape) -> float:
+    """rho = one expert's transfer time / one layer's decode compute time."""
+    return self.expert_transfer_s(shape) / self.layer_compute_s(shape)
+
+  def title(self, shape: ModelShape) -> str:
+    return f"{shape.title or shape.name} on {self.gpu} ({self.link})"
+
+
+HARDWARE: dict[str, HardwareProfile] = {p.name: p for p in [
     HardwareProfile("rtx3090", "RTX 3090", "PCIe 4.0 x16", 936e9, 25e9, 10e-6, 40e9),
     HardwareProfile("rtx4090", "RTX 4090", "PCIe 4.0 x16", 1008e9, 25e9, 10e-6, 70e9),
     HardwareProfile("a100", "A100 PCIe 80GB", "PCIe 4.0 x16", 1935e9, 25e9, 10e-6, 150e9),
@@ -79,16 +120,20 @@ def hardware(name: str) -> HardwareProfile:
   return HARDWARE[name]
 
 
-@dataclasses.dataclass(frozen=True)
-class ModelShape:
-  """Bytes one decode step reads (bf16 unless said), per MoE layer and per token."""
-  name: str
-  moe_layers: int
-  num_experts: int
-  top_k: int
-  expert_bytes: int            # one routed expert (what a fetch moves)
-  layer_bytes: int             # attention/mixer + router + norms + shared expert, per layer
-  head_bytes: int              # LM head (+ final norm) per token
+def moe_layer_bytes(hidden: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                    num_experts: int, top_k: int, expert_inter: int,
+                    bytes_per_param: int = 2) -> tuple[int, int]:
+  """(expert bytes, active bytes per layer per token) of a qwen3_moe-style layer.
+
+  Active bytes: q/k/v/o projections + router + the two RMSNorms and the q/k
+  head norms + top_k experts (gate, up, down).
+  """
+  expert = 3 * hidden * expert_inter
+  attention = (hidden * num_heads * head_dim * 2 + hidden * num_kv_heads * head_dim * 2)
+  router = num_experts * hidden
+  norms = 2 * hidden + 2 * head_dim
+  return (expert * bytes_per_param,
+          (attention + router + norms + top_k * expert) * bytes_per_param)
 
 
 def _qwen3_30b() -> ModelShape:
@@ -96,7 +141,7 @@ def _qwen3_30b() -> ModelShape:
   # 151936, untied head.  moe_layer_bytes counts q/k/v/o + router + norms + k experts.
   expert, active = moe_layer_bytes(2048, 32, 4, 128, 128, 8, 768)
   return ModelShape("qwen3-30b-a3b", 48, 128, 8, expert, active - 8 * expert,
-                    151936 * 2048 * 2)
+                    151936 * 2048 * 2, title="Qwen3-30B-A3B")
 
 
 def _qwen3_next_80b() -> ModelShape:
@@ -111,13 +156,29 @@ def _qwen3_next_80b() -> ModelShape:
   shared = 3 * h * 512 + h
   router = 512 * h
   return ModelShape("qwen3-next-80b-a3b", 48, 512, 10, 3 * h * 512 * 2,
-                    2 * (mixer + shared + router + 2 * h), 151936 * h * 2)
+                    2 * (mixer + shared + router + 2 * h), 151936 * h * 2,
+                    title="Qwen3-Next-80B-A3B")
 
 
-MODELS = {m.name: m for m in [_qwen3_30b(), _qwen3_next_80b()]}
+MODELS: dict[str, ModelShape] = {m.name: m for m in [_qwen3_30b(), _qwen3_next_80b()]}
 
 
 def model_shape(name: str) -> ModelShape:
   if name not in MODELS:
     raise ProfileError(f"unknown model shape {name!r}; known: {', '.join(MODELS)}")
   return MODELS[name]
+
+
+DEFAULT_MODEL = "qwen3-30b-a3b"
+DEFAULT_SCALED = f"{DEFAULT_MODEL}@rtx3090"   # --link=scaled
+
+
+def scaled_profile(key: str) -> tuple[str, ModelShape, HardwareProfile]:
+  """'MODEL@GPU' (or 'GPU' for DEFAULT_MODEL) -> (canonical key, shape, profile)."""
+  k = key.strip().lower()
+  model, _, gpu = k.rpartition("@")
+  model = model or DEFAULT_MODEL
+  if model not in MODELS or gpu not in HARDWARE:
+    raise ProfileError(f"unknown hardware profile {key!r}; known: MODEL@GPU with MODEL one of "
+                       f"{', '.join(MODELS)} and GPU one of {', '.join(HARDWARE)}")
+  return f"{model}@{gpu}", MODELS[model], HARDWARE[gpu]

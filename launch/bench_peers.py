@@ -33,12 +33,13 @@ import statistics
 import sys
 import time
 
-from absl import app, flags
+from absl import flags
 import jax
 import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
+from launch import cli
 from launch import bench_models
 from launch import llama_cpp
 from moejax.kernels import cpu_kernel
@@ -89,7 +90,8 @@ class SamplerRunner:
       for i in range(FLAGS.decode_tokens):
         tok, _, cache = self.s.decode_step(cache, tok, t + i, sp, key)
       tok.block_until_ready()
-    return _rate(FLAGS.decode_tokens, run)
+    with cpu_kernel.decoding():     # a decode loop: the kernel's helpers spin between calls
+      return _rate(FLAGS.decode_tokens, run)
 
   def prefill(self, prompt: np.ndarray) -> float:
     return _rate(len(prompt), lambda: self.s.prefill(prompt[None])[0].block_until_ready())
@@ -128,7 +130,8 @@ class EngineRunner:
       for _ in range(FLAGS.decode_tokens):
         tok = next_token(self.eng.decode_step(tok, lazy=True), key, 0.0, 1.0)
       tok.block_until_ready()
-    rate = _rate(FLAGS.decode_tokens, run)
+    with cpu_kernel.decoding():
+      rate = _rate(FLAGS.decode_tokens, run)
     t = time.perf_counter()     # the records, built when read (not in the decode time)
     assert len(self.eng.records) >= FLAGS.decode_tokens
     self.build_ms.append((time.perf_counter() - t) * 1e3 / FLAGS.decode_tokens)
@@ -349,4 +352,4 @@ def table(res: dict) -> str:
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

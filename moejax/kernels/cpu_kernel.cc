@@ -288,6 +288,11 @@ extern "C" void moejax_set_spin_us(int64_t us) {
   moejax::g_spin_us = std::max<int64_t>(0, us);
 }
 
+// Whether a decode loop runs (cpu_kernel.decoding): the helpers spin after a job only then.
+extern "C" void moejax_set_decoding(int on) { moejax::g_decoding = on != 0; }
+
+extern "C" int moejax_decoding() { return moejax::g_decoding.load() ? 1 : 0; }
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoejaxLinear, LinearImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()

@@ -7,10 +7,21 @@ before each dot. ``cpu_kernel.cc`` reads
 the selected experts in place, sorts a prompt's (token, expert) pairs by expert into
 blocks, and shares the blocks with XLA's intra-op thread pool; ``linear`` does the same
 for a projection of a few rows (decode), bf16 weights read as bf16. It is compiled with the
-system C++ compiler on first use into ``$MOEJAX_CACHE`` (default
-``~/.cache/moejax/kernels``), keyed by the source, flags and compiler; without a
-compiler (or with ``MOEJAX_CPU_KERNEL=0``) moejax keeps XLA's own dispatch and says so
-once on stderr.
+system C++ compiler (``$CXX``, else c++, g++ or clang++) on first use into
+``$MOEJAX_CACHE`` (default ``~/.cache/moejax/kernels``), keyed by the sources, flags,
+compiler version and the instruction set ``-march=native`` resolves to (a cache shared
+between machines never loads a library built for another CPU).
+
+``available()`` is the one switch every caller asks. ``MOEJAX_CPU_KERNEL``: unset or
+``1`` (any value but the ones below): the kernels on JAX's CPU backend, built on first
+use; ``0``, ``off``, ``false`` or ``no``: never built nor used. On any other default
+backend (a GPU host) they are never built nor loaded and XLA's ops run everywhere.
+Without a compiler, or when the build fails, one line on stderr says so (once per
+process) and XLA's ops run.
+
+The decode helper threads spin between calls only inside ``decoding()`` (the decode
+loops of the Sampler, the OffloadEngine and the benchmarks enter it); elsewhere they
+sleep right after each job.
 
 Gradients go through XLA's grouped dispatch (``custom_vjp``), so training is unchanged;
 under ``vmap`` with shared weights (the emulator's streams) the batch is folded into the
@@ -24,6 +35,8 @@ import ctypes
 import functools
 import hashlib
 import os
+import platform
+import shlex
 import shutil
 import subprocess
 import sys
@@ -37,8 +50,8 @@ LINEAR_TARGET = "moejax_linear"
 LINEAR_MAX_TOKENS = 16   # up to this many rows of x: the kernel (decode); more: XLA's GEMM
 # f32 projections with fewer weight bytes stay with XLA: its dot is as fast there, and the
 # custom call's fixed cost (argument marshalling, waking the thread pool) is not paid per
-# projection (docs/speed.md, "Which projections go to the kernel").  bf16 always goes to the
-# kernel: XLA converts the weights to f32 before each dot.
+# projection (docs/notes/cpu_speed.md, "Which projections go to the kernel").  bf16 always
+# goes to the kernel: XLA converts the weights to f32 before each dot.
 LINEAR_MIN_F32_BYTES = 1 << 20
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _SRCS = [os.path.join(_HERE, f) for f in ("cpu_kernel.cc", "cpu_attention.cc", "cpu_rows.cc")]
@@ -48,9 +61,17 @@ ATTENTION_TARGET = "moejax_decode_attention"     # cpu_attention.cc, wrapped by 
 RMS_NORM_TARGET = "moejax_rms_norm"              # cpu_rows.cc, wrapped by cpu_rows.py
 ROUTE_SOFTMAX_TARGET = "moejax_route_softmax"    # cpu_rows.cc, wrapped by cpu_rows.py
 TAKE_ROWS_TARGET = "moejax_take_rows"            # cpu_rows.cc, wrapped by cpu_rows.py
-_FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC"]
+_MARCH = "-march=native"
+_FLAGS = ["-O3", _MARCH, "-std=c++17", "-shared", "-fPIC"]
+_OFF = ("0", "off", "false", "no")   # MOEJAX_CPU_KERNEL values that switch the kernels off
 _lock = threading.Lock()
-_state = {"loaded": None, "enabled": os.environ.get("MOEJAX_CPU_KERNEL", "1") != "0"}
+# loaded: None (not tried), True or False; override: enabled()'s choice, None: the env;
+# decoding: depth of nested decoding() contexts
+_state = {"loaded": None, "override": None, "lib": None, "decoding": 0}
+
+
+class BuildError(RuntimeError):
+  """The kernels cannot be built here (no compiler, or it failed)."""
 
 
 def _cache_dir() -> str:
@@ -58,72 +79,156 @@ def _cache_dir() -> str:
                                                      "moejax", "kernels"))
 
 
-def _compiler() -> str | None:
-  return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which(
-      "clang++")
+def _compiler() -> list[str]:
+  """The compiler command: $CXX (may hold arguments, e.g. "ccache g++"), else the first
+  of c++, g++, clang++ on the PATH."""
+  env = os.environ.get("CXX", "").strip()
+  if env:
+    cmd = shlex.split(env)
+    if shutil.which(cmd[0]) is None:
+      raise BuildError(f"no C++ compiler at CXX={env!r}")
+    return cmd
+  for name in ("c++", "g++", "clang++"):
+    if shutil.which(name):
+      return [name]
+  raise BuildError("no C++ compiler (c++, g++ or clang++ on the PATH; or set CXX)")
+
+
+def isa_of_driver_output(text: str) -> str:
+  """The target the compiler driver resolved `-march=native` to, from its `-### -E`
+  output (stderr): gcc's cc1 line names `-march=<cpu>` and one -m/-mno- flag per
+  extension; clang's cc1 line `-target-cpu <cpu>` and `-target-feature +/-<ext>` pairs.
+  Empty when neither is there."""
+  for line in text.splitlines():
+    try:
+      toks = shlex.split(line)
+    except ValueError:
+      toks = line.split()
+    if "-target-cpu" in toks:                       # clang
+      return " ".join(f"{t} {n}" for t, n in zip(toks, toks[1:])
+                      if t in ("-target-cpu", "-target-feature", "-tune-cpu"))
+    if any(t.startswith("-march=") and t != _MARCH for t in toks):   # gcc
+      return " ".join(t for t in toks if t.startswith("-m"))
+  return ""
+
+
+def _cpuinfo_isa() -> str:
+  """The CPU's flags from /proc/cpuinfo (x86 'flags', ARM 'Features'), else the machine
+  and processor names."""
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        key, _, val = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+          return f"{platform.machine()} cpuinfo {' '.join(sorted(val.split()))}"
+  except OSError:
+    pass
+  return f"{platform.machine()} {platform.processor()}"
+
+
+def target_isa(cxx: list[str]) -> str:
+  """What `-march=native` selects on this machine, as the compiler resolves it
+  (`cxx -march=native -### -E -`), else the CPU's flags (/proc/cpuinfo)."""
+  try:
+    res = subprocess.run([*cxx, _MARCH, "-###", "-E", "-"], stdin=subprocess.DEVNULL,
+                         capture_output=True, text=True, timeout=120)
+    isa = isa_of_driver_output(res.stderr)
+  except (OSError, subprocess.SubprocessError):
+    isa = ""
+  return isa or _cpuinfo_isa()
+
+
+def cache_path(sources: bytes, cxx: list[str], version: str, isa: str) -> str:
+  """The library's path in the cache: a hash of the sources, flags, compiler (command
+  and version), jax's version and the target instruction set."""
+  key = hashlib.sha256(sources)
+  for part in (*_FLAGS, *cxx, version, jax.__version__, isa):
+    key.update(b"\0" + part.encode())
+  return os.path.join(_cache_dir(), f"moejax_cpu_kernel_{key.hexdigest()[:16]}.so")
 
 
 def build() -> str:
-  """Compiles cpu_kernel.cc (once per source/flags/compiler) and returns the .so path.
+  """Compiles the kernels (once per sources/flags/compiler/ISA) and returns the .so path.
 
-  Raises RuntimeError with the compiler's message when it cannot.
+  Raises BuildError (one line; a failed compile's output goes to a .log beside the
+  library) when it cannot.
   """
   cxx = _compiler()
-  if cxx is None:
-    raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
   src = b""
   for path in _SRCS + _HEADERS:
     with open(path, "rb") as f:
       src += f.read()
-  version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
-  key = hashlib.sha256(src + " ".join(_FLAGS + [cxx, version, jax.__version__]).encode())
-  out = os.path.join(_cache_dir(), f"moejax_cpu_kernel_{key.hexdigest()[:16]}.so")
+  try:
+    version = subprocess.run([*cxx, "--version"], capture_output=True, text=True,
+                             timeout=120).stdout
+  except (OSError, subprocess.SubprocessError) as e:
+    raise BuildError(f"cannot run the C++ compiler {' '.join(cxx)!r}: {e}") from e
+  out = cache_path(src, cxx, version, target_isa(cxx))
   if os.path.exists(out):
     return out
   os.makedirs(_cache_dir(), exist_ok=True)
   tmp = f"{out}.{os.getpid()}.tmp"
-  cmd = [cxx, *_FLAGS, "-I", jax.ffi.include_dir(), "-I", _HERE, *_SRCS, "-o", tmp]
-  res = subprocess.run(cmd, capture_output=True, text=True)
+  cmd = [*cxx, *_FLAGS, "-I", jax.ffi.include_dir(), "-I", _HERE, *_SRCS, "-o", tmp]
+  try:
+    res = subprocess.run(cmd, capture_output=True, text=True)
+  except OSError as e:
+    raise BuildError(f"cannot run the C++ compiler {' '.join(cxx)!r}: {e}") from e
   if res.returncode != 0:
-    raise RuntimeError(f"'{' '.join(cmd)}' failed:\n{res.stderr[-2000:]}")
+    log = out[:-len(".so")] + ".log"
+    with open(log, "w") as f:
+      f.write(" ".join(cmd) + "\n" + res.stdout + res.stderr)
+    raise BuildError(f"{' '.join(cxx)} failed to compile them (exit {res.returncode}; "
+                     f"its output is in {log})")
   os.replace(tmp, out)
   return out
 
 
+def _load() -> bool:
+  """Builds, loads and registers the kernels; False (after one line on stderr) when
+  anything fails."""
+  try:
+    lib = ctypes.cdll.LoadLibrary(build())
+    for target, symbol in ((TARGET, lib.MoejaxExpertFfn), (LINEAR_TARGET, lib.MoejaxLinear),
+                           (ATTENTION_TARGET, lib.MoejaxDecodeAttention),
+                           (RMS_NORM_TARGET, lib.MoejaxRmsNorm),
+                           (ROUTE_SOFTMAX_TARGET, lib.MoejaxRouteSoftmax),
+                           (TAKE_ROWS_TARGET, lib.MoejaxTakeRows)):
+      jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(symbol), platform="cpu")
+    lib.moejax_set_spin_us.argtypes = [ctypes.c_int64]
+    lib.moejax_set_decoding.argtypes = [ctypes.c_int]
+    lib.moejax_decoding.restype = ctypes.c_int
+    lib.moejax_set_decoding(int(_state["decoding"] > 0))
+    _state["lib"] = lib
+    return True
+  except Exception as e:  # pylint: disable=broad-except  # any failure: XLA's ops
+    why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    print(f"[moejax] CPU kernels not built ({why}); using XLA's ops", file=sys.stderr)
+    return False
+
+
 def available() -> bool:
-  """Whether the kernel is enabled and registered (builds it on the first call)."""
-  if not _state["enabled"]:
+  """Whether the CPU kernels are used in what is traced now: the one switch every caller
+  asks. Off with MOEJAX_CPU_KERNEL=0/off/false/no (or inside ``enabled(False)``), and
+  whenever JAX's default backend is not the CPU (nothing is built or loaded there);
+  else builds and loads them on the first call, False if that fails."""
+  on = _state["override"]
+  if on is None:
+    on = os.environ.get("MOEJAX_CPU_KERNEL", "1").strip().lower() not in _OFF
+  if not on or jax.default_backend() != "cpu":
     return False
   with _lock:
     if _state["loaded"] is None:
-      try:
-        lib = ctypes.cdll.LoadLibrary(build())
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.MoejaxExpertFfn),
-                                    platform="cpu")
-        jax.ffi.register_ffi_target(LINEAR_TARGET, jax.ffi.pycapsule(lib.MoejaxLinear),
-                                    platform="cpu")
-        jax.ffi.register_ffi_target(ATTENTION_TARGET,
-                                    jax.ffi.pycapsule(lib.MoejaxDecodeAttention),
-                                    platform="cpu")
-        for target, symbol in ((RMS_NORM_TARGET, lib.MoejaxRmsNorm),
-                               (ROUTE_SOFTMAX_TARGET, lib.MoejaxRouteSoftmax),
-                               (TAKE_ROWS_TARGET, lib.MoejaxTakeRows)):
-          jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(symbol), platform="cpu")
-        lib.moejax_set_spin_us.argtypes = [ctypes.c_int64]
-        _state["lib"], _state["loaded"] = lib, True
-      except (RuntimeError, OSError, AttributeError) as e:
-        print(f"[moejax] CPU expert kernel unavailable, using XLA's dispatch: {e}",
-              file=sys.stderr)
-        _state["loaded"] = False
+      _state["loaded"] = _load()
     return _state["loaded"]
 
 
 def set_spin_us(us: int) -> bool:
-  """How long the kernel's decode helper threads stay awake after a call, in microseconds
-  (default 1000, or $MOEJAX_CPU_SPIN_US at start-up). A decode step's calls are 0.1-1 ms
-  apart, so an awake helper joins each at once; 0 hands decode calls to XLA's intra-op
-  pool instead, whose task woke 100-600 us late on a 2-core machine (docs/speed.md).
-  Returns False (and does nothing) when the kernel is unavailable."""
+  """How long the kernel's decode helper threads stay awake after a call inside
+  ``decoding()``, in microseconds (default 1000, or $MOEJAX_CPU_SPIN_US at start-up). A
+  decode step's calls are 0.1-1 ms apart, so an awake helper joins each at once; 0 hands
+  decode calls to XLA's intra-op pool instead, whose task woke 100-600 us late on a
+  2-core machine (docs/notes/cpu_speed.md). Returns False (and does nothing) when the kernel is
+  unavailable."""
   if not available():
     return False
   _state["lib"].moejax_set_spin_us(int(us))
@@ -131,14 +236,40 @@ def set_spin_us(us: int) -> bool:
 
 
 @contextlib.contextmanager
-def enabled(on: bool):
-  """Functions *traced* inside use (or not) the kernel; compiled ones keep their choice."""
-  prev = _state["enabled"]
-  _state["enabled"] = on
+def decoding():
+  """Marks a running decode loop: inside, the kernel's decode helper threads stay awake
+  for the spin time after each job (so the next call of the step, or the next step,
+  finds them awake); outside they sleep right after it. Nests; wrap the whole loop,
+  until its last result is on the host (dispatch is asynchronous). Builds nothing: a
+  no-op until the kernels are loaded (they take the flag when they are)."""
+  with _lock:
+    _state["decoding"] += 1
+    if _state["lib"] is not None:
+      _state["lib"].moejax_set_decoding(1)
   try:
     yield
   finally:
-    _state["enabled"] = prev
+    with _lock:
+      _state["decoding"] -= 1
+      if _state["lib"] is not None and _state["decoding"] == 0:
+        _state["lib"].moejax_set_decoding(0)
+
+
+def is_decoding() -> bool:
+  """The helpers' flag as the loaded library holds it (False when not loaded)."""
+  return _state["lib"] is not None and bool(_state["lib"].moejax_decoding())
+
+
+@contextlib.contextmanager
+def enabled(on: bool):
+  """Functions *traced* inside use (or not) the kernel, whatever MOEJAX_CPU_KERNEL says;
+  compiled ones keep their choice."""
+  prev = _state["override"]
+  _state["override"] = on
+  try:
+    yield
+  finally:
+    _state["override"] = prev
 
 
 def supports(x_NxD, w: dict) -> bool:

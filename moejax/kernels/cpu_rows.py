@@ -3,7 +3,7 @@ call each (``cpu_rows.cc``, built and registered with the expert kernel by ``cpu
 
 XLA's CPU backend compiles an RMSNorm to 3-4 thunks and softmax + top-k + renormalisation
 to about 6, each with a fixed cost of about a microsecond; on a small model that is a
-tenth of a decode step (docs/speed.md, "Row-wise kernels"); XLA splits the bf16 lookup
+tenth of a decode step (docs/notes/cpu_speed.md, "Row-wise kernels"); XLA splits the bf16 lookup
 over its thread pool. Each function here takes an ``xla_fn`` with the same meaning: other
 platforms compile it, and the backward pass differentiates it (``custom_vjp``), so
 training is unchanged. Results agree with XLA's to
@@ -100,8 +100,10 @@ _take_caller = cpu_kernel.rows_vmap(_take_call, 1)
 
 def take_rows(table_VxD, ids, cpu_xla_fn):
   """`jnp.take(table, ids, axis=0)` of a bf16 table: the kernel on CPU (XLA splits its
-  fused lookup over the thread pool at every step, docs/speed.md), else `cpu_xla_fn(table,
-  ids)` on a CPU without the kernel, and jnp.take on other platforms and for gradients."""
+  fused lookup over the thread pool at every step, docs/notes/cpu_speed.md), else
+  `cpu_xla_fn(table, ids)` whenever the kernels are not used (`cpu_kernel.available()`:
+  switched off, no compiler, or a default backend other than the CPU, whatever compilers
+  it has); jnp.take for gradients."""
   if jnp.dtype(table_VxD.dtype) != jnp.bfloat16 or not cpu_kernel.available():
     return cpu_xla_fn(table_VxD, ids)
   xla_fn = lambda i, t: jnp.take(t, i, axis=0)

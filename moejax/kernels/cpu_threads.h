@@ -42,12 +42,18 @@ inline std::atomic<int64_t> g_spin_us{[] {
   return e ? std::max<int64_t>(0, std::atoll(e)) : int64_t{1000};
 }()};
 
+// Whether a decode loop runs (cpu_kernel.decoding(), through moejax_set_decoding): only
+// then does a spinner stay awake after a job; else it sleeps right after it, so no core
+// spins while the program does something else between decode calls.
+inline std::atomic<bool> g_decoding{false};
+
 // Helper threads of our own for decode-sized calls. A task on XLA's intra-op pool woke
 // 100-600 us after it was scheduled on the 2-core machine, against calls of 0.1-1 ms, so
 // the second core joined late or not at all. A spinner stays awake for g_spin_us after
 // each job, as llama.cpp's threads spin at barriers, so the calls of one decode step find
 // it awake (it joined within 5-20 us); it spins with yield, so it gives its core to any
-// other runnable thread, then sleeps on a condition variable.
+// other runnable thread, then sleeps on a condition variable. It spins only while
+// g_decoding is set (inside a decode loop); outside one it sleeps right after each job.
 class Spinners {
  public:
   explicit Spinners(int n) {
@@ -69,7 +75,8 @@ class Spinners {
       const auto until = std::chrono::steady_clock::now() +
                          std::chrono::microseconds(g_spin_us.load(std::memory_order_relaxed));
       while (gen_.load(std::memory_order_acquire) == seen) {
-        if (std::chrono::steady_clock::now() > until) {
+        if (!g_decoding.load(std::memory_order_relaxed) ||
+            std::chrono::steady_clock::now() > until) {
           std::unique_lock<std::mutex> l(mu_);
           ++sleepers_;
           cv_.wait(l, [&] { return gen_.load() != seen; });

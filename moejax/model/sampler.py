@@ -7,7 +7,9 @@ cache rows at positions that are masked and later overwritten).
 Two ways to decode after the prefill: `Sampler.generate` steps one token per call (for
 callers that need each token as it comes, e.g. streaming); `Sampler.generate_loop` runs
 every token in one jitted `lax.while_loop` on the device (`decode_loop`), with the same
-key schedule, so the same seed gives the same tokens.
+key schedule, so the same seed gives the same tokens.  Both run inside
+`cpu_kernel.decoding()` (the CPU kernel's helper threads spin between calls only there);
+a caller that loops over `decode_step` itself enters it around its loop.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moejax.kernels import cpu_kernel
 from moejax.model import families
 from moejax.model.config import ModelConfig
 from moejax.model.model import Transformer, init_cache
@@ -170,16 +173,18 @@ class Sampler:
 
   def decode_loop(self, cache, logits_1xV, start: int, sp: SamplingParams, key):
     """`decode_loop` after a batch-1 `prefill` of `start` tokens (the cache is donated):
-    (tokens [bucket] int32, count, cache) on the device; the tokens are tokens[:count]."""
+    (tokens [bucket] int32, count, cache) on the device; the tokens are tokens[:count].
+    Returns once the loop has run (inside `cpu_kernel.decoding()`)."""
     if logits_1xV.shape[0] != 1:
       raise ValueError(f"decode_loop runs one sequence, got a batch of {logits_1xV.shape[0]}")
     stop = np.full(bucket(len(sp.stop_ids), 4), -1, np.int32)
     stop[:len(sp.stop_ids)] = sp.stop_ids
-    return decode_loop(self.model, self.params, self.experts, cache, logits_1xV,
-                       np.int32(start), key, np.int32(sp.max_new_tokens), stop,
-                       np.float32(sp.temperature), np.float32(sp.top_p),
-                       bucket_new=bucket(max(sp.max_new_tokens, 1)),
-                       greedy=sp.temperature == 0.0, nucleus=sp.top_p < 1.0)
+    with cpu_kernel.decoding():
+      return jax.block_until_ready(decode_loop(
+          self.model, self.params, self.experts, cache, logits_1xV, np.int32(start), key,
+          np.int32(sp.max_new_tokens), stop, np.float32(sp.temperature),
+          np.float32(sp.top_p), bucket_new=bucket(max(sp.max_new_tokens, 1)),
+          greedy=sp.temperature == 0.0, nucleus=sp.top_p < 1.0))
 
   def generate_loop(self, prompt_ids: list[int], sp: SamplingParams, seed: int = 0) -> list[int]:
     """`generate` with every token in one device loop (no host work per token): the same
@@ -209,13 +214,14 @@ class Sampler:
     key, sub = jax.random.split(key)
     tok = sample_token(logits, sub, float(sp.temperature), float(sp.top_p))
     out = []
-    for i in range(sp.max_new_tokens):
-      tid = int(tok[0])
-      out.append(tid)
-      if on_token:
-        on_token(tid)
-      if tid in sp.stop_ids or i == sp.max_new_tokens - 1:
-        break
-      key, sub = jax.random.split(key)
-      tok, _, cache = self.decode_step(cache, tok, t + i, sp, sub)
+    with cpu_kernel.decoding():
+      for i in range(sp.max_new_tokens):
+        tid = int(tok[0])
+        out.append(tid)
+        if on_token:
+          on_token(tid)
+        if tid in sp.stop_ids or i == sp.max_new_tokens - 1:
+          break
+        key, sub = jax.random.split(key)
+        tok, _, cache = self.decode_step(cache, tok, t + i, sp, sub)
     return out

@@ -229,3 +229,98 @@ def test_offloaded_generation_from_a_random_model_in_an_mmap_store():
   assert out.startswith("ab")
   assert err.index("device memory") < err.index("loaded in")   # the plan comes before loading
   assert "experts in a mmap store" in err and "hit rate" in err
+
+
+# ------------------------------------------------------------------ streaming
+@pytest.mark.parametrize("args", [
+    [],                                                         # every expert resident
+    ["--policy=quality", "--link=native"],                      # on-device loop unless streamed
+], ids=["resident", "offload-native"])
+def test_streamed_text_is_the_text_printed_at_the_end(args):
+  common = ["--max_new_tokens=24", "--prompt=def add(a, b):", *args]
+  rc, streamed, err = run("--stream", *common)
+  assert rc == 0, err
+  rc, whole, err = run("--nostream", *common)
+  assert rc == 0, err
+  assert streamed == whole and whole.startswith("def add(a, b):") and whole.endswith("\n")
+  assert "24 tokens generated (1 from the prompt pass + 23 decode steps)" in err, err
+
+
+class _Recorder:
+  """A stdout that records each write, and whether a terminal is claimed."""
+
+  def __init__(self, tty=False):
+    self.writes, self.tty, self.events = [], tty, None
+
+  def write(self, text):
+    self.writes.append(text)
+    if self.events is not None:
+      self.events.append(("write", text))
+
+  def flush(self):
+    pass
+
+  def isatty(self):
+    return self.tty
+
+
+def _fake_generate(ids, events):
+  def generate(on_token):
+    for t in ids:
+      events.append(("token", t))
+      if on_token:
+        on_token(t)
+    return list(ids)
+  return generate
+
+
+@pytest.fixture()
+def gen_flags():
+  from absl import flags
+  from absl.testing import flagsaver
+  from moejax.cli import generate as G
+  if not flags.FLAGS.is_parsed():
+    flags.FLAGS(["generate"])
+  with flagsaver.flagsaver(prompt="x = '"):
+    yield G
+
+
+@pytest.mark.parametrize("tty,stream,streams", [(True, None, True), (False, None, False),
+                                                (False, True, True), (True, False, False)])
+def test_text_streams_by_default_only_to_a_terminal(gen_flags, monkeypatch, tty, stream, streams):
+  from absl.testing import flagsaver
+  from moejax.io.tokenizer import ByteTokenizer
+  out, events = _Recorder(tty), []
+  out.events = events
+  monkeypatch.setattr(sys, "stdout", out)
+  ids = list("héllo €".encode())            # multi-byte characters split over tokens
+  with flagsaver.flagsaver(stream=stream):
+    got = gen_flags.write_text(ByteTokenizer(), _fake_generate(ids, events))
+  assert got == ids
+  assert "".join(out.writes) == "x = 'héllo €\n"            # the same text either way
+  assert all("\ufffd" not in w for w in out.writes)         # no half characters shown
+  if streams:
+    # each character is written once its last byte came, before the next token
+    first_write = next(i for i, e in enumerate(events) if e[0] == "write" and e[1] == "h")
+    assert events[first_write - 1] == ("token", ord("h"))
+    assert len([w for w in out.writes if w]) >= len("héllo €")
+  else:
+    assert [e[0] for e in events] == ["token"] * len(ids) + ["write"] * len(out.writes)
+
+
+def test_stream_of_the_demo_tokenizer_matches_decode_for_any_tokens():
+  from moejax.cli.stream import TextStream
+  from moejax.io.tokenizer import Tokenizer
+  tok = Tokenizer(os.path.join(DEMO, "tokenizer.json"))
+  rng = np.random.default_rng(0)
+  texts = ["def f():\n    return 'naïve ☃ 😀'\n", "x = 1  # ∑ over ε\n\tprint(x)"]
+  seqs = [tok.encode(t) for t in texts] + [rng.integers(0, tok.vocab_size, 300).tolist()]
+  for ids in seqs:
+    out = _Recorder()
+    s = TextStream(tok, out, prefix=">>")
+    for t in ids:
+      s.add(t)
+    s.finish()
+    s.finish()                                 # once only
+    assert "".join(out.writes) == ">>" + tok.decode(ids) + "\n"
+    assert len(out.writes) > len(ids) // 4    # as the tokens come, not at the end

@@ -4,6 +4,8 @@
 sharded ``model.safetensors.index.json``), accepts the per-expert hub layout and
 the fused transformers-v5 layout, puts dense parameters on the device and
 routed experts into a host-side ExpertStore.  Errors name the file and tensor.
+While it reads, a progress bar on stderr counts the checkpoint's bytes (``progress``:
+by default only when stderr is a terminal).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 from typing import Any
 
 import jax
@@ -111,7 +114,40 @@ class _Index:
     else:
       raise CheckpointError(f"{model_dir}: no model.safetensors or model.safetensors.index.json")
 
+    self.bar = None                       # a tqdm bar counting bytes read (`track`)
+    self._counted: set[str] = set()
+
+  def nbytes(self, name: str) -> int:
+    lo, hi = self.files[self.where[name]].header[name]["data_offsets"]
+    return hi - lo
+
+  def track(self, enabled: bool | None, desc: str):
+    """A progress bar over the bytes of every tensor (each counted when first read);
+    `enabled` None: only when stderr is a terminal."""
+    if enabled is None:
+      enabled = sys.stderr.isatty()
+    if not enabled:
+      return
+    from tqdm import tqdm
+    total = sum(self.nbytes(t) for t in self.where)
+    self.bar = tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1000,
+                    file=sys.stderr, leave=False, mininterval=0.25, dynamic_ncols=True)
+
+  def skip(self, name: str):
+    """A tensor the model does not use (it counts as done)."""
+    if self.bar is not None and name not in self._counted:
+      self._counted.add(name)
+      self.bar.update(self.nbytes(name))
+
+  def close(self, complete: bool = False):
+    if self.bar is not None:
+      if complete:                 # e.g. experts left on disk (mmap), read on demand
+        self.bar.update(self.bar.total - self.bar.n)
+      self.bar.close()
+      self.bar = None
+
   def get(self, name: str) -> np.ndarray:
+    self.skip(name)
     return self.files[self.where[name]].get(name)
 
   def dtype(self, name: str) -> str:
@@ -131,16 +167,28 @@ def _check(idx: _Index, name: str, arr: np.ndarray, shape, check_finite: bool):
 
 
 def load_model(model_dir: str, dtype=jnp.float32, mmap: bool = False, check_finite: bool = True,
-               dequantize_mxfp4: bool = False):
+               dequantize_mxfp4: bool = False, progress: bool | None = None):
   """Returns (cfg, params on device, ExpertStore on host).
 
   A family's own expert layout is read by its ``load_layer_experts``; MXFP4 experts
   (gpt_oss ``*_blocks``/``*_scales``) stay MXFP4 in the store (a fetch
   moves the 4-bit bytes; the device dequantises) unless ``dequantize_mxfp4``.
+  ``progress``: a tqdm bar on stderr over the checkpoint's bytes while reading; None
+  (default): only when stderr is a terminal; False: never.
   """
   cfg = ModelConfig.from_json_file(model_dir)
   family = families.of(cfg)
   idx = _Index(model_dir)
+  idx.track(progress, f"loading {os.path.basename(os.path.normpath(model_dir))}")
+  try:
+    out = _load(cfg, family, idx, model_dir, dtype, mmap, check_finite, dequantize_mxfp4)
+    idx.close(complete=True)
+    return out
+  finally:
+    idx.close()
+
+
+def _load(cfg, family, idx: _Index, model_dir, dtype, mmap, check_finite, dequantize_mxfp4):
   np_dtype = np.dtype(jnp.dtype(dtype))
   expected = abstract_params(cfg, dtype)
   leaf_dtypes = {tuple(k.key for k in path): np.dtype(leaf.dtype)
@@ -156,9 +204,12 @@ def load_model(model_dir: str, dtype=jnp.float32, mmap: bool = False, check_fini
     if kind[0] == "dense":
       if kind[1] in flat_expected:
         dense[kind[1]] = name
-      continue  # e.g. rotary inv_freq buffers: not parameters
+      else:
+        idx.skip(name)  # e.g. rotary inv_freq buffers: not parameters
+      continue
     _, layer, e, what = kind
-    if cfg.num_layers <= layer < cfg.num_layers + cfg.num_mtp_layers:
+    if cfg.num_layers <= layer < cfg.num_layers + cfg.family_config.hub_extra_layers:
+      idx.skip(name)
       continue  # multi-token-prediction layers (glm4_moe, deepseek_v3): not part of decoding
     if layer >= cfg.num_layers or not cfg.sparse_layers[layer]:
       raise CheckpointError(f"{idx.where[name]}: tensor '{name}' is a routed expert of layer "

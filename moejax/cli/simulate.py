@@ -1,0 +1,248 @@
+"""Replay a router trace under policies, cache sizes and hardware profiles (no model).
+
+  python -m launch.simulate --trace=runs/trace_demo --out=runs/sim_demo \
+      --policies=baseline,quality,speed,host,substitute_all --profiles=rtx3090,h100,gh200 \
+      --cache_fractions=0.125,0.25,0.5
+
+Writes OUT/results.json (per policy, cache fraction and profile: counts and the
+time model's time per token) and OUT/tpot_vs_mass.png (time per token against
+substituted mass, one panel per profile).  Times come from the time model
+(moejax/research/timemodel.py) with the profile's roofline for --shape (default: the
+named real model whose expert count and top-k the trace has, else the trace's own
+model); they are simulated, not measured.
+
+--check_engine also times the real engine here on the trace's first tokens
+(needs the model: --model_dir or the trace's model_dir): it calibrates the
+`this_machine` profile (all-resident time per layer, host overhead per fetch
+layer from a native-link baseline run), then compares the simulated with the
+measured time per token of baseline, quality and speed under the scaled link.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from absl import app, flags
+import numpy as np
+from tqdm import tqdm
+
+from moejax.offload import hardware
+from moejax.research import simulator, timemodel
+from moejax.io import traces
+from moejax.cache import policy as policy_lib
+from moejax.offload.hardware import moe_layer_bytes
+from moejax.cli import app as cli
+from moejax import extras
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("trace", None, "Trace folder written by launch.trace.", required=True)
+flags.DEFINE_string("out", None, "Output folder (results.json, PNG).", required=True)
+flags.DEFINE_list("policies", ["baseline", "quality", "speed", "host", "substitute_all"],
+                  "Presets or miss rules (moejax.cache.policy).")
+flags.DEFINE_list("profiles", ["rtx3090", "rtx4090", "a100", "h100", "h200", "gh200"],
+                  "Hardware profiles (moejax/offload/hardware.py); this_machine needs --calibration "
+                  "or --check_engine.")
+flags.DEFINE_list("cache_fractions", ["0.25"], "Experts per layer resident.")
+flags.DEFINE_string("shape", "auto", "Model shape for the roofline: auto, trace, or one of "
+                    + ", ".join(hardware.MODELS))
+flags.DEFINE_integer("max_tokens", 0, "Replay only the first N tokens (0 = all).")
+flags.DEFINE_integer("prefill_tokens", 16, "Leading tokens handled as a prompt (prefill).")
+flags.DEFINE_enum("initial", "empty", ["empty", "profile"],
+                  "Initial cache: empty, or the most-routed experts of the trace.")
+flags.DEFINE_string("calibration", None, "JSON of this_machine TimeParams (from --check_engine).")
+flags.DEFINE_bool("check_engine", False, "Time the engine here and compare (see docstring).")
+flags.DEFINE_string("model_dir", None, "Model for --check_engine (default: the trace's).")
+flags.DEFINE_integer("check_tokens", 96, "Decode tokens timed per engine run (--check_engine).")
+flags.DEFINE_integer("check_skip", 16, "Untimed decode tokens first (--check_engine).")
+flags.DEFINE_string("check_link", "scaled", "Engine --link for the comparison.")
+flags.DEFINE_integer("check_repeats", 3, "Engine runs per timing of --check_engine (the "
+                     "fastest counts: a busy machine only slows runs down).")
+
+
+def trace_shape(cfg) -> hardware.ModelShape:
+  """The trace's own model as a qwen3_moe-style byte count (bf16)."""
+  expert, active = moe_layer_bytes(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads,
+                                   cfg.head_dim, cfg.num_experts, cfg.top_k,
+                                   cfg.moe_intermediate_size)
+  return hardware.ModelShape(f"trace model ({cfg.model_type})", len(cfg.moe_layers),
+                             cfg.num_experts, cfg.top_k, expert, active - cfg.top_k * expert,
+                             cfg.vocab_size * cfg.hidden_size * 2)
+
+
+def pick_shape(cfg) -> hardware.ModelShape:
+  if FLAGS.shape == "trace":
+    return trace_shape(cfg)
+  if FLAGS.shape != "auto":
+    return hardware.model_shape(FLAGS.shape)
+  for m in hardware.MODELS.values():
+    if (m.num_experts, m.top_k) == (cfg.num_experts, cfg.top_k):
+      return m
+  return trace_shape(cfg)
+
+
+def time_params(names, shape, calibration):
+  out = {}
+  for n in names:
+    if n == hardware.CALIBRATED:
+      if calibration is None:
+        raise app.UsageError("--profiles=this_machine needs --calibration=FILE.json or "
+                             "--check_engine")
+      out[n] = timemodel.TimeParams(**calibration)
+    else:
+      out[n] = timemodel.roofline(hardware.hardware(n), shape)
+  return out
+
+
+def check_engine(tr, out_dir):
+  """Calibrates this_machine on the trace's second window, then compares simulated and
+  measured time per token of baseline, quality and speed on its first window."""
+  import dataclasses
+  import jax.numpy as jnp
+  from moejax.io.loader import load_model
+  from moejax.offload import calibrate as calibrate_lib
+  model_dir = FLAGS.model_dir or tr.meta.get("model_dir")
+  cfg, params, store = load_model(model_dir, dtype=jnp.float32)
+  prompt, skip = FLAGS.prefill_tokens, FLAGS.check_skip
+  n = prompt + skip + FLAGS.check_tokens
+  wins = [w for w in tr.windows if w[1] >= n][:2]
+  if len(wins) < 2:
+    raise app.UsageError(f"--check_engine needs two trace windows of >= {n} tokens")
+  link = calibrate_lib.calibrated_link(FLAGS.check_link, cfg, params, store)
+  names = ["baseline", "quality", "speed"]
+  time_host = "host" in FLAGS.policies and hardware.CALIBRATED in FLAGS.profiles
+  simulated = names + (["host"] if time_host else [])
+
+  def segment(w):
+    lo = w[0]
+    toks = [int(t) for t in tr.token_ids[lo:lo + n]]
+    sims = simulator.simulate(tr.cfg, tr.logits_TxLxR[lo:lo + n], simulated,
+                              prefill_tokens=prompt)
+    return toks, {k: s for k, s in zip(simulated, sims)}
+
+  cal_tokens, cal_steps = segment(wins[1])
+  tp = timemodel.calibrate_engine(
+      cfg, params, store, cal_tokens, prompt, link,
+      {k: s.steps_TxLxC for k, s in cal_steps.items()}, skip=skip,
+      time_host=time_host,
+      repeats=FLAGS.check_repeats)
+  print(f"[check] calibrated: {tp}", file=sys.stderr)
+  tokens, sims = segment(wins[0])
+  rows = {}
+  for name in names:
+    meas = timemodel.run_engine(cfg, params, store, name, tokens, prompt, link, skip=skip,
+                                repeats=FLAGS.check_repeats)
+    s = sims[name]
+    sim_ms = timemodel.mean_ms(s.steps_TxLxC, tp, skip)
+    rows[name] = dict(measured_tpot_ms=meas["tpot_ms"], simulated_tpot_ms=sim_ms,
+                      ratio=sim_ms / meas["tpot_ms"],
+                      measured_fetches_per_token=meas["fetches_per_token"],
+                      simulated_fetches_per_token=float(
+                          np.mean(np.sum(s.steps_TxLxC[skip:, :, 0], axis=1))),
+                      measured_admissions_per_token=meas["admissions_per_token"],
+                      simulated_admissions_per_token=float(
+                          np.mean(np.sum(s.steps_TxLxC[skip:, :, 2], axis=1))))
+    print(f"[check] {name:<9} measured {meas['tpot_ms']:7.2f} ms  simulated {sim_ms:7.2f} ms  "
+          f"ratio {sim_ms / meas['tpot_ms']:.3f}", file=sys.stderr)
+  cal = dataclasses.asdict(tp)
+  with open(os.path.join(out_dir, "calibration.json"), "w") as f:
+    json.dump(cal, f, indent=1)
+  return dict(link=link.describe(), calibration=cal, presets=rows,
+              calibration_tokens=[wins[1][0], n], check_tokens=[wins[0][0], n],
+              load_average=os.getloadavg(), repeats=FLAGS.check_repeats,
+              note="measured: the engine on this machine on the trace's first window; "
+                   "simulated: time model with this_machine calibrated on its second window "
+                   "(resident, baseline, quality runs)"), cal
+
+
+def plot(results, path):
+  plt = extras.pyplot("the simulator plot")
+  profs = list(results["profiles"])
+  cols = min(3, len(profs))
+  rows = -(-len(profs) // cols)
+  fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False)
+  for ax in axes.flat[len(profs):]:
+    ax.axis("off")
+  for ax, prof in zip(axes.flat, profs):
+    for pol in results["policies"]:
+      pts = [(r["substituted_mass_per_token_layer"], r["time"][prof]["tpot_ms"])
+             for r in results["runs"] if r["policy_name"] == pol]
+      ax.plot(*zip(*pts), "o-", label=pol)
+    ax.set_title(prof, fontsize=9)
+    ax.set_xlabel("substituted mass / token-layer")
+    ax.set_yscale("log")
+  for row in axes:
+    row[0].set_ylabel("simulated time per token (ms)")
+  axes.flat[0].legend(fontsize=7)
+  fig.suptitle(f"SIMULATED: {results['trace']} ({results['shape']}); points: cache fractions "
+               f"{', '.join(results['cache_fractions'])}", fontsize=9)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+
+
+def main(_):
+  os.makedirs(FLAGS.out, exist_ok=True)
+  tr = traces.load_trace(FLAGS.trace, max_tokens=FLAGS.max_tokens)
+  shape = pick_shape(tr.cfg)
+  pols = [policy_lib.make_policy(p) for p in FLAGS.policies]
+  results = dict(trace=os.path.abspath(FLAGS.trace), tokens=tr.num_tokens,
+                 shape=shape.name, policies=FLAGS.policies, cache_fractions=FLAGS.cache_fractions,
+                 note="times are SIMULATED by the time model, not measured", runs=[])
+  calibration = None
+  if FLAGS.calibration:
+    with open(FLAGS.calibration) as f:
+      calibration = json.load(f)
+  if FLAGS.check_engine:
+    results["engine_check"], calibration = check_engine(tr, FLAGS.out)
+  tps = time_params(FLAGS.profiles, shape, calibration)
+  results["profiles"] = {k: dict(v.__dict__) for k, v in tps.items()}
+  initial = None
+  for frac in FLAGS.cache_fractions:
+    f = float(frac)
+    if FLAGS.initial == "profile":
+      initial = simulator.profile_initial(tr.logits_TxLxR, tr.cfg,
+                                          simulator.budget_slots(tr.cfg, f).slots)
+    res = simulator.simulate(tr.cfg, tr.logits_TxLxR, pols, cache_fraction=f,
+                             initial_LxS=initial, prefill_tokens=FLAGS.prefill_tokens)
+    for name, r in zip(FLAGS.policies, res):
+      row = dict(r.summary(), policy_name=name, cache_fraction=f, time={})
+      for prof, tp in tps.items():
+        tpot = timemodel.time_per_token(r.steps_TxLxC, tp)
+        row["time"][prof] = dict(tpot_ms=1e3 * float(np.mean(tpot)),
+                                 **timemodel.breakdown(r.steps_TxLxC, tp))
+      results["runs"].append(row)
+  for r in results["runs"]:
+    base = [b for b in results["runs"] if b["cache_fraction"] == r["cache_fraction"]
+            and b["policy_name"] == "baseline"]
+    for prof in tps:
+      r["time"][prof]["speedup_vs_baseline"] = (base[0]["time"][prof]["tpot_ms"] /
+                                                r["time"][prof]["tpot_ms"] if base else None)
+  with open(os.path.join(FLAGS.out, "results.json"), "w") as f:
+    json.dump(results, f, indent=1, default=float)
+  plot(results, os.path.join(FLAGS.out, "tpot_vs_mass.png"))
+  print(table(results, list(tps)))
+  print(f"[simulate] wrote {FLAGS.out}/results.json and tpot_vs_mass.png", file=sys.stderr)
+
+
+def table(results, profs) -> str:
+  head = f"{'policy':<16}{'cache':>6}{'hit %':>7}{'fetch/tok':>10}{'mass/tl':>8}" + "".join(
+      f"{p[:12]:>14}" for p in profs)
+  lines = [f"SIMULATED time per token, ms (x speed-up vs baseline); shape {results['shape']}",
+           head]
+  for r in results["runs"]:
+    cells = "".join(f"{r['time'][p]['tpot_ms']:>8.2f} ({(r['time'][p]['speedup_vs_baseline'] or 0):.1f}x)"
+                    .rjust(14) for p in profs)
+    lines.append(f"{r['policy_name']:<16}{r['cache_fraction']:>6.3g}{100 * r['hit_rate']:>7.1f}"
+                 f"{r['fetches_per_token']:>10.2f}{r['substituted_mass_per_token_layer']:>8.3f}"
+                 + cells)
+  return "\n".join(lines)
+
+
+def entry():
+  """The console script `moejax-simulate` (and `python -m launch.simulate` from a checkout)."""
+  cli.run(main)
+
+
+if __name__ == "__main__":
+  entry()

@@ -17,11 +17,12 @@ import tempfile
 import threading
 import time
 
-from absl import app, flags
+from absl import flags
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from launch import cli
 from moejax.model.config import ModelConfig
 from moejax.io.loader import init_random, save_hf
 from moejax.model.sampler import Sampler, SamplingParams
@@ -177,4 +178,4 @@ def main(_):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -49,6 +49,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from launch import cli
 from launch.bench_transfer import expert_copy_seconds
 from moejax.model.config import ModelConfig
 from moejax.io.loader import init_random, load_model
@@ -337,4 +338,4 @@ def table(rows: dict, link_desc: str, sampler_ms: float) -> str:
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

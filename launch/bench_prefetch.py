@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
+from launch import cli
 from moejax.research import emulator as E
 from moejax.io.loader import load_model
 from moejax.offload import calibrate
@@ -396,4 +397,4 @@ def plot(res: dict, path: str):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -20,9 +20,10 @@ import os
 import sys
 import time
 
-from absl import app, flags
+from absl import flags
 import numpy as np
 
+from launch import cli
 from moejax.research import simulator, synthetic
 from moejax.cache import policy as policy_lib
 
@@ -91,4 +92,4 @@ def main(_):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

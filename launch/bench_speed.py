@@ -17,12 +17,13 @@ from __future__ import annotations
 import functools
 import time
 
-from absl import app, flags
+from absl import flags
 import jax
 import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
+from launch import cli
 from launch import bench_models
 from moejax.kernels import cpu_kernel
 from moejax.model import sampler as sampler_lib
@@ -149,4 +150,4 @@ def table(res: dict) -> str:
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

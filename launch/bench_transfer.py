@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from launch import cli
 from moejax.offload import transfer
 from moejax.io.store import (BACKENDS, StoreBackendError, make_store, shares_buffer,
                                       store_backend)
@@ -166,4 +167,4 @@ def main(_):
 
 if __name__ == "__main__":
   define_flags()
-  app.run(main)
+  cli.run(main)

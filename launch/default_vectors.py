@@ -14,11 +14,12 @@ from __future__ import annotations
 import json
 import os
 
-from absl import app, flags
+from absl import flags
 import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
+from launch import cli
 from estimators import data as est_data
 from moejax.train import data
 from moejax.prefetch import speculation
@@ -58,4 +59,4 @@ def main(_):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -23,9 +23,10 @@ import json
 import os
 import tempfile
 
-from absl import app, flags
+from absl import flags
 import numpy as np
 
+from launch import cli
 from estimators import data as est_data
 from estimators.train import EstimatorConfig, train_pair
 from moejax.model.config import ModelConfig
@@ -107,4 +108,4 @@ def main(_):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -19,13 +19,14 @@ import json
 import math
 import os
 
-from absl import app, flags
+from absl import flags
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 from tqdm import tqdm
 
+from launch import cli
 from moejax.train import corpus, data
 from moejax.research import locality
 from moejax.model import routing
@@ -236,4 +237,4 @@ def main(_):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -14,11 +14,12 @@ from __future__ import annotations
 import json
 import os
 
-from absl import app, flags
+from absl import flags
 import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
+from launch import cli
 from moejax.train import corpus, data
 from moejax.prefetch import speculation
 from moejax.prefetch.speculation import default_vectors_dir, load_default_vectors
@@ -106,4 +107,4 @@ def main(_):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -31,6 +31,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from tqdm import tqdm
 
+from launch import cli
 from moejax.train import corpus, data
 from moejax.model.config import ModelConfig
 from moejax.io.loader import init_random, load_model, save_hf
@@ -348,4 +349,4 @@ def main(_):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -19,13 +19,14 @@ from __future__ import annotations
 import json
 import os
 
-from absl import app, flags
+from absl import flags
 import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from tqdm import tqdm
 
+from launch import cli
 from estimators import data as est_data
 from estimators.train import EstimatorConfig, train_pair
 from moejax.train import corpus, data
@@ -152,4 +153,4 @@ def main(_):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -63,7 +63,8 @@ def test_matches_xla_attention(b, t, h, g, kd, s, window, sinks, dtype):
   pos = jnp.asarray(rng.integers(0, s, (b, t)), jnp.int32)
   sk = jnp.asarray(rng.standard_normal(h), jnp.float32) if sinks else None
   got = _kernel(q, k, v, pos, kd ** -0.5, window, sk)
-  assert got.dtype == q.dtype and got.shape == (b, t, h * kd)
+  chex.assert_type(got, q.dtype)
+  chex.assert_shape(got, (b, t, h * kd))
   want = _xla(q, k, v, pos, kd ** -0.5, window, sk)
   tol = 1e-6 if dtype == jnp.float32 else 2e-2     # bf16: XLA rounds its scores to bf16
   f32 = lambda a: jnp.asarray(a, jnp.float32)

@@ -41,7 +41,7 @@ def test_matches_xla_dispatch(n, e, d, inter, k, dtype):
   ids = jnp.asarray(rng.integers(0, e, (n, k)), jnp.int32)
   gates = jnp.asarray(rng.random((n, k)), jnp.float32)
   got = _kernel(x, ids, gates, w)
-  assert got.dtype == x.dtype
+  chex.assert_type(got, x.dtype)
   f32 = lambda a: jnp.asarray(a, jnp.float32)
   want = experts_lib.xla_experts(f32(x), ids, gates, jax.tree.map(f32, w))
   tol = 1e-5 if dtype == jnp.float32 else 1e-2    # bf16: the output's rounding
@@ -76,7 +76,7 @@ def test_linear_hand_checked_and_matches_einsum():
       x = jnp.asarray(rng.normal(size=(n, d)), dtype)
       w = jnp.asarray(rng.normal(size=(o, d)), dtype)
       got = jax.jit(cpu_kernel.linear)(x, w)
-      assert got.dtype == dtype
+      chex.assert_type(got, dtype)
       want = jnp.asarray(x, jnp.float32) @ jnp.asarray(w, jnp.float32).T
       tol = 1e-5 if dtype == jnp.float32 else 1e-2
       chex.assert_trees_all_close(jnp.asarray(got, jnp.float32), want,
@@ -114,7 +114,8 @@ def test_linears_run_as_one_kernel_call():
     assert fn.lower(x, ws).as_text().count(cpu_kernel.LINEAR_TARGET) == 1
     tol = 1e-5 if dtype == jnp.float32 else 1e-2
     for y, w in zip(fn(x, ws), ws):
-      assert y.dtype == dtype and y.shape == (3, w.shape[0])
+      chex.assert_type(y, dtype)
+      chex.assert_shape(y, (3, w.shape[0]))
       want = jnp.asarray(x, jnp.float32) @ jnp.asarray(w, jnp.float32).T
       chex.assert_trees_all_close(jnp.asarray(y, jnp.float32), want,
                                   atol=tol * float(jnp.max(jnp.abs(want))), rtol=0)

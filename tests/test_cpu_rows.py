@@ -48,7 +48,8 @@ def test_rms_norm_matches_xla(shape, dtype):
   x = jnp.asarray(rng.standard_normal(shape) * 3, dtype)
   w = jnp.asarray(rng.standard_normal(shape[-1]), dtype)
   got, want = _norm(x, w), layers.xla_rms_norm(x, w, 1e-6)
-  assert got.dtype == want.dtype and got.shape == want.shape
+  chex.assert_type(got, want.dtype)
+  chex.assert_equal_shape([got, want])
   # f32: the sum of squares in another order; bf16: at most one rounding step apart
   tol = 1e-6 if dtype == jnp.float32 else 1e-2
   chex.assert_trees_all_close(got.astype(jnp.float32), want.astype(jnp.float32),

@@ -1,5 +1,6 @@
 """Corpus split, tokenizer and batching: deterministic and disjoint."""
 
+import chex
 import numpy as np
 
 from moejax.train import data
@@ -41,7 +42,7 @@ def test_window_batches_are_a_pure_function_of_the_step():
   stream = np.arange(1000, dtype=np.uint16)
   order = data.window_order(stream.size, 10, seed=3)
   b5 = data.window_batch(stream, order, 5, 4, 10)
-  assert b5.shape == (4, 11)
+  chex.assert_shape(b5, (4, 11))
   np.testing.assert_array_equal(b5, data.window_batch(stream, data.window_order(1000, 10, 3), 5, 4, 10))
   np.testing.assert_array_equal(b5[:, 1:], b5[:, :-1] + 1)      # contiguous windows + shift
   assert not np.array_equal(b5, data.window_batch(stream, order, 6, 4, 10))

@@ -82,7 +82,7 @@ def test_shards_load_and_name_a_bad_file(tmp_path):
   np.savez(tmp_path / "shard_00000.npz", **a)
   np.savez(tmp_path / "shard_00001.npz", **a)
   got = est_data.load(str(tmp_path))
-  assert got["q"].shape == (2, 6, 4) and est_data.load(str(tmp_path), pair=1)["true"].shape == (6, 4)
+  chex.assert_shape([got["q"], est_data.load(str(tmp_path), pair=1)["true"]], [(2, 6, 4), (6, 4)])
   (tmp_path / "shard_00002.npz").write_bytes(b"truncated")
   with pytest.raises(ValueError, match="shard_00002.npz"):
     est_data.load(str(tmp_path))

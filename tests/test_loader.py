@@ -3,6 +3,7 @@
 import json
 import os
 
+import chex
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -34,9 +35,7 @@ def test_roundtrip_layouts(model, tmp_path, layout, mmap):
   assert cfg == CFG.validate() or cfg.sparse_layers == CFG.sparse_layers
   assert store.moe_layers == (0,)
   for e in (0, 5):
-    got = store.get(0, e)
-    np.testing.assert_array_equal(got["gate_up"], model[1][0]["gate_up"][e])
-    np.testing.assert_array_equal(got["down"], model[1][0]["down"][e])
+    chex.assert_trees_all_equal(store.get(0, e), {k: v[e] for k, v in model[1][0].items()})
   np.testing.assert_array_equal(np.asarray(params["layers_1"]["mlp"]["up_proj"]["weight"]),
                                 np.asarray(model[0]["layers_1"]["mlp"]["up_proj"]["weight"]))
 
@@ -113,8 +112,7 @@ def test_truncated_and_missing_files(model, tmp_path):
 def test_bf16_checkpoint_loads(model, tmp_path):
   save_hf(CFG, model[0], model[1], str(tmp_path), dtype=jnp.bfloat16)
   _, params, store = load_model(str(tmp_path), dtype=jnp.bfloat16)
-  assert store.get(0, 0)["gate_up"].dtype == jnp.bfloat16
-  assert params["norm"]["weight"].dtype == jnp.bfloat16
+  chex.assert_type([store.get(0, 0)["gate_up"], params["norm"]["weight"]], jnp.bfloat16)
 
 
 def _rewrite_header(path, fn):

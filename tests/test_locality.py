@@ -1,5 +1,6 @@
 """Routing locality: plain LRU / LFU expert caches on hand-written selection sequences."""
 
+import chex
 import numpy as np
 import pytest
 
@@ -50,7 +51,8 @@ def test_shuffle_removes_locality_not_popularity():
   assert r["capacity"] == 8
   assert r["ordered"] > 0.9 and r["shuffled"] < 0.5
   shares = locality.load_shares(ids, 32)
-  assert shares.shape == (1, 32) and shares.sum() == pytest.approx(1.0)
+  chex.assert_shape(shares, (1, 32))
+  assert shares.sum() == pytest.approx(1.0)
 
 
 def test_bad_eviction():

@@ -2,6 +2,7 @@
 
 import dataclasses
 
+import chex
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -311,6 +312,6 @@ def test_policy_params_split_into_decide_and_cache_keys():
   probs = [0.30, 0.25, 0.20, 0.10, 0.08, 0.04, 0.02, 0.01]
   st = state_with([1, 3, 4, 7])
   d_part, d_all = (P.decide(logits_of(probs), st, p, cfg) for p in (q.decision, q))
-  np.testing.assert_array_equal(np.asarray(d_part.action), np.asarray(d_all.action))
+  chex.assert_trees_all_equal(d_part, d_all)         # the whole Decision, every field
   u_part, u_all = (P.update_usage(st, d_part, p) for p in (q.cache, q))
-  np.testing.assert_array_equal(np.asarray(u_part.freq), np.asarray(u_all.freq))
+  chex.assert_trees_all_equal(u_part, u_all)

@@ -249,7 +249,7 @@ def test_cache_preset_with_prefetch(model, policy):
   cfg, params, store, _ = model
   eng, out, sets = _run(cfg, params, store, PROMPT, STREAM, policy=policy, prefetch="quasi",
                         predictors=_vectors(cfg), cache_fraction=0.5)
-  assert np.all(np.isfinite(out))
+  chex.assert_tree_all_finite(out)
   assert all(len(s) <= eng.budget.slots for s in sets.values())
   for r in eng.records:
     used = 0

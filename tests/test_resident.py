@@ -1,5 +1,6 @@
 """ResidentState: budget accounting, donated slot insertion, eviction, initial contents."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -29,8 +30,7 @@ def check_consistent(state):
   for s, e in enumerate(se):
     if e >= 0:
       assert es[e] == s
-      np.testing.assert_array_equal(np.asarray(state.buffers["gate_up"][s]), HOST[e]["gate_up"])
-      np.testing.assert_array_equal(np.asarray(state.buffers["down"][s]), HOST[e]["down"])
+      chex.assert_trees_all_equal(jax.tree.map(lambda b: b[s], state.buffers), HOST[e])
   for e, s in enumerate(es):
     if s >= 0:
       assert se[s] == e

@@ -109,8 +109,7 @@ def test_nan_and_inf_pass_through_as_before(model_type, router, jitted):
   cfg = _cfg(model_type, router)
   got = _variants(routing.route)[jitted](cfg, logits)
   want = _variants(rule)[jitted](cfg, logits)
-  for g, w in zip(got, want):
-    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+  chex.assert_trees_all_equal(tuple(got), tuple(want))
   got_s = _variants(routing.rank_scores)[jitted](cfg, logits)
   np.testing.assert_array_equal(np.asarray(got_s), np.asarray(rank(cfg, logits)))
   s = np.asarray(got_s)

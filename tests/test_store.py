@@ -3,6 +3,7 @@
 import os
 import types
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -39,10 +40,8 @@ def assert_same_experts(store, ref):
   for i in ref.moe_layers:
     for e in range(CFG.num_experts):
       a, b = store.get(i, e), ref.get(i, e)
-      assert set(a) == set(b) == {"gate_up", "down"}
-      for k in b:
-        assert np.asarray(a[k]).dtype == np.asarray(b[k]).dtype
-        np.testing.assert_array_equal(np.asarray(a[k]), np.asarray(b[k]), err_msg=f"{i},{e},{k}")
+      assert set(b) == {"gate_up", "down"}
+      chex.assert_trees_all_equal(a, b, strict=True)      # keys, shapes, dtypes and values
 
 
 @pytest.mark.parametrize("layout", ["per_expert", "fused"])
@@ -114,9 +113,7 @@ def test_every_backend_gives_the_program_identical_experts_and_the_same_decoding
   for name, st in stores.items():
     out, pinned = transfer.program_store(st, jax.devices()[0])
     assert pinned == (name == "pinned_host"), name
-    for i in (1, 2):
-      for k, v in out[i].items():
-        np.testing.assert_array_equal(np.asarray(v), exps[i][k], err_msg=f"{name} {i} {k}")
+    chex.assert_trees_all_equal({i: out[i] for i in (1, 2)}, {i: exps[i] for i in (1, 2)})
     with OffloadEngine(cfg, params, st, "quality", cache_fraction=0.25, max_len=16) as eng:
       logits = [eng.prefill(toks[:4])] + [eng.decode_step(t) for t in toks[4:]]
       runs[name] = (np.stack(logits), [r.layers for r in eng.records])

@@ -2,6 +2,7 @@
 
 import os
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -39,7 +40,7 @@ def test_round_trip_in_shards(tmp_path):
 def test_float16_storage(tmp_path):
   lg = write(tmp_path, dtype="float16")
   tr = traces.load_trace(str(tmp_path))
-  assert tr.logits_TxLxR.dtype == np.float16
+  chex.assert_type(tr.logits_TxLxR, np.float16)
   np.testing.assert_allclose(tr.logits_TxLxR.astype(np.float32), lg, atol=2e-3)
 
 
@@ -74,7 +75,8 @@ def test_recording_equals_the_model_forward_per_window():
   store = ExpertStore.from_stacked(exps)
   toks = np.random.default_rng(2).integers(0, 32, 11)
   lg, windows = traces.record_router_logits(cfg, params, store, toks, seq=4, batch=2)
-  assert windows == [(0, 4), (4, 4), (8, 3)] and lg.shape == (11, 2, 8)
+  assert windows == [(0, 4), (4, 4), (8, 3)]
+  chex.assert_shape(lg, (11, 2, 8))
   # the second window on its own (its context starts at token 4); MoE layers 0 and 2
   model = Transformer(cfg)
   _, _, rl = jax.jit(lambda p, e, t: model.apply({"params": p}, t, e))(

@@ -4,6 +4,7 @@ shared buffers, memory kinds, the pinned-memory fallback, unreadable stores, err
 import time
 import types
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -40,11 +41,7 @@ def make_expert_store(seed=0):
 
 
 def assert_same_store(out, store):
-  assert set(out) == set(store.moe_layers)
-  for l in store.moe_layers:
-    assert set(out[l]) == set(store.stacked(l))
-    for name, arr in store.stacked(l).items():
-      np.testing.assert_array_equal(np.asarray(out[l][name]), np.asarray(arr))
+  chex.assert_trees_all_equal(out, {l: store.stacked(l) for l in store.moe_layers})
 
 
 # ---------------------------------------------------------------- owned copies
@@ -93,10 +90,9 @@ def test_sixteen_bit_floats_are_held_as_their_bits():
                                            for k, v in store.stacked(l).items()}
                                           for l in store.moe_layers])
   out, _ = transfer.program_store(bf, DEVICE)
-  for l in bf.moe_layers:
-    for name, arr in bf.stacked(l).items():
-      assert out[l][name].dtype == jnp.uint16
-      np.testing.assert_array_equal(np.asarray(out[l][name]), np.asarray(arr).view(np.uint16))
+  bits = {l: {k: np.asarray(v).view(np.uint16) for k, v in bf.stacked(l).items()}
+          for l in bf.moe_layers}
+  chex.assert_trees_all_equal(out, bits, strict=True)       # uint16 on the device side too
 
 
 class _Unreadable:

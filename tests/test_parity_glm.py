@@ -19,6 +19,7 @@ import torch
 
 from moejax.model import routing
 from moejax.model.config import ConfigError, ModelConfig
+from moejax.model.families.configs.glm import GlmConfig
 from moejax.model.layers import gqa_attention
 from moejax.io.loader import load_model
 from moejax.model.model import Transformer
@@ -84,16 +85,21 @@ def test_router_matches_transformers_and_bias_is_loaded(reference):
   np.testing.assert_allclose(np.take_along_axis(np.asarray(gates), got, -1),
                              np.take_along_axis(w_ref.numpy(), order, -1), atol=1e-6)
   # gates are the weights the model applies: normalised share * routed_scaling_factor
-  np.testing.assert_allclose(np.asarray(gates).sum(-1), cfg.routed_scaling_factor, rtol=1e-5)
+  np.testing.assert_allclose(np.asarray(gates).sum(-1), cfg.family_config.routed_scaling_factor,
+                             rtol=1e-5)
 
 
 def _cfg(**over):
+  """A deepseek_v3 router config; `over` sets ModelConfig and GlmConfig fields alike."""
   kw = dict(model_type="deepseek_v3", vocab_size=8, hidden_size=8, num_layers=1, num_heads=1,
             num_kv_heads=1, head_dim=8, num_experts=8, top_k=2, moe_intermediate_size=4,
-            intermediate_size=4, sparse_layers=(True,), router="sigmoid_group", n_group=4,
-            topk_group=2, routed_scaling_factor=2.0, norm_topk_prob=True)
-  kw.update(over)
-  return ModelConfig(**kw)
+            intermediate_size=4, sparse_layers=(True,), router="sigmoid_group",
+            norm_topk_prob=True)
+  fam = dict(n_group=4, topk_group=2, routed_scaling_factor=2.0)
+  glm_fields = {f.name for f in dataclasses.fields(GlmConfig)}
+  for k, v in over.items():
+    (fam if k in glm_fields else kw)[k] = v
+  return ModelConfig(**kw, family_config=GlmConfig(**fam))
 
 
 def _logit(p):
@@ -151,7 +157,7 @@ def test_config_hub_spelling_and_errors(tmp_path):
          "rms_norm_eps": 1e-5, "eos_token_id": [151329, 151336, 151338]}
   c = ModelConfig.from_hf_dict(air)
   assert (c.num_experts, c.head_dim, c.partial_rotary_factor, c.rope_theta) == (128, 128, .5, 1e6)
-  assert c.moe_layers == tuple(range(1, 46)) and c.num_mtp_layers == 1 and c.attention_bias
+  assert c.moe_layers == tuple(range(1, 46)) and c.family_config.num_mtp_layers == 1 and c.attention_bias
   assert c.eos_token_ids == (151329, 151336, 151338)
   hash(c)                                                   # a jit static argument
   flash = {"model_type": "glm4_moe_lite", "vocab_size": 154880, "hidden_size": 2048,
@@ -161,7 +167,7 @@ def test_config_hub_spelling_and_errors(tmp_path):
            "num_experts_per_tok": 4, "moe_intermediate_size": 1536, "intermediate_size": 10240,
            "n_shared_experts": 1, "routed_scaling_factor": 1.8, "rope_theta": 1000000}
   c = ModelConfig.from_hf_dict(flash)                       # 2048 % 20 != 0: no head_dim needed
-  assert c.head_dim == 256 and c.moe_layers == tuple(range(1, 47)) and c.q_lora_rank == 768
+  assert c.head_dim == 256 and c.moe_layers == tuple(range(1, 47)) and c.family_config.q_lora_rank == 768
   v3 = dict(flash, model_type="deepseek_v3", hidden_size=7168, num_hidden_layers=61,
             num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1536,
             qk_nope_head_dim=128, v_head_dim=128, n_routed_experts=256, num_experts_per_tok=8,
@@ -171,7 +177,7 @@ def test_config_hub_spelling_and_errors(tmp_path):
                           "original_max_position_embeddings": 4096, "beta_fast": 32,
                           "beta_slow": 1})
   c = ModelConfig.from_hf_dict(v3)
-  assert c.moe_layers[0] == 3 and (c.n_group, c.topk_group) == (8, 4)
+  assert c.moe_layers[0] == 3 and (c.family_config.n_group, c.family_config.topk_group) == (8, 4)
   assert dict(c.rope_scaling)["rope_type"] == "yarn" and c.head_dim == 192
   with pytest.raises(ConfigError, match="n_group"):
     ModelConfig.from_hf_dict(dict(air, n_group=3))
@@ -323,6 +329,6 @@ def test_glm4_moe_variant_qk_norm_unnormalised_gates(tmp_path):
   with torch.no_grad():
     ref = model(torch.tensor([tokens])).logits[0].numpy()
   cfg, params, store = load_model(hf_models.save(model, str(tmp_path / "v"), "per_expert"))
-  assert cfg.qk_norm == "head" and not cfg.norm_topk_prob and cfg.n_shared_experts == 2
+  assert cfg.qk_norm == "head" and not cfg.norm_topk_prob and cfg.family_config.n_shared_experts == 2
   logits, _, _ = _forward(cfg, params, store.to_device(), [tokens])
   np.testing.assert_allclose(np.asarray(logits[0]), ref, atol=1e-4, rtol=0)

@@ -27,6 +27,7 @@ from moejax.model import experts as experts_lib
 from moejax.model import routing
 from moejax.model.config import ModelConfig
 from moejax.model.families import gpt_oss, mxfp4
+from moejax.model.families.configs.gpt_oss import DEFAULT_YARN
 from moejax.io.loader import load_model
 from moejax.model.model import Transformer
 from moejax.io.safetensors_io import CheckpointError, save_file
@@ -135,7 +136,7 @@ def test_mxfp4_quantize_round_trip():
 def test_config_hub_and_v5_spellings(tmp_path):
   hub = ModelConfig.from_hf_dict(HUB_20B)
   assert hub.router == "topk_softmax" and hub.num_experts == 32 and hub.top_k == 4
-  assert hub.sliding_window == 128
+  assert hub.family_config.sliding_window == 128
   assert hub.layer_types[:2] == ("sliding_attention", "full_attention")
   assert hub.rope_theta == 150000.0 and dict(hub.rope_scaling)["factor"] == 32.0
   assert hub.attention_bias and hub.moe_intermediate_size == 2880 and hub.rms_norm_eps == 1e-5
@@ -145,7 +146,7 @@ def test_config_hub_and_v5_spellings(tmp_path):
   transformers.GptOssConfig(num_hidden_layers=2, sliding_window=4).save_pretrained(v5_dir)
   v5 = ModelConfig.from_json_file(v5_dir)
   assert v5.rope_scaling == hub.rope_scaling and v5.rope_theta == hub.rope_theta
-  assert v5.sliding_window == 4 and v5.layer_types == ("sliding_attention", "full_attention")
+  assert v5.family_config.sliding_window == 4 and v5.layer_types == ("sliding_attention", "full_attention")
   with pytest.raises(ValueError, match="layer_types"):
     ModelConfig.from_hf_dict({**HUB_20B, "layer_types": ["sliding_attention"]})
   with pytest.raises(ValueError, match="rope_scaling"):
@@ -155,7 +156,7 @@ def test_config_hub_and_v5_spellings(tmp_path):
 @pytest.mark.parametrize("over", [{}, {"truncate": True}, {"factor": 8.0, "beta_fast": 16.0}])
 @pytest.mark.parametrize("head_dim", [8, 64])
 def test_yarn_matches_transformers(over, head_dim):
-  rope = {**gpt_oss.DEFAULT_YARN, **over, "rope_theta": 150000.0}
+  rope = {**DEFAULT_YARN, **over, "rope_theta": 150000.0}
   hf_cfg = transformers.GptOssConfig(hidden_size=head_dim * 4, num_attention_heads=4,
                                      head_dim=head_dim, num_hidden_layers=2,
                                      rope_parameters=dict(rope))
@@ -316,7 +317,7 @@ def _load(reference, layout, **kw):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_prefill_logits_match(reference, layout):
   cfg, params, store = _load(reference, layout)
-  assert cfg.model_type == "gpt_oss" and cfg.sliding_window == 4
+  assert cfg.model_type == "gpt_oss" and cfg.family_config.sliding_window == 4
   experts = store.to_device()
   if layout == "mxfp4":  # 4-bit bytes on the device; dequantised inside the expert computation
     assert experts[0]["gate_up_blocks"].dtype == jnp.uint8 and "gate_up" not in experts[0]
@@ -346,7 +347,8 @@ def test_sliding_window_and_sinks_are_exercised(reference):
   """Without the window, or without sinks, the model no longer matches: both are live."""
   cfg, params, store = _load(reference, "fused")
   toks = jnp.array([reference["tokens"]])
-  full = dataclasses.replace(cfg, sliding_window=10_000)
+  full = dataclasses.replace(
+      cfg, family_config=dataclasses.replace(cfg.family_config, sliding_window=10_000))
   lg_full, _, _ = _forward(full, params, toks, store.to_device())
   assert np.abs(np.asarray(lg_full[0]) - reference["pre"]).max() > 1e-3
   no_sink = jax.tree_util.tree_map_with_path(

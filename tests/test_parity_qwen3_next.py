@@ -232,7 +232,7 @@ def test_hub_config_spelling():
   assert cfg.layer_types[:4] == ("linear_attention",) * 3 + ("full_attention",)
   assert sum(t == "full_attention" for t in cfg.layer_types) == 12
   assert qwen3_next.rotary_dim(cfg) == 64 and cfg.rope_theta == 1e7
-  assert cfg.moe_layers == tuple(range(48)) and cfg.shared_expert_intermediate_size == 512
+  assert cfg.moe_layers == tuple(range(48)) and cfg.family_config.shared_expert_intermediate_size == 512
   hash(cfg)
   # bytes one routed expert moves per miss in bf16: 3 * hidden * moe_intermediate * 2
   assert cfg.expert_param_count * 2 == 6_291_456

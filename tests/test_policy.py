@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from moejax.model.config import ModelConfig
+from moejax.model.families.configs.glm import GlmConfig
 from moejax.cache import policy as P
 from moejax.cache import resident as R
 
@@ -247,8 +248,8 @@ def test_substitute_ties_go_to_the_lowest_id():
 
 
 def test_sigmoid_group_substitutes_ranked_by_biased_score():
-  cfg = family_cfg("glm4_moe", "sigmoid_group", num_experts=4, top_k=1, n_group=1,
-                   topk_group=1, routed_scaling_factor=2.5)
+  cfg = family_cfg("glm4_moe", "sigmoid_group", num_experts=4, top_k=1,
+                   family_config=GlmConfig(n_group=1, topk_group=1, routed_scaling_factor=2.5))
   raw = [3.0, 0.0, 0.0, 0.0]
   bias = [0.0, 0.1, 0.3, 0.0]            # e2 has the larger sigmoid(logit) + bias
   d = P.decide(jnp.asarray([raw + bias]), state_with([1, 2], num_experts=4, slots=2),
@@ -273,8 +274,8 @@ def test_admission_accumulates_the_normalised_share_not_the_raw_gate():
 
 def test_admission_with_scaled_sigmoid_router_uses_share():
   # routed_scaling 2.5 with normalised top-2: gates sum to 2.5; share = g / 2.5
-  cfg = family_cfg("glm4_moe", "sigmoid_group", num_experts=4, top_k=2, n_group=1,
-                   topk_group=1, routed_scaling_factor=2.5)
+  cfg = family_cfg("glm4_moe", "sigmoid_group", num_experts=4, top_k=2,
+                   family_config=GlmConfig(n_group=1, topk_group=1, routed_scaling_factor=2.5))
   raw = [2.0, 0.0, -3.0, -3.0]           # sigmoid .881, .5: shares .638, .362
   d = P.decide(jnp.asarray([raw]), state_with([0, 2], num_experts=4, slots=2),
                P.DecideParams("substitute_all", admission_beta=0.5), cfg)

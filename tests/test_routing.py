@@ -16,6 +16,7 @@ import pytest
 from moejax.kernels import cpu_kernel
 from moejax.model import routing
 from moejax.model.config import ModelConfig
+from moejax.model.families.configs.glm import GlmConfig
 
 N0, P0 = -0.0, 0.0
 
@@ -72,7 +73,8 @@ def test_signed_zero_tie_goes_to_lowest_id(model_type, router, jitted):
 def test_signed_zero_tie_in_the_bias_and_in_groups_of_sigmoid_group(jitted):
   # sigmoid(+-0) = 0.5: groups {0,1} and {4,5} score 1.0 (top-2 sum), the others ~0;
   # the bias half carries -0.0 at the lower ids and +0.0 at the higher ones
-  cfg = _cfg("glm4_moe", "sigmoid_group", num_experts=8, top_k=3, n_group=4, topk_group=2)
+  cfg = _cfg("glm4_moe", "sigmoid_group", num_experts=8, top_k=3,
+             family_config=GlmConfig(n_group=4, topk_group=2))
   raw = [N0, N0, -30.0, -30.0, P0, P0, -30.0, -30.0]
   bias = [N0, N0, P0, P0, P0, P0, P0, P0]
   ids = _route_ids(cfg, [raw + bias], jitted)

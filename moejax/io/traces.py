@@ -54,8 +54,9 @@ class TraceError(ValueError):
 
 
 def config_hash(cfg: ModelConfig) -> str:
-  """A stable hash of every field of the model config (any family)."""
-  d = dataclasses.asdict(cfg)
+  """A stable hash of every field of the model config (any family), the family's sub-config
+  flattened as when its fields were ModelConfig's (``ModelConfig.flat_dict``)."""
+  d = cfg.flat_dict()
   return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 

@@ -2,6 +2,8 @@
 
 Both the hub spelling of fields (``num_experts``, ``rope_theta``) and the
 transformers-v5 spelling (``num_local_experts``, ``rope_parameters``) are read.
+Importing this module loads neither jax nor flax nor ``moejax.kernels``: the config
+rules of the families live in ``moejax.model.families.configs`` (plain Python).
 """
 
 from __future__ import annotations
@@ -12,12 +14,28 @@ import math
 import os
 from typing import Any
 
-from moejax.model import families
-from moejax.model.families.base import ConfigError, field_getter  # pylint: disable=unused-import
+from moejax.model.families import configs
+from moejax.model.families.configs.base import (ConfigError, FamilyConfig,  # pylint: disable=unused-import
+                                                field_getter)
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  """Architecture of a decoder-only MoE model (one field per HF config concept)."""
+  """Architecture of a decoder-only MoE model (one field per HF config concept).
+
+  The fields here are the ones every family has, plus three general concepts more
+  than one family reads:
+    ``layer_types``            the token mixer of each layer (HF spelling): qwen3_next's
+                               "linear_attention" / "full_attention", gpt_oss's
+                               "sliding_attention" / "full_attention";
+    ``partial_rotary_factor``  RoPE on the first factor * head_dim dims (qwen3_next, glm4_moe);
+    ``rope_scaling``           RoPE scaling parameters, e.g. YaRN (gpt_oss, deepseek_v3,
+                               glm4_moe_lite).
+  What only one family reads is in ``family_config``, that family's frozen sub-config
+  (``configs.qwen3_next.Qwen3NextConfig``, ``configs.gpt_oss.GptOssConfig``,
+  ``configs.glm.GlmConfig``; a plain `FamilyConfig` for qwen3_moe, mixtral and olmoe).
+  Left out (None), it is the family's default sub-config.
+  """
 
   model_type: str
   vocab_size: int
@@ -42,32 +60,16 @@ class ModelConfig:
   router: str = "softmax"           # family routing rule, see moejax.model.routing
   bos_token_id: int | None = None
   eos_token_ids: tuple[int, ...] = ()
-  # qwen3_next (see moejax.model.families.qwen3_next)
   layer_types: tuple[str, ...] = ()  # HF layer_types per layer; () = all full attention
   partial_rotary_factor: float = 1.0  # RoPE on the first factor * head_dim dims
-  linear_conv_kernel_dim: int = 4   # Gated DeltaNet layers ("linear_attention")
-  linear_num_key_heads: int = 0
-  linear_num_value_heads: int = 0
-  linear_key_head_dim: int = 0
-  linear_value_head_dim: int = 0
-  shared_expert_intermediate_size: int = 0  # sigmoid-gated shared expert (0 = none)
-  # gpt_oss (see moejax.model.families.gpt_oss); layer_types "sliding_attention" use the window
-  sliding_window: int | None = None  # sliding layers see keys with position > q - window
   rope_scaling: tuple[tuple[str, Any], ...] = ()  # sorted (name, value) pairs, e.g. YaRN
-  swiglu_alpha: float = 1.702       # clamped SwiGLU experts: gate * sigmoid(alpha * gate)
-  swiglu_limit: float = 7.0         # gate <= limit, -limit <= up <= limit
-  # glm4_moe / glm4_moe_lite / deepseek_v3 (see moejax.model.families.glm)
-  n_group: int = 1                  # expert groups for group-limited top-k
-  topk_group: int = 1               # groups kept per token
-  routed_scaling_factor: float = 1.0
-  n_shared_experts: int = 0         # ungated shared experts (size n * moe_intermediate_size)
-  num_mtp_layers: int = 0           # hub tensors of these extra (MTP) layers are ignored
-  q_lora_rank: int | None = None    # MLA; kv_lora_rank == 0 means not MLA
-  kv_lora_rank: int = 0
-  qk_nope_head_dim: int = 0
-  qk_rope_head_dim: int = 0
-  v_head_dim: int = 0
-  rope_interleave: bool = False
+  family_config: FamilyConfig | None = None  # the family's own fields; None: its defaults
+
+  def __post_init__(self):
+    if self.family_config is None:
+      spec = configs.REGISTRY.get(self.model_type)
+      object.__setattr__(self, "family_config",
+                         spec.config_cls() if spec is not None else FamilyConfig())
 
   @property
   def moe_layers(self) -> tuple[int, ...]:
@@ -75,7 +77,7 @@ class ModelConfig:
 
   @property
   def expert_param_count(self) -> int:
-    return sum(math.prod(s) for s in families.of(self).expert_shapes(self).values())
+    return sum(math.prod(s) for s in configs.get(self.model_type).expert_shapes(self).values())
 
   def validate(self) -> "ModelConfig":
     def need(cond: bool, field: str, msg: str):
@@ -92,14 +94,18 @@ class ModelConfig:
     need(len(self.sparse_layers) == self.num_layers, "mlp_only_layers",
          "per-layer sparsity does not cover every layer")
     need(self.qk_norm in ("none", "head", "full"), "qk_norm", self.qk_norm)
-    families.get(self.model_type).validate(self, need)
+    spec = configs.get(self.model_type)
+    need(type(self.family_config) is spec.config_cls, "family_config",
+         f"{self.model_type} takes a {spec.config_cls.__name__}, got "
+         f"{type(self.family_config).__name__}")
+    spec.validate(self, need)
     return self
 
   # ------------------------------------------------------------------ io
   @classmethod
   def from_hf_dict(cls, d: dict[str, Any], source: str = "config.json") -> "ModelConfig":
-    family = families.get(d.get("model_type"), source)
-    fields = family.config_fields(d, field_getter(d, source), source)
+    spec = configs.get(d.get("model_type"), source)
+    fields = spec.config_fields(d, field_getter(d, source), source)
     return cls(model_type=d["model_type"], **fields).validate()
 
   @classmethod
@@ -117,4 +123,14 @@ class ModelConfig:
 
   def to_hf_dict(self) -> dict[str, Any]:
     """The hub spelling of this config (used when exporting a model)."""
-    return families.of(self).to_hf_dict(self)
+    return configs.get(self.model_type).to_hf_dict(self)
+
+  def flat_dict(self) -> dict[str, Any]:
+    """Every field one level deep, as before the family sub-configs: the shared fields,
+    this family's fields, and every other family's fields at their defaults (the layout
+    ``moejax.io.traces.config_hash`` hashes, so hashes written before still match)."""
+    d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+    fam = d.pop("family_config")
+    d.update(configs.family_field_defaults())
+    d.update({f.name: getattr(fam, f.name) for f in dataclasses.fields(fam)})
+    return d

@@ -88,7 +88,7 @@ class DecoderLayer(nn.Module):
     b, t, d = h_BxTxD.shape
     y = experts_lib.apply_experts(moe_in_BxTxD.reshape(b * t, d), ids_BxTxK.reshape(b * t, -1),
                                   gates_BxTxK.reshape(b * t, -1), expert_weights,
-                                  swiglu=(self.cfg.swiglu_alpha, self.cfg.swiglu_limit))
+                                  swiglu=families.of(self.cfg).swiglu(self.cfg))
     y = y.reshape(b, t, d).astype(h_BxTxD.dtype)
     if hasattr(self.mlp, "shared_output"):
       y = y + self.mlp.shared_output(moe_in_BxTxD)

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from moejax.model import experts as experts_lib
-from moejax.model import routing
+from moejax.model import families, routing
 from moejax.model.config import ModelConfig
 from moejax.cache import policy as policy_lib
 from moejax.prefetch import steps as pf
@@ -341,7 +341,7 @@ def run_experts(ctx: Ctx, mod, p, src: dict, h, moe_in, state, head: Head, carri
     rows = {name: jnp.concatenate([_row(v, e[j], bufs[name].dtype, ctx.pinned)
                                    for j in range(k)]) for name, v in store.items()}
     y = experts_lib.apply_experts(moe_in.reshape(1, -1), jnp.arange(k)[None], wh[None], rows,
-                                  swiglu=(ctx.cfg.swiglu_alpha, ctx.cfg.swiglu_limit))
+                                  swiglu=families.of(ctx.cfg).swiglu(ctx.cfg))
     x = x + y.reshape(x.shape).astype(x.dtype)
   return x, state
 

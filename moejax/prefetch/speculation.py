@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from moejax.model import layer_stack, routing
+from moejax.model import families, layer_stack, routing
 from moejax.model.config import ModelConfig
 from moejax.model.experts import apply_experts
 from moejax.model.model import Transformer
@@ -58,7 +58,7 @@ def _forward_layers(mdl, tokens_BxT, experts, default_vectors=None):
     flat_in = moe_in.reshape(b * t, -1)
     ones = jnp.ones((b * t, 1), flat_in.dtype)
     ys = jnp.stack([apply_experts(flat_in, ids[:, k:k + 1], ones, experts[i],
-                                  swiglu=(c.swiglu_alpha, c.swiglu_limit))
+                                  swiglu=families.of(c).swiglu(c))
                     for k in range(ids.shape[1])], axis=1)
     rec = {"moe_in": flat_in, "logits": logits.reshape(b * t, -1).astype(jnp.float32),
            "ids": ids, "gates": gates, "ys": ys, "reuse": None, "quasi": None}

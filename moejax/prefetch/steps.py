@@ -72,7 +72,7 @@ def restricted_gates(cfg: ModelConfig, logits_NxE: jax.Array, ids_NxK: jax.Array
     g = take(jax.nn.sigmoid(logits[..., :cfg.num_experts]))
     if cfg.norm_topk_prob:
       g = g / (jnp.sum(g, axis=-1, keepdims=True) + 1e-20)
-    return g * cfg.routed_scaling_factor
+    return g * cfg.family_config.routed_scaling_factor
   raise ValueError(f"unknown router rule {cfg.router!r} for model_type {cfg.model_type}")
 
 

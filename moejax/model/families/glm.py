@@ -32,120 +32,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from moejax.model.families.base import ConfigError, Family, eos_ids
-from moejax.model.layers import (Linear, RMSNorm, SwiGLU, apply_rope, cache_positions, cached_attention,
-                           gqa_attention, project_qkv, rope_cos_sin, write_cache)
-
-MODEL_TYPES = ("glm4_moe", "glm4_moe_lite", "deepseek_v3")
-MLA_TYPES = ("glm4_moe_lite", "deepseek_v3")
-
-
-# ------------------------------------------------------------------ config
-def config_fields(d: dict[str, Any], get, source: str) -> dict[str, Any]:
-  """ModelConfig fields for one of MODEL_TYPES from a config.json dict (hub or v5 spelling)."""
-  mt = d["model_type"]
-
-  hidden = int(get("hidden_size"))
-  heads = int(get("num_attention_heads"))
-  layers = int(get("num_hidden_layers"))
-  experts = int(get("n_routed_experts", "num_local_experts", "num_experts"))
-  rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
-  if "type" in rope and "rope_type" not in rope:
-    rope["rope_type"] = rope.pop("type")
-  rope_type = rope.get("rope_type") or "default"
-  allowed = ("default", "yarn") if mt in MLA_TYPES else ("default",)
-  if rope_type not in allowed:
-    raise ConfigError(f"{source}: field 'rope_scaling': rope type {rope_type!r} is not supported "
-                      f"for {mt} (supported: {', '.join(allowed)})")
-  if rope_type == "yarn":
-    for f in ("factor", "original_max_position_embeddings"):
-      if rope.get(f) is None:
-        raise ConfigError(f"{source}: field 'rope_scaling.{f}' is required for YaRN")
-  rope_theta = float(rope.get("rope_theta", d.get("rope_theta", 10000.0)))
-  yarn = (tuple(sorted((str(k), v) for k, v in rope.items() if k != "rope_theta" and (
-      isinstance(v, (int, float, str, bool)) or v is None))) if rope_type == "yarn" else ())
-  partial = float(rope.get("partial_rotary_factor",
-                           d.get("partial_rotary_factor", 0.5 if mt == "glm4_moe" else 1.0)))
-  for f, ok in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
-    if d.get(f) not in (None, ok):   # DeepSeek hub configs name the rule moejax implements
-      raise ConfigError(f"{source}: field '{f}' is {d[f]!r}; only {ok!r} routing is "
-                        f"implemented for {mt}")
-
-  if mt == "glm4_moe_lite":
-    types = get("mlp_layer_types", default=None)
-    if types is None:
-      types = ["dense"] + ["sparse"] * (layers - 1)
-    if len(types) != layers or any(t not in ("dense", "sparse") for t in types):
-      raise ConfigError(f"{source}: field 'mlp_layer_types' must list 'dense' or 'sparse' for "
-                        f"each of the {layers} layers, got {types}")
-    sparse = tuple(t == "sparse" for t in types)
-  else:
-    k_dense = int(get("first_k_dense_replace", default=1 if mt == "glm4_moe" else 3))
-    sparse = tuple(i >= k_dense for i in range(layers))
-
-  kw: dict[str, Any] = {}
-  if mt in MLA_TYPES:
-    kv_heads = int(get("num_key_value_heads", default=heads))
-    if kv_heads != heads:
-      raise ConfigError(f"{source}: field 'num_key_value_heads' ({kv_heads}) must equal "
-                        f"'num_attention_heads' ({heads}) for multi-head latent attention")
-    q_lora = d.get("q_lora_rank")
-    rope_dim = int(get("qk_rope_head_dim"))
-    if int(rope_dim * partial) != rope_dim:
-      raise ConfigError(f"{source}: field 'partial_rotary_factor' ({partial}) must be 1 for "
-                        f"{mt}: the rotary part is the whole qk_rope_head_dim")
-    kw = dict(q_lora_rank=None if q_lora is None else int(q_lora),
-              kv_lora_rank=int(get("kv_lora_rank")), qk_nope_head_dim=int(get("qk_nope_head_dim")),
-              qk_rope_head_dim=rope_dim, v_head_dim=int(get("v_head_dim")),
-              rope_interleave=bool(get("rope_interleave", default=True)))
-    head_dim = kw["qk_nope_head_dim"] + rope_dim   # the q/k head size
-    qk_norm = "none"
-  else:
-    kv_heads = int(get("num_key_value_heads", default=heads))
-    if d.get("head_dim") is None and hidden % heads:
-      raise ConfigError(f"{source}: field 'num_attention_heads' ({heads}) does not divide "
-                        f"'hidden_size' ({hidden}) and no 'head_dim' is given")
-    head_dim = int(get("head_dim", default=hidden // heads))
-    qk_norm = "head" if bool(get("use_qk_norm", default=False)) else "none"
-
-  return dict(vocab_size=int(get("vocab_size")), hidden_size=hidden,
-            num_layers=layers, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
-            num_experts=experts, top_k=int(get("num_experts_per_tok")),
-            moe_intermediate_size=int(get("moe_intermediate_size")),
-            intermediate_size=int(get("intermediate_size")), sparse_layers=sparse,
-            norm_topk_prob=bool(get("norm_topk_prob", default=True)),
-            rms_norm_eps=float(get("rms_norm_eps", default=1e-5 if mt != "deepseek_v3" else 1e-6)),
-            rope_theta=rope_theta, rope_scaling=yarn,
-            max_position_embeddings=int(get("max_position_embeddings", default=4096)),
-            tie_word_embeddings=bool(get("tie_word_embeddings", default=False)),
-            attention_bias=bool(get("attention_bias", default=False)),
-            qk_norm=qk_norm, router="sigmoid_group",
-            bos_token_id=d.get("bos_token_id"), eos_token_ids=eos_ids(d),
-            n_group=int(get("n_group", default=1)), topk_group=int(get("topk_group", default=1)),
-            routed_scaling_factor=float(get("routed_scaling_factor", default=1.0)),
-            n_shared_experts=int(get("n_shared_experts", default=1)),   # HF default
-            partial_rotary_factor=partial,
-            num_mtp_layers=int(get("num_nextn_predict_layers", "num_mtp_layers", default=1)),
-            **kw)
-
-
-def validate(cfg: Any, need) -> None:
-  """Family checks called from ModelConfig.validate (``need(cond, field, msg)``)."""
-  e, g = cfg.num_experts, cfg.n_group
-  need(g > 0 and e % g == 0, "n_group", f"{g} groups do not divide {e} experts")
-  need(g == 1 or e // g >= 2, "n_group",
-       f"group-limited routing ranks groups by their top-2 scores; {e // max(g, 1)} expert(s) "
-       "per group")
-  need(0 < cfg.topk_group <= g, "topk_group", f"must be in [1, n_group={g}], got {cfg.topk_group}")
-  need(cfg.top_k <= cfg.topk_group * (e // g), "num_experts_per_tok",
-       f"top-k {cfg.top_k} exceeds the {cfg.topk_group * (e // g)} experts of the "
-       f"{cfg.topk_group} selected group(s)")
-  need(cfg.routed_scaling_factor > 0, "routed_scaling_factor",
-       f"must be positive, got {cfg.routed_scaling_factor}")
-  if cfg.model_type in MLA_TYPES:
-    for f in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
-      need(getattr(cfg, f) > 0, f, f"must be positive for MLA, got {getattr(cfg, f)}")
-    need(cfg.qk_rope_head_dim % 2 == 0, "qk_rope_head_dim", "must be even")
+from moejax.model.families.base import Family
+from moejax.model.families.configs.glm import MLA_TYPES, MODEL_TYPES
+from moejax.model.layers import (Linear, RMSNorm, SwiGLU, apply_rope, cache_positions,
+                                 cached_attention, gqa_attention, project_qkv, rope_cos_sin,
+                                 write_cache)
 
 
 def rotary_dim(cfg: Any) -> int:
@@ -177,7 +68,8 @@ def route_sigmoid_group(cfg: Any, logits):
   the biased scores over all experts (before the group mask); `rank_scores`
   gives the same for ranking substitutes.
   """
-  e, g = cfg.num_experts, cfg.n_group
+  fc = cfg.family_config
+  e, g = cfg.num_experts, fc.n_group
   logits, bias = _split_bias(cfg, logits)
   sig = jax.nn.sigmoid(logits)
   scores = sig + bias
@@ -185,14 +77,14 @@ def route_sigmoid_group(cfg: Any, logits):
   if g > 1:
     per = scores.reshape(scores.shape[:-1] + (g, e // g))
     group_scores = jnp.sum(jax.lax.top_k(per, 2)[0], axis=-1)                 # [..., G]
-    _, keep = jax.lax.top_k(group_scores, cfg.topk_group)
+    _, keep = jax.lax.top_k(group_scores, fc.topk_group)
     group_mask = jnp.any(jax.nn.one_hot(keep, g, dtype=jnp.bool_), axis=-2)    # [..., G]
     choice = jnp.where(jnp.repeat(group_mask, e // g, axis=-1), scores, -jnp.inf)
   _, ids = jax.lax.top_k(choice, cfg.top_k)
   w = jnp.take_along_axis(sig, ids, axis=-1)
   if cfg.norm_topk_prob:
     w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20)
-  return ids.astype(jnp.int32), w * cfg.routed_scaling_factor, scores
+  return ids.astype(jnp.int32), w * fc.routed_scaling_factor, scores
 
 
 def rank_sigmoid_group(cfg: Any, logits_NxE):
@@ -206,8 +98,9 @@ def rank_sigmoid_group(cfg: Any, logits_NxE):
 def init_cache(cfg: Any, batch: int, max_len: int, dtype=jnp.float32) -> list:
   """Per layer: {"k", "v"} (glm4_moe) or the MLA latent cache {"kv": [B,S,R], "k_rot": [B,S,Dr]}."""
   if cfg.model_type in MLA_TYPES:
-    return [{"kv": jnp.zeros((batch, max_len, cfg.kv_lora_rank), dtype),
-             "k_rot": jnp.zeros((batch, max_len, cfg.qk_rope_head_dim), dtype)}
+    fc = cfg.family_config
+    return [{"kv": jnp.zeros((batch, max_len, fc.kv_lora_rank), dtype),
+             "k_rot": jnp.zeros((batch, max_len, fc.qk_rope_head_dim), dtype)}
             for _ in range(cfg.num_layers)]
   shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
   return [{"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
@@ -239,8 +132,8 @@ def _mla_rope(c: Any, positions_BxT):
   factor from ``gpt_oss.rope_inv_freq``; the softmax scale times
   mscale(factor, mscale_all_dim)^2.
   """
-  dr = c.qk_rope_head_dim
-  scale = (c.qk_nope_head_dim + dr) ** -0.5
+  dr = c.family_config.qk_rope_head_dim
+  scale = (c.family_config.qk_nope_head_dim + dr) ** -0.5
   if not c.rope_scaling:
     return rope_cos_sin(positions_BxT, dr, c.rope_theta) + (scale,)
   from moejax.model.families import gpt_oss  # pylint: disable=g-import-not-at-top
@@ -276,16 +169,16 @@ class MLAttention(nn.Module):
 
   @nn.compact
   def __call__(self, x_BxTxD, positions_BxT, cache, end_index):
-    c = self.cfg
+    c, fc = self.cfg, self.cfg.family_config
     b, t, _ = x_BxTxD.shape
-    h, dn, dr, dv, r = (c.num_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim,
-                        c.kv_lora_rank)
+    h, dn, dr, dv, r = (c.num_heads, fc.qk_nope_head_dim, fc.qk_rope_head_dim, fc.v_head_dim,
+                        fc.kv_lora_rank)
     lin = lambda n, f, bias=False: Linear(f, use_bias=bias, dtype=self.dtype, name=n)
-    if c.q_lora_rank is None:
+    if fc.q_lora_rank is None:
       q = lin("q_proj", h * (dn + dr))(x_BxTxD)
     else:
       qa = RMSNorm(1e-6, self.dtype, name="q_a_layernorm")(
-          lin("q_a_proj", c.q_lora_rank, c.attention_bias)(x_BxTxD))
+          lin("q_a_proj", fc.q_lora_rank, c.attention_bias)(x_BxTxD))
       q = lin("q_b_proj", h * (dn + dr))(qa)
     q = q.reshape(b, t, h, dn + dr)
     q_pass, q_rot = q[..., :dn], q[..., dn:]
@@ -293,7 +186,7 @@ class MLAttention(nn.Module):
     kv = RMSNorm(1e-6, self.dtype, name="kv_a_layernorm")(ckv[..., :r])
     k_rot = ckv[..., r:][:, :, None, :]                                   # [B,T,1,Dr]
     cos, sin, scale = _mla_rope(c, positions_BxT)
-    rope = _rope_interleaved if c.rope_interleave else apply_rope
+    rope = _rope_interleaved if fc.rope_interleave else apply_rope
     q_rot, k_rot = rope(q_rot, cos, sin), rope(k_rot, cos, sin)[:, :, 0]
     if cache is None:
       kv_all, krot_all, k_pos = kv, k_rot, positions_BxT
@@ -387,17 +280,16 @@ class SigmoidMoE(nn.Module):
   dtype: Any = jnp.float32
 
   def setup(self):
-    c = self.cfg
+    c, n = self.cfg, self.cfg.family_config.n_shared_experts
     self.gate = SigmoidRouter(c, self.dtype)
-    if c.n_shared_experts > 0:
-      self.shared_experts = SwiGLU(c.hidden_size, c.moe_intermediate_size * c.n_shared_experts,
-                                   self.dtype)
+    if n > 0:
+      self.shared_experts = SwiGLU(c.hidden_size, c.moe_intermediate_size * n, self.dtype)
 
   def __call__(self, x_BxTxD):
     return self.gate(x_BxTxD)
 
   def shared_output(self, x_BxTxD):
-    if self.cfg.n_shared_experts == 0:
+    if self.cfg.family_config.n_shared_experts == 0:
       return jnp.zeros_like(x_BxTxD)
     return self.shared_experts(x_BxTxD)
 
@@ -406,12 +298,6 @@ class Glm(Family):
   """glm4_moe (GQA, partial RoPE), glm4_moe_lite and deepseek_v3 (MLA)."""
   model_types = MODEL_TYPES
   router_rules = {"sigmoid_group": (route_sigmoid_group, rank_sigmoid_group)}
-
-  def config_fields(self, d, get, source):
-    return config_fields(d, get, source)
-
-  def validate(self, cfg, need):
-    validate(cfg, need)
 
   def mixer(self, cfg, layer_idx, dtype):
     return attention(cfg, dtype)

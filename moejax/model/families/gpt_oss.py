@@ -32,64 +32,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from moejax.model.families import mxfp4
-from moejax.model.families.base import ConfigError, Family, common_fields
+from moejax.model.families.base import Family
+from moejax.model.families.configs.gpt_oss import MODEL_TYPE, ROUTER, expert_shapes
 from moejax.model.layers import Linear, apply_rope, cached_attention, project_qkv
 
-MODEL_TYPE = "gpt_oss"
-ROUTER = "topk_softmax"
-DEFAULT_ROPE_THETA = 150000.0
-# transformers' GptOssConfig default when a config names no rope scaling.
-DEFAULT_YARN = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
-                "truncate": False, "original_max_position_embeddings": 4096}
 MXFP4_KEYS = ("gate_up_blocks", "gate_up_scales", "gate_up_bias",
               "down_blocks", "down_scales", "down_bias")
-
-
-# ----------------------------------------------------------------------- config
-def config_fields(d: dict, get, source: str) -> dict:
-  """ModelConfig fields for a gpt_oss config.json (hub and transformers-v5 spellings)."""
-  error = ConfigError
-  fields = common_fields(d, get, source)
-  num_layers = fields["num_layers"]
-  inter = d.get("intermediate_size")
-  if inter is None:
-    raise error(f"{source}: missing field 'intermediate_size'")
-  window = d.get("sliding_window")
-  types = d.get("layer_types")
-  if types is None:  # GptOssConfig default: even layers sliding, odd layers full
-    types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)]
-  if len(types) != num_layers:
-    raise error(f"{source}: field 'layer_types' has {len(types)} entries for "
-                f"{num_layers} layers")
-  if window is not None and int(window) <= 0:
-    raise error(f"{source}: field 'sliding_window' must be positive, got {window}")
-  bad = sorted(set(types) - {"sliding_attention", "full_attention"})
-  if bad:
-    raise error(f"{source}: field 'layer_types': unsupported attention type {bad[0]!r}")
-  rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or DEFAULT_YARN)
-  theta = float(rope.pop("rope_theta", d.get("rope_theta") or DEFAULT_ROPE_THETA))
-  if "type" in rope and "rope_type" not in rope:
-    rope["rope_type"] = rope.pop("type")
-  rope_type = rope.get("rope_type", "default")
-  if rope_type not in ("default", "yarn"):
-    raise error(f"{source}: field 'rope_scaling': rope type {rope_type!r} is not supported "
-                f"for gpt_oss (expected 'yarn' or 'default')")
-  if rope_type == "yarn":
-    for f in ("factor", "original_max_position_embeddings"):
-      if rope.get(f) is None:
-        raise error(f"{source}: field 'rope_scaling.{f}' is required for YaRN")
-  scaling = tuple(sorted((str(k), v) for k, v in rope.items()
-                         if isinstance(v, (int, float, str, bool)) or v is None))
-  return dict(
-      fields, sparse_layers=(True,) * num_layers,
-      attention_bias=bool(get("attention_bias", default=True)),
-      moe_intermediate_size=int(inter), intermediate_size=int(inter), norm_topk_prob=True,
-      qk_norm="none", rms_norm_eps=float(d.get("rms_norm_eps") or 1e-5),
-      router=ROUTER, rope_theta=theta, layer_types=tuple(types),
-      sliding_window=None if window is None else int(window),
-      rope_scaling=scaling,
-      swiglu_alpha=float(d.get("swiglu_alpha") or 1.702),
-      swiglu_limit=float(d.get("swiglu_limit") or 7.0))
 
 
 # ------------------------------------------------------------------ router rule
@@ -158,7 +106,7 @@ class Attention(nn.Module):
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     sinks_H = self.param("sinks", nn.initializers.normal(0.02), (c.num_heads,), self.dtype)
     o, cache = cached_attention(q, k, v, positions_BxT, cache, end_index,
-                                window=c.sliding_window if self.sliding else None,
+                                window=c.family_config.sliding_window if self.sliding else None,
                                 sinks_H=sinks_H)
     return Linear(c.hidden_size, use_bias=c.attention_bias, dtype=self.dtype,
                   name="o_proj")(o), cache
@@ -205,18 +153,6 @@ def expert_ffn(x_NxBxD, w: dict, alpha: float, limit: float):
   a = (up + 1) * (gate * jax.nn.sigmoid(gate * alpha))
   y = jnp.einsum("nbi,ndi->nbd", a, _weight(w, "down", dt))
   return y + w["down_bias"].astype(dt)[:, None, :]
-
-
-def expert_shapes(cfg, fmt: str = "float") -> dict[str, tuple[int, ...]]:
-  """Per-expert tensor shapes (no expert axis) for `fmt` 'float' or 'mxfp4'."""
-  d, i = cfg.hidden_size, cfg.moe_intermediate_size
-  if fmt == "float":
-    return {"gate_up": (2 * i, d), "gate_up_bias": (2 * i,), "down": (d, i), "down_bias": (d,)}
-  blk = mxfp4.BYTES_PER_BLOCK
-  gd, gi = d // mxfp4.BLOCK, i // mxfp4.BLOCK
-  return {"gate_up_blocks": (2 * i, gd, blk), "gate_up_scales": (2 * i, gd),
-          "gate_up_bias": (2 * i,), "down_blocks": (d, gi, blk), "down_scales": (d, gi),
-          "down_bias": (d,)}
 
 
 def quantize_experts(w: dict) -> dict:
@@ -312,17 +248,14 @@ class GptOss(Family):
   expert_forward_np = staticmethod(expert_forward_np)
   load_layer_experts = staticmethod(load_layer_experts)
 
-  def config_fields(self, d, get, source):
-    return config_fields(d, get, source)
-
   def mixer(self, cfg, layer_idx, dtype):
     return Attention(cfg, cfg.layer_types[layer_idx] == "sliding_attention", dtype)
 
   def sparse_mlp(self, cfg, dtype):
     return Router(cfg, dtype)                 # mlp.router.{weight,bias}
 
-  def expert_shapes(self, cfg, fmt="float"):
-    return expert_shapes(cfg, fmt)
+  def swiglu(self, cfg):
+    return cfg.family_config.swiglu_alpha, cfg.family_config.swiglu_limit
 
   def is_expert_dict(self, w):
     return is_expert_dict(w)

@@ -17,8 +17,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-BLOCK = 32                     # values per shared exponent
-BYTES_PER_BLOCK = BLOCK // 2   # two FP4 codes per byte
+from moejax.model.families.configs.gpt_oss import MXFP4_BLOCK as BLOCK  # values per exponent
+from moejax.model.families.configs.gpt_oss import MXFP4_BYTES_PER_BLOCK as BYTES_PER_BLOCK
 SCALE_BIAS = 127
 
 # E2M1 code -> value (code bit 3 is the sign), as in the OCP MX spec.

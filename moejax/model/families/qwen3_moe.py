@@ -3,6 +3,7 @@
 Per-head q/k RMSNorm, RoPE over the whole head, a softmax router ``mlp.gate``
 (top-k, renormalised when ``norm_topk_prob``), SwiGLU experts stored per expert
 (``mlp.experts.{e}.{gate,up,down}_proj.weight``) or fused (transformers v5).
+The config rules and the export are in ``configs/qwen3_moe.py``.
 """
 
 from __future__ import annotations
@@ -12,27 +13,6 @@ from moejax.model.families.base import Family
 
 class Qwen3Moe(Family):
   model_types = ("qwen3_moe",)
-
-  def to_hf_dict(self, cfg):
-    """The hub config.json of `cfg` (``launch.train_demo`` exports the demo model with it)."""
-    return {
-        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
-        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size or 4 * cfg.hidden_size,
-        "moe_intermediate_size": cfg.moe_intermediate_size,
-        "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
-        "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
-        "num_experts": cfg.num_experts, "num_experts_per_tok": cfg.top_k,
-        "norm_topk_prob": cfg.norm_topk_prob, "decoder_sparse_step": 1,
-        "mlp_only_layers": [i for i, s in enumerate(cfg.sparse_layers) if not s],
-        "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta,
-        "max_position_embeddings": cfg.max_position_embeddings,
-        "tie_word_embeddings": cfg.tie_word_embeddings,
-        "attention_bias": cfg.attention_bias, "hidden_act": "silu",
-        "bos_token_id": cfg.bos_token_id,
-        "eos_token_id": cfg.eos_token_ids[0] if cfg.eos_token_ids else None,
-        "torch_dtype": "bfloat16", "use_sliding_window": False,
-    }
 
 
 FAMILY = Qwen3Moe()

@@ -29,21 +29,19 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from moejax.model.families.base import (Family, common_fields, decoder_sparse_layers,
-                                  require_default_rope)
+from moejax.model.families.base import Family
+from moejax.model.families.configs.qwen3_next import LINEAR, rotary_dim
 from moejax.model.layers import (Linear, SwiGLU, apply_rope, cached_attention, linears,
-                           rope_cos_sin)
-
-LINEAR, FULL = "linear_attention", "full_attention"
+                                 rope_cos_sin)
 
 
 def has_recurrent_state(cfg) -> bool:
   """True when some layer keeps a recurrent (DeltaNet) state: prefill must be unpadded."""
-  return LINEAR in getattr(cfg, "layer_types", ())
+  return LINEAR in cfg.layer_types
 
 
 def is_linear_layer(cfg, layer_idx: int) -> bool:
-  lt = getattr(cfg, "layer_types", ())
+  lt = cfg.layer_types
   return bool(lt) and lt[layer_idx] == LINEAR
 
 
@@ -112,10 +110,6 @@ class GatedAttention(nn.Module):
     o, cache = cached_attention(q, k, v, positions_BxT, cache, end_index)
     o = o * jax.nn.sigmoid(gate)
     return lin("o_proj", c.hidden_size)(o), cache
-
-
-def rotary_dim(cfg) -> int:
-  return int(cfg.head_dim * getattr(cfg, "partial_rotary_factor", 1.0))
 
 
 # ------------------------------------------------------ gated delta rule
@@ -207,11 +201,12 @@ def chunked_gated_delta_rule(q, k, v, g, beta, state_BxHxKxV, chunk: int = 64):
 
 def init_linear_cache(cfg, batch: int, dtype=jnp.float32) -> dict:
   """A DeltaNet layer's cache: last K-1 conv inputs and the f32 recurrent state."""
-  conv_dim = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + (
-      cfg.linear_num_value_heads * cfg.linear_value_head_dim)
-  return {"conv": jnp.zeros((batch, cfg.linear_conv_kernel_dim - 1, conv_dim), dtype),
-          "state": jnp.zeros((batch, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
-                              cfg.linear_value_head_dim), jnp.float32)}
+  fc = cfg.family_config
+  conv_dim = 2 * fc.linear_num_key_heads * fc.linear_key_head_dim + (
+      fc.linear_num_value_heads * fc.linear_value_head_dim)
+  return {"conv": jnp.zeros((batch, fc.linear_conv_kernel_dim - 1, conv_dim), dtype),
+          "state": jnp.zeros((batch, fc.linear_num_value_heads, fc.linear_key_head_dim,
+                              fc.linear_value_head_dim), jnp.float32)}
 
 
 class _Weight(nn.Module):
@@ -240,10 +235,10 @@ class GatedDeltaNet(nn.Module):
   @nn.compact
   def __call__(self, x_BxTxD, positions_BxT, cache, end_index):
     del positions_BxT, end_index  # the state is the whole past
-    c = self.cfg
+    c, fc = self.cfg, self.cfg.family_config
     bsz, t, _ = x_BxTxD.shape
-    nk, nv = c.linear_num_key_heads, c.linear_num_value_heads
-    dk, dv, ks = c.linear_key_head_dim, c.linear_value_head_dim, c.linear_conv_kernel_dim
+    nk, nv = fc.linear_num_key_heads, fc.linear_num_value_heads
+    dk, dv, ks = fc.linear_key_head_dim, fc.linear_value_head_dim, fc.linear_conv_kernel_dim
     r = nv // nk
     conv_dim = 2 * nk * dk + nv * dv
     qkvz, ba = linears(x_BxTxD, [
@@ -299,7 +294,8 @@ class SparseMoeBlock(nn.Module):
   def setup(self):
     c = self.cfg
     self.gate = Linear(c.num_experts, dtype=self.dtype)
-    self.shared_expert = SwiGLU(c.hidden_size, c.shared_expert_intermediate_size, self.dtype)
+    self.shared_expert = SwiGLU(c.hidden_size, c.family_config.shared_expert_intermediate_size,
+                                self.dtype)
     self.shared_expert_gate = Linear(1, dtype=self.dtype)
 
   def __call__(self, x):
@@ -309,66 +305,9 @@ class SparseMoeBlock(nn.Module):
     return jax.nn.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
 
 
-# ---------------------------------------------------------------- config
-def config_fields(d: dict, get, source: str) -> dict:
-  """ModelConfig fields of a qwen3_next config.json (hub and transformers-v5 spellings)."""
-  require_default_rope(d, source)
-  fields = common_fields(d, get, source)
-  layers = fields["num_layers"]
-  lt = d.get("layer_types")
-  if lt is None:                                   # hub spelling
-    interval = int(get("full_attention_interval", default=4))
-    lt = [FULL if (i + 1) % interval == 0 else LINEAR for i in range(layers)]
-  rope = d.get("rope_parameters") or {}
-  prf = rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 0.25))
-  return dict(
-      fields, sparse_layers=decoder_sparse_layers(get, layers),
-      moe_intermediate_size=int(get("moe_intermediate_size")),
-      intermediate_size=int(get("intermediate_size", default=0)),
-      norm_topk_prob=bool(get("norm_topk_prob", default=True)),
-      rms_norm_eps=float(get("rms_norm_eps", default=1e-6)),
-      qk_norm="head", router="softmax",
-      layer_types=tuple(str(x) for x in lt),
-      partial_rotary_factor=float(prf),
-      linear_conv_kernel_dim=int(get("linear_conv_kernel_dim", default=4)),
-      linear_num_key_heads=int(get("linear_num_key_heads")),
-      linear_num_value_heads=int(get("linear_num_value_heads")),
-      linear_key_head_dim=int(get("linear_key_head_dim")),
-      linear_value_head_dim=int(get("linear_value_head_dim")),
-      shared_expert_intermediate_size=int(get("shared_expert_intermediate_size", default=0)),
-  )
-
-
-def validate(cfg, need) -> None:
-  """Qwen3-Next specific checks; `need(cond, field, msg)` raises ConfigError naming the field."""
-  need(len(cfg.layer_types) == cfg.num_layers, "layer_types",
-       f"{len(cfg.layer_types)} entries for {cfg.num_layers} layers")
-  bad = sorted(set(cfg.layer_types) - {LINEAR, FULL})
-  need(not bad, "layer_types", f"unknown layer type(s) {bad}; expected {LINEAR!r} or {FULL!r}")
-  need(0.0 < cfg.partial_rotary_factor <= 1.0, "partial_rotary_factor",
-       f"must be in (0, 1], got {cfg.partial_rotary_factor}")
-  need(rotary_dim(cfg) % 2 == 0 and rotary_dim(cfg) > 0, "partial_rotary_factor",
-       f"gives an odd or empty rotary dim {rotary_dim(cfg)} of head_dim {cfg.head_dim}")
-  if LINEAR in cfg.layer_types:
-    for f in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
-              "linear_value_head_dim", "linear_conv_kernel_dim"):
-      need(getattr(cfg, f) > 0, f, f"must be positive, got {getattr(cfg, f)}")
-    need(cfg.linear_num_value_heads % cfg.linear_num_key_heads == 0, "linear_num_value_heads",
-         f"{cfg.linear_num_value_heads} value heads are not a multiple of "
-         f"{cfg.linear_num_key_heads} key heads")
-  need(cfg.shared_expert_intermediate_size > 0 or not any(cfg.sparse_layers),
-       "shared_expert_intermediate_size", "must be positive for qwen3_next MoE layers")
-
-
 class Qwen3Next(Family):
   """Gated DeltaNet / gated attention layers, zero-centred norms, gated shared expert."""
   model_types = ("qwen3_next",)
-
-  def config_fields(self, d, get, source):
-    return config_fields(d, get, source)
-
-  def validate(self, cfg, need):
-    validate(cfg, need)
 
   def norm(self, cfg, dtype):
     return ZeroCentredRMSNorm(cfg.rms_norm_eps, dtype)

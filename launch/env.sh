@@ -1,11 +1,13 @@
 # Sourced by launch/demo.sh and launch/test.sh: creates .venv (first run only) and installs
 # moejax into it.  pip's own output goes to .venv/pip-install.log and is shown only if pip fails.
-# Usage: MOEJAX_EXTRAS=test; source launch/env.sh   (extras optional; the caller's own
-# arguments are not read, so they can be passed on to the command it runs)
+# Usage: MOEJAX_EXTRAS=test; source launch/env.sh   (extras optional, comma-separated:
+# plot for the demo's PNG, test for the suite; the caller's own arguments are not read, so
+# they can be passed on to the command it runs).  Time estimates come from launch/times.sh.
 set -e
 EXTRAS="${MOEJAX_EXTRAS:-}"
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
+. launch/times.sh
 PY="${PYTHON:-python3}"
 say() { echo "[setup] $*" >&2; }
 
@@ -30,17 +32,20 @@ pip_quiet() {
   fi
 }
 if [ ! -f "$STAMP" ] || [ pyproject.toml -nt "$STAMP" ]; then
-  if [ -n "$EXTRAS" ]; then
-    say "installing moejax with its [$EXTRAS] extras (jax, flax, torch CPU, transformers ...)" \
-        "into .venv: about 3-5 minutes the first time, skipped afterwards; log: $LOG"
-  else
-    say "installing moejax and its dependencies (jax, flax, optax ...) into .venv:" \
-        "about 1-2 minutes the first time, skipped afterwards; log: $LOG"
-  fi
+  case ",$EXTRAS," in
+    *,test,*)
+      testing=1
+      say "installing moejax with its [$EXTRAS] extras (jax, flax, torch CPU, transformers ...)" \
+          "into .venv: $MOEJAX_TIME_INSTALL_TEST the first time, skipped afterwards; log: $LOG" ;;
+    *)
+      testing=
+      say "installing moejax${EXTRAS:+ with its [$EXTRAS] extras} (jax, flax, optax ...) into" \
+          ".venv: $MOEJAX_TIME_INSTALL the first time, skipped afterwards; log: $LOG" ;;
+  esac
   start=$SECONDS
   : >"$LOG"
   pip_quiet install --upgrade pip
-  if [ -n "$EXTRAS" ]; then
+  if [ -n "$testing" ]; then
     # torch first, pinned: 2.13.0 is the CPU wheel the tests compare against
     pip_quiet install "torch==2.13.0"
   fi

@@ -13,7 +13,7 @@ MOEJAX_EXTRAS=test
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 JOBS="${MOEJAX_TEST_JOBS:-2}"
 echo "[test] python -m pytest tests, one process per file, $JOBS at a time: parity with" \
-     "transformers, engine invariants, policy rules, command lines (about 15-20 minutes on 2" \
+     "transformers, engine invariants, policy rules, command lines ($MOEJAX_TIME_TESTS on 2" \
      "CPU cores)" >&2
 if [ "$#" -gt 0 ]; then
   exec python -m pytest "$@"

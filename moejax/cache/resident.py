@@ -65,8 +65,8 @@ class Budget:
 
   def describe(self) -> str:
     s = (f"{self.slots}/{self.num_experts} experts per layer resident ({self.source})"
-         f" + {self.staging} staging slot(s) + 1 scratch row; {self.device_bytes / 2**20:.2f} "
-         f"MiB of expert cache over {self.num_moe_layers} MoE layers")
+         f" + {self.staging} staging slot(s) + 1 scratch row; {self.device_bytes / 1e6:.2f} "
+         f"MB of expert cache over {self.num_moe_layers} MoE layers")
     if self.all_resident:
       s += "; the budget holds every expert: all experts are kept resident, nothing is fetched"
     return s

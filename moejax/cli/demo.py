@@ -234,25 +234,6 @@ def side_by_side(left: str, right: str, titles: tuple[str, str], width: int = 46
   return "\n".join(lines)
 
 
-def plot(rows: dict, path: str, link_desc: str, ppl_source: str):
-  plt = extras.pyplot("demo.png")
-  have_ppl = all(r["ppl_increase_pct"] is not None for r in rows.values())
-  fig, ax = plt.subplots(figsize=(6.4, 4.4))
-  for name, r in rows.items():
-    x = r["ppl_increase_pct"] if have_ppl else r["substituted_mass_per_token_layer"]
-    ax.scatter([x], [r["tpot_ms"]], s=40)
-    ax.annotate(name, (x, r["tpot_ms"]), textcoords="offset points", xytext=(5, 4))
-  ax.set_xlabel("perplexity increase over exact (%)" if have_ppl else
-                f"substituted mass per token-layer (perplexity {ppl_source})")
-  ax.set_ylabel("time per token (ms)")
-  ax.set_title(f"demo model, {FLAGS.cache_fraction:.0%} of experts resident\n{link_desc}",
-               fontsize=8)
-  ax.grid(alpha=0.3)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
-
-
 # ------------------------------------------------------------------ main
 def main(_):
   check_flags()
@@ -329,7 +310,9 @@ def main(_):
   print()
   print(f"wrote {json_path}")
   try:
-    plot(rows, png_path, link.describe(), ppl["source"])
+    from moejax.cli.demo_plot import plot
+    plot(rows, png_path, f"demo model, {FLAGS.cache_fraction:.0%} of experts resident\n"
+         f"{link.describe()}", ppl["source"])
     print(f"wrote {png_path}")
   except extras.MissingExtra as e:    # the table and demo.json stand without the plot
     print(f"skipped {png_path}: {e}")

@@ -167,7 +167,8 @@ def format_stats(s: dict, link_desc: str) -> str:
   if not s.get("tokens"):
     return "no decoded tokens"
   rows = [
-      ("tokens decoded", f"{s['tokens']}"),
+      ("decode steps", f"{s['tokens']}  (the tokens after the first, which comes from the "
+                       "prompt pass; the figures below are per decode step)"),
       ("time per token", f"{s['tpot_ms']:.2f} ms  (link: {link_desc})"),
       ("  waiting for fetches", f"{s['wait_ms_per_token']:.2f} ms"),
       ("  waiting for admissions", f"{s['admission_wait_ms_per_token']:.2f} ms"),
@@ -177,7 +178,7 @@ def format_stats(s: dict, link_desc: str) -> str:
       ("hit rate", f"{100 * s['hit_rate']:.1f} %"),
       ("misses / token", f"{s['misses_per_token']:.2f}"),
       ("sync fetches / token", f"{s['fetches_per_token']:.2f} "
-                               f"({s['fetch_bytes_per_token'] / 2**20:.3f} MiB)"),
+                               f"({s['fetch_bytes_per_token'] / 1e6:.3f} MB)"),
       ("substituted calls", f"{s['substituted_call_pct']:.1f} % of expert calls"),
       ("substituted mass", f"{s['substituted_mass_per_token_layer']:.4f} per token-layer, "
                            f"{s['substituted_mass_per_token']:.4f} per token"),
@@ -192,7 +193,7 @@ def format_stats(s: dict, link_desc: str) -> str:
         ("prefetches / token", f"{s['prefetches_per_token']:.2f} requested, "
                                f"{s['useful_prefetches_per_token']:.2f} executed"),
         ("prefetch recall@k", f"{100 * s['recall_at_k']:.1f} %"),
-        ("wasted prefetch bytes / token", f"{s['wasted_bytes_per_token'] / 2**20:.3f} MiB"),
+        ("wasted prefetch bytes / token", f"{s['wasted_bytes_per_token'] / 1e6:.3f} MB"),
     ]
   w = max(len(a) for a, _ in rows)
-  return "\n".join(f"{a.ljust(w)}  {b}" for a, b in rows)
+  return "\n".join([f"{a.ljust(w)}  {b}" for a, b in rows] + ["(MB = 10^6 bytes)"])

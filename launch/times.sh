@@ -4,6 +4,9 @@
 #   rm -rf .venv && time bash launch/demo.sh      (the install line + the demo)
 #   time bash launch/demo.sh                      (a warm .venv: the demo alone)
 #   time bash launch/test.sh                      (the whole suite, MOEJAX_TEST_JOBS=2)
+# Last measured 2026-12-04: install with [test] 56 s (.venv's own timestamps); the demo
+# about 30 s on an idle machine (172 s while other jobs held the load average at ~9.7);
+# the suite about 20 minutes.
 MOEJAX_TIME_INSTALL="about 1 minute"           # a fresh .venv: moejax and its [plot] extra
 MOEJAX_TIME_INSTALL_TEST="about 1 minute"      # a fresh .venv: the [test] extras, torch CPU too
 MOEJAX_TIME_DEMO="about 30 s"                  # launch.demo on 2 CPU cores, compilation included

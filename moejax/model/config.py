@@ -15,8 +15,7 @@ import os
 from typing import Any
 
 from moejax.model.families import configs
-from moejax.model.families.configs.base import (ConfigError, FamilyConfig,  # pylint: disable=unused-import
-                                                field_getter)
+from moejax.model.families.configs.base import ConfigError, FamilyConfig, field_getter
 
 
 @dataclasses.dataclass(frozen=True)

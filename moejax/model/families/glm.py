@@ -20,6 +20,8 @@ the layer's correction bias broadcast over tokens.  Carrying the bias with the
 logits keeps ``routing.route(cfg, router_logits)`` the complete rule (the
 offload policy, the emulator and the simulator replaying recorded logits need
 nothing else).
+
+The config rules and `GlmConfig` (``cfg.family_config``) are in ``configs/glm.py``.
 """
 
 from __future__ import annotations

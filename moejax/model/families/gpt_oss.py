@@ -1,4 +1,5 @@
-"""GPT-OSS (model_type ``gpt_oss``): config, attention, router, experts and tensor names.
+"""GPT-OSS (model_type ``gpt_oss``): attention, router, experts and tensor names (the config
+rules and `GptOssConfig`: ``configs/gpt_oss.py``).
 
 What differs from the Qwen3-MoE layout (checked against transformers 5.24
 ``modeling_gpt_oss.py``):

@@ -1,4 +1,5 @@
-"""Mixtral's config (model_type ``mixtral``): every layer sparse, no q/k norm, gates renormalised."""
+"""Mixtral's config (model_type ``mixtral``): every layer sparse, no q/k norm, gates
+renormalised."""
 
 from __future__ import annotations
 

@@ -22,6 +22,7 @@ DEMO = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 POLICIES = {name: name for name in ("baseline", "quality", "speed", "threshold", "first_choice",
                                     "substitute_all", "host")}
 POLICIES["drop"] = P.make_policy("quality", substitution="drop")
+POLICIES["least_stale"] = P.make_policy("quality", eviction="least_stale")
 PREFETCH_KW = ("prefetch", "speculative", "predictors", "streaming")
 
 
@@ -88,9 +89,9 @@ def test_agrees_with_engine_on_demo_model(demo, name):
   assert final == {l: sorted(int(e) for e in out["slot_expert"][0, -1, j] if e >= 0)
                    for j, l in enumerate(cfg.moe_layers)}
   st = out["stats"][0].sum(0)
-  if name in ("quality", "threshold", "speed", "first_choice", "substitute_all"):
+  if name in ("quality", "threshold", "speed", "first_choice", "substitute_all", "least_stale"):
     assert st[E.STATS.index("substituted")] > 0          # the policy really substituted
-  if name in ("quality", "speed", "drop"):
+  if name in ("quality", "speed", "drop", "least_stale"):
     assert st[E.STATS.index("admitted")] > 0             # and admitted in the background
   if name == "drop":
     assert st[E.STATS.index("dropped")] > 0 and st[E.STATS.index("substituted")] == 0

@@ -86,8 +86,9 @@ def test_variants_in_one_group_equal_separate_runs():
 
 
 # ------------------------------------------------------------------ engine agreement
-# every preset and miss rule (baseline is fetch_all + lru)
-POLICIES = ["quality", "speed", "baseline", "threshold", "first_choice", "substitute_all", "host"]
+# every preset and miss rule (baseline is fetch_all + lru), and least-stale eviction
+POLICIES = ["quality", "speed", "baseline", "threshold", "first_choice", "substitute_all", "host",
+            P.make_policy("quality", eviction="least_stale")]
 
 
 @pytest.fixture(scope="module")
@@ -150,6 +151,9 @@ def test_simulator_equals_engine_decision_by_decision(demo, tmp_path):
     for j, l in enumerate(cfg.moe_layers):
       assert set(final_sets[l]) == {int(e) for e in d["resident"][-1, j] if e >= 0}, (name, l)
     assert res.total("misses") > 0 and records[-1].misses > 0     # the cache really missed
+  # least-stale really evicted otherwise than lru (quality, results[0]) on this trace
+  sets = [np.sort(r.detail["resident"], axis=-1) for r in (results[0], results[-1])]
+  assert (sets[0] != sets[1]).any()
 
 
 def _hf(model_dir):

@@ -32,11 +32,43 @@ asynchronously (``Decision.admit``) and its accumulator is reset to 0.
 
 Eviction picks, among slots not in use by the current token, an empty slot
 first, else `lru` (oldest last use) or `lfu` (smallest decayed selection count,
-ties broken by lru, then by the lowest slot).  The LFU count of expert e is
-updated once per token and layer as ``freq[e] <- lfu_decay * freq[e] + n_e``,
-where n_e is the number of this step's tokens whose router selected e (hit,
-fetched, substituted, dropped or host alike: it tracks demand).  The default
-decay 0.98 is a half-life of about 34 tokens.
+ties broken by lru, then by the lowest slot) or `least_stale` (below).  The LFU
+count of expert e is updated once per token and layer as
+``freq[e] <- lfu_decay * freq[e] + n_e``, where n_e is the number of this step's
+tokens whose router selected e (hit, fetched, substituted, dropped or host alike:
+it tracks demand).  The default decay 0.98 is a half-life of about 34 tokens.
+
+`least_stale` is SpecMD's Least-Stale eviction (D. Hoang, A. Jaiswal, M. Samragh,
+M. Cho, "SpecMD: A Comprehensive Study On Speculative Expert Prefetching",
+arXiv:2602.03921, 2026).  The abstract calls it a hybrid of temporal and spatial
+locality that cuts "collision misses" up to 85x against LRU under prefetch; its
+method section was not in the stored copies we could search, so the rule here is
+the two-generation reading that public re-implementations citing the paper share
+(e.g. tinyserve's LeastStalePolicy): an expert touched in the current
+forward pass is *fresh*, one touched only in earlier passes is *stale*; stale
+experts go before fresh ones, and within a generation first in, first out.  Here
+each MoE layer has a cache of its own and a forward pass visits a layer once per
+token, so for one layer's cache, exactly:
+
+  pass       one `policy_step` of the layer (one decode token, or a whole prompt);
+  touch      the expert is inserted (fetch, admission, kept prefetch, prompt) or
+             computed on the device from its slot (hit or substitute): the
+             `last_used` step lru keeps;
+  stale      every resident not touched in the current pass (experts the current
+             token uses are protected anyway); the stale go in the order they went
+             stale, i.e. increasing `last_used`;
+  FIFO       within one generation (equal `last_used`) the expert loaded first
+             (smallest `ResidentState.loaded`, the step of its last insertion)
+             goes first, then the lowest slot.
+
+So `least_stale` orders victims by (last_used, loaded, slot) where lru orders them
+by (last_used, slot): with one pass per token and layer the generations coincide
+with lru's last-use order, and the two rules differ where several experts share a
+last use (a token's K experts, a prompt's experts), which lru breaks by slot
+number and least_stale by load age.  SpecMD's collisions need prefetches and
+demand fetches competing for one pool; moejax's speculative prefetch reads its own
+rows (`prefetch.view`) and enters the cache only once executed, so they cannot
+happen here (docs/simulator.md compares the rules on traces).
 
 Parameters come in two hashable parts, so compile-cache keys follow from types:
 `DecideParams` (read by `decide`) and `CacheParams` (read by `eviction_order`,
@@ -57,7 +89,7 @@ from moejax.model.config import ModelConfig
 HIT, FETCH, SUBSTITUTE, HOST, DROP = 0, 1, 2, 3, 4
 
 MISS_RULES = ("fetch_all", "threshold", "first_choice", "substitute_all", "host")
-EVICTIONS = ("lru", "lfu")
+EVICTIONS = ("lru", "lfu", "least_stale")
 SUBSTITUTIONS = ("next_best", "drop")
 
 
@@ -303,8 +335,9 @@ def all_hits(router_logits_NxE: jax.Array, resident, cfg: ModelConfig) -> Decisi
 
 def eviction_rank(resident, protected_S: jax.Array, params: CacheParams | PolicyParams):
   """Each slot's position in `eviction_order` [S], and how many may be overwritten:
-  the number of slots whose keys (protected, freq [lfu], last use, slot) come before
-  its own (S x S comparisons; many times faster than XLA's sort on CPU at cache sizes)."""
+  the number of slots whose keys (protected, freq [lfu], last use, load step
+  [least_stale], slot) come before its own (S x S comparisons; many times faster than
+  XLA's sort on CPU at cache sizes)."""
   params = cache_params(params)
   slot_e = resident.slot_expert
   e = jnp.maximum(slot_e, 0)
@@ -313,6 +346,9 @@ def eviction_rank(resident, protected_S: jax.Array, params: CacheParams | Policy
   idx = jnp.arange(slot_e.shape[0])
   # before[i, j]: slot j comes before slot i; keys compared from the least significant up
   before = idx[None, :] < idx[:, None]
+  if params.eviction == "least_stale":   # FIFO within a generation: loaded first goes first
+    loaded = jnp.where(empty, -2, resident.loaded[e])
+    before = (loaded[None, :] < loaded[:, None]) | ((loaded[None, :] == loaded[:, None]) & before)
   before = (last[None, :] < last[:, None]) | ((last[None, :] == last[:, None]) & before)
   if params.eviction == "lfu":
     freq = jnp.where(empty, -jnp.inf, resident.freq[e])
@@ -326,7 +362,8 @@ def eviction_order(resident, protected_S: jax.Array, params: CacheParams | Polic
   """Slots in the order insertions overwrite them, and how many may be overwritten.
 
   Empty slots first, then per the eviction policy (lru: oldest last use; lfu:
-  smallest decayed count, ties by oldest use), ties by the lowest slot;
+  smallest decayed count, ties by oldest use; least_stale: oldest last use, ties by
+  oldest load), ties by the lowest slot;
   protected slots (in use by the current token) last and never overwritten.
   Inserting J experts one after another, each protecting the one before,
   overwrites exactly the first J slots of this order (the lexicographic order of
@@ -349,7 +386,8 @@ def victim_slot(resident, protected_S: jax.Array,
 def update_usage(resident, decision: Decision, params: CacheParams | PolicyParams):
   """Usage statistics and admission accumulator after one step (pure).
 
-  lru: experts computed on the device this step get ``last_used = step``.
+  lru, least_stale: experts computed on the device this step get ``last_used = step``
+  (insertions set it, and least_stale's ``loaded``, in `resident.insert`).
   lfu: ``freq <- lfu_decay * freq + (router selections this step)``.
   """
   params = cache_params(params)

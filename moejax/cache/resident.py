@@ -12,6 +12,8 @@ the jitted steps and donated.  Per MoE layer:
   expert_slot  [E] int32         slot of each expert (-1 = not resident)
   last_used    [E] int32         step of the last use on the device (lru); an
                                  insertion counts as a use; -1 = never
+  loaded       [E] int32         step of the last insertion (least_stale's FIFO
+                                 order within a generation); -1 = never
   freq         [E] f32           decayed router-selection count (lfu)
   acc          [E] f32           accumulated normalised share of misses not
                                  waited for (background admission)
@@ -117,6 +119,7 @@ class ResidentState:
   slot_expert: jax.Array
   expert_slot: jax.Array
   last_used: jax.Array
+  loaded: jax.Array
   freq: jax.Array
   acc: jax.Array
   step: jax.Array
@@ -144,6 +147,7 @@ def init_state(num_experts: int, num_slots: int, expert_spec: dict,
       slot_expert=jnp.full((num_slots,), -1, jnp.int32),
       expert_slot=jnp.full((num_experts,), -1, jnp.int32),
       last_used=jnp.full((num_experts,), -1, jnp.int32),
+      loaded=jnp.full((num_experts,), -1, jnp.int32),
       freq=jnp.zeros((num_experts,), jnp.float32),
       acc=jnp.zeros((num_experts,), jnp.float32),
       step=jnp.zeros((), jnp.int32))
@@ -198,7 +202,8 @@ def insert(state: ResidentState, ids_J: jax.Array, rows_J: dict, in_use_E: jax.A
       bufs[k] = jax.lax.dynamic_update_slice(buf, rows_J[k][jj].astype(buf.dtype)[None],
                                              (at,) + (0,) * (buf.ndim - 1))
   new_state = dataclasses.replace(state, buffers=bufs, slot_expert=slot_e, expert_slot=exp_s,
-                                  last_used=last)
+                                  last_used=last,
+                                  loaded=jnp.where(got_E, state.step, state.loaded))
   return new_state, old.astype(jnp.int32)
 
 
@@ -209,7 +214,8 @@ def trim(state: ResidentState, budget_slots: int,
   Run after each token on a layer with staging slots (S < K): staging slots hold
   the token in flight only, so the resident set is back within the budget S.
   The experts removed are the first of `policy.eviction_order` with nothing
-  protected (lru: oldest use; lfu: smallest decayed count; ties by lowest slot).
+  protected (lru: oldest use; lfu: smallest decayed count; least_stale: oldest use,
+  then oldest load; ties by lowest slot).
   Slot rows are not cleared (an empty slot's row is never read).  Returns
   (state, evicted_P): the expert each slot lost (-1: none).
   """

@@ -63,8 +63,9 @@ flags.DEFINE_string("link", None, "With --policy: host->device link: 'native' (t
 flags.DEFINE_float("tau", None, "With --policy=threshold or quality: normalised gate share at "
                    "or above which a miss waits (default 0.15).")
 flags.DEFINE_float("admission_beta", None, "With --policy: background admission threshold (> 0).")
-flags.DEFINE_enum("eviction", None, ["lru", "lfu"], "With --policy: eviction rule (default: "
-                  "the preset's).")
+flags.DEFINE_enum("eviction", None, ["lru", "lfu", "least_stale"],
+                  "With --policy: eviction rule (default: the preset's; least_stale: SpecMD's "
+                  "Least-Stale, see moejax.cache.policy).")
 flags.DEFINE_enum("prefetch", None, ["none", "reuse", "quasi", "previous", "hybrid"],
                   "With --policy: speculative prefetch of the next layer's predicted experts "
                   "(previous: the experts that layer chose at the previous token; quasi, "

@@ -22,7 +22,9 @@ TIERS = (
     ("moejax.prefetch",),
     ("moejax.offload",),
     ("moejax.research", "estimators.data", "estimators.train"),
-    ("moejax.cli", "launch"),
+    ("moejax.cli",),
+    ("moejax.serve",),                # the server: runs as a program through moejax.cli.app
+    ("launch",),
 )
 RANK = {pkg: rank for rank, tier in enumerate(TIERS) for pkg in tier}
 PROJECT = ("moejax", "estimators", "launch")

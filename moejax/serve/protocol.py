@@ -1,0 +1,258 @@
+"""OpenAI request fields -> what a `Job` needs, OpenAI error JSON, and response bodies.
+
+Served fields: prompt (one string or one list of token ids) or messages, max_tokens
+(max_completion_tokens for chat), temperature, top_p, seed, stop, stream,
+stream_options.include_usage.  Fields that would change the answer and that this server
+cannot honour (n > 1, logprobs, echo, suffix, penalties, logit_bias, best_of > 1) are
+refused with a 400 naming them, never silently ignored.
+
+The extension object `moejax` (send it with the openai client as
+`extra_body={"moejax": {...}}`):
+  policy          a preset (quality, speed, baseline) or a miss rule for this request
+  tau             the threshold rule's gate share, (0, 1]
+  admission_beta  background admission threshold (> 0), or 0 / false: admission off
+  eviction        lru, lfu, least_stale
+  timeout_s       this request's timeout (at most the server's --request_timeout_s)
+The expert cache is shared by every request and persists across them; its budget
+(--cache_fraction) is a launch setting.  Each response's `usage.moejax` holds the
+request's offload statistics (`offload_usage`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import uuid
+from typing import Any
+
+
+class APIError(Exception):
+  """An error answered as OpenAI's {"error": {message, type, param, code}}."""
+
+  def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+               param: str | None = None, code: str | None = None):
+    super().__init__(message)
+    self.status, self.message, self.type, self.param, self.code = (status, message, type_,
+                                                                   param, code)
+
+  def body(self) -> dict:
+    return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                      "code": self.code}}
+
+
+def bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
+  return APIError(400, message, param=param, code=code)
+
+
+@dataclasses.dataclass
+class Limits:
+  model_id: str
+  max_len: int                 # the KV cache: prompt + max_tokens
+  timeout_s: float             # --request_timeout_s
+  policy: Any                  # the launch PolicyParams
+  eos_ids: tuple[int, ...]
+
+
+@dataclasses.dataclass
+class Request:
+  prompt_ids: list[int]
+  max_tokens: int
+  temperature: float
+  top_p: float
+  seed: int
+  stops: list[str]
+  stream: bool
+  include_usage: bool
+  policy: Any
+  timeout_s: float
+
+
+def _number(body, name, default, lo=None, hi=None, lo_open=False, integer=False):
+  v = body.get(name)
+  if v is None:
+    return default
+  kind = "an integer" if integer else "a number"
+  if isinstance(v, bool) or not isinstance(v, (int, float)) or (integer and not
+                                                                 isinstance(v, int)):
+    raise bad(f"'{name}' must be {kind}, got {v!r}", name)
+  if lo is not None and (v <= lo if lo_open else v < lo):
+    raise bad(f"'{name}' must be {'>' if lo_open else '>='} {lo}, got {v}", name)
+  if hi is not None and v > hi:
+    raise bad(f"'{name}' must be <= {hi}, got {v}", name)
+  return v
+
+
+UNSUPPORTED = (("n", 1), ("best_of", 1), ("echo", False), ("logprobs", None),
+               ("top_logprobs", None), ("suffix", None), ("presence_penalty", 0),
+               ("frequency_penalty", 0), ("logit_bias", None), ("tools", None),
+               ("response_format", None))
+
+
+def parse(body: Any, limits: Limits, prompt_ids: list[int], max_tokens_field: str,
+          ) -> Request:
+  """The common fields of a completion or chat request (the prompt already encoded)."""
+  for name, ok in UNSUPPORTED:
+    v = body.get(name)
+    if v is not None and v != ok and v != {}:
+      raise bad(f"'{name}'={v!r} is not supported by this server (one sequence, batch 1, "
+                f"no logprobs or penalties); leave it out", name, "unsupported_parameter")
+  max_tokens = _number(body, max_tokens_field, None, lo=1, integer=True)
+  if max_tokens is None and max_tokens_field == "max_completion_tokens":
+    max_tokens = _number(body, "max_tokens", None, lo=1, integer=True)
+  room = limits.max_len - len(prompt_ids)
+  if max_tokens is None:
+    max_tokens = min(16 if max_tokens_field == "max_tokens" else room, room)
+  if not prompt_ids:
+    raise bad("the prompt encodes to no tokens", "prompt")
+  if len(prompt_ids) + max_tokens > limits.max_len:
+    raise bad(f"This model's maximum context length is {limits.max_len} tokens (the "
+              f"server's --max_len). However, you requested {len(prompt_ids) + max_tokens} "
+              f"tokens ({len(prompt_ids)} in the prompt, {max_tokens} for the completion). "
+              f"Please reduce the prompt or the completion length.",
+              "messages" if max_tokens_field != "max_tokens" else "prompt",
+              "context_length_exceeded")
+  temperature = _number(body, "temperature", 1.0, lo=0, hi=2)
+  top_p = _number(body, "top_p", 1.0, lo=0, hi=1, lo_open=True)
+  seed = _number(body, "seed", 0, integer=True)
+  stop = body.get("stop")
+  stops = [stop] if isinstance(stop, str) else stop if stop is not None else []
+  if not isinstance(stops, list) or len(stops) > 4 or not all(isinstance(s, str)
+                                                              for s in stops):
+    raise bad("'stop' must be a string or a list of up to 4 strings", "stop")
+  stream = body.get("stream") or False
+  if not isinstance(stream, bool):
+    raise bad(f"'stream' must be true or false, got {stream!r}", "stream")
+  opts = body.get("stream_options") or {}
+  if not isinstance(opts, dict):
+    raise bad("'stream_options' must be an object", "stream_options")
+  policy, timeout_s = extension(body.get("moejax"), limits)
+  return Request(list(prompt_ids), max_tokens, float(temperature), float(top_p),
+                 int(seed) % (2 ** 32), stops, stream, bool(opts.get("include_usage")),
+                 policy, timeout_s)
+
+
+def extension(ext: Any, limits: Limits):
+  """The `moejax` object -> (PolicyParams, timeout_s)."""
+  from moejax.cache import policy as policy_lib
+  if ext is None:
+    return limits.policy, limits.timeout_s
+  if not isinstance(ext, dict):
+    raise bad("'moejax' must be an object, e.g. {\"policy\": \"speed\"}", "moejax")
+  known = ("policy", "tau", "admission_beta", "eviction", "timeout_s")
+  for k in ext:
+    if k in ("cache_fraction", "cache_bytes"):
+      raise bad(f"'moejax.{k}': the expert budget is a launch setting of the shared cache "
+                f"(--{k}); it cannot change per request", f"moejax.{k}")
+    if k not in known:
+      raise bad(f"'moejax.{k}' is not a known field; the fields are {', '.join(known)}",
+                f"moejax.{k}")
+  timeout_s = _number(ext, "timeout_s", limits.timeout_s, lo=0, hi=limits.timeout_s,
+                      lo_open=True)
+  if not any(k in ext for k in ("policy", "tau", "admission_beta", "eviction")):
+    return limits.policy, float(timeout_s)
+  name = ext.get("policy", limits.policy.name or limits.policy.miss)
+  if not isinstance(name, str):
+    raise bad(f"'moejax.policy' must be a string, got {name!r}", "moejax.policy")
+  beta = ext.get("admission_beta")
+  off = beta is False or beta == 0
+  if beta is not None and not off and (isinstance(beta, bool) or
+                                       not isinstance(beta, (int, float))):
+    raise bad(f"'moejax.admission_beta' must be a number > 0 or 0/false (off), got {beta!r}",
+              "moejax.admission_beta")
+  tau = ext.get("tau")
+  eviction = ext.get("eviction")
+  try:
+    pol = policy_lib.make_policy(name, tau=tau, eviction=eviction,
+                                 admission_beta=None if off else beta)
+    if off:
+      pol = dataclasses.replace(pol, decision=dataclasses.replace(pol.decision,
+                                                                  admission_beta=None))
+  except (policy_lib.PolicyError, TypeError) as e:
+    msg = str(e).replace("--policy", "moejax.policy").replace("--", "moejax.")
+    raise bad(msg, "moejax." + ("policy" if "policy" in msg else "tau"), "invalid_policy")
+  if tau is not None and pol.miss != "threshold":
+    raise bad(f"'moejax.tau' applies to the threshold rule (policy threshold or quality); "
+              f"{pol.describe()} ignores it", "moejax.tau", "invalid_policy")
+  return pol, float(timeout_s)
+
+
+def completion_prompt(body: Any, tok) -> list[int]:
+  p = body.get("prompt")
+  if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+    p = p[0]
+  if isinstance(p, str):
+    return tok.encode(p)
+  if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool)
+                                       for t in p):
+    if any(t < 0 or t >= tok.vocab_size for t in p):
+      raise bad(f"a prompt token id is outside the vocabulary [0, {tok.vocab_size})", "prompt")
+    return list(p)
+  if isinstance(p, list) and len(p) > 1:
+    raise bad("one prompt per request (this server runs batch 1); send the others as "
+              "separate requests", "prompt")
+  raise bad("'prompt' must be a string or a list of token ids", "prompt")
+
+
+def offload_usage(stats: dict, eng, policy, ttft_s, tps, queue_s) -> dict:
+  """`usage.moejax`: the request's offload statistics (per decode step)."""
+  n = stats.get("tokens", 0)
+  f = lambda k: round(float(stats[k]), 6) if n else None
+  return {
+      "policy": policy.describe(), "link": eng.link.describe(),
+      "decode_steps": n, "hit_rate": f("hit_rate"),
+      "substituted_call_pct": f("substituted_call_pct"),
+      "substituted_mass_per_token": f("substituted_mass_per_token"),
+      "substituted_mass_per_token_layer": f("substituted_mass_per_token_layer"),
+      "fetches_per_token": f("fetches_per_token"), "tpot_ms": f("tpot_ms"),
+      "wait_ms_per_token": f("wait_ms_per_token"),
+      "ttft_ms": None if ttft_s is None else round(1e3 * ttft_s, 3),
+      "decode_tokens_per_s": None if tps is None else round(tps, 3),
+      "queue_ms": round(1e3 * queue_s, 3),
+      "prompt_fetches": float(eng.prefill_record["fetches"]) if eng.prefill_record else None,
+  }
+
+
+def usage(prompt_tokens: int, completion_tokens: int, offload: dict) -> dict:
+  return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+          "total_tokens": prompt_tokens + completion_tokens, "moejax": offload}
+
+
+class Response:
+  """Bodies of one response: the whole object, or its stream's chunks."""
+
+  def __init__(self, chat: bool, model: str):
+    self.chat, self.model = chat, model
+    self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+    self.created = int(time.time())
+    self.object = "chat.completion" if chat else "text_completion"
+
+  def _head(self, obj: str) -> dict:
+    return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+  def full(self, text: str, finish: str, use: dict) -> dict:
+    if self.chat:
+      choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                "logprobs": None, "finish_reason": finish}
+    else:
+      choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    return dict(self._head(self.object), choices=[choice], usage=use)
+
+  def chunk(self, text: str | None, finish: str | None = None, use: dict | None = None,
+            first: bool = False) -> dict:
+    if self.chat:
+      delta = {"role": "assistant"} if first else {}
+      if text:
+        delta["content"] = text
+      choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+      out = dict(self._head("chat.completion.chunk"), choices=[choice])
+    else:
+      out = dict(self._head("text_completion"),
+                 choices=[{"index": 0, "text": text or "", "logprobs": None,
+                           "finish_reason": finish}])
+    if use is not None:
+      out["usage"] = use
+    return out
+
+  def usage_chunk(self, use: dict) -> dict:
+    obj = "chat.completion.chunk" if self.chat else "text_completion"
+    return dict(self._head(obj), choices=[], usage=use)

@@ -1,0 +1,235 @@
+"""The engine's thread: one request at a time (batch 1) from a bounded FIFO queue.
+
+    w = Worker(load, metrics, max_queue=16)   # load() -> Loaded (runs on the thread)
+    w.start()                                 # loads and compiles, then serves
+    job = Job(ids, sp, seed, policy, stops, timeout_s, sink)
+    w.submit(job)                             # QueueFull: the queue holds max_queue
+    job.cancel.set()                          # the engine stops at its next token
+
+Each job runs `OffloadEngine.generate` under its own policy (`set_policy`: the resident
+experts, budget and link stay; a policy's first use compiles its programs).  `sink`
+receives ("text", str) as text becomes final, then ("done", Result) or ("error",
+APIError).  A cancelled or timed-out job ends at the next token, between two engine
+steps, so the engine is left as after any generation: the next prompt pass starts a
+new KV cache, the resident experts carry over.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import sys
+import threading
+import time
+from typing import Any, Callable
+
+from moejax.serve import protocol
+from moejax.serve.text import StopText
+
+
+class QueueFull(Exception):
+  def __init__(self, retry_after_s: int):
+    super().__init__(f"retry after {retry_after_s} s")
+    self.retry_after_s = retry_after_s
+
+
+@dataclasses.dataclass
+class Loaded:
+  """What the loading step hands the worker."""
+  engine: Any            # OffloadEngine
+  tok: Any               # Tokenizer
+  cfg: Any               # ModelConfig
+  chat_template: Any     # chat.Template or None
+
+
+@dataclasses.dataclass
+class Result:
+  text_tokens: list[int]
+  finish_reason: str         # stop, length
+  prompt_tokens: int
+  offload: dict              # usage.moejax
+
+
+@dataclasses.dataclass
+class Job:
+  prompt_ids: list[int]
+  sp: Any                    # SamplingParams
+  seed: int
+  policy: Any                # PolicyParams
+  stops: list[str]
+  timeout_s: float
+  sink: Callable[[str, Any], None]
+  created: float = dataclasses.field(default_factory=time.perf_counter)
+  cancel: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+  @property
+  def deadline(self) -> float:
+    return self.created + self.timeout_s
+
+
+class _Stop(Exception):
+  """Raised in the token callback: ends `generate` between two steps."""
+
+
+class Worker:
+
+  def __init__(self, load: Callable[[], Loaded], metrics, max_queue: int = 16,
+               max_policies: int = 8, on_fail: Callable[[BaseException], None] | None = None):
+    self._load, self.metrics = load, metrics
+    self.max_policies = max_policies
+    self._q: queue.Queue = queue.Queue(maxsize=max_queue)
+    self.loaded: Loaded | None = None
+    self.failed: BaseException | None = None
+    self.ready = threading.Event()
+    self.policies: list = []             # policies compiled, oldest first
+    self._on_fail = on_fail
+    self._mean_s = 1.0                   # recent request time, for Retry-After
+    self._thread = threading.Thread(target=self._main, daemon=True, name="moejax-engine")
+    metrics.queue_depth = self._q.qsize
+
+  def start(self):
+    self._thread.start()
+
+  def stop(self, timeout_s: float = 5.0):
+    """Ends the thread after the current token (queued requests are dropped)."""
+    while True:
+      try:
+        job = self._q.get_nowait()
+      except queue.Empty:
+        break
+      if job is not None:
+        job.sink("error", protocol.APIError(503, "the server is shutting down",
+                                            "server_error", code="shutting_down"))
+    try:
+      self._q.put_nowait(None)
+    except queue.Full:
+      pass
+    self._thread.join(timeout_s)
+
+  def depth(self) -> int:
+    return self._q.qsize()
+
+  def submit(self, job: Job):
+    try:
+      self._q.put_nowait(job)
+    except queue.Full:
+      self.metrics.outcome("rejected")
+      raise QueueFull(max(1, round(self._mean_s * (self._q.qsize() + 1)))) from None
+
+  def check_policy(self, policy):
+    """APIError when `policy` would be one more compiled program than --max_policies."""
+    if policy in self.policies or len(self.policies) < self.max_policies:
+      return
+    names = "; ".join(p.describe() for p in self.policies)
+    raise protocol.APIError(
+        400, f"this server compiles at most {self.max_policies} policies (--max_policies) "
+        f"and has compiled {names}: use one of them, or restart the server with a higher "
+        f"--max_policies", param="moejax.policy", code="policy_limit")
+
+  # ------------------------------------------------------------------ the thread
+  def _main(self):
+    try:
+      self.loaded = self._load()
+      self.policies.append(self.loaded.engine.policy)
+    except BaseException as e:  # pylint: disable=broad-except
+      self.failed = e
+      if self._on_fail:
+        self._on_fail(e)
+      return
+    self.ready.set()
+    while True:
+      job = self._q.get()
+      if job is None:
+        return
+      self._serve(job)
+
+  def _serve(self, job: Job):
+    start = time.perf_counter()
+    self.metrics.waited(start - job.created)
+    if job.cancel.is_set():
+      self.metrics.outcome("cancelled")
+      return
+    if start > job.deadline:
+      self.metrics.outcome("timeout")
+      job.sink("error", _timeout(job, start))
+      return
+    try:
+      result = self._generate(job, start)
+    except _Timeout:
+      self.metrics.outcome("timeout")
+      job.sink("error", _timeout(job, time.perf_counter()))
+    except _Cancelled:
+      self.metrics.outcome("cancelled")
+    except protocol.APIError as e:
+      self.metrics.outcome("error")
+      job.sink("error", e)
+    except Exception as e:  # pylint: disable=broad-except
+      self.metrics.outcome("error")
+      print(f"[moejax] error in a request: {type(e).__name__}: {e}", file=sys.stderr)
+      job.sink("error", protocol.APIError(500, f"generation failed: {type(e).__name__}: {e}",
+                                          "server_error"))
+    else:
+      self.metrics.outcome(result.finish_reason)
+      job.sink("done", result)
+    self._mean_s = 0.8 * self._mean_s + 0.2 * (time.perf_counter() - start)
+
+  def _generate(self, job: Job, start: float) -> Result:
+    from moejax.offload.stats import summarize
+    eng, tok = self.loaded.engine, self.loaded.tok
+    if job.policy not in self.policies:
+      self.policies.append(job.policy)
+    eng.set_policy(job.policy)
+    eng.take_records()
+    text = StopText(tok, job.stops)
+    out: list[int] = []
+    times: list[float] = []
+    state = {"end": None}
+
+    def on_token(tid):
+      times.append(time.perf_counter())
+      out.append(int(tid))
+      delta = text.add(tid)
+      if delta:
+        job.sink("text", delta)
+      if text.stopped:
+        state["end"] = "stop"
+        raise _Stop
+      if job.cancel.is_set():
+        raise _Cancelled
+      if times[-1] > job.deadline:
+        raise _Timeout
+
+    t0 = time.perf_counter()
+    try:
+      eng.generate(job.prompt_ids, job.sp, seed=job.seed, on_token=on_token)
+    except _Stop:
+      pass
+    finally:
+      records = eng.take_records()
+    rest = text.finish()
+    if rest:
+      job.sink("text", rest)
+    if state["end"] is None:
+      state["end"] = "stop" if out and out[-1] in job.sp.stop_ids else "length"
+    stats = summarize(records, self.loaded.cfg)
+    ttft = times[0] - t0 if times else None
+    tps = (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 and \
+        times[-1] > times[0] else None
+    self.metrics.finished(len(out), ttft, tps, stats)
+    offload = protocol.offload_usage(stats, eng, job.policy, ttft, tps, t0 - job.created)
+    return Result(out, state["end"], len(job.prompt_ids), offload)
+
+
+class _Cancelled(Exception):
+  pass
+
+
+class _Timeout(Exception):
+  pass
+
+
+def _timeout(job: Job, now: float) -> protocol.APIError:
+  return protocol.APIError(
+      504, f"the request timed out after {now - job.created:.1f} s (timeout "
+      f"{job.timeout_s:g} s; set moejax.timeout_s, up to the server's --request_timeout_s)",
+      "timeout_error", code="timeout")

@@ -59,6 +59,7 @@ from moejax.io.store import BACKENDS, StoreBackendError, make_store
 from moejax.offload.link import parse_link
 from moejax.model.sampler import Sampler, SamplingParams
 from moejax.io.store import ExpertStore
+from moejax.kernels import cpu_kernel
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", "bench_offload.json", "JSON results file.")
@@ -195,7 +196,12 @@ def run_rounds(runners: dict, stream: list) -> dict:
   return per
 
 
-def main(_):
+def main(argv):
+  with cpu_kernel.decoding():   # decode loops throughout: the kernel helpers stay awake
+    return _main(argv)
+
+
+def _main(_):
   with contextlib.ExitStack() as stack:
     run(stack)
 

@@ -45,6 +45,7 @@ from moejax.research.study import metrics as M
 from moejax.research.study import runner as R
 from moejax.research.study import streams as S
 from moejax.io.tokenizer import Tokenizer
+from moejax.kernels import cpu_kernel
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model_dir", "ckpts/demo", "HF-format model folder with tokenizer.json.")
@@ -255,7 +256,12 @@ def greedy(cfg, params, store, mode, preds, prompts, stacked, path: str) -> np.n
   return np.asarray(gen)
 
 
-def main(_):
+def main(argv):
+  with cpu_kernel.decoding():   # decode loops throughout: the kernel helpers stay awake
+    return _main(argv)
+
+
+def _main(_):
   names = FLAGS.only or list(MODES)
   bad = [n for n in names if n not in MODES]
   if bad:

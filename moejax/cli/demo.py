@@ -29,6 +29,7 @@ import numpy as np
 
 from moejax.cli import app as cli
 from moejax import extras
+from moejax.kernels import cpu_kernel
 
 FLAGS = flags.FLAGS
 PRESETS = ("baseline", "quality", "speed", "host", "substitute_all")
@@ -235,7 +236,12 @@ def side_by_side(left: str, right: str, titles: tuple[str, str], width: int = 46
 
 
 # ------------------------------------------------------------------ main
-def main(_):
+def main(argv):
+  with cpu_kernel.decoding():   # decode loops throughout: the kernel helpers stay awake
+    return _main(argv)
+
+
+def _main(_):
   check_flags()
   t_start = time.time()
   import jax

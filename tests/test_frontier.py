@@ -148,3 +148,12 @@ def test_tune_measures_until_the_choice_meets_the_budget():
   ch = A.tune(pts, {0: 0.0, 3: 1.2}, measure, A.Budget(ppl_pct=1.0))
   assert seen == [0.1, 0.05]            # 0.1 predicted +0.8% (mass 0.02), measured +1.6%
   assert ch.index == 1 and ch.measured_pct == 0.4
+
+
+def test_refine_sweeps_the_knob_between_its_neighbours():
+  grid = A.grid(taus=(0.05, 0.1, 0.2), combos=(("lru", None),), lams=(), extra=())
+  i = [A.label(p) for p in grid].index("threshold(0.1) + lru")
+  taus = sorted(p.tau for p in A.refine(grid, i, n=2))
+  np.testing.assert_allclose(taus, [0.063, 0.0794, 0.126, 0.159])
+  assert all(p.miss == "threshold" and p.eviction == "lru" for p in A.refine(grid, i, n=2))
+  assert A.refine(grid, 0) == []                      # fetch_all has no knob

@@ -135,6 +135,14 @@ def table(res: dict) -> str:
   return "\n".join(lines)
 
 
+def short(name: str) -> str:
+  """A point's label on the plot: tau=0.05, lam=2.3 int8 (+ lfu/admission when not lru)."""
+  for a, b in ((" + lru", ""), ("threshold(", "tau="), ("cost(lam=", "lam="), (", int", " int"),
+               (")", ""), (" + admission(", " adm ")):
+    name = name.replace(a, b)
+  return name
+
+
 def plot(res: dict, path: str):
   plt = extras.pyplot("the frontier plot")
   fig, ax = plt.subplots(figsize=(8, 5))
@@ -154,16 +162,16 @@ def plot(res: dict, path: str):
     x, y = q["projected_ms_per_token_rtx3090"], q["ppl_increase_pct"]
     ax.scatter([x], [y], marker=mk, s=120 if q["role"] == "auto" else 40,
                facecolors="none" if q["heldout"] else col, edgecolors=col, zorder=3)
-    name = "fetch_all = baseline" if q["role"] == "fetch_all" else q["policy"]
-    name = name.replace(" + lru", "").replace("threshold", "tau")
+    name = "fetch_all = baseline" if q["role"] == "fetch_all" else short(q["policy"])
     ax.annotate(name + (" (held-out)" if q["heldout"] else ""), (x, y), fontsize=7,
-                xytext=(4, 4 if not q["heldout"] else -10), textcoords="offset points")
+                xytext=(5, 3) if not q["heldout"] else (5, -11), textcoords="offset points")
   for a in res["auto"]:
     if a["budget"]["ppl_pct"] is not None:
       ax.axhline(a["budget"]["ppl_pct"], ls=":", c="tab:red", lw=0.8)
   ax.set_xlabel(f"projected ms per token ({res['shape']} on {res['profile']}, time model)")
   ax.set_ylabel("perplexity increase over fetch_all (%)")
-  ax.set_yscale("symlog", linthresh=1.0)
+  ax.set_yscale("symlog", linthresh=0.5, linscale=0.8)
+  ax.set_ylim(-0.05, 1.6 * max(q["ppl_increase_pct"] for q in res["points"]) + 0.5)
   ax.set_title("Miss policies: measured perplexity (emulator) vs projected speed; "
                "filled: calibration, hollow: held-out", fontsize=9)
   ax.legend(fontsize=7, loc="upper right")

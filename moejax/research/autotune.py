@@ -233,8 +233,8 @@ class QualityFit:
     x, y = np.asarray(self.mass), np.asarray(self.dppl)
     m = np.asarray(mass, float)
     out = np.interp(m, x, y)
-    if len(x) > 1:
-      slope = max((y[-1] - y[-2]) / max(x[-1] - x[-2], 1e-12), 0.0)
+    if len(x) > 1:   # the last segment's slope, at least the mean slope (a convex curve)
+      slope = max((y[-1] - y[-2]) / max(x[-1] - x[-2], 1e-12), y[-1] / max(x[-1], 1e-12), 0.0)
       out = np.where(m > x[-1], y[-1] + slope * (m - x[-1]), out)
     return out
 
@@ -258,6 +258,39 @@ def fit_quality(mass, dppl) -> QualityFit:
   x = np.concatenate([[0.0], xs])
   y = isotonic(np.concatenate([[0.0], ys]), np.concatenate([[1e6], ws]))
   return QualityFit(tuple(x.tolist()), tuple(y.tolist()), r, int(keep.sum()))
+
+
+# ------------------------------------------------------------------ refining a knob
+def knob(p: PolicyParams) -> str | None:
+  """The numeric knob the sweep tunes for `p`'s rule: tau (threshold), lam (cost)."""
+  return {"threshold": "tau", "cost": "lam"}.get(p.miss)
+
+
+def family(p: PolicyParams) -> tuple:
+  """`key` with the knob blanked: policies that differ only in their knob."""
+  k = knob(p)
+  d = dataclasses.replace(p.decision, **{k: 1.0}) if k else p.decision
+  return (d, p.cache)
+
+
+def refine(policies, i: int, n: int = 4) -> list[PolicyParams]:
+  """Policies of i's family with the knob between i's value and each adjacent value of the
+  family in `policies` (n per side, geometric, 3 significant digits): a finer sweep around
+  a choice, where the budget's boundary lies."""
+  p = policies[i]
+  k = knob(p)
+  if k is None:
+    return []
+  vals = sorted({getattr(q.decision, k) for q in policies if family(q) == family(p)})
+  at = vals.index(getattr(p.decision, k))
+  out = []
+  for j in (at - 1, at + 1):
+    if 0 <= j < len(vals):
+      lo, hi = sorted((vals[at], vals[j]))
+      for v in np.geomspace(max(lo, 1e-6), hi, n + 2)[1:-1]:
+        d = dataclasses.replace(p.decision, **{k: float(f"{v:.3g}")})
+        out.append(PolicyParams(d, p.cache))
+  return unique(out)
 
 
 # ------------------------------------------------------------------ choice and frontier

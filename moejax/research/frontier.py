@@ -164,14 +164,14 @@ def build(cfg, params, store, tok, c: Config, out_dir: str, log=print,
       f"({cal.num_docs} documents); {len(grid)} policies swept; cost policy "
       f"{'in the grid' if A.cost_available() else 'not available (no cost rule yet)'}")
 
-  def do_sweep(st, pols, what):
-    logits = stream_logits(cfg, params, store, st)
+  def do_sweep(logits, pols, what):
     bar = progress(f"simulating {what}", len(logits)) if progress else None
     return A.sweep(cfg, logits, pols, times=times, shape_layers=shape.moe_layers,
                    expert_bytes=expert_bf16_bytes(cfg), cache_fraction=c.cache_fraction,
                    progress=bar)
 
-  pts = do_sweep(cal, grid, "the calibration streams")
+  cal_logits = stream_logits(cfg, params, store, cal)
+  pts = do_sweep(cal_logits, grid, "the calibration streams")
   log(f"[frontier] swept {len(pts)} policies ({clock()})")
   index = {A.key(p.policy): i for i, p in enumerate(pts)}
   meas = Measurer(cfg, params, store, cal, f"{out_dir}/calibration", c)
@@ -186,6 +186,18 @@ def build(cfg, params, store, tok, c: Config, out_dir: str, log=print,
 
   autos = []
   for b in budgets:
+    # a finer sweep of the knob around the choice the anchors' fit predicts
+    fit0 = A.fit_quality([pts[i].mass for i in cal_m], [m["ppl_increase_pct"] for m in cal_m.values()])
+    pred0 = fit0.predict([p.mass for p in pts])
+    prof = b.profile or SPEEDUP_PROFILE
+    cand = [p.policy.miss != "fetch_all" for p in pts]
+    i0 = A.choose(pred0, [p.ms[prof] for p in pts], b, cand, [A.label(p.policy) for p in pts])
+    new = [p for p in A.refine([p.policy for p in pts], i0) if A.key(p) not in index]
+    if new:
+      pts += do_sweep(cal_logits, new, f"{len(new)} refined {A.knob(pts[i0].policy)} values")
+      index = {A.key(p.policy): i for i, p in enumerate(pts)}
+      log(f"[frontier] refined around {A.label(pts[i0].policy)}: {len(new)} more policies "
+          f"swept ({clock()})")
     def measure(policy):
       m = meas.metrics(policy)
       cal_m[index[A.key(policy)]] = m
@@ -217,7 +229,8 @@ def build(cfg, params, store, tok, c: Config, out_dir: str, log=print,
   if c.heldout:
     hst = make_streams(held_docs, c)
     hpol = [pts[base_i].policy] + [pts[ch.index].policy for _, ch in autos]
-    hpts = do_sweep(hst, A.unique(hpol), "the held-out streams")
+    hpts = do_sweep(stream_logits(cfg, params, store, hst), A.unique(hpol),
+                    "the held-out streams")
     hidx = {A.key(p.policy): p for p in hpts}
     hmeas = Measurer(cfg, params, store, hst, f"{out_dir}/heldout", c)
     hb = hmeas.metrics(measured_specs[0])

@@ -23,6 +23,11 @@ POLICIES = {name: name for name in ("baseline", "quality", "speed", "threshold",
                                     "substitute_all", "host")}
 POLICIES["drop"] = P.make_policy("quality", substitution="drop")
 POLICIES["least_stale"] = P.make_policy("quality", eviction="least_stale")
+# low-precision fetches (int8; int4 with admission upgrading low slots) and the cost model
+POLICIES["fetch_low"] = P.make_policy("fetch_low")
+POLICIES["threshold_low"] = P.make_policy("threshold_low", tau=0.3, tau_low=0.1, low_bits=4,
+                                          admission_beta=0.3)
+POLICIES["cost"] = P.make_policy("cost", lam=5.0)
 PREFETCH_KW = ("prefetch", "speculative", "predictors", "streaming")
 
 
@@ -97,6 +102,11 @@ def test_agrees_with_engine_on_demo_model(demo, name):
     assert st[E.STATS.index("dropped")] > 0 and st[E.STATS.index("substituted")] == 0
   if name == "host":
     assert st[E.STATS.index("host_calls")] > 0
+  if name in ("fetch_low", "threshold_low", "cost"):
+    assert st[E.STATS.index("fetches_low")] > 0           # low-precision copies were computed
+    assert not np.allclose(logits, engine_run(cfg, params, store, "baseline", toks)[0], atol=1e-4)
+  if name in ("threshold_low", "cost"):
+    assert st[E.STATS.index("fetches")] > 0 and st[E.STATS.index("substituted")] > 0
 
 
 # ------------------------------------------------------------------ other families

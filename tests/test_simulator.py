@@ -88,7 +88,9 @@ def test_variants_in_one_group_equal_separate_runs():
 # ------------------------------------------------------------------ engine agreement
 # every preset and miss rule (baseline is fetch_all + lru), and least-stale eviction
 POLICIES = ["quality", "speed", "baseline", "threshold", "first_choice", "substitute_all", "host",
-            P.make_policy("quality", eviction="least_stale")]
+            P.make_policy("quality", eviction="least_stale"), "fetch_low",
+            P.make_policy("threshold_low", tau=0.3, tau_low=0.1, low_bits=4, admission_beta=0.3),
+            P.make_policy("cost", lam=5.0)]
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +139,8 @@ def test_simulator_equals_engine_decision_by_decision(demo, tmp_path):
         assert list(lr.ids) == d["ids"][t, j].tolist(), where
         assert list(lr.actions) == d["action"][t, j].tolist(), where
         assert list(lr.substitutes) == d["sub_ids"][t, j].tolist(), where
-        assert list(lr.fetched) == [e for e, a in zip(lr.ids, lr.actions) if a == P.FETCH], where
+        assert list(lr.fetched) == [e for e, a in zip(lr.ids, lr.actions)
+                                    if a in (P.FETCH, P.FETCH_LOW)], where
         assert list(lr.admissions) == [e for e in d["admit"][t, j].tolist() if e >= 0], where
         prev = d["admit"][t - 1, j].tolist() if t else []
         assert sorted(lr.admitted) == [e for e in prev if e >= 0], where
@@ -147,12 +150,15 @@ def test_simulator_equals_engine_decision_by_decision(demo, tmp_path):
       # its per-token steps: equal to ~1e-6, so the masses agree to float32 rounding
       np.testing.assert_allclose(per[f.index("substituted_mass")], rec.substituted_mass,
                                  rtol=2e-5, atol=1e-5)
+      for k in ("fetches", "fetches_low", "admitted"):     # full and low fetches apart
+        assert per[f.index(k)] == rec[k], (name, t, k)
     # both insert the last token's admissions at its end (the state the next token sees)
     for j, l in enumerate(cfg.moe_layers):
       assert set(final_sets[l]) == {int(e) for e in d["resident"][-1, j] if e >= 0}, (name, l)
     assert res.total("misses") > 0 and records[-1].misses > 0     # the cache really missed
+  assert all(r.total("fetches_low") > 0 for r in results[-3:])    # low copies were fetched
   # least-stale really evicted otherwise than lru (quality, results[0]) on this trace
-  sets = [np.sort(r.detail["resident"], axis=-1) for r in (results[0], results[-1])]
+  sets = [np.sort(r.detail["resident"], axis=-1) for r in (results[0], results[7])]
   assert (sets[0] != sets[1]).any()
 
 
@@ -174,8 +180,15 @@ def tp(**kw):
 
 
 def steps(rows):
-  """rows[t][l] = (fetches, host_calls, admissions, device_calls)."""
-  return np.asarray(rows, np.int8)
+  """rows[t][l] = (fetches, host_calls, admissions, device_calls[, fetches_low])."""
+  return np.asarray([[tuple(c) + (0,) * (5 - len(c)) for c in r] for r in rows], np.int8)
+
+
+def test_low_precision_fetches_take_their_share_of_the_link_by_hand():
+  # one layer: 1 full + 2 int4 fetches (low_ratio 0.25): latency + (1 + 2 x 0.25) transfers
+  p = tp(latency_s=0.05, low_ratio=0.25)
+  s = steps([[(1, 0, 0, 3, 2)]])
+  np.testing.assert_allclose(timemodel.time_per_token(s, p), [0.1 + 0.05 + 1.5], rtol=1e-6)
 
 
 def test_time_of_sync_fetches_host_and_experts_by_hand():

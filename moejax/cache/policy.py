@@ -15,6 +15,9 @@ and gives every selected expert one *action*:
               a substitute; computed with the missed expert's gate weight.
               Misses take substitutes in the order of their own router scores.
   HOST        missed, computed on the host CPU (`host` policy).
+  FETCH_LOW   missed, the policy waits for its low-precision copy (int8 or int4,
+              `io.quant`), dequantised into the slot; the slot is marked low
+              (`ResidentState.low`) until an admission upgrades it (below).
   DROP        missed and skipped: the `drop` substitution variant (remaining
               weights renormalised to the selected experts' total weight), or a
               substitution for which no unused resident expert was left (no
@@ -23,12 +26,17 @@ and gives every selected expert one *action*:
 Which misses wait: `fetch_all` every one; `threshold(tau)` the first choice and
 every miss whose *normalised share* g / sum(selected g) is >= tau (a share equal
 to tau waits; for routers that renormalise the share is g itself);
-`first_choice` only the first choice; `substitute_all` and `host` none.
+`first_choice` only the first choice; `substitute_all` and `host` none;
+`fetch_low`, `threshold_low` and `cost` (lam): `moejax.cache.cost`.
 
 Background admission(beta): every miss that is not waited for (substituted,
 dropped or computed on the host) adds its normalised share g / sum(selected g)
 (the quantity the threshold rule compares) to the missed expert's accumulator; when the accumulator reaches beta (>=) the expert is requested
-asynchronously (``Decision.admit``) and its accumulator is reset to 0.
+asynchronously (``Decision.admit``) and its accumulator is reset to 0.  A selection
+served in low precision (FETCH_LOW, or a HIT on a low slot) accumulates too; an
+admitted expert resident in low precision is upgraded: its full-precision rows are
+copied into its own slot (no eviction) where admissions are inserted, and the slot is
+no longer low.  Without admission a low copy stays until it is evicted.
 
 Eviction picks, among slots not in use by the current token, an empty slot
 first, else `lru` (oldest last use) or `lfu` (smallest decayed selection count,
@@ -83,12 +91,14 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from moejax.cache import cost as cost_lib
 from moejax.model import routing
 from moejax.model.config import ModelConfig
 
-HIT, FETCH, SUBSTITUTE, HOST, DROP = 0, 1, 2, 3, 4
+HIT, FETCH, SUBSTITUTE, HOST, DROP, FETCH_LOW = 0, 1, 2, 3, 4, 5
 
-MISS_RULES = ("fetch_all", "threshold", "first_choice", "substitute_all", "host")
+MISS_RULES = ("fetch_all", "threshold", "first_choice", "substitute_all", "host",
+              "fetch_low", "threshold_low", "cost")
 EVICTIONS = ("lru", "lfu", "least_stale")
 SUBSTITUTIONS = ("next_best", "drop")
 
@@ -107,6 +117,10 @@ class DecideParams:
   tau: float = 0.15
   substitution: str = "next_best"
   admission_beta: float | None = None    # None: no background admission
+  tau_low: float = 0.02                  # threshold_low: low-precision fetch at share >= it
+  low_bits: int = 8                      # the low-precision copy: int8 or int4
+  lam: float = 1.0                       # cost: ms per % PPL
+  cost: cost_lib.CostModel | None = None  # cost: None = cost.default_model(low_bits)
 
   def __post_init__(self):
     if self.miss not in MISS_RULES:
@@ -119,6 +133,25 @@ class DecideParams:
                         f"of {', '.join(SUBSTITUTIONS)}")
     if self.admission_beta is not None and not self.admission_beta > 0:
       raise PolicyError(f"admission_beta must be > 0, got {self.admission_beta}")
+    if not 0.0 < self.tau_low <= 1.0:
+      raise PolicyError(f"tau_low must be in (0, 1], got {self.tau_low}")
+    if self.low_bits not in (8, 4):
+      raise PolicyError(f"low_bits must be 8 or 4, got {self.low_bits}")
+    if not self.lam >= 0:
+      raise PolicyError(f"lam must be >= 0 (0: never wait), got {self.lam}")
+
+  @property
+  def low(self) -> bool:
+    """Whether the rule can fetch low-precision copies (the store needs them)."""
+    return self.miss in ("fetch_low", "threshold_low", "cost")
+
+  @property
+  def host(self) -> bool:
+    """Whether the rule can compute a miss on the host."""
+    return self.miss == "host" or (self.miss == "cost" and self.cost_model().host_ms is not None)
+
+  def cost_model(self) -> cost_lib.CostModel:
+    return self.cost or cost_lib.default_model(self.low_bits)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,10 +192,12 @@ class PolicyParams:
   lfu_decay = property(lambda self: self.cache.lfu_decay)
 
   def describe(self) -> str:
-    rule = f"threshold({self.tau:g})" if self.miss == "threshold" else self.miss
+    rule = {"threshold": f"threshold({self.tau:g})", "cost": f"cost(lam={self.decision.lam:g}, "
+            f"int{self.decision.low_bits})", "threshold_low": f"threshold_low({self.tau:g}, "
+            f"{self.decision.tau_low:g}, int{self.decision.low_bits})"}.get(self.miss, self.miss)
     parts = [rule, self.eviction]
     if self.substitution == "drop" and self.miss in ("threshold", "first_choice",
-                                                     "substitute_all"):
+                                                     "substitute_all", "threshold_low", "cost"):
       parts.append("drop")
     if self.admission_beta is not None:
       parts.append(f"admission({self.admission_beta:g})")
@@ -187,12 +222,14 @@ PRESETS = {
 
 _FLAGS = dict(miss="--policy", tau="--tau", substitution="--substitution",
               admission_beta="--admission_beta", eviction="--eviction",
-              lfu_decay="--lfu_decay")
+              lfu_decay="--lfu_decay", tau_low="--tau_low", low_bits="--low_bits", lam="--lam")
 
 
 def make_policy(name: str, *, tau: float | None = None, eviction: str | None = None,
                 admission_beta: float | None = None, substitution: str | None = None,
-                lfu_decay: float | None = None) -> PolicyParams:
+                lfu_decay: float | None = None, tau_low: float | None = None,
+                low_bits: int | None = None, lam: float | None = None,
+                cost: cost_lib.CostModel | None = None) -> PolicyParams:
   """A preset (quality/speed/baseline) or a miss rule, with optional overrides.
 
   Overrides given as None keep the preset's (or the default) value.  For a plain
@@ -207,7 +244,8 @@ def make_policy(name: str, *, tau: float | None = None, eviction: str | None = N
     raise PolicyError(f"--policy: unknown policy or preset {name!r}; choose one of "
                       f"{', '.join(tuple(PRESETS) + MISS_RULES)}")
   for k, v in (("tau", tau), ("eviction", eviction), ("admission_beta", admission_beta),
-               ("substitution", substitution), ("lfu_decay", lfu_decay)):
+               ("substitution", substitution), ("lfu_decay", lfu_decay), ("tau_low", tau_low),
+               ("low_bits", low_bits), ("lam", lam), ("cost", cost)):
     if v is not None:
       kw[k] = v
   cache_kw = {k: kw.pop(k) for k in ("eviction", "lfu_decay") if k in kw}
@@ -269,26 +307,22 @@ def decide(router_logits_NxE: jax.Array, resident, params: DecideParams | Policy
   miss = ~is_res
   first = jnp.arange(k)[None, :] == 0
 
-  if params.miss == "fetch_all":
-    wait = miss
-  elif params.miss == "threshold":
-    wait = miss & (first | (share >= params.tau))
-  elif params.miss == "first_choice":
-    wait = miss & first
-  else:  # substitute_all, host
-    wait = jnp.zeros_like(miss)
-  served_elsewhere = miss & ~wait
-
-  action = jnp.where(is_res, HIT, FETCH)
-  sub_ids = jnp.full_like(ids, -1)
-  weights = gates
+  # FETCH, FETCH_LOW, HOST, DROP without a substitute (`cost.miss_masks`)
+  wait, low, host, drop = cost_lib.miss_masks(params, miss, first, share)
+  served_elsewhere = miss & ~wait & ~low     # not in the cache this token
   if params.miss == "host":
-    action = jnp.where(served_elsewhere, HOST, action)
-  elif params.miss == "fetch_all":   # every miss is waited for: nothing to substitute
+    host = served_elsewhere
+  rest = served_elsewhere & ~host & ~drop    # substituted (or dropped per the variant)
+
+  action = jnp.where(is_res, HIT, jnp.where(low, FETCH_LOW, FETCH))
+  action = jnp.where(host, HOST, jnp.where(drop, DROP, action))
+  sub_ids = jnp.full_like(ids, -1)
+  weights = jnp.where(drop, 0.0, gates)
+  if params.miss in ("host", "fetch_all", "fetch_low"):   # nothing to substitute
     pass
   elif params.substitution == "drop":
-    action = jnp.where(served_elsewhere, DROP, action)
-    kept = jnp.where(served_elsewhere, 0.0, gates)
+    action = jnp.where(rest, DROP, action)
+    kept = jnp.where(rest, 0.0, weights)
     kept_total = jnp.sum(kept, axis=-1, keepdims=True)
     weights = jnp.where(kept_total > 0, kept * total / jnp.where(kept_total > 0, kept_total, 1.0),
                         0.0)
@@ -298,22 +332,23 @@ def decide(router_logits_NxE: jax.Array, resident, params: DecideParams | Policy
     cand_ok = (resident.expert_slot[None, :] >= 0) & ~selected
     cand_score = jnp.where(cand_ok, scores, -jnp.inf)
     c_score, c_ids = jax.lax.top_k(cand_score, k)                  # [N,K]
-    rank = prefix_count(served_elsewhere) - 1                       # misses in score order
+    rank = prefix_count(rest) - 1                                  # misses in score order
     rank = jnp.clip(rank, 0, k - 1)
     got = pick(jnp.where(c_score > -jnp.inf, 1, 0), rank) > 0
     sub = pick(c_ids.astype(jnp.int32), rank)
-    do_sub = served_elsewhere & got
-    action = jnp.where(do_sub, SUBSTITUTE, jnp.where(served_elsewhere, DROP, action))
+    do_sub = rest & got
+    action = jnp.where(do_sub, SUBSTITUTE, jnp.where(rest, DROP, action))
     sub_ids = jnp.where(do_sub, sub, -1)
-    weights = jnp.where(served_elsewhere & ~got, 0.0, gates)
+    weights = jnp.where(rest & ~got, 0.0, weights)
   action = action.astype(jnp.int32)
-  exec_ids = jnp.where((action == HIT) | (action == FETCH), ids,
+  exec_ids = jnp.where((action == HIT) | (action == FETCH) | (action == FETCH_LOW), ids,
                        jnp.where(action == SUBSTITUTE, sub_ids, -1)).astype(jnp.int32)
 
   acc = resident.acc
   admit = jnp.zeros((num_e,), bool)
-  if params.admission_beta is not None:
-    w = jnp.where(served_elsewhere, share, 0.0).reshape(-1, 1)
+  if params.admission_beta is not None:     # served elsewhere or in low precision
+    low_hit = is_res & resident.low[ids]
+    w = jnp.where(served_elsewhere | low | low_hit, share, 0.0).reshape(-1, 1)
     add = jnp.sum(jnp.where(ids.reshape(-1, 1) == jnp.arange(num_e), w, 0.0), axis=0)
     acc = acc + add
     admit = acc >= params.admission_beta

@@ -14,6 +14,8 @@ the jitted steps and donated.  Per MoE layer:
                                  insertion counts as a use; -1 = never
   loaded       [E] int32         step of the last insertion (least_stale's FIFO
                                  order within a generation); -1 = never
+  low          [E] bool          resident as its low-precision copy (FETCH_LOW; read
+                                 only where expert_slot >= 0)
   freq         [E] f32           decayed router-selection count (lfu)
   acc          [E] f32           accumulated normalised share of misses not
                                  waited for (background admission)
@@ -120,6 +122,7 @@ class ResidentState:
   expert_slot: jax.Array
   last_used: jax.Array
   loaded: jax.Array
+  low: jax.Array
   freq: jax.Array
   acc: jax.Array
   step: jax.Array
@@ -148,13 +151,14 @@ def init_state(num_experts: int, num_slots: int, expert_spec: dict,
       expert_slot=jnp.full((num_experts,), -1, jnp.int32),
       last_used=jnp.full((num_experts,), -1, jnp.int32),
       loaded=jnp.full((num_experts,), -1, jnp.int32),
+      low=jnp.zeros((num_experts,), bool),
       freq=jnp.zeros((num_experts,), jnp.float32),
       acc=jnp.zeros((num_experts,), jnp.float32),
       step=jnp.zeros((), jnp.int32))
 
 
 def insert(state: ResidentState, ids_J: jax.Array, rows_J: dict, in_use_E: jax.Array,
-           params: policy_lib.CacheParams | policy_lib.PolicyParams):
+           params: policy_lib.CacheParams | policy_lib.PolicyParams, low_J=None):
   """Inserts experts ids_J[j] (with weights {name: rows_J[name][j]}) in order; pure and
   jittable.  rows_J holds one stacked array [>= J, ...] per buffer; None updates the
   metadata only (the engine's decode step copies rows itself: `layer.copy_rows`).
@@ -165,7 +169,8 @@ def insert(state: ResidentState, ids_J: jax.Array, rows_J: dict, in_use_E: jax.A
   and experts already resident, and insertions when every slot is protected.
   Rows are written with `lax.dynamic_update_slice` (in place when the state is
   donated).  Returns (state, evicted_J): the expert each insertion evicted (-1:
-  none, or the insertion was skipped).
+  none, or the insertion was skipped).  low_J: [J] bool, the inserted experts are
+  low-precision copies (`ResidentState.low`; default: full precision).
   """
   num_e = state.expert_slot.shape[0]
   num_s = state.slot_expert.shape[0]
@@ -193,6 +198,8 @@ def insert(state: ResidentState, ids_J: jax.Array, rows_J: dict, in_use_E: jax.A
   slot_e = jnp.where(jnp.any(ins_JxS, axis=0),
                      jnp.sum(jnp.where(ins_JxS, ec[:, None], 0), axis=0), slot_e).astype(jnp.int32)
   last = jnp.where(got_E, state.step, state.last_used)
+  low_E = (jnp.zeros((num_e,), bool) if low_J is None else
+           jnp.any(ins_JxE & jnp.asarray(low_J, bool)[:, None], axis=0))
   # one dynamic_update_slice per row and buffer, in place when donated; a skipped
   # insertion goes to the scratch row (buffers never read here, so no copies)
   bufs = dict(state.buffers)
@@ -203,7 +210,8 @@ def insert(state: ResidentState, ids_J: jax.Array, rows_J: dict, in_use_E: jax.A
                                              (at,) + (0,) * (buf.ndim - 1))
   new_state = dataclasses.replace(state, buffers=bufs, slot_expert=slot_e, expert_slot=exp_s,
                                   last_used=last,
-                                  loaded=jnp.where(got_E, state.step, state.loaded))
+                                  loaded=jnp.where(got_E, state.step, state.loaded),
+                                  low=jnp.where(got_E, low_E, state.low))
   return new_state, old.astype(jnp.int32)
 
 

@@ -30,6 +30,7 @@ from moejax.cli import app as cli
 
 FLAGS = flags.FLAGS
 OFFLOAD_FLAGS = ("cache_fraction", "cache_bytes", "store", "link", "tau", "admission_beta",
+                 "lam", "tau_low", "low_bits",
                  "eviction", "prefetch", "speculative", "estimators", "streaming",
                  "ppl_budget", "tpot_budget_ms")
 
@@ -65,6 +66,16 @@ flags.DEFINE_string("link", None, "With --policy: host->device link: 'native' (t
                     "Default: native on an accelerator, scaled on a CPU-only machine.")
 flags.DEFINE_float("tau", None, "With --policy=threshold or quality: normalised gate share at "
                    "or above which a miss waits (default 0.15).")
+flags.DEFINE_float("lam", None, "With --policy=cost: milliseconds a token is worth one "
+                   "percentage point of perplexity (>= 0; 0 never waits). Default 1. Times come "
+                   "from --profile's link and this model's expert bytes (default: a Qwen3-30B-A3B "
+                   "expert over the RTX 3090 profile's PCIe link), quality from the demo "
+                   "model's calibration (moejax/cache/cost.py).")
+flags.DEFINE_float("tau_low", None, "With --policy=threshold_low: share at or above which a "
+                   "miss below --tau fetches its low-precision copy (default 0.02).")
+flags.DEFINE_enum("low_bits", None, ["8", "4"], "With --policy=fetch_low, threshold_low or cost: "
+                  "the low-precision copies, int8 per row or int4 per group of 32 (default 8); "
+                  "made once and cached in ~/.cache/moejax/quant/<checkpoint hash>/.")
 flags.DEFINE_float("ppl_budget", None, "With --policy=auto: the largest perplexity increase "
                    "over fetch_all, in percent (e.g. 1.0).")
 flags.DEFINE_float("tpot_budget_ms", None, "With --policy=auto and --profile: the longest "
@@ -130,7 +141,12 @@ def check_flags():
     check_auto_flags()
   elif FLAGS.policy is not None:
     policy = make_policy()
-    if cli.given("tau") and policy.miss != "threshold":
+    for flag, rules in (("lam", ("cost",)), ("tau_low", ("threshold_low",)),
+                        ("low_bits", ("fetch_low", "threshold_low", "cost"))):
+      if cli.given(flag) and policy.miss not in rules:
+        raise cli.UsageError(f"--{flag} applies to --policy={' or '.join(rules)}; "
+                             f"--policy={FLAGS.policy} ignores it")
+    if cli.given("tau") and policy.miss not in ("threshold", "threshold_low"):
       raise cli.UsageError(f"--tau applies to the threshold rule (--policy=threshold or "
                            f"quality); --policy={FLAGS.policy} ({policy.describe()}) ignores it")
     if cli.given("admission_beta") and policy.miss == "fetch_all":
@@ -195,7 +211,28 @@ def make_policy():
     return _AUTO["policy"]
   from moejax.cache.policy import make_policy as make
   return make(FLAGS.policy, tau=FLAGS.tau, admission_beta=FLAGS.admission_beta,
-              eviction=FLAGS.eviction)
+              eviction=FLAGS.eviction, lam=FLAGS.lam, tau_low=FLAGS.tau_low,
+              low_bits=None if FLAGS.low_bits is None else int(FLAGS.low_bits))
+
+
+def cost_policy(policy, store):
+  """--policy=cost with --profile: the cost model's times from that profile's link and
+  this model's experts; the low-precision store a low-fetching policy reads, from the
+  disk cache -> (policy, low store or None)."""
+  import dataclasses
+  from moejax.cache import cost
+  from moejax.io import quant
+  from moejax.offload import hardware
+  d = policy.decision
+  if d.miss == "cost" and FLAGS.profile is not None:
+    hw = hardware.hardware(FLAGS.profile)
+    shapes = {k: tuple(v.shape) for k, v in store.get(store.moe_layers[0], 0).items()}
+    model = cost.from_profile(quant.bf16_nbytes(shapes), quant.low_nbytes(shapes, d.low_bits),
+                              hw.link_Bps, hw.link_latency_s, cost.DEMO_SLOPES, d.low_bits)
+    policy = dataclasses.replace(policy, decision=dataclasses.replace(d, cost=model))
+  low = (quant.load_or_build(store, d.low_bits, model_dir=FLAGS.model_dir)
+         if d.low and FLAGS.model_dir else None)
+  return policy, low
 
 
 def link_spec() -> str:
@@ -378,10 +415,11 @@ def generate_offloaded(cfg, params, store, tok, ids, sp, dtype, seq):
     raise cli.UsageError(str(e)) from None
   prefetch = prefetch_lib.Prefetch(kind, FLAGS.speculative or "off", preds,
                                    streaming=bool(FLAGS.streaming))
-  eng = OffloadEngine(cfg, params, store, make_policy(),
+  policy, low = cost_policy(make_policy(), store)
+  eng = OffloadEngine(cfg, params, store, policy,
                       cache_fraction=None if FLAGS.cache_bytes else cache_fraction(),
                       cache_bytes=FLAGS.cache_bytes, link=link, max_len=seq, dtype=dtype,
-                      prefetch=prefetch)
+                      prefetch=prefetch, low_store=low)
   with eng:
     print(f"[moejax] {eng.describe()}", file=sys.stderr)
     if not link.emulated and jax.devices()[0].platform == "cpu":

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moejax.io import quant
 from moejax.kernels import cpu_kernel
 from moejax.model import families
 from moejax.prefetch import speculation
@@ -52,12 +53,15 @@ class OffloadEngine:
                policy: policy_lib.PolicyParams | str = "baseline", *,
                cache_fraction: float | None = 0.25, cache_bytes: int | None = None,
                link="native", max_len: int = 512, dtype=jnp.float32, initial="auto",
-               prefetch: Prefetch | None = None, transfer_timeout_s: float = 120.0):
+               prefetch: Prefetch | None = None, transfer_timeout_s: float = 120.0,
+               low_store=None):
     """policy: a PolicyParams or a preset/miss-rule name.  link: a `Link` or a spec
     ("native", "16GB/s,10us"; a scaled link comes from `calibrate.calibrated_link`).
     initial: "auto", "empty", "all", or {MoE layer: routing counts} (the most used
     experts first, `calibrate.profile_counts`).  prefetch: speculative prefetch
-    (`prefetch.Prefetch`; its `streaming` keeps no expert across tokens)."""
+    (`prefetch.Prefetch`; its `streaming` keeps no expert across tokens).  low_store: the
+    low-precision copies a policy that fetches them reads (`io.quant.load_or_build`;
+    default: quantised now, in memory)."""
     if isinstance(policy, str):
       policy = policy_lib.make_policy(policy)
     if isinstance(link, str) and link.strip().lower().startswith("scaled"):
@@ -79,12 +83,20 @@ class OffloadEngine:
                                            nbytes=cache_bytes, streaming=pf.streaming)
     self.link = link if isinstance(link, link_lib.Link) else link_lib.parse_link(
         link, expert_bytes=nbytes)
-    if policy.miss == "host" and self.device.platform != "cpu":
+    if policy.decision.host and self.device.platform != "cpu":
       raise policy_lib.PolicyError(
           "--policy=host computes misses on the host CPU, inside the decode program where "
           "the store lives: that needs the CPU backend (on an accelerator, use the "
           "simulator's host time model)")
     host, pinned = transfer.program_store(store, self.device)
+    self.low_store = None
+    if policy.decision.low:
+      self.low_store = low_store or quant.build(store, policy.decision.low_bits)
+      if self.low_store.bits != policy.decision.low_bits:
+        raise policy_lib.PolicyError(f"--low_bits={policy.decision.low_bits}: the low-precision "
+                                     f"store holds int{self.low_store.bits} copies")
+      low = transfer.program_store(self.low_store, self.device)[0]
+      host = {l: dict(store=v, low=low[l]) for l, v in host.items()}
     trim_to = self.budget.slots if self.budget.staging else None
     ctx = layer_lib.Ctx(cfg, policy, trim_to, pf.kind, pf.speculative, not pf.streaming,
                         None, "slots", pinned, defer_tail=True,
@@ -93,8 +105,8 @@ class OffloadEngine:
     self.params = put(params)
     preds = (speculation.stacked_predictors(cfg, pf.kind, pf.predictors, stack=False)
              if self.mode.on and pf.kind != "oracle" else None)
-    self._srcs = [None if i not in host else dict(store=host[i], **(put(preds[i]) if preds
-                                                                   else {}))
+    self._srcs = [None if i not in host else dict(
+        **(host[i] if self.low_store else dict(store=host[i])), **(put(preds[i]) if preds else {}))
                   for i in range(cfg.num_layers)]
     if self.mode.on and preds is None:   # oracle: vectors unused
       zero = jnp.zeros((cfg.num_experts, cfg.hidden_size), jnp.float32)
@@ -114,6 +126,7 @@ class OffloadEngine:
     self._step = decode.step_fn(self._prog)
     self._layout = decode.layout(ctx, self.budget.physical)
     self._clock = link_lib.LinkClock(self.link, nbytes, self.moe_layers)
+    self._low_nbytes = self.low_store.expert_nbytes() if self.low_store else 0
     self._carry = None            # (KV cache, states, pending) once a prompt ran
     self.end_index = 0
     self._records: list[TokenRecord] = []
@@ -276,7 +289,8 @@ class OffloadEngine:
     compute = time.perf_counter() - t0
     waits = {}
     if self.link.emulated:
-      emulated, waits = self._clock.token(compute, *_link_counts(packed, self._layout))
+      emulated, waits = self._clock.token(compute, *_link_counts(
+          packed, self._layout, self._low_nbytes / self.store.expert_nbytes()))
       if emulated - compute > self.transfer_timeout_s:
         transfer.sleep_until(t0 + compute + self.transfer_timeout_s)
         self._failed = transfer.TransferTimeout(
@@ -300,7 +314,7 @@ class OffloadEngine:
     decode step itself only keeps its small numpy array)."""
     eb = self.store.expert_nbytes()
     for packed, wall, waits in self._unbuilt:
-      rec = build_record(packed, self._layout, self.moe_layers, eb)
+      rec = build_record(packed, self._layout, self.moe_layers, eb, self._low_nbytes)
       rec.finish(wall, **waits)
       self._records.append(rec)
     self._unbuilt.clear()
@@ -355,8 +369,11 @@ class OffloadEngine:
     return [int(x) for x in toks[:n]]
 
 
-def _link_counts(packed: np.ndarray, layout: decode.Layout):
-  """Per MoE layer: waited fetches, admissions requested, experts prefetched."""
+def _link_counts(packed: np.ndarray, layout: decode.Layout, low_ratio: float = 0.0):
+  """Per MoE layer: waited fetches (a low-precision one counts low_ratio of an expert's
+  bytes), admissions requested, experts prefetched."""
   cols = layout.split(packed)
   n = lambda a: np.sum(a >= 0, axis=-1)
-  return n(cols["fetched"]), n(cols["admissions"]), n(cols["prefetched"])
+  low = np.sum(cols["actions"] == policy_lib.FETCH_LOW, axis=-1)
+  return (n(cols["fetched"]) - low * (1.0 - low_ratio), n(cols["admissions"]),
+          n(cols["prefetched"]))

@@ -41,12 +41,14 @@ from moejax.model.config import ModelConfig
 from moejax.cache import policy as policy_lib
 from moejax.prefetch import steps as pf
 from moejax.cache import resident as resident_lib
-from moejax.cache.policy import DROP, FETCH, HIT, HOST, SUBSTITUTE
+from moejax.cache.policy import DROP, FETCH, FETCH_LOW, HIT, HOST, SUBSTITUTE
+from moejax.offload.sources import copy_rows, device_memory, run_experts  # noqa: F401
 
 # per-layer counts of a decoded token (summed over MoE layers by the drivers)
 STATS = ("expert_calls", "hits", "fetches", "substituted", "substituted_mass", "dropped",
          "dropped_mass", "host_calls", "admissions", "admitted", "evictions", "prefetches",
-         "useful_prefetches", "recall_hits", "predicted_calls", "first_substituted")
+         "useful_prefetches", "recall_hits", "predicted_calls", "fetches_low", "low_mass",
+         "first_substituted")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,8 +75,9 @@ class Ctx:
 class Head(NamedTuple):
   """A MoE layer's decision and what its experts need now (`policy_head`)."""
   dec: policy_lib.Decision
-  fetched: jax.Array       # [K] FETCH experts (-1: none)
+  fetched: jax.Array       # [K] FETCH and FETCH_LOW experts (-1: none)
   fetch_slots: jax.Array   # [K] their slots (-1: nothing to copy)
+  fetch_low: jax.Array     # [K] bool: the fetch is of the low-precision copy
   rows: jax.Array          # [K] buffer row of each executed expert (-1: none)
   pf_ids: jax.Array        # [K] prefetched experts (not resident when predicted; -1)
   predicted: jax.Array     # [K] the experts predicted for this layer (-1: no prediction)
@@ -109,12 +112,13 @@ def counts(xp, action, share, admissions, admitted, evicted, pf_stats):
   admissions: ids requested now; admitted: ids inserted for this token (-1 padded)."""
   f32 = lambda a: xp.asarray(a, xp.float32)
   n = lambda m: xp.sum(f32(m), axis=-1)
-  sub, drop = f32(action == SUBSTITUTE), f32(action == DROP)
+  sub, drop, low = f32(action == SUBSTITUTE), f32(action == DROP), f32(action == FETCH_LOW)
   k = xp.full(action.shape[:-1], action.shape[-1], xp.float32)
   return xp.stack([k, n(action == HIT), n(action == FETCH), n(sub), xp.sum(sub * share, axis=-1),
                    n(drop), xp.sum(drop * share, axis=-1), n(action == HOST),
                    n(admissions >= 0), n(admitted >= 0), n(evicted >= 0),
-                   *[pf_stats[..., i] for i in range(4)], sub[..., 0] + drop[..., 0]], axis=-1)
+                   *[pf_stats[..., i] for i in range(4)], xp.sum(low, axis=-1),
+                   xp.sum(low * share, axis=-1), sub[..., 0] + drop[..., 0]], axis=-1)
 
 
 def first_k(mask_E, k: int):
@@ -143,12 +147,12 @@ def _in_use(ids, num_e: int):
   return jnp.any(ids.reshape(-1, 1) == jnp.arange(num_e), axis=0)     # ids < 0 match none
 
 
-def _insert(state, ids, in_use, cache, skip_empty: bool):
+def _insert(state, ids, in_use, cache, skip_empty: bool, low=None):
   """resident.insert -> (state, evicted, slots); with skip_empty under a cond on there
   being anything to insert (cheap on a CPU, where it saves the insert's work; a GPU
   runs it unconditionally: a data-dependent branch there costs more than the insert)."""
   def run(st):
-    new, ev = resident_lib.insert(st, ids, None, in_use, cache)
+    new, ev = resident_lib.insert(st, ids, None, in_use, cache, low)
     return new, ev, placed(st, new, ids)
   if not skip_empty:
     return run(state)
@@ -167,8 +171,8 @@ def policy_head(cfg: ModelConfig, decision, cache, state, logits_1xE, *,
   none_K = jnp.full((k,), -1, jnp.int32)
   if all_resident and spec is None and decide_fn is None:
     dec = policy_lib.all_hits(logits_1xE, state, cfg)
-    return state, Head(dec, none_K, none_K, state.expert_slot[dec.ids[0]], none_K, none_K,
-                       dec.ids[0], none_K, jnp.zeros((4,), jnp.float32))
+    return state, Head(dec, none_K, none_K, jnp.zeros((k,), bool), state.expert_slot[dec.ids[0]],
+                       none_K, none_K, dec.ids[0], none_K, jnp.zeros((4,), jnp.float32))
   decide = decide_fn or (lambda lg, st: policy_lib.decide(lg, st, decision, cfg))
   pf_ids = predicted = none_K
   pf_stats = jnp.zeros((4,), jnp.float32)
@@ -190,14 +194,15 @@ def policy_head(cfg: ModelConfig, decision, cache, state, logits_1xE, *,
     f = jnp.float32
     pf_stats = jnp.stack([jnp.sum(pf_ids >= 0).astype(f), jnp.sum(used).astype(f),
                           jnp.where(has, hits, 0).astype(f), jnp.where(has, k, 0).astype(f)])
-  fetched = jnp.where(dec.action[0] == FETCH, dec.ids[0], -1).astype(jnp.int32)
+  fetch_low = dec.action[0] == FETCH_LOW
+  fetched = jnp.where((dec.action[0] == FETCH) | fetch_low, dec.ids[0], -1).astype(jnp.int32)
   state, ev_fetch, fetch_slots = _insert(state, fetched, _in_use(dec.exec_ids[0], num_e), cache,
-                                         skip_empty)
+                                         skip_empty, fetch_low)
   # the row each executed expert is read from: its slot, or its prefetch row
   seen = pf.view(state, pf_ids) if spec is not None else state
   rows = jnp.where(dec.exec_ids[0] >= 0,
                    seen.expert_slot[jnp.maximum(dec.exec_ids[0], 0)], -1).astype(jnp.int32)
-  return state, Head(dec, fetched, fetch_slots, rows, pf_ids, predicted,
+  return state, Head(dec, fetched, fetch_slots, fetch_low, rows, pf_ids, predicted,
                      true_ids.astype(jnp.int32), ev_fetch, pf_stats)
 
 
@@ -228,6 +233,11 @@ def policy_tail(cfg: ModelConfig, decision, cache, trim_to, state, head: Head, *
   if decision.admission_beta is not None:   # in place before the layer's next decision
     adm = first_k(dec.admit, k)
     state, ev_adm, adm_slots = _insert(state, adm, jnp.zeros((num_e,), bool), cache, skip_empty)
+    if decision.low:   # an admitted low-precision resident: full rows into its own slot
+      e = jnp.maximum(adm, 0)
+      up = (adm >= 0) & (state.expert_slot[e] >= 0) & state.low[e] & (adm_slots < 0)
+      adm_slots = jnp.where(up, state.expert_slot[e], adm_slots)
+      state = dataclasses.replace(state, low=state.low & ~_in_use(jnp.where(up, adm, -1), num_e))
   pending = (adm, adm_slots, ev_adm, kept, kept_slots)
   return state, Step(head, kept, kept_slots, jnp.concatenate(evicted + [ev_trim]), pending)
 
@@ -255,95 +265,6 @@ def layer_counts(step: Step, prev_pending: tuple):
   h = step.head
   return counts(jnp, h.dec.action[0], h.dec.share[0], step.pending[0], prev_pending[0],
                 jnp.concatenate([prev_pending[2], step.evicted]), h.pf_stats)
-
-
-# ------------------------------------------------------------------ expert sources
-def device_memory():
-  """Device memory of the (single) device: where in-program copies from a host memory
-  kind go."""
-  return jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="device")
-
-
-def _row(src, i, dtype, pinned: bool):
-  """src[i:i+1] on the device, as `dtype`.  The program store holds 16-bit floats as their
-  uint16 bits (`transfer.program_store`): XLA CPU slices a bf16 array by converting all
-  of it to f32 first, and hoists that convert of the whole store out of the copy loop."""
-  row = jax.lax.dynamic_slice_in_dim(src, i, 1, axis=0)
-  if pinned:
-    row = jax.device_put(row, device_memory())
-  if row.dtype != dtype and row.dtype.itemsize == jnp.dtype(dtype).itemsize:
-    return jax.lax.bitcast_convert_type(row, dtype)
-  return row.astype(dtype)
-
-
-def copy_rows(buffers: dict, store: dict, ids_J, slots_J, pinned: bool) -> dict:
-  """Copies store[k][ids_J[j]] into buffers[k][slots_J[j]] for every j with a slot, in
-  order (a later copy into the same slot wins), inside the program; a skipped entry
-  copies nothing.  A pinned_host store's slices are moved to device memory.
-
-  One `fori_loop` over the copies: a while loop updates the slot buffers in place.  A
-  conditional does not: with the buffers as its operand XLA copies every slot buffer
-  into and out of it, whichever branch runs (a `lax.switch` on the number of copies, and
-  a `lax.cond` on there being any, both measured: 16 buffer copies a token on a 4-layer
-  model; docs/engine.md).  On a GPU the loop costs one device->host sync of its bound."""
-  j_max = ids_J.shape[0]
-  if j_max == 0:
-    return buffers
-  valid = slots_J >= 0
-  at = jnp.where(valid, policy_lib.prefix_count(valid) - 1, j_max)
-  to_JxJ = at[None, :] == jnp.arange(j_max)[:, None]     # [to, from]: compaction, no scatter
-  ids = jnp.sum(jnp.where(to_JxJ, ids_J[None, :], 0), axis=1)
-  slots = jnp.sum(jnp.where(to_JxJ, slots_J[None, :], 0), axis=1)
-  n = jnp.sum(valid).astype(jnp.int32)
-
-  def copy_one(j, bufs):
-    bufs = dict(bufs)
-    for name, buf in bufs.items():
-      row = _row(store[name], ids[j], buf.dtype, pinned)
-      bufs[name] = jax.lax.dynamic_update_slice_in_dim(buf, row, slots[j], axis=0)
-    return bufs
-
-  return jax.lax.fori_loop(0, n, copy_one, dict(buffers))
-
-
-def run_experts(ctx: Ctx, mod, p, src: dict, h, moe_in, state, head: Head, carried: tuple):
-  """The layer's experts and residual from the source -> (x, state).  The slots source
-  first makes the copies the cache's metadata already promises, in order: the previous
-  token's executed prefetches into their slots and its admissions (`carried`, its
-  `Step.pending`), this token's prefetches into their rows, its fetches."""
-  dec, k = head.dec, ctx.cfg.top_k
-  run = dec.exec_ids[0]
-  if ctx.source == "table":        # every expert on the device: by id; HOST exact
-    run = jnp.where(dec.action[0] == HOST, dec.ids[0], run)
-    w = jnp.where(run >= 0, dec.weights[0], 0.0)
-    x = mod.apply({"params": p}, h, moe_in, jnp.maximum(run, 0).reshape(1, 1, k),
-                  w.reshape(1, 1, k), src["table"], method="moe_residual")
-    return x, state
-  store, bufs = src["store"], state.buffers
-  num_p = state.slot_expert.shape[0]
-  if not ctx.all_resident:         # nothing to copy when every expert stays resident
-    # the previous token's kept prefetches and admissions (in the order its tail
-    # inserted them), then this token's prefetches into their rows and its fetches
-    ids, slots = [carried[0], head.fetched], [carried[1], head.fetch_slots]
-    if ctx.spec_on:
-      ids, slots = [carried[3]] + ids, [carried[4]] + slots
-      pf_rows = jnp.where(head.pf_ids >= 0, num_p + 1 + jnp.arange(k), -1)   # `prefetch.view`
-      bufs = copy_rows(bufs, store, head.pf_ids, pf_rows.astype(jnp.int32), ctx.pinned)
-    bufs = copy_rows(bufs, store, jnp.concatenate(ids), jnp.concatenate(slots), ctx.pinned)
-    state = dataclasses.replace(state, buffers=bufs)
-  w = jnp.where(head.rows >= 0, dec.weights[0], 0.0)
-  x = mod.apply({"params": p}, h, moe_in, jnp.maximum(head.rows, 0).reshape(1, 1, k),
-                w.reshape(1, 1, k), bufs, method="moe_residual")
-  if ctx.policy.miss == "host":    # read where the store lives (the CPU backend's host memory)
-    host = dec.action[0] == HOST
-    wh = jnp.where(host, dec.weights[0], 0.0)
-    e = jnp.where(host, dec.ids[0], 0)
-    rows = {name: jnp.concatenate([_row(v, e[j], bufs[name].dtype, ctx.pinned)
-                                   for j in range(k)]) for name, v in store.items()}
-    y = experts_lib.apply_experts(moe_in.reshape(1, -1), jnp.arange(k)[None], wh[None], rows,
-                                  swiglu=families.of(ctx.cfg).swiglu(ctx.cfg))
-    x = x + y.reshape(x.shape).astype(x.dtype)
-  return x, state
 
 
 # ------------------------------------------------------------------ the layer

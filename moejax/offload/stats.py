@@ -16,7 +16,8 @@ import numpy as np
 
 from moejax.model.config import ModelConfig
 
-COUNT_KEYS = ("expert_calls", "hits", "misses", "fetches", "fetch_bytes", "substituted",
+COUNT_KEYS = ("expert_calls", "hits", "misses", "fetches", "fetch_bytes", "fetches_low",
+              "fetch_low_bytes", "low_mass", "substituted",
               "substituted_mass", "dropped", "dropped_mass", "host_calls", "admissions",
               "admitted", "evictions", "prefetches", "useful_prefetches", "prefetch_bytes",
               "wasted_bytes", "recall_hits", "predicted_calls")
@@ -62,7 +63,10 @@ class TokenRecord:
   hits: float = 0.0
   misses: float = 0.0
   fetches: float = 0.0
-  fetch_bytes: float = 0.0
+  fetch_bytes: float = 0.0        # waited bytes: full fetches' and low-precision ones'
+  fetches_low: float = 0.0        # waited fetches of low-precision copies (FETCH_LOW)
+  fetch_low_bytes: float = 0.0    # ... their bytes (part of fetch_bytes)
+  low_mass: float = 0.0           # their normalised shares
   substituted: float = 0.0
   substituted_mass: float = 0.0
   dropped: float = 0.0
@@ -102,11 +106,13 @@ _LAYER_IDS = ("ids", "actions", "substitutes", "fetched", "admissions", "admitte
 _DENSE = ("ids", "actions", "substitutes", "true_ids")     # K entries each, -1 kept
 
 
-def build_record(packed_LxW: np.ndarray, layout, moe_layers, expert_bytes: int) -> TokenRecord:
+def build_record(packed_LxW: np.ndarray, layout, moe_layers, expert_bytes: int,
+                 low_bytes: int = 0) -> TokenRecord:
   """A decoded token's record from its packed decisions (`decode.Layout`; rows in
   `moe_layers` order): the counts by `layer.counts`, the same function the emulator's
   statistics use.  Per layer, id lists drop the -1 padding (ids, actions, substitutes
-  and true_ids keep their K entries)."""
+  and true_ids keep their K entries).  `fetches` counts full-precision fetches,
+  `fetches_low` low-precision ones (`low_bytes` each); `fetched` lists both."""
   from moejax.offload import layer   # pylint: disable=import-outside-toplevel
   cols = layout.split(np.asarray(packed_LxW))
   c = layer.counts(np, cols["actions"].astype(np.int32), cols["share"], cols["admissions"],
@@ -114,7 +120,8 @@ def build_record(packed_LxW: np.ndarray, layout, moe_layers, expert_bytes: int) 
   tot = dict(zip(layer.STATS, np.sum(c, axis=0, dtype=np.float64).tolist()))
   rec = TokenRecord(**{k: tot[k] for k in layer.STATS if k != "first_substituted"})
   rec.misses = rec.expert_calls - rec.hits
-  rec.fetch_bytes = rec.fetches * expert_bytes
+  rec.fetch_low_bytes = rec.fetches_low * low_bytes
+  rec.fetch_bytes = rec.fetches * expert_bytes + rec.fetch_low_bytes
   rec.prefetch_bytes = rec.prefetches * expert_bytes
   rec.wasted_bytes = (rec.prefetches - rec.useful_prefetches) * expert_bytes
   ints = {name: cols[name].astype(np.int64).tolist() for name in _LAYER_IDS}
@@ -178,7 +185,9 @@ def format_stats(s: dict, link_desc: str) -> str:
       ("hit rate", f"{100 * s['hit_rate']:.1f} %"),
       ("misses / token", f"{s['misses_per_token']:.2f}"),
       ("sync fetches / token", f"{s['fetches_per_token']:.2f} "
-                               f"({s['fetch_bytes_per_token'] / 1e6:.3f} MB)"),
+                               + (f"+ {s['fetches_low_per_token']:.2f} low-precision "
+                                  if s.get("fetches_low_per_token") else "")
+                               + f"({s['fetch_bytes_per_token'] / 1e6:.3f} MB)"),
       ("substituted calls", f"{s['substituted_call_pct']:.1f} % of expert calls"),
       ("substituted mass", f"{s['substituted_mass_per_token_layer']:.4f} per token-layer, "
                            f"{s['substituted_mass_per_token']:.4f} per token"),

@@ -78,7 +78,7 @@ def decode(ctx: layer_lib.Ctx, dtype, params, layers, srcs, carry, token, pos, k
   return carry, logits, steps
 
 
-_META = ("slot_expert", "expert_slot", "last_used", "loaded", "freq", "acc", "step")
+_META = ("slot_expert", "expert_slot", "last_used", "loaded", "low", "freq", "acc", "step")
 
 
 def _slots(states) -> int:

@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moejax.io import quant
 from moejax.model.config import ModelConfig
 from moejax.model import layer_stack
 from moejax.cache.controls import Control  # noqa: F401  (public: emulator.Control)
@@ -231,13 +232,15 @@ def make(cfg: ModelConfig, params, store, policy: PolicyParams | str, *,
          profile_counts: dict | None = None, control: Control | None = None,
          detail: bool = False, stacked: tuple | None = None, prefetch: str = "none",
          speculative: str = "off", predictors: dict | None = None,
-         streaming: bool = False) -> Emulation:
+         streaming: bool = False, low_store=None) -> Emulation:
   """An Emulation of `policy` with the engine's budget and initial cache contents.
 
   `stacked`: `stack_layers(cfg, params, store.to_device(dtype))`, to share one
   copy of the layers and the expert table between emulations.  `prefetch`,
   `speculative`, `predictors` (`prefetch.load_predictors`) and `streaming` as the
-  engine's (`prefetch="oracle"` is the engine's check only).
+  engine's (`prefetch="oracle"` is the engine's check only).  A policy that fetches
+  low-precision copies computes them dequantised (`low_store`, default: quantised now):
+  the table holds 2E experts per layer, e's copy at E + e (`sources.run_experts`).
   """
   mode = pf_steps.Mode(prefetch, speculative, keep=not streaming)
   if prefetch == "oracle" or (mode.on and control is not None):
@@ -253,6 +256,15 @@ def make(cfg: ModelConfig, params, store, policy: PolicyParams | str, *,
   if stacked is None:
     stacked = stack_layers(cfg, params, store.to_device(dtype))
   preds = speculation.stacked_predictors(cfg, prefetch, predictors) if mode.on else None
+  if policy.decision.low:
+    low = low_store or quant.build(store, policy.decision.low_bits)
+    if low.bits != policy.decision.low_bits:
+      raise EmulatorError(f"--low_bits={policy.decision.low_bits}: the low-precision store "
+                          f"holds int{low.bits} copies")
+    low_table = stack_layers(cfg, params, low.dequantized(dtype))[1]
+    axis = 1 if layer_stack.uniform(cfg) else 0
+    cat = lambda a, b: jnp.concatenate([a, b.astype(a.dtype)], axis=axis)
+    stacked = (stacked[0], jax.tree_util.tree_map(cat, stacked[1], low_table))
   stacked = (stacked[0], _sources(cfg, stacked[1], preds))
   states = layer_stack.stack_states(
       cfg, init_states(cfg, budget, policy, initial, profile_counts))

@@ -39,9 +39,10 @@ from moejax.cache.policy import PolicyParams
 
 # totals per policy and layer (float: masses are shares g / sum(selected g))
 STAT_FIELDS = ("expert_calls", "hits", "misses", "fetches", "substituted", "substituted_mass",
-               "dropped", "dropped_mass", "host_calls", "admissions", "admitted", "evictions")
-# per (token, layer), int8: what the time model reads
-STEP_FIELDS = ("fetches", "host_calls", "admissions", "device_calls")
+               "dropped", "dropped_mass", "host_calls", "admissions", "admitted", "evictions",
+               "fetches_low", "low_mass")
+# per (token, layer), int8: what the time model reads (fetches: full precision)
+STEP_FIELDS = ("fetches", "host_calls", "admissions", "device_calls", "fetches_low")
 
 
 @dataclasses.dataclass
@@ -80,19 +81,23 @@ class SimResult:
 
 def static_key(p: PolicyParams) -> PolicyParams:
   """The fields that change the computation (policies sharing it share one compile):
-  miss rule, substitution variant, admission on/off, eviction."""
+  miss rule, substitution variant, admission on/off, eviction, the low precision and
+  the cost model (tau, tau_low, beta, lam and the LFU decay are traced)."""
   d = policy_lib.DecideParams(miss=p.miss, substitution=p.substitution,
-                              admission_beta=None if p.admission_beta is None else 0.5)
+                              admission_beta=None if p.admission_beta is None else 0.5,
+                              low_bits=p.decision.low_bits,
+                              cost=p.decision.cost_model() if p.miss == "cost" else None)
   return PolicyParams(d, policy_lib.CacheParams(eviction=p.eviction))
 
 
 def _dyn(p: PolicyParams) -> np.ndarray:
-  return np.asarray([p.tau, p.admission_beta or 0.0, p.lfu_decay], np.float32)
+  return np.asarray([p.tau, p.admission_beta or 0.0, p.lfu_decay, p.decision.tau_low,
+                     p.decision.lam], np.float32)
 
 
 def _traced(static: PolicyParams, dyn_3):
-  """(DecideParams, CacheParams) of `static` with tau, beta and the LFU decay replaced
-  by traced values (vmap over variants).  The parts validate concrete numbers in
+  """(DecideParams, CacheParams) of `static` with tau, beta, the LFU decay, tau_low and
+  lam replaced by traced values (vmap over variants).  The parts validate concrete numbers in
   __post_init__; the variants were validated when they were built, so the copies
   bypass it."""
   d, c = copy.copy(static.decision), copy.copy(static.cache)
@@ -100,6 +105,8 @@ def _traced(static: PolicyParams, dyn_3):
   if d.admission_beta is not None:
     object.__setattr__(d, "admission_beta", dyn_3[1])
   object.__setattr__(c, "lfu_decay", dyn_3[2])
+  object.__setattr__(d, "tau_low", dyn_3[3])
+  object.__setattr__(d, "lam", dyn_3[4])
   return d, c
 
 
@@ -122,7 +129,7 @@ def _decode_step(cfg: ModelConfig, static: PolicyParams, trim_to, state, prev_pe
   n = lambda f: c[layer_lib.STATS.index(f)]
   dec = step.dec
   steps = jnp.stack([n("fetches"), n("host_calls"), n("admissions"),
-                     jnp.sum(dec.exec_ids[0] >= 0).astype(jnp.float32)])
+                     jnp.sum(dec.exec_ids[0] >= 0).astype(jnp.float32), n("fetches_low")])
   decisions = dict(ids=dec.ids[0], action=dec.action[0], sub_ids=dec.sub_ids[0],
                    admit=step.pending[0])
   return state, step.pending, stats, steps.astype(jnp.int8), decisions

@@ -25,12 +25,14 @@ class SpecError(ValueError):
 
 
 def parse_spec(spec: str, flag: str = "--policies"):
-  """NAME[:TAU][@drop] -> (PolicyParams, None), or random:P -> (substitute_all, Control).
+  """NAME[:TAU][@drop][@int4] -> (PolicyParams, None), or random:P -> (substitute_all,
+  Control).
 
   NAME: a preset (quality, speed, baseline) or a miss rule (fetch_all, threshold,
-  first_choice, substitute_all, host); TAU: the threshold rule's tau; @drop: the
-  drop substitution variant; random:P: the control substituting each miss with
-  probability P, protecting nothing.
+  first_choice, substitute_all, host, fetch_low, threshold_low, cost); TAU: the
+  threshold rule's tau (threshold_low:TAU:TAU_LOW; cost:LAMBDA, its lam); @drop: the
+  drop substitution variant; @int4: int4 low-precision copies (default int8);
+  random:P: the control substituting each miss with probability P, protecting nothing.
   """
   s = spec.strip()
   if not s:
@@ -41,12 +43,17 @@ def parse_spec(spec: str, flag: str = "--policies"):
       return policy_lib.make_policy("substitute_all"), E.Control("random", prob=p)
     except (ValueError, E.EmulatorError) as e:
       raise SpecError(f"{flag}: {s!r}: {e}") from None
+  int4 = s.endswith("@int4")
+  s = s[:-5] if int4 else s
   drop = s.endswith("@drop")
   s = s[:-5] if drop else s
   name, _, tau = s.partition(":")
+  tau, _, tau_low = tau.partition(":")
   try:
-    pol = policy_lib.make_policy(name, tau=float(tau) if tau else None,
-                                 substitution="drop" if drop else None)
+    num = dict(lam=float(tau)) if name == "cost" and tau else dict(
+        tau=float(tau) if tau else None, tau_low=float(tau_low) if tau_low else None)
+    pol = policy_lib.make_policy(name, substitution="drop" if drop else None,
+                                 low_bits=4 if int4 else None, **num)
   except policy_lib.PolicyError as e:
     raise SpecError(f"{flag}: {spec!r}: {e}") from None
   except ValueError:
@@ -85,7 +92,9 @@ class Runner:
     path = os.path.join(self.out_dir, "runs", f"{key}.npz")
     if os.path.exists(path):
       with np.load(path) as z:
-        return {k: (z[k] if z[k].ndim else float(z[k])) for k in z.files}
+        run = {k: (z[k] if z[k].ndim else float(z[k])) for k in z.files}
+      if len(run["totals"]) == len(E.STATS):   # else recorded before STATS grew: rerun
+        return run
     if cached_only:
       self.missing.append(key)
       return None

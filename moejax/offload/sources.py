@@ -1,0 +1,133 @@
+"""Expert sources of a MoE layer: where `layer.moe_layer` reads its experts from.
+
+  table   every expert on the device, read by id (the emulator); with low-precision
+          copies the table holds 2E experts, the dequantised copy of e at E + e;
+  slots   the layer's slot buffers, filled by in-program copies from the host store
+          (`copy_rows`): full-precision rows as they are, low-precision ones
+          (`io.quant`) dequantised on the way into the slot; HOST experts computed from
+          the store where it lives (the engine).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from moejax.cache import policy as policy_lib
+from moejax.cache.policy import HOST
+from moejax.io import quant
+from moejax.model import experts as experts_lib
+from moejax.model import families
+
+
+def device_memory():
+  """Device memory of the (single) device: where in-program copies from a host memory
+  kind go."""
+  return jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="device")
+
+
+def _row(src, i, dtype, pinned: bool):
+  """src[i:i+1] on the device, as `dtype`.  The program store holds 16-bit floats as their
+  uint16 bits (`transfer.program_store`): XLA CPU slices a bf16 array by converting all
+  of it to f32 first, and hoists that convert of the whole store out of the copy loop."""
+  row = jax.lax.dynamic_slice_in_dim(src, i, 1, axis=0)
+  if pinned:
+    row = jax.device_put(row, device_memory())
+  if row.dtype != dtype and row.dtype.itemsize == jnp.dtype(dtype).itemsize:
+    return jax.lax.bitcast_convert_type(row, dtype)
+  return row.astype(dtype)
+
+
+def _low_row(src, name, i, dtype, pinned: bool, bits: int):
+  """The dequantised row i of a low-precision program store (`io.quant` layout)."""
+  q, s = (jax.lax.dynamic_slice_in_dim(src[f"{name}.{x}"], i, 1, axis=0) for x in "qs")
+  if pinned:
+    q, s = jax.device_put(q, device_memory()), jax.device_put(s, device_memory())
+  return quant.dequantize(q, s, bits, dtype)
+
+
+def copy_rows(buffers: dict, store: dict, ids_J, slots_J, pinned: bool,
+              low_bits: int | None = None) -> dict:
+  """Copies store[k][ids_J[j]] into buffers[k][slots_J[j]] for every j with a slot, in
+  order (a later copy into the same slot wins), inside the program; a skipped entry
+  copies nothing.  A pinned_host store's slices are moved to device memory.  low_bits:
+  `store` is a low-precision store (`io.quant`), each row dequantised into the slot.
+
+  One `fori_loop` over the copies: a while loop updates the slot buffers in place.  A
+  conditional does not: with the buffers as its operand XLA copies every slot buffer
+  into and out of it, whichever branch runs (a `lax.switch` on the number of copies, and
+  a `lax.cond` on there being any, both measured: 16 buffer copies a token on a 4-layer
+  model; docs/engine.md).  On a GPU the loop costs one device->host sync of its bound."""
+  j_max = ids_J.shape[0]
+  if j_max == 0:
+    return buffers
+  valid = slots_J >= 0
+  at = jnp.where(valid, policy_lib.prefix_count(valid) - 1, j_max)
+  to_JxJ = at[None, :] == jnp.arange(j_max)[:, None]     # [to, from]: compaction, no scatter
+  ids = jnp.sum(jnp.where(to_JxJ, ids_J[None, :], 0), axis=1)
+  slots = jnp.sum(jnp.where(to_JxJ, slots_J[None, :], 0), axis=1)
+  n = jnp.sum(valid).astype(jnp.int32)
+
+  def copy_one(j, bufs):
+    bufs = dict(bufs)
+    for name, buf in bufs.items():
+      row = (_row(store[name], ids[j], buf.dtype, pinned) if low_bits is None else
+             _low_row(store, name, ids[j], buf.dtype, pinned, low_bits))
+      bufs[name] = jax.lax.dynamic_update_slice_in_dim(buf, row, slots[j], axis=0)
+    return bufs
+
+  return jax.lax.fori_loop(0, n, copy_one, dict(buffers))
+
+
+def run_experts(ctx, mod, p, src: dict, h, moe_in, state, head, carried: tuple):
+  """The layer's experts and residual from the source -> (x, state) (ctx: `layer.Ctx`,
+  head: `layer.Head`).  The slots source first makes the copies the cache's metadata
+  already promises, in order: the previous token's executed prefetches into their slots
+  and its admissions and upgrades (`carried`, its `Step.pending`), this token's
+  prefetches into their rows, its fetches (full, then low precision)."""
+  dec, k = head.dec, ctx.cfg.top_k
+  run = dec.exec_ids[0]
+  low_on = ctx.policy.decision.low
+  if ctx.source == "table":        # every expert on the device: by id; HOST exact
+    if low_on:                     # a low-precision resident: its dequantised copy
+      e = jnp.maximum(run, 0)
+      low = (run >= 0) & state.low[e] & (state.expert_slot[e] >= 0)
+      run = jnp.where(low, run + ctx.cfg.num_experts, run)
+    run = jnp.where(dec.action[0] == HOST, dec.ids[0], run)
+    w = jnp.where(run >= 0, dec.weights[0], 0.0)
+    x = mod.apply({"params": p}, h, moe_in, jnp.maximum(run, 0).reshape(1, 1, k),
+                  w.reshape(1, 1, k), src["table"], method="moe_residual")
+    return x, state
+  store, bufs = src["store"], state.buffers
+  num_p = state.slot_expert.shape[0]
+  if not ctx.all_resident:         # nothing to copy when every expert stays resident
+    # the previous token's kept prefetches and admissions (in the order its tail
+    # inserted them), then this token's prefetches into their rows and its fetches
+    ids, slots = [carried[0], head.fetched], [carried[1], head.fetch_slots]
+    if ctx.spec_on:
+      ids, slots = [carried[3]] + ids, [carried[4]] + slots
+      pf_rows = jnp.where(head.pf_ids >= 0, num_p + 1 + jnp.arange(k), -1)   # `prefetch.view`
+      bufs = copy_rows(bufs, store, head.pf_ids, pf_rows.astype(jnp.int32), ctx.pinned)
+    if low_on:                     # this token's low fetches come from the low store
+      slots[-1] = jnp.where(head.fetch_low, -1, head.fetch_slots)
+    bufs = copy_rows(bufs, store, jnp.concatenate(ids), jnp.concatenate(slots), ctx.pinned)
+    if low_on:
+      bufs = copy_rows(bufs, src["low"], head.fetched,
+                       jnp.where(head.fetch_low, head.fetch_slots, -1), ctx.pinned,
+                       ctx.policy.decision.low_bits)
+    state = dataclasses.replace(state, buffers=bufs)
+  w = jnp.where(head.rows >= 0, dec.weights[0], 0.0)
+  x = mod.apply({"params": p}, h, moe_in, jnp.maximum(head.rows, 0).reshape(1, 1, k),
+                w.reshape(1, 1, k), bufs, method="moe_residual")
+  if ctx.policy.decision.host:    # read where the store lives (the CPU backend's host memory)
+    host = dec.action[0] == HOST
+    wh = jnp.where(host, dec.weights[0], 0.0)
+    e = jnp.where(host, dec.ids[0], 0)
+    rows = {name: jnp.concatenate([_row(v, e[j], bufs[name].dtype, ctx.pinned)
+                                   for j in range(k)]) for name, v in store.items()}
+    y = experts_lib.apply_experts(moe_in.reshape(1, -1), jnp.arange(k)[None], wh[None], rows,
+                                  swiglu=families.of(ctx.cfg).swiglu(ctx.cfg))
+    x = x + y.reshape(x.shape).astype(x.dtype)
+  return x, state

@@ -494,3 +494,48 @@ def test_every_family_prefetches_and_speculates(family, tmp_path_factory):
   for prev, r in zip(eng.records, eng.records[1:]):
     for l in cfg.moe_layers[1:]:
       assert r.layers[l].predicted == prev.layers[l].true_ids
+
+
+# ------------------------------------------------------------------ low-precision copies
+def test_low_precision_slots_hold_dequantised_rows_and_admission_upgrades_them(model):
+  """Every resident slot holds the expert's full rows, or its dequantised int4 rows while
+  `ResidentState.low` marks it; an admitted low slot becomes full in place; the records
+  count low fetches at their own bytes."""
+  from moejax.io import quant
+  cfg, params, store, ref = model
+  low = quant.build(store, 4, 32) if all(np.shape(v)[-1] % 32 == 0 for v in
+                                         store.get(store.moe_layers[0], 0).values()) else None
+  bits = 4 if low is not None else 8
+  low = low or quant.build(store, 8)
+  seen = []
+
+  def check(eng):
+    pending = pending_admissions(eng)
+    now = {}
+    for layer, st in eng.states.items():
+      lo, se = np.asarray(st.low), np.asarray(st.slot_expert)
+      for s, e in enumerate(se):
+        if e < 0 or e in pending[layer]:
+          continue
+        now[(layer, int(e))] = (s, bool(lo[e]))
+        want = (np.asarray(quant.dequantize(low.stacked(layer)["down.q"][e],
+                                            low.stacked(layer)["down.s"][e], bits))
+                if lo[e] else eng.store.get(layer, int(e))["down"])
+        np.testing.assert_allclose(np.asarray(st.buffers["down"][s]), want, rtol=0, atol=1e-6)
+    seen.append(now)
+
+  pol = P.make_policy("threshold_low", tau=0.9, tau_low=0.01, low_bits=bits, admission_beta=0.8)
+  eng, out = run(model, pol, check=check, low_store=low, cache_fraction=0.75)
+  assert not np.allclose(out, ref, atol=1e-4)          # low copies changed the logits
+  assert any(lo for now in seen for _, lo in now.values())
+  # (pending at the token that admits it, so skipped there: compared with the next two)
+  upgraded = [k for i, a in enumerate(seen) for k, (s, lo) in a.items() if lo and any(
+      b.get(k) == (s, False) and all(k not in c or c[k][0] == s for c in seen[i + 1:j])
+      and all(k[1] not in eng.records[t].layers[k[0]].fetched for t in range(i + 1, j + 1))
+      for j, b in enumerate(seen[i + 1:i + 3], i + 1))]     # not re-fetched in full meanwhile
+  assert upgraded                                      # full rows copied into the same slot
+  st = eng.stats()
+  assert st["fetches_low_per_token"] > 0
+  np.testing.assert_allclose(st["fetch_bytes_per_token"],
+                             st["fetches_per_token"] * store.expert_nbytes()
+                             + st["fetches_low_per_token"] * low.expert_nbytes())

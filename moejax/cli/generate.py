@@ -224,7 +224,8 @@ def cost_policy(policy, store):
   from moejax.io import quant
   from moejax.offload import hardware
   d = policy.decision
-  if d.miss == "cost" and FLAGS.profile is not None:
+  if d.miss == "cost" and FLAGS.profile is not None and FLAGS.policy != "auto":
+    # (--policy=auto keeps the cost model its lambda was tuned with)
     hw = hardware.hardware(FLAGS.profile)
     shapes = {k: tuple(v.shape) for k, v in store.get(store.moe_layers[0], 0).items()}
     model = cost.from_profile(quant.bf16_nbytes(shapes), quant.low_nbytes(shapes, d.low_bits),

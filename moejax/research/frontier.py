@@ -186,18 +186,22 @@ def build(cfg, params, store, tok, c: Config, out_dir: str, log=print,
 
   autos = []
   for b in budgets:
-    # a finer sweep of the knob around the choice the anchors' fit predicts
-    fit0 = A.fit_quality([pts[i].mass for i in cal_m], [m["ppl_increase_pct"] for m in cal_m.values()])
-    pred0 = fit0.predict([p.mass for p in pts])
-    prof = b.profile or SPEEDUP_PROFILE
-    cand = [p.policy.miss != "fetch_all" for p in pts]
-    i0 = A.choose(pred0, [p.ms[prof] for p in pts], b, cand, [A.label(p.policy) for p in pts])
-    new = [p for p in A.refine([p.policy for p in pts], i0) if A.key(p) not in index]
-    if new:
+    # finer sweeps of the knob around the choice the anchors' fit predicts (two rounds)
+    for _ in range(2):
+      fit0 = A.fit_quality([pts[i].mass for i in cal_m],
+                           [m["ppl_increase_pct"] for m in cal_m.values()])
+      pred0 = fit0.predict([p.mass for p in pts])
+      prof = b.profile or SPEEDUP_PROFILE
+      cand = [p.policy.miss != "fetch_all" for p in pts]
+      i0 = A.choose(pred0, [p.ms[prof] for p in pts], b, cand, [A.label(p.policy) for p in pts])
+      new = [p for p in A.refine([p.policy for p in pts], i0) if A.key(p) not in index]
+      if not new:
+        break
       pts += do_sweep(cal_logits, new, f"{len(new)} refined {A.knob(pts[i0].policy)} values")
       index = {A.key(p.policy): i for i, p in enumerate(pts)}
       log(f"[frontier] refined around {A.label(pts[i0].policy)}: {len(new)} more policies "
           f"swept ({clock()})")
+
     def measure(policy):
       m = meas.metrics(policy)
       cal_m[index[A.key(policy)]] = m

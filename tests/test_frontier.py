@@ -157,3 +157,14 @@ def test_refine_sweeps_the_knob_between_its_neighbours():
   np.testing.assert_allclose(taus, [0.063, 0.0794, 0.126, 0.159])
   assert all(p.miss == "threshold" and p.eviction == "lru" for p in A.refine(grid, i, n=2))
   assert A.refine(grid, 0) == []                      # fetch_all has no knob
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--policy=auto"], "--ppl_budget"),
+    (["--policy=auto", "--tpot_budget_ms=20"], "--profile"),
+    (["--policy=auto", "--ppl_budget=1", "--tau=0.1"], "--tau is chosen by --policy=auto"),
+    (["--ppl_budget=1"], "--ppl_budget applies only with --policy")])
+def test_generate_auto_flags_are_one_line_usage_errors(args, says):
+  p = subprocess.run([sys.executable, "-m", "launch.generate", *args], cwd=ROOT,
+                     capture_output=True, text=True, timeout=120)
+  assert p.returncode == 2 and says in p.stderr, p.stderr

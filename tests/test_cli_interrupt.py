@@ -27,7 +27,10 @@ class Proc:
   """A subprocess whose stderr (and optionally stdout) lines are read as they come."""
 
   def __init__(self, argv, env=None, stdout=False):
+    # SIGINT at its default in the child: a test run started in the background (`cmd &`
+    # in a script, nohup) ignores it, and a process started so keeps ignoring it (cli.py)
     self.p = subprocess.Popen(argv, cwd=REPO, env=env, text=True, stdin=subprocess.DEVNULL,
+                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
                               stderr=subprocess.PIPE,
                               stdout=subprocess.PIPE if stdout else subprocess.DEVNULL)
     self.lines, self.err, self.out = queue.Queue(), [], []

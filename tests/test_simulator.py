@@ -3,6 +3,7 @@ OffloadEngine on the demo model (DESIGN.md, issue 14 part 4)."""
 
 import os
 
+import chex
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -83,6 +84,46 @@ def test_variants_in_one_group_equal_separate_runs():
     assert r.policy == s.policy
     np.testing.assert_array_equal(r.totals_LxF, s.totals_LxF)
   assert both[0].total("fetches") != both[1].total("fetches")
+
+
+_SLICED = """
+import sys
+import jax, numpy as np
+sys.path.insert(0, sys.argv[1])
+from test_simulator import sliced_case
+from moejax.research import simulator as sim
+assert len(sim._layer_slices(3)) == 2, sim._layer_slices(3)
+np.savez(sys.argv[2], **sliced_case())
+"""
+
+
+def sliced_case():
+  """Three layers, two static groups, a prompt, every decision kept: {name: array}."""
+  cfg = tiny_cfg(num_experts=8, top_k=2, layers=3)
+  lg = np.random.default_rng(1).standard_normal((30, 3, 8)).astype(np.float32)
+  pols = [P.make_policy("quality", tau=0.3), P.make_policy("quality", tau=0.1), "baseline"]
+  out = {}
+  for i, r in enumerate(sim.simulate(cfg, lg, pols, prefill_tokens=2, detail=True, chunk=7)):
+    out[f"{i}/totals"], out[f"{i}/steps"] = r.totals_LxF, r.steps_TxLxC
+    out.update({f"{i}/{k}": v for k, v in r.detail.items()})
+  return out
+
+
+def test_layers_split_over_two_cpu_devices_replay_the_same(tmp_path):
+  # a process with two CPU devices runs layers [0, 2) and [2, 3) concurrently; every
+  # count and decision equals this process's replay (one device: one slice)
+  import subprocess
+  import sys
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+             JAX_PLATFORMS="cpu")
+  out = tmp_path / "sliced.npz"
+  subprocess.run([sys.executable, "-c", _SLICED, os.path.dirname(os.path.abspath(__file__)),
+                  str(out)], env=env, check=True, cwd=os.path.dirname(os.path.dirname(DEMO)))
+  sliced = dict(np.load(out))
+  here = sliced_case()
+  assert sorted(sliced) == sorted(here)
+  chex.assert_trees_all_equal(sliced, here)
+  assert here["0/totals"].sum() != here["2/totals"].sum()
 
 
 # ------------------------------------------------------------------ engine agreement

@@ -287,18 +287,26 @@ def pick(values, index):
   return jnp.sum(jnp.where(hit, values[..., None, :], jnp.zeros((), values.dtype)), axis=-1)
 
 
+def route_once(cfg: ModelConfig, router_logits_NxE: jax.Array):
+  """What `decide` reads of the router logits [..., E], which no policy changes: (ids
+  [..., K], gates [..., K], rank scores [..., E]) (`routing.route`, `routing.rank_scores`)."""
+  ids, gates, _ = routing.route(cfg, router_logits_NxE)
+  return ids, gates, routing.rank_scores(cfg, router_logits_NxE)
+
+
 def decide(router_logits_NxE: jax.Array, resident, params: DecideParams | PolicyParams,
-           cfg: ModelConfig) -> Decision:
+           cfg: ModelConfig, routed=None) -> Decision:
   """The policy's decision for every selected expert of N tokens (pure, jittable).
 
   `resident` is the layer's ResidentState (only `expert_slot` and `acc` are read).
   The N tokens are decided against the same resident set (the engine decodes
   one token at a time).  Substitutes are ranked by `routing.rank_scores` (the
   router's logits, or the family's pre-normalisation score), ties by lowest id.
+  routed: `route_once(cfg, router_logits_NxE)` computed beforehand (the simulator routes
+  a trace once for all its policies; the logits are then not read).
   """
   params = decide_params(params)
-  ids, gates, _ = routing.route(cfg, router_logits_NxE)
-  scores = routing.rank_scores(cfg, router_logits_NxE)
+  ids, gates, scores = routed if routed is not None else route_once(cfg, router_logits_NxE)
   n, k = ids.shape
   num_e = scores.shape[-1]
   total = jnp.sum(gates, axis=-1, keepdims=True)

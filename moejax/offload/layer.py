@@ -162,7 +162,7 @@ def _insert(state, ids, in_use, cache, skip_empty: bool, low=None):
 
 def policy_head(cfg: ModelConfig, decision, cache, state, logits_1xE, *,
                 decide_fn: Callable | None = None, spec=None, speculative: str = "off",
-                skip_empty: bool = False, all_resident: bool = False):
+                skip_empty: bool = False, all_resident: bool = False, routed=None):
   """Steps 1-2 (module docstring): the decision and the fetch inserts -> (state, Head):
   what the layer's experts need; `policy_tail` finishes the step.  all_resident: every
   expert is resident for good (a budget that holds them all, filled at the start), so
@@ -173,7 +173,7 @@ def policy_head(cfg: ModelConfig, decision, cache, state, logits_1xE, *,
     dec = policy_lib.all_hits(logits_1xE, state, cfg)
     return state, Head(dec, none_K, none_K, jnp.zeros((k,), bool), state.expert_slot[dec.ids[0]],
                        none_K, none_K, dec.ids[0], none_K, jnp.zeros((4,), jnp.float32))
-  decide = decide_fn or (lambda lg, st: policy_lib.decide(lg, st, decision, cfg))
+  decide = decide_fn or (lambda lg, st: policy_lib.decide(lg, st, decision, cfg, routed))
   pf_ids = predicted = none_K
   pf_stats = jnp.zeros((4,), jnp.float32)
   if spec is None:
@@ -244,17 +244,18 @@ def policy_tail(cfg: ModelConfig, decision, cache, trim_to, state, head: Head, *
 
 def policy_step(cfg: ModelConfig, decision, cache, trim_to, state, logits_1xE, *,
                 decide_fn: Callable | None = None, spec=None, keep: bool = True,
-                speculative: str = "off"):
+                speculative: str = "off", routed=None):
   """The cache's side of one MoE layer (module docstring) -> (state, Step): `policy_head`
   then `policy_tail`.
 
   decision, cache: the policy's parts (`DecideParams`, `CacheParams`; the simulator
   passes copies with traced tau/beta/decay).  decide_fn(logits, state) replaces
   `policy.decide` (a control rule).  spec = (predicted logits [1, E'], whether there is
-  a prediction) turns on speculative prefetch.
+  a prediction) turns on speculative prefetch.  routed: `policy.route_once` of the logits,
+  computed beforehand (the simulator routes a trace once for all its policies; spec=None).
   """
   state, head = policy_head(cfg, decision, cache, state, logits_1xE, decide_fn=decide_fn,
-                            spec=spec, speculative=speculative)
+                            spec=spec, speculative=speculative, routed=routed)
   return policy_tail(cfg, decision, cache, trim_to, state, head, spec_on=spec is not None,
                      keep=keep)
 

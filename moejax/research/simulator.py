@@ -14,13 +14,17 @@ One jitted `lax.scan` over tokens carries every layer's ResidentState (without
 slot buffers) and its `Step.pending`, `vmap`ped over MoE layers (each layer has its
 own cache) and over policy variants whose static fields (miss rule, substitution
 variant, eviction, admission on/off) agree; their numeric fields (tau, beta, LFU
-decay) are traced values.  Output per policy: totals per layer (hits, misses, sync
-fetches, substitutions, substituted mass, ...) and, per (token, layer), the counts the
-time model needs (`STEP_FIELDS`).
+decay) are traced values.  Routing does not depend on the policy: each chunk of the
+trace is routed once (`policy.route_once`) and `decide` reads that.  With several CPU
+devices (`_layer_slices`) the layers are split between them and the slices run
+concurrently.  Output per policy: totals per layer (hits, misses, sync fetches,
+substitutions, substituted mass, ...) and, per (token, layer), the counts the time model
+needs (`STEP_FIELDS`).
 """
 
 from __future__ import annotations
 
+from concurrent import futures
 import copy
 import dataclasses
 import functools
@@ -117,12 +121,15 @@ _FROM_STATS = tuple(layer_lib.STATS.index("expert_calls" if f == "misses" else f
 
 
 def _decode_step(cfg: ModelConfig, static: PolicyParams, trim_to, state, prev_pending,
-                 logits_R, dyn_3):
+                 routed, dyn_3):
   """One (token, layer) of one policy: `layer.policy_step`.  prev_pending: the layer's
   `Step.pending` at the previous token (its admissions, inserted at that token's end,
-  are counted here, where they take effect)."""
+  are counted here, where they take effect).  routed: the layer's (ids [K], gates [K],
+  rank scores [E]) for this token (`policy.route_once`, once per trace)."""
   dparams, params = _traced(static, dyn_3)
-  state, step = layer_lib.policy_step(cfg, dparams, params, trim_to, state, logits_R[None])
+  routed_1 = tuple(a[None] for a in routed)
+  state, step = layer_lib.policy_step(cfg, dparams, params, trim_to, state, routed_1[2],
+                                      routed=routed_1)
   c = layer_lib.layer_counts(step, prev_pending)
   stats = c[jnp.asarray(_FROM_STATS)]
   stats = stats.at[STAT_FIELDS.index("misses")].add(-c[layer_lib.STATS.index("hits")])
@@ -147,18 +154,20 @@ def _prefill(cfg: ModelConfig, static: PolicyParams, trim_to, state, logits_PxR,
 # ------------------------------------------------------------------ jitted scans
 @functools.partial(jax.jit, static_argnames=("cfg", "static", "trim_to", "detail"))
 def _scan(cfg, static, trim_to, states, pending, totals, logits_TxLxR, dyn_Px3, detail=False):
-  """States [P, L, ...]; logits shared by the P policies."""
+  """States [P, L, ...]; logits shared by the P policies, routed once for all of them
+  (routing does not depend on the policy)."""
   step_l = jax.vmap(functools.partial(_decode_step, cfg, static, trim_to),
                     in_axes=(0, 0, 0, None))
   step_pl = jax.vmap(step_l, in_axes=(0, 0, None, 0))
 
-  def body(carry, logits_LxR):
+  def body(carry, routed_L):
     st, pend, tot = carry
-    st, pend, stats, step, dec = step_pl(st, pend, logits_LxR.astype(jnp.float32), dyn_Px3)
+    st, pend, stats, step, dec = step_pl(st, pend, routed_L, dyn_Px3)
     out = (step, dict(dec, stats=stats, resident=st.slot_expert)) if detail else (step,)
     return (st, pend, tot + stats), out
 
-  (states, pending, totals), ys = jax.lax.scan(body, (states, pending, totals), logits_TxLxR)
+  routed = policy_lib.route_once(cfg, logits_TxLxR.astype(jnp.float32))
+  (states, pending, totals), ys = jax.lax.scan(body, (states, pending, totals), routed)
   return states, pending, totals, ys
 
 
@@ -199,6 +208,18 @@ def profile_initial(logits_TxLxR, cfg: ModelConfig, slots: int) -> np.ndarray:
   return np.asarray(out, np.int32)
 
 
+def _layer_slices(nl: int):
+  """(device, (first layer, end)) per slice: the layers split evenly over the local CPU
+  devices (one slice elsewhere).  A process sees several CPU devices with
+  XLA_FLAGS=--xla_force_host_platform_device_count=N (`launch.bench_simulator` sets it to
+  the core count); each device runs its slice's scan on its own thread."""
+  devs = jax.local_devices()
+  if devs[0].platform != "cpu":
+    devs = devs[:1]
+  parts = np.array_split(np.arange(nl), min(len(devs), nl))
+  return [(d, (int(p[0]), int(p[-1]) + 1)) for d, p in zip(devs, parts)]
+
+
 def simulate(cfg: ModelConfig, logits_TxLxR, policies, *, cache_fraction: float = 0.25,
              initial_LxS=None, prefill_tokens: int = 0, per_step: bool = True,
              detail: bool = False, chunk: int = 8192, progress=None) -> list[SimResult]:
@@ -207,8 +228,9 @@ def simulate(cfg: ModelConfig, logits_TxLxR, policies, *, cache_fraction: float 
   initial_LxS: the experts each layer's cache starts with (e.g. `profile_initial`),
   None = empty.  The first `prefill_tokens` tokens are a prompt (engine prefill);
   the rest are decoded one by one.  detail=True also keeps every decision,
-  every step's statistics and every layer's resident set (for checks).  Policies are grouped by `static_key`; each
-  group is one vmapped scan, in chunks of `chunk` tokens.
+  every step's statistics and every layer's resident set (for checks).  Policies are
+  grouped by `static_key`; each group is one vmapped scan per slice of layers
+  (`_layer_slices`), in chunks of `chunk` tokens.
   """
   policies = [policy_lib.make_policy(p) if isinstance(p, str) else p for p in policies]
   logits = np.asarray(logits_TxLxR)
@@ -241,18 +263,36 @@ def simulate(cfg: ModelConfig, logits_TxLxR, policies, *, cache_fraction: float 
     pending = jax.tree_util.tree_map(lambda a: jnp.broadcast_to(a, (npol, nl) + a.shape),
                                      layer_lib.no_pending(cfg.top_k))
     totals = jnp.zeros((npol, nl, len(STAT_FIELDS)), jnp.float32)
+    # layers are independent given the trace: one slice of them per CPU device, each
+    # chunk of each slice run from its own thread, so the slices run at once
+    shards = []
+    for dev, (l0, l1) in _layer_slices(nl):
+      put = lambda a, dev=dev, l0=l0, l1=l1: jax.device_put(a[:, l0:l1], dev)
+      shards.append([dev, l0, l1, jax.tree_util.tree_map(put, (states, pending, totals)),
+                     jax.device_put(dyn, dev)])
     steps, det = [], []
+
+    def run(sh, lo):   # one slice's chunk, read back in its own thread (the GIL is released)
+      dev, l0, l1, carry, dyn_d = sh
+      xs = jax.device_put(logits[lo:min(nt, lo + chunk), l0:l1], dev)
+      *carry, y = _scan(cfg, static, trim_to, *carry, xs, dyn_d, detail=detail)
+      sh[3] = tuple(carry)
+      return jax.tree_util.tree_map(np.asarray, y)
+
+    pool = futures.ThreadPoolExecutor(len(shards)) if len(shards) > 1 else None
     for lo in range(prefill_tokens, nt, chunk):
-      xs = jnp.asarray(logits[lo:min(nt, lo + chunk)])
-      states, pending, totals, ys = _scan(cfg, static, trim_to, states, pending, totals, xs,
-                                          dyn, detail=detail)
+      ys = ([run(shards[0], lo)] if pool is None else
+            [f.result() for f in [pool.submit(run, sh, lo) for sh in shards]])
+      # slices joined on L (axis 2)
       if per_step:
-        steps.append(np.asarray(ys[0]))
+        steps.append(np.concatenate([y[0] for y in ys], axis=2))
       if detail:
-        det.append(jax.tree_util.tree_map(np.asarray, ys[1]))
+        det.append({k: np.concatenate([y[1][k] for y in ys], axis=2) for k in ys[0][1]})
       if progress is not None:
         progress(min(nt, lo + chunk) - lo)
-    totals = np.asarray(totals)
+    if pool is not None:
+      pool.shutdown()
+    totals = np.concatenate([np.asarray(sh[3][2]) for sh in shards], axis=1)
     for j, i in enumerate(members):
       results[i] = SimResult(
           policy=policies[i], slots=budget.slots, tokens=nt - prefill_tokens,

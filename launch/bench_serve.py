@@ -117,7 +117,8 @@ def main(_):
   try:
     cfg, params, experts = load_model(model_dir, dtype=jnp.float32)
     store = make_store(experts, "numpy")
-    spec = "scaled" if jax.devices()[0].platform == "cpu" else "native"
+    from moejax.offload.link import default_spec
+    spec = default_spec(jax.devices()[0].platform)
     link = calibrated_link(spec, cfg, params, store, jnp.float32)
     need = len(ids) + FLAGS.max_new_tokens        # launch.generate's sequence_length
     seq = min(cfg.max_position_embeddings, max(need, bucket(need, minimum=64)))

@@ -7,24 +7,9 @@ import sys
 import numpy as np
 import pytest
 
-from moejax.model.config import ModelConfig
-from moejax.io.loader import init_random, load_model, save_hf
+from moejax.io.loader import load_model
 from moejax.io.safetensors_io import CheckpointError, SafetensorsFile, save_file
-
-CFG = ModelConfig(model_type="qwen3_moe", vocab_size=64, hidden_size=32, num_layers=2,
-                  num_heads=4, num_kv_heads=2, head_dim=8, num_experts=8, top_k=2,
-                  moe_intermediate_size=16, intermediate_size=48,
-                  sparse_layers=(True, False), qk_norm="head")
-
-
-@pytest.fixture(scope="module")
-def model():
-  return init_random(CFG, seed=3)
-
-
-def _save(model, d, layout="per_expert"):
-  save_hf(CFG, model[0], model[1], str(d), layout=layout)
-  return str(d)
+from tests.test_loader import _save, model  # noqa: F401  (model: the checkpoint fixture)
 
 
 # ------------------------------------------------------------------ progress bar

@@ -120,6 +120,21 @@ def demo_model_dir() -> str:
                    "--model_dir=/path/to/a/Hugging Face model folder")
 
 
+def model_folder(model_dir: str | None) -> str:
+  """--model_dir (default: the demo model), checked to be a model folder (UsageError,
+  exit 2, otherwise)."""
+  d = model_dir if model_dir is not None else demo_model_dir()
+  if not os.path.exists(d):
+    raise UsageError(f"--model_dir={d!r}: no such folder (use --random_model for a "
+                     "random-weight model)")
+  if not os.path.isdir(d):
+    raise UsageError(f"--model_dir={d!r} is a file; give the folder that holds config.json")
+  if not os.path.exists(os.path.join(d, "config.json")):
+    raise UsageError(f"--model_dir={d!r} has no config.json: not a Hugging Face model "
+                     "folder")
+  return d
+
+
 def given(name: str) -> bool:
   """Whether the user set flag `name` on the command line."""
   return FLAGS[name].present > 0

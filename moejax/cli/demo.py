@@ -248,6 +248,7 @@ def _main(_):
   import jax.numpy as jnp
   from moejax.io.loader import load_model
   from moejax.offload.calibrate import calibrated_link
+  from moejax.offload.link import default_spec
   from moejax.cache.policy import make_policy
   from moejax.io.tokenizer import Tokenizer
   for name in FLAGS.presets:
@@ -259,7 +260,7 @@ def _main(_):
   prompt_ids = tok.encode(FLAGS.prompt)
   if not prompt_ids:
     raise cli.UsageError("--prompt encodes to no tokens")
-  spec = FLAGS.link or ("scaled" if platform == "cpu" else "native")
+  spec = FLAGS.link or default_spec(platform)
   link = calibrated_link(spec, cfg, params, store, dtype)
   n_params = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(params))
   n_params += sum(int(np.prod(v.shape)) for l in store.moe_layers

@@ -241,22 +241,13 @@ def link_spec() -> str:
   import jax
   if FLAGS.link is not None:
     return FLAGS.link
-  return "scaled" if jax.devices()[0].platform == "cpu" else "native"
+  from moejax.offload.link import default_spec
+  return default_spec(jax.devices()[0].platform)
 
 
 def model_folder() -> str:
   """--model_dir, checked to be a model folder (usage error otherwise)."""
-  d = FLAGS.model_dir if FLAGS.model_dir is not None else cli.demo_model_dir()
-  if not os.path.exists(d):
-    raise cli.UsageError(f"--model_dir={d!r}: no such folder (use --random_model for a "
-                         "random-weight model)")
-  if not os.path.isdir(d):
-    raise cli.UsageError(f"--model_dir={d!r} is a file; give the folder that holds "
-                         "config.json")
-  if not os.path.exists(os.path.join(d, "config.json")):
-    raise cli.UsageError(f"--model_dir={d!r} has no config.json: not a Hugging Face model "
-                         "folder")
-  return d
+  return cli.model_folder(FLAGS.model_dir)
 
 
 def random_demo_config():

@@ -142,6 +142,12 @@ def _usage(flag: str) -> str:
           f"(units: GB/s, MB/s, GiB/s, ...; us, ms, ns, s)")
 
 
+def default_spec(platform: str) -> str:
+  """--link's default: the real copy on an accelerator; on a CPU-only machine, where a
+  native copy costs almost nothing, the scaled emulated link."""
+  return "scaled" if platform == "cpu" else "native"
+
+
 def parse_link(spec: str, *, expert_bytes: int | None = None,
                layer_compute_s: float | None = None, flag: str = "--link") -> Link:
   """Parses a --link value into a Link (see the module docstring)."""

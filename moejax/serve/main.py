@@ -94,11 +94,7 @@ def check_flags(cfg):
 
 
 def model_folder() -> str:
-  d = FLAGS.model_dir if FLAGS.model_dir is not None else cli.demo_model_dir()
-  if not os.path.isfile(os.path.join(d, "config.json")):
-    raise cli.UsageError(f"--model_dir={d!r}: not a Hugging Face model folder (no "
-                         "config.json there)")
-  return d
+  return cli.model_folder(FLAGS.model_dir)
 
 
 def listen() -> socket.socket:
@@ -130,7 +126,8 @@ def loader(folder, tok, template, max_len, warm, policy):
     dtype = jnp.dtype(FLAGS.dtype)
     cfg, params, store = load_model(folder, dtype=dtype, mmap=FLAGS.store != "numpy")
     store = make_store(store, FLAGS.store)
-    spec = FLAGS.link or ("scaled" if jax.devices()[0].platform == "cpu" else "native")
+    from moejax.offload.link import default_spec
+    spec = FLAGS.link or default_spec(jax.devices()[0].platform)
     link = calibrated_link(spec, cfg, params, store, dtype)
     eng = OffloadEngine(cfg, params, store, policy,
                         cache_fraction=None if FLAGS.cache_bytes else

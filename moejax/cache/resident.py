@@ -54,6 +54,8 @@ class Budget:
   expert_bytes: int
   num_moe_layers: int
   source: str             # how S was derived, for messages
+  devices: int = 1        # expert-parallel: S is the union of `devices` x slots_per_device
+  slots_per_device: int = 0
 
   @property
   def physical(self) -> int:
@@ -65,12 +67,17 @@ class Budget:
 
   @property
   def device_bytes(self) -> int:
-    return (self.physical + 1) * self.expert_bytes * self.num_moe_layers   # + scratch row
+    """Expert-cache bytes on each device (the slots, staging and a scratch row)."""
+    rows = self.physical if self.devices == 1 else self.slots_per_device
+    return (rows + 1) * self.expert_bytes * self.num_moe_layers
 
   def describe(self) -> str:
-    s = (f"{self.slots}/{self.num_experts} experts per layer resident ({self.source})"
+    where = ("" if self.devices == 1 else
+             f" on {self.devices} devices of {self.slots_per_device} slots each")
+    s = (f"{self.slots}/{self.num_experts} experts per layer resident ({self.source}){where}"
          f" + {self.staging} staging slot(s) + 1 scratch row; {self.device_bytes / 1e6:.2f} "
-         f"MB of expert cache over {self.num_moe_layers} MoE layers")
+         f"MB of expert cache over {self.num_moe_layers} MoE layers"
+         + ("" if self.devices == 1 else " per device"))
     if self.all_resident:
       s += "; the budget holds every expert: all experts are kept resident, nothing is fetched"
     return s
@@ -79,14 +86,29 @@ class Budget:
     return dict(slots_per_layer=self.slots, staging_slots_per_layer=self.staging,
                 num_experts=self.num_experts, expert_bytes=self.expert_bytes,
                 num_moe_layers=self.num_moe_layers, device_bytes=self.device_bytes,
-                all_resident=self.all_resident, source=self.source)
+                all_resident=self.all_resident, source=self.source, devices=self.devices,
+                slots_per_device=self.slots_per_device or self.slots)
 
 
 def make_budget(num_experts: int, top_k: int, expert_bytes: int, num_moe_layers: int, *,
                 fraction: float | None = 0.25, nbytes: int | None = None,
-                streaming: bool = False) -> Budget:
+                streaming: bool = False, devices: int = 1) -> Budget:
   """S = round(fraction * E), or from a device-memory budget in bytes over all MoE layers;
-  streaming: no cache (K staging slots emptied after every token)."""
+  streaming: no cache (K staging slots emptied after every token).  devices > 1
+  (expert-parallel): the fraction or bytes are per device, S is the union of the
+  devices' slots (at most E), and it must hold a token's K experts (no staging slots)."""
+  if devices > 1:
+    one = make_budget(num_experts, top_k, expert_bytes, num_moe_layers, fraction=fraction,
+                      nbytes=nbytes, streaming=streaming)
+    union = min(devices * one.slots, num_experts)
+    if streaming or union < top_k:
+      raise BudgetError(
+          f"--expert_devices={devices} x {one.slots} slots per device hold {union} experts per "
+          f"layer, fewer than top_k={top_k} (expert parallelism keeps no staging slots, nor "
+          f"streams): raise --cache_fraction / --cache_bytes or the device count")
+    return dataclasses.replace(one, slots=union, staging=0, devices=devices,
+                               slots_per_device=one.slots,
+                               source=f"{one.source} per device")
   if streaming:
     return Budget(num_experts, top_k, 0, top_k, expert_bytes, num_moe_layers,
                   "streaming: no expert kept across tokens")

@@ -89,7 +89,12 @@ class DecoderLayer(nn.Module):
     y = experts_lib.apply_experts(moe_in_BxTxD.reshape(b * t, d), ids_BxTxK.reshape(b * t, -1),
                                   gates_BxTxK.reshape(b * t, -1), expert_weights,
                                   swiglu=families.of(self.cfg).swiglu(self.cfg))
-    y = y.reshape(b, t, d).astype(h_BxTxD.dtype)
+    return self.add_routed(h_BxTxD, moe_in_BxTxD, y.reshape(b, t, d))
+
+  def add_routed(self, h_BxTxD, moe_in_BxTxD, y_BxTxD):
+    """h + y (+ the shared experts) for routed experts' output y computed by the caller
+    (the expert-parallel engine: a psum over the devices' slots)."""
+    y = y_BxTxD.astype(h_BxTxD.dtype)
     if hasattr(self.mlp, "shared_output"):
       y = y + self.mlp.shared_output(moe_in_BxTxD)
     return h_BxTxD + y

@@ -45,7 +45,8 @@ class Layout:
     k = self.k
     return (("ids", k), ("actions", k), ("substitutes", k), ("share", k), ("fetched", k),
             ("admitted", k), ("admissions", k), ("prefetched", k), ("predicted", k),
-            ("true_ids", k), ("evicted", self.evicted), ("pf_stats", 4))
+            ("true_ids", k), ("evicted", self.evicted), ("pf_stats", 4), ("rows", k),
+            ("admission_slots", k))
 
   @property
   def width(self) -> int:
@@ -72,7 +73,7 @@ def _pack(outs):
   return jnp.concatenate([f(d.ids[:, 0]), f(d.action[:, 0]), f(d.sub_ids[:, 0]), d.share[:, 0],
                           f(h.fetched), f(admitted[0]), f(steps.pending[0]), f(h.pf_ids),
                           f(h.predicted), f(h.true_ids), f(admitted[2]), f(steps.evicted),
-                          h.pf_stats], axis=-1)
+                          h.pf_stats, f(h.rows), f(steps.pending[1])], axis=-1)
 
 
 def _layers(cfg: ModelConfig, params):
@@ -84,7 +85,13 @@ def _decode(prog: Program, params, srcs, carry, token, pos):
   carry, logits, steps = token_lib.decode(
       ctx, jnp.dtype(prog.dtype), params, _layers(ctx.cfg, params), srcs, carry, token, pos,
       jax.random.PRNGKey(0), scan=False)
-  return carry, logits, _pack(steps)
+  return carry, _replicated(ctx, logits), _replicated(ctx, _pack(steps))
+
+
+def _replicated(ctx: layer_lib.Ctx, x):
+  """Expert-parallel: what the host reads is whole on every device (each process of a
+  multi-host run reads its own copy)."""
+  return x if ctx.ep is None else jax.lax.with_sharding_constraint(x, ctx.ep.replicated)
 
 
 @functools.lru_cache(maxsize=None)
@@ -124,13 +131,14 @@ def loop(prog: Program, params, srcs, carry, logits, pos, key, stop_ids, steps: 
 
   i, _, _, carry, _, toks, packs = jax.lax.while_loop(
       lambda c: ~c[1], body, (jnp.int32(1), done, key, carry, tok, toks, packs))
-  return carry, toks, i, packs
+  return carry, _replicated(prog.ctx, toks), _replicated(prog.ctx, i), _replicated(prog.ctx, packs)
 
 
 @functools.partial(jax.jit, static_argnames=("prog",), donate_argnums=(3,))
 def prefill(prog: Program, params, srcs, states, tokens_P, length, decay_pow):
   """An exact prompt -> (logits [V], carry, (copied ids [L, E], evicted [L, E + P]))."""
   ctx = prog.ctx
-  return token_lib.prefill(ctx, jnp.dtype(prog.dtype), prog.max_len, params,
-                           _layers(ctx.cfg, params), srcs, states, tokens_P, length, decay_pow,
-                           scan=False)
+  logits, carry, outs = token_lib.prefill(ctx, jnp.dtype(prog.dtype), prog.max_len, params,
+                                          _layers(ctx.cfg, params), srcs, states, tokens_P,
+                                          length, decay_pow, scan=False)
+  return _replicated(ctx, logits), carry, _replicated(ctx, outs)

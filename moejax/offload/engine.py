@@ -34,6 +34,7 @@ from moejax.model import families
 from moejax.prefetch import speculation
 from moejax.model.config import ModelConfig
 from moejax.offload import decode
+from moejax.offload import expert_parallel
 from moejax.offload import layer as layer_lib
 from moejax.offload import link as link_lib
 from moejax.cache import policy as policy_lib
@@ -54,14 +55,15 @@ class OffloadEngine:
                cache_fraction: float | None = 0.25, cache_bytes: int | None = None,
                link="native", max_len: int = 512, dtype=jnp.float32, initial="auto",
                prefetch: Prefetch | None = None, transfer_timeout_s: float = 120.0,
-               low_store=None):
+               low_store=None, expert_devices: int = 1):
     """policy: a PolicyParams or a preset/miss-rule name.  link: a `Link` or a spec
     ("native", "16GB/s,10us"; a scaled link comes from `calibrate.calibrated_link`).
     initial: "auto", "empty", "all", or {MoE layer: routing counts} (the most used
     experts first, `calibrate.profile_counts`).  prefetch: speculative prefetch
     (`prefetch.Prefetch`; its `streaming` keeps no expert across tokens).  low_store: the
     low-precision copies a policy that fetches them reads (`io.quant.load_or_build`;
-    default: quantised now, in memory)."""
+    default: quantised now, in memory).  expert_devices > 1: the slots of every MoE layer
+    spread over that many devices, the budget per device (`expert_parallel`)."""
     if isinstance(policy, str):
       policy = policy_lib.make_policy(policy)
     if isinstance(link, str) and link.strip().lower().startswith("scaled"):
@@ -69,7 +71,7 @@ class OffloadEngine:
           f"link={link!r}: a scaled link needs this machine's layer compute time; build it "
           f"with moejax.offload.calibrate.calibrated_link(spec, cfg, params, store, dtype) "
           f"and pass the Link")
-    self.device = jax.devices()[0]
+    self.device = jax.local_devices()[0]
     self.cfg, self.store, self.policy = cfg, store, policy
     self.dtype, self.max_len = dtype, max_len
     self.transfer_timeout_s = float(transfer_timeout_s)
@@ -78,9 +80,16 @@ class OffloadEngine:
     self.prefetch = pf
     self.mode = pf_steps.Mode(pf.kind, pf.speculative, keep=not pf.streaming)
     nbytes = store.expert_nbytes()
+    if expert_devices > 1 and pf.kind != "none":
+      raise expert_parallel.ExpertParallelError(
+          f"--expert_devices={expert_devices} with --prefetch={pf.kind}: speculative prefetch "
+          f"is not expert-parallel yet (its prefetch rows live on one device)")
     self.budget = resident_lib.make_budget(cfg.num_experts, cfg.top_k, nbytes,
                                            len(self.moe_layers), fraction=cache_fraction,
-                                           nbytes=cache_bytes, streaming=pf.streaming)
+                                           nbytes=cache_bytes, streaming=pf.streaming,
+                                           devices=expert_devices)
+    self.plan = (expert_parallel.make_plan(expert_devices, self.budget.slots_per_device)
+                 if expert_devices > 1 else None)
     self.link = link if isinstance(link, link_lib.Link) else link_lib.parse_link(
         link, expert_bytes=nbytes)
     if policy.decision.host and self.device.platform != "cpu":
@@ -100,8 +109,11 @@ class OffloadEngine:
     trim_to = self.budget.slots if self.budget.staging else None
     ctx = layer_lib.Ctx(cfg, policy, trim_to, pf.kind, pf.speculative, not pf.streaming,
                         None, "slots", pinned, defer_tail=True,
-                        skip_empty=self.device.platform == "cpu")
+                        skip_empty=self.device.platform == "cpu", ep=self.plan)
     put = lambda a: jax.device_put(a, self.device)
+    if self.plan is not None:   # dense parameters and the store on every device
+      put = lambda a: expert_parallel.replicate(self.plan, a)
+      host = put(host)
     self.params = put(params)
     preds = (speculation.stacked_predictors(cfg, pf.kind, pf.predictors, stack=False)
              if self.mode.on and pf.kind != "oracle" else None)
@@ -120,12 +132,15 @@ class OffloadEngine:
     self._states, self.initial = resident_lib.fill_initial(
         states, "profile" if counts is not None else initial, self.budget, store,
         policy.cache, cfg, counts)
+    if self.plan is not None:
+      self._states = {l: expert_parallel.shard_state(self.plan, st)
+                      for l, st in self._states.items()}
     ctx = dataclasses.replace(ctx, all_resident=self.budget.all_resident and
                               self.initial == "all" and not self.mode.on)
     self._prog = decode.Program(ctx, jnp.dtype(dtype).name, max_len)
     self._step = decode.step_fn(self._prog)
     self._layout = decode.layout(ctx, self.budget.physical)
-    self._clock = link_lib.LinkClock(self.link, nbytes, self.moe_layers)
+    self._clock = link_lib.LinkClock(self.link, nbytes, self.moe_layers, expert_devices)
     self._low_nbytes = self.low_store.expert_nbytes() if self.low_store else 0
     self._carry = None            # (KV cache, states, pending) once a prompt ran
     self.end_index = 0
@@ -139,8 +154,9 @@ class OffloadEngine:
   def describe(self) -> str:
     pf = (f"; prefetch {self.mode.prefetch}, speculative {self.mode.speculative}"
           if self.mode.on else "")
+    ep = f"; {self.plan.describe()}" if self.plan is not None else ""
     return (f"policy {self.policy.describe()}; {self.budget.describe()}; "
-            f"link {self.link.describe()}{pf}")
+            f"link {self.link.describe()}{pf}{ep}")
 
   # -------------------------------------------------------------- lifetime
   def close(self):
@@ -230,8 +246,12 @@ class OffloadEngine:
     return out
 
   def _new_carry(self, states):
-    return jax.device_put(token_lib.empty_carry(self._prog.ctx, self.dtype, self.max_len,
-                                                states, scan=False), self.device)
+    cache, _, pending = token_lib.empty_carry(self._prog.ctx, self.dtype, self.max_len, {},
+                                              scan=False)
+    if self.plan is not None:
+      return (expert_parallel.replicate(self.plan, cache), states,
+              expert_parallel.replicate(self.plan, pending))
+    return jax.device_put((cache, states, pending), self.device)
 
   def prefill(self, prompt_ids) -> np.ndarray:
     """Runs the prompt (exact for every policy); returns the last position's logits [V]."""
@@ -290,7 +310,7 @@ class OffloadEngine:
     waits = {}
     if self.link.emulated:
       emulated, waits = self._clock.token(compute, *_link_counts(
-          packed, self._layout, self._low_nbytes / self.store.expert_nbytes()))
+          packed, self._layout, self._low_nbytes / self.store.expert_nbytes(), self.plan))
       if emulated - compute > self.transfer_timeout_s:
         transfer.sleep_until(t0 + compute + self.transfer_timeout_s)
         self._failed = transfer.TransferTimeout(
@@ -314,7 +334,8 @@ class OffloadEngine:
     decode step itself only keeps its small numpy array)."""
     eb = self.store.expert_nbytes()
     for packed, wall, waits in self._unbuilt:
-      rec = build_record(packed, self._layout, self.moe_layers, eb, self._low_nbytes)
+      rec = build_record(packed, self._layout, self.moe_layers, eb, self._low_nbytes,
+                         self.plan)
       rec.finish(wall, **waits)
       self._records.append(rec)
     self._unbuilt.clear()
@@ -369,11 +390,21 @@ class OffloadEngine:
     return [int(x) for x in toks[:n]]
 
 
-def _link_counts(packed: np.ndarray, layout: decode.Layout, low_ratio: float = 0.0):
+def _link_counts(packed: np.ndarray, layout: decode.Layout, low_ratio: float = 0.0,
+                 plan=None):
   """Per MoE layer: waited fetches (a low-precision one counts low_ratio of an expert's
-  bytes), admissions requested, experts prefetched."""
+  bytes), admissions requested, experts prefetched; expert-parallel (`plan`): per layer
+  and device [L, N], each copy counted on the device that owns its slot."""
   cols = layout.split(packed)
-  n = lambda a: np.sum(a >= 0, axis=-1)
-  low = np.sum(cols["actions"] == policy_lib.FETCH_LOW, axis=-1)
-  return (n(cols["fetched"]) - low * (1.0 - low_ratio), n(cols["admissions"]),
-          n(cols["prefetched"]))
+  low = cols["actions"] == policy_lib.FETCH_LOW
+  fetch = (cols["actions"] == policy_lib.FETCH) | low
+  size = np.where(low, low_ratio, 1.0)
+  adm = cols["admissions"] >= 0
+  if plan is None:
+    return (np.sum(fetch * size, axis=-1), np.sum(adm, axis=-1),
+            np.sum(cols["prefetched"] >= 0, axis=-1))
+  on = lambda rows, d: (rows.astype(np.int64) // plan.slots) == d
+  per = lambda m, rows: np.stack([np.sum(m * on(rows, d), axis=-1)
+                                  for d in range(plan.devices)], axis=-1)
+  none = np.zeros(adm.shape[:-1] + (plan.devices,))
+  return per(fetch * size, cols["rows"]), per(adm, cols["admission_slots"]), none

@@ -42,7 +42,8 @@ from moejax.cache import policy as policy_lib
 from moejax.prefetch import steps as pf
 from moejax.cache import resident as resident_lib
 from moejax.cache.policy import DROP, FETCH, FETCH_LOW, HIT, HOST, SUBSTITUTE
-from moejax.offload.sources import copy_rows, device_memory, run_experts  # noqa: F401
+from moejax.offload.sources import (copy_into_slots, copy_rows, device_memory,  # noqa: F401
+                                    run_experts)
 
 # per-layer counts of a decoded token (summed over MoE layers by the drivers)
 STATS = ("expert_calls", "hits", "fetches", "substituted", "substituted_mass", "dropped",
@@ -66,6 +67,7 @@ class Ctx:
   defer_tail: bool = False            # `policy_tail` after the last layer (token.decode)
   skip_empty: bool = False            # inserts under a cond (`_maybe`): the CPU backend
   all_resident: bool = False          # every expert resident for good: all hits
+  ep: Any = None                      # expert_parallel.Plan: slots over a device mesh
 
   @property
   def spec_on(self) -> bool:

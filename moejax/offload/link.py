@@ -53,6 +53,8 @@ import dataclasses
 import math
 import re
 
+import numpy as np
+
 from moejax.offload import hardware
 
 
@@ -221,21 +223,30 @@ class LinkClock:
   Transfers queued at the end of a token carry over to the next.  `token` returns the
   token's emulated seconds and its waits; the caller sleeps the difference to its
   compute time.  Pure host arithmetic: no thread, no device call.
+
+  links > 1 (expert-parallel: every device has its own link to the host): the counts are
+  per layer arrays [links], each link carries its own device's copies, and a wait lasts
+  until the last of the links it waits on is done.
   """
 
-  def __init__(self, link: Link, expert_bytes: int, moe_layers: tuple[int, ...]):
+  def __init__(self, link: Link, expert_bytes: int, moe_layers: tuple[int, ...],
+               links: int = 1):
     self.link = link
+    self.links = int(links)
     self.expert_s = link.transfer_time(expert_bytes) - link.latency_s if link.emulated else 0.0
     self.moe_layers = tuple(moe_layers)
     self.reset()
 
   def reset(self):
-    """A new sequence: nothing on the link."""
-    self._free = 0.0                                  # link busy until (token-relative)
-    self._admit = {l: 0.0 for l in self.moe_layers}   # admissions for l arrive at
+    """A new sequence: nothing on the links."""
+    self._free = np.zeros(self.links)                 # each link busy until (token-relative)
+    self._admit = {l: np.zeros(self.links) for l in self.moe_layers}   # admissions arrive
 
-  def _burst(self, n: float) -> float:
-    return n * self.expert_s + (self.link.latency_s if n else 0.0)
+  def _counts(self, n) -> np.ndarray:
+    return np.broadcast_to(np.asarray(n, np.float64), (self.links,))
+
+  def _burst(self, n: np.ndarray) -> np.ndarray:
+    return n * self.expert_s + np.where(n > 0, self.link.latency_s, 0.0)
 
   def _wait(self, t: float, until: float, waits: dict, key: str) -> float:
     if until > t:
@@ -245,34 +256,40 @@ class LinkClock:
 
   def token(self, compute_s: float, fetches, admissions, prefetches) -> tuple[float, dict]:
     """-> (emulated seconds of the token, {"wait_s", "admission_wait_s",
-    "prefetch_wait_s"}); counts are per MoE layer, prefetches[j] those for layer j."""
+    "prefetch_wait_s"}); counts are per MoE layer (numbers, or arrays [links]),
+    prefetches[j] those for layer j."""
     waits = dict(wait_s=0.0, admission_wait_s=0.0, prefetch_wait_s=0.0)
     if not self.link.emulated:
       return compute_s, waits
     half = compute_s / max(1, len(self.moe_layers)) / 2
     n = len(self.moe_layers)
-    t, pf_at, admit = 0.0, 0.0, {}
+    none = np.zeros(self.links)
+    t, pf_at, admit, free = 0.0, none, {}, self._free.copy()
     for j, l in enumerate(self.moe_layers):
-      t = self._wait(t, self._admit[l], waits, "admission_wait_s") + half
-      nxt_pf_at = 0.0
-      if j + 1 < n and prefetches[j + 1]:
-        self._free = max(self._free, t) + self._burst(prefetches[j + 1])
-        nxt_pf_at = self._free
-      t = self._wait(t, pf_at, waits, "prefetch_wait_s")
-      if fetches[j]:
-        d = self._burst(fetches[j])
-        waits["wait_s"] += d
-        if self._free > t:        # the background transfers on the link are pushed back
-          self._free += d
-          nxt_pf_at += d if nxt_pf_at else 0.0
-          admit = {a: at + d if at > t else at for a, at in admit.items()}
-          self._admit = {a: at + d if at > t else at for a, at in self._admit.items()}
-        t += d
+      t = self._wait(t, float(np.max(self._admit[l])), waits, "admission_wait_s") + half
+      nxt_pf_at = none
+      pf = self._counts(prefetches[j + 1]) if j + 1 < n else none
+      if np.any(pf > 0):
+        free = np.where(pf > 0, np.maximum(free, t) + self._burst(pf), free)
+        nxt_pf_at = np.where(pf > 0, free, 0.0)
+      t = self._wait(t, float(np.max(pf_at)), waits, "prefetch_wait_s")
+      f = self._counts(fetches[j])
+      if np.any(f > 0):
+        d = self._burst(f)
+        waits["wait_s"] += float(np.max(d))
+        pushed = free > t        # each link's background transfers are pushed back
+        free = np.where(pushed, free + d, free)
+        nxt_pf_at = np.where(pushed & (nxt_pf_at > 0), nxt_pf_at + d, nxt_pf_at)
+        admit = {a: np.where(pushed & (at > t), at + d, at) for a, at in admit.items()}
+        self._admit = {a: np.where(pushed & (at > t), at + d, at)
+                       for a, at in self._admit.items()}
+        t += float(np.max(d))
       t += half
-      if admissions[j]:
-        self._free = max(self._free, t) + self._burst(admissions[j])
-        admit[l] = self._free
+      a = self._counts(admissions[j])
+      if np.any(a > 0):
+        free = np.where(a > 0, np.maximum(free, t) + self._burst(a), free)
+        admit[l] = np.where(a > 0, free, 0.0)
       pf_at = nxt_pf_at
-    self._admit = {l: max(0.0, admit.get(l, 0.0) - t) for l in self.moe_layers}
-    self._free = max(0.0, self._free - t)
+    self._admit = {l: np.maximum(0.0, admit.get(l, none) - t) for l in self.moe_layers}
+    self._free = np.maximum(0.0, free - t)
     return t, waits

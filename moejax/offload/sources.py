@@ -18,8 +18,10 @@ import jax.numpy as jnp
 from moejax.cache import policy as policy_lib
 from moejax.cache.policy import HOST
 from moejax.io import quant
+from moejax.kernels import cpu_host, cpu_kernel
 from moejax.model import experts as experts_lib
 from moejax.model import families
+from moejax.offload import expert_parallel
 
 
 def device_memory():
@@ -28,27 +30,32 @@ def device_memory():
   return jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="device")
 
 
-def _row(src, i, dtype, pinned: bool):
+def _to_device(x, pinned):
+  """A slice of a host-memory store moved to device memory (pinned: True, the single
+  device; "local", inside a shard_map: each device's own)."""
+  if pinned == "local":
+    return jax.device_put(x, jax.memory.Space.Device)
+  return jax.device_put(x, device_memory()) if pinned else x
+
+
+def _row(src, i, dtype, pinned):
   """src[i:i+1] on the device, as `dtype`.  The program store holds 16-bit floats as their
   uint16 bits (`transfer.program_store`): XLA CPU slices a bf16 array by converting all
   of it to f32 first, and hoists that convert of the whole store out of the copy loop."""
-  row = jax.lax.dynamic_slice_in_dim(src, i, 1, axis=0)
-  if pinned:
-    row = jax.device_put(row, device_memory())
+  row = _to_device(jax.lax.dynamic_slice_in_dim(src, i, 1, axis=0), pinned)
   if row.dtype != dtype and row.dtype.itemsize == jnp.dtype(dtype).itemsize:
     return jax.lax.bitcast_convert_type(row, dtype)
   return row.astype(dtype)
 
 
-def _low_row(src, name, i, dtype, pinned: bool, bits: int):
+def _low_row(src, name, i, dtype, pinned, bits: int):
   """The dequantised row i of a low-precision program store (`io.quant` layout)."""
-  q, s = (jax.lax.dynamic_slice_in_dim(src[f"{name}.{x}"], i, 1, axis=0) for x in "qs")
-  if pinned:
-    q, s = jax.device_put(q, device_memory()), jax.device_put(s, device_memory())
+  q, s = (_to_device(jax.lax.dynamic_slice_in_dim(src[f"{name}.{x}"], i, 1, axis=0), pinned)
+          for x in "qs")
   return quant.dequantize(q, s, bits, dtype)
 
 
-def copy_rows(buffers: dict, store: dict, ids_J, slots_J, pinned: bool,
+def copy_rows(buffers: dict, store: dict, ids_J, slots_J, pinned,
               low_bits: int | None = None) -> dict:
   """Copies store[k][ids_J[j]] into buffers[k][slots_J[j]] for every j with a slot, in
   order (a later copy into the same slot wins), inside the program; a skipped entry
@@ -79,6 +86,35 @@ def copy_rows(buffers: dict, store: dict, ids_J, slots_J, pinned: bool,
     return bufs
 
   return jax.lax.fori_loop(0, n, copy_one, dict(buffers))
+
+
+def copy_into_slots(ctx, buffers: dict, store: dict, ids_J, slots_J,
+                    low_bits: int | None = None, pinned: bool | None = None) -> dict:
+  """`copy_rows` into the layer's slots: on the one device, or expert-parallel on the
+  devices that own the slots (ctx: `layer.Ctx`; pinned: the store is in a host memory
+  kind, default ctx.pinned)."""
+  pinned = ctx.pinned if pinned is None else pinned
+  if ctx.ep is None:
+    return copy_rows(buffers, store, ids_J, slots_J, pinned, low_bits)
+  return expert_parallel.copy_rows(ctx.ep, copy_rows, buffers, store, ids_J, slots_J,
+                                   pinned="local" if pinned else False, low_bits=low_bits)
+
+
+def host_experts(ctx, store: dict, dtypes: dict, moe_in, ids_K, gates_K):
+  """One token's HOST experts (gate 0: none) computed from the store where it lives ->
+  [1, D]: on the CPU backend the kernel reads them in place (`cpu_host`); else each is
+  sliced out as `dtypes` (the slot buffers') and run by `apply_experts`."""
+  def sliced(x_D, ids, gates, w):
+    rows = {name: jnp.concatenate([_row(v, ids[j], dtypes[name], ctx.pinned)
+                                   for j in range(ids.shape[0])]) for name, v in w.items()}
+    return experts_lib.apply_experts(x_D.reshape(1, -1), jnp.arange(ids.shape[0])[None],
+                                     gates[None], rows,
+                                     swiglu=families.of(ctx.cfg).swiglu(ctx.cfg))
+  x = moe_in.reshape(-1)
+  if (not ctx.pinned and cpu_host.supports(x, store) and cpu_kernel.available()
+      and all(store[n].dtype.itemsize == jnp.dtype(t).itemsize for n, t in dtypes.items())):
+    return cpu_host.host_experts(x, ids_K, gates_K, store, sliced).reshape(1, -1)
+  return sliced(x, ids_K, gates_K, store)
 
 
 def run_experts(ctx, mod, p, src: dict, h, moe_in, state, head, carried: tuple):
@@ -112,22 +148,26 @@ def run_experts(ctx, mod, p, src: dict, h, moe_in, state, head, carried: tuple):
       bufs = copy_rows(bufs, store, head.pf_ids, pf_rows.astype(jnp.int32), ctx.pinned)
     if low_on:                     # this token's low fetches come from the low store
       slots[-1] = jnp.where(head.fetch_low, -1, head.fetch_slots)
-    bufs = copy_rows(bufs, store, jnp.concatenate(ids), jnp.concatenate(slots), ctx.pinned)
+    bufs = copy_into_slots(ctx, bufs, store, jnp.concatenate(ids), jnp.concatenate(slots))
     if low_on:
-      bufs = copy_rows(bufs, src["low"], head.fetched,
-                       jnp.where(head.fetch_low, head.fetch_slots, -1), ctx.pinned,
-                       ctx.policy.decision.low_bits)
+      bufs = copy_into_slots(ctx, bufs, src["low"], head.fetched,
+                             jnp.where(head.fetch_low, head.fetch_slots, -1),
+                             ctx.policy.decision.low_bits)
     state = dataclasses.replace(state, buffers=bufs)
   w = jnp.where(head.rows >= 0, dec.weights[0], 0.0)
-  x = mod.apply({"params": p}, h, moe_in, jnp.maximum(head.rows, 0).reshape(1, 1, k),
-                w.reshape(1, 1, k), bufs, method="moe_residual")
+  if ctx.ep is not None:           # each device its own slots' experts, then a psum
+    swiglu = families.of(ctx.cfg).swiglu(ctx.cfg)
+    y = expert_parallel.routed_experts(
+        ctx.ep, lambda *a: experts_lib.apply_experts(*a, swiglu=swiglu),
+        moe_in.reshape(1, -1), head.rows, w, bufs)
+    x = mod.apply({"params": p}, h, moe_in, y.reshape(h.shape), method="add_routed")
+  else:
+    x = mod.apply({"params": p}, h, moe_in, jnp.maximum(head.rows, 0).reshape(1, 1, k),
+                  w.reshape(1, 1, k), bufs, method="moe_residual")
   if ctx.policy.decision.host:    # read where the store lives (the CPU backend's host memory)
     host = dec.action[0] == HOST
     wh = jnp.where(host, dec.weights[0], 0.0)
     e = jnp.where(host, dec.ids[0], 0)
-    rows = {name: jnp.concatenate([_row(v, e[j], bufs[name].dtype, ctx.pinned)
-                                   for j in range(k)]) for name, v in store.items()}
-    y = experts_lib.apply_experts(moe_in.reshape(1, -1), jnp.arange(k)[None], wh[None], rows,
-                                  swiglu=families.of(ctx.cfg).swiglu(ctx.cfg))
+    y = host_experts(ctx, store, {n: b.dtype for n, b in bufs.items()}, moe_in, e, wh)
     x = x + y.reshape(x.shape).astype(x.dtype)
   return x, state

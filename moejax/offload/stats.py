@@ -88,6 +88,7 @@ class TokenRecord:
   compute_s: float = 0.0          # the rest of wall_s
   wall_s: float = 0.0
   tokens: int = 1                 # prompt length for the prefill record
+  device_hits: tuple = ()         # expert-parallel: hits served from each device's slots
   layers: dict[int, LayerRecord] = dataclasses.field(default_factory=dict)
 
   def __getitem__(self, key: str):
@@ -107,12 +108,13 @@ _DENSE = ("ids", "actions", "substitutes", "true_ids")     # K entries each, -1 
 
 
 def build_record(packed_LxW: np.ndarray, layout, moe_layers, expert_bytes: int,
-                 low_bytes: int = 0) -> TokenRecord:
+                 low_bytes: int = 0, plan=None) -> TokenRecord:
   """A decoded token's record from its packed decisions (`decode.Layout`; rows in
   `moe_layers` order): the counts by `layer.counts`, the same function the emulator's
   statistics use.  Per layer, id lists drop the -1 padding (ids, actions, substitutes
   and true_ids keep their K entries).  `fetches` counts full-precision fetches,
-  `fetches_low` low-precision ones (`low_bytes` each); `fetched` lists both."""
+  `fetches_low` low-precision ones (`low_bytes` each); `fetched` lists both.  plan: an
+  `expert_parallel.Plan`, whose devices' hits are counted (`device_hits`)."""
   from moejax.offload import layer   # pylint: disable=import-outside-toplevel
   cols = layout.split(np.asarray(packed_LxW))
   c = layer.counts(np, cols["actions"].astype(np.int32), cols["share"], cols["admissions"],
@@ -124,6 +126,10 @@ def build_record(packed_LxW: np.ndarray, layout, moe_layers, expert_bytes: int,
   rec.fetch_bytes = rec.fetches * expert_bytes + rec.fetch_low_bytes
   rec.prefetch_bytes = rec.prefetches * expert_bytes
   rec.wasted_bytes = (rec.prefetches - rec.useful_prefetches) * expert_bytes
+  if plan is not None:     # a hit's row is its global slot, on device slot // S_d
+    hit = cols["actions"].astype(np.int64) == layer.HIT
+    dev = cols["rows"].astype(np.int64) // plan.slots
+    rec.device_hits = tuple(float(np.sum(hit & (dev == d))) for d in range(plan.devices))
   ints = {name: cols[name].astype(np.int64).tolist() for name in _LAYER_IDS}
   for j, l in enumerate(moe_layers):
     rec.layers[l] = LayerRecord(**{
@@ -161,6 +167,9 @@ def summarize(records: list[TokenRecord], cfg: ModelConfig) -> dict:
   s["tpot_ms"] = 1e3 * tot["wall_s"] / n
   s["tpot_median_ms"] = 1e3 * float(np.median([r.wall_s for r in records]))
   s["hit_rate"] = tot["hits"] / calls
+  if records[0].device_hits:      # expert-parallel: each device's share of the calls
+    s["device_hit_rates"] = [float(h) / calls
+                             for h in np.sum([r.device_hits for r in records], axis=0)]
   s["substituted_call_pct"] = 100.0 * tot["substituted"] / calls
   s["substituted_mass_per_token_layer"] = tot["substituted_mass"] / (n * moe_layers)
   s["substituted_mass_per_token"] = tot["substituted_mass"] / n
@@ -182,7 +191,9 @@ def format_stats(s: dict, link_desc: str) -> str:
       ("  host expert compute", f"{s['host_ms_per_token']:.2f} ms"),
       ("  compute (rest)", f"{s['compute_ms_per_token']:.2f} ms"),
       ("expert calls / token", f"{s['expert_calls_per_token']:.1f}"),
-      ("hit rate", f"{100 * s['hit_rate']:.1f} %"),
+      ("hit rate", f"{100 * s['hit_rate']:.1f} %" + (
+          "  (union; per device: " + ", ".join(f"{100 * h:.1f}" for h in s["device_hit_rates"])
+          + " %)" if s.get("device_hit_rates") else "")),
       ("misses / token", f"{s['misses_per_token']:.2f}"),
       ("sync fetches / token", f"{s['fetches_per_token']:.2f} "
                                + (f"+ {s['fetches_low_per_token']:.2f} low-precision "

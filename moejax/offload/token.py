@@ -136,8 +136,9 @@ def prefill(ctx: layer_lib.Ctx, dtype, max_len: int, params, layers, srcs, state
       table = src["table"]
     else:   # the layer's experts, on the device for this call only
       table = src["store"]
-      if ctx.pinned:
-        table = jax.device_put(table, layer_lib.device_memory())
+      if ctx.pinned:     # expert-parallel: to every device's own memory
+        table = jax.device_put(table, jax.memory.Space.Device if ctx.ep is not None
+                               else layer_lib.device_memory())
       table = {k: (jax.lax.bitcast_convert_type(v, st.buffers[k].dtype)
                    if v.dtype != st.buffers[k].dtype else v) for k, v in table.items()}
     x = _apply(mod, p, h, moe_in, ids.reshape(1, plen, k), gates.reshape(1, plen, k), table,
@@ -145,8 +146,8 @@ def prefill(ctx: layer_lib.Ctx, dtype, max_len: int, params, layers, srcs, state
     st, copy_ids, copy_slots, evicted = prefill_step(pol, ctx.trim_to, st, ids, valid,
                                                      decay_pow)
     if ctx.source == "slots":
-      st = dataclasses.replace(st, buffers=layer_lib.copy_rows(
-          st.buffers, table, copy_ids, copy_slots, False))
+      st = dataclasses.replace(st, buffers=layer_lib.copy_into_slots(
+          ctx, st.buffers, table, copy_ids, copy_slots, pinned=False))
     return x, (cache, st, pending), (copy_ids, evicted)
 
   cache, _, pending = empty_carry(ctx, dtype, max_len, {}, scan)

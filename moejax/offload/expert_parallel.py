@@ -1,0 +1,163 @@
+"""Expert parallelism: each MoE layer's expert slots spread over the devices of a mesh.
+
+A `Plan` puts a Mesh with one axis, "expert", over N devices and gives every device
+S_d slots per MoE layer (the budget is per device).  The union of the devices' slots is
+ONE cache of N * S_d slots (at most E): the layer's `ResidentState` metadata
+(`slot_expert`, `expert_slot`, usage counts) is global and replicated, so `decide`,
+insert, eviction and admission are the single-device functions over the union, and
+the engine's decisions are those of one device with N * S_d slots.  Global slot s lives
+on device s // S_d at its local row s % S_d.
+
+Any device may hold any expert (an expert's "owner" is the device of the slot its
+insert chose, i.e. of the expert it evicted), rather than expert e living only on
+device e mod N: the union then keeps the most useful experts of the whole layer, and a
+few hot experts that a fixed owner map puts on one device do not crowd each other out
+while the other devices keep cold ones.  The cost: every device must be able to read
+every expert from host memory, so the host store is replicated per device (on the CPU
+backend these are N copies in RAM; each process of a multi-host run holds its own).
+
+Slot buffers are arrays [N * (S_d + 1), ...] sharded on the "expert" axis: each device
+holds its S_d slot rows and one scratch row.  The layer's copies and its routed experts
+run in `jax.shard_map`: a device copies only the rows whose slot it owns, computes the
+executed experts in its own slots (the others' weights masked to zero), and a `psum`
+adds the partial outputs (batch 1).  Everything else (attention, router, the policy,
+shared experts, host compute) is replicated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+AXIS = "expert"
+
+
+class ExpertParallelError(ValueError):
+  """An expert-parallel setting that cannot work; the message names the flag."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """N devices on the "expert" axis, S_d slots per MoE layer on each (hashable: part of
+  the decode program's static context)."""
+  mesh: Mesh
+  slots: int             # S_d: slots per device and MoE layer
+
+  @property
+  def devices(self) -> int:
+    return self.mesh.shape[AXIS]
+
+  @property
+  def rows(self) -> int:
+    """Buffer rows per device: its slots and a scratch row."""
+    return self.slots + 1
+
+  @property
+  def replicated(self) -> NamedSharding:
+    return NamedSharding(self.mesh, P())
+
+  @property
+  def by_rows(self) -> NamedSharding:
+    return NamedSharding(self.mesh, P(AXIS))
+
+  def describe(self) -> str:
+    return f"expert-parallel over {self.devices} devices ({self.slots} slots each per layer)"
+
+
+def provide_cpu_devices(n: int):
+  """Asks for n CPU devices when JAX's backends start (a CPU-only machine has one by
+  default).  Call before the first JAX computation; harmless where the default backend
+  is an accelerator (its devices are used, not the CPU's)."""
+  if n > 1:
+    jax.config.update("jax_num_cpu_devices", max(n, jax.config.jax_num_cpu_devices))
+
+
+def make_plan(n: int, slots_per_device: int, devices=None) -> Plan:
+  """A Plan over the first n of `devices` (default: jax.devices(), every process's)."""
+  devices = list(jax.devices() if devices is None else devices)
+  if n < 1:
+    raise ExpertParallelError(f"--expert_devices must be >= 1, got {n}")
+  if len(devices) < n:
+    raise ExpertParallelError(
+        f"--expert_devices={n}: only {len(devices)} {devices[0].platform} device(s) are "
+        f"available (on a CPU-only machine launch.generate provides them itself; in your "
+        f"own program call moejax.offload.expert_parallel.provide_cpu_devices({n}) or set "
+        f"XLA_FLAGS=--xla_force_host_platform_device_count={n} before JAX starts)")
+  return Plan(Mesh(np.asarray(devices[:n]), (AXIS,)), int(slots_per_device))
+
+
+def _global(x, sharding: NamedSharding):
+  """A host or single-device value as a global array with `sharding` (every process
+  passes the same value; works where some devices belong to other processes)."""
+  host = np.asarray(jax.device_get(x))
+  return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+
+
+def replicate(plan: Plan, tree):
+  """Every leaf of `tree` replicated on the plan's devices."""
+  return jax.tree_util.tree_map(lambda a: _global(a, plan.replicated), tree)
+
+
+def shard_state(plan: Plan, state):
+  """A single-device ResidentState (slots 0..P-1 in rows 0..P-1, P <= N * S_d) -> the
+  same cache laid out for the plan: device d's rows are slots d*S_d .. d*S_d + S_d - 1
+  and a scratch row; the metadata replicated."""
+  n, s = plan.devices, plan.slots
+  num_p = state.slot_expert.shape[0]
+  if num_p > n * s:
+    raise ExpertParallelError(f"{num_p} slots do not fit {n} devices of {s} slots")
+  bufs = {}
+  for name, buf in state.buffers.items():
+    host = np.asarray(jax.device_get(buf))
+    rows = np.zeros((n * plan.rows,) + host.shape[1:], host.dtype)
+    for d in range(n):
+      lo, hi = d * s, min((d + 1) * s, num_p)
+      if hi > lo:
+        rows[d * plan.rows:d * plan.rows + hi - lo] = host[lo:hi]
+    bufs[name] = _global(rows, plan.by_rows)
+  meta = {f.name: getattr(state, f.name) for f in dataclasses.fields(state)
+          if f.name != "buffers"}
+  return dataclasses.replace(state, buffers=bufs, **replicate(plan, meta))
+
+
+def device_rows(plan: Plan, slots_J):
+  """Inside the shard_map: this device's local row of each global slot (-1: a slot of
+  another device, or none)."""
+  d = jax.lax.axis_index(AXIS)
+  mine = (slots_J >= 0) & (slots_J // plan.slots == d)
+  return jnp.where(mine, slots_J % plan.slots, -1).astype(jnp.int32)
+
+
+def copy_rows(plan: Plan, copy_fn, buffers: dict, store: dict, ids_J, slots_J, **kw) -> dict:
+  """`copy_fn(buffers, store, ids_J, local_slots_J, **kw)` (sources.copy_rows) on every
+  device, each copying the rows of the slots it owns from its replica of the store."""
+  def local(bufs, st, ids, slots):
+    return copy_fn(bufs, st, ids, device_rows(plan, slots), **kw)
+  return jax.shard_map(local, mesh=plan.mesh, in_specs=(P(AXIS), P(), P(), P()),
+                       out_specs=P(AXIS), check_vma=False)(buffers, store, ids_J, slots_J)
+
+
+def routed_experts(plan: Plan, experts_fn, x_1xD, rows_K, weights_K, buffers: dict):
+  """sum_k weights_K[k] * expert in slot rows_K[k] (x one token), over the devices:
+  each computes the executed experts in its own slots (others' weights masked to 0)
+  with `experts_fn(x, ids_1xK, gates_1xK, local buffers)`; a psum adds the parts."""
+  def local(x, rows, w, bufs):
+    mine = device_rows(plan, rows)
+    y = experts_fn(x, jnp.maximum(mine, 0)[None], jnp.where(mine >= 0, w, 0.0)[None], bufs)
+    return jax.lax.psum(y, AXIS)
+  return jax.shard_map(local, mesh=plan.mesh, in_specs=(P(), P(), P(), P(AXIS)),
+                       out_specs=P(), check_vma=False)(x_1xD, rows_K, weights_K, buffers)
+
+
+def cpu_flag_env(n: int) -> dict:
+  """Environment for a child process with n CPU devices (tests, benches)."""
+  env = dict(os.environ)
+  env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
+                      f" --xla_force_host_platform_device_count={n}").strip()
+  return env

@@ -54,13 +54,15 @@ LINEAR_MAX_TOKENS = 16   # up to this many rows of x: the kernel (decode); more:
 # goes to the kernel: XLA converts the weights to f32 before each dot.
 LINEAR_MIN_F32_BYTES = 1 << 20
 _HERE = os.path.dirname(os.path.abspath(__file__))
-_SRCS = [os.path.join(_HERE, f) for f in ("cpu_kernel.cc", "cpu_attention.cc", "cpu_rows.cc")]
+_SRCS = [os.path.join(_HERE, f) for f in ("cpu_kernel.cc", "cpu_attention.cc", "cpu_rows.cc",
+                                           "cpu_host.cc")]
 _HEADERS = [os.path.join(_HERE, h)   # part of the build key
             for h in ("cpu_bf16.h", "cpu_dot.h", "cpu_threads.h")]
 ATTENTION_TARGET = "moejax_decode_attention"     # cpu_attention.cc, wrapped by cpu_attention.py
 RMS_NORM_TARGET = "moejax_rms_norm"              # cpu_rows.cc, wrapped by cpu_rows.py
 ROUTE_SOFTMAX_TARGET = "moejax_route_softmax"    # cpu_rows.cc, wrapped by cpu_rows.py
 TAKE_ROWS_TARGET = "moejax_take_rows"            # cpu_rows.cc, wrapped by cpu_rows.py
+HOST_EXPERTS_TARGET = "moejax_host_experts"      # cpu_host.cc, wrapped by cpu_host.py
 _MARCH = "-march=native"
 _FLAGS = ["-O3", _MARCH, "-std=c++17", "-shared", "-fPIC"]
 _OFF = ("0", "off", "false", "no")   # MOEJAX_CPU_KERNEL values that switch the kernels off
@@ -192,7 +194,8 @@ def _load() -> bool:
                            (ATTENTION_TARGET, lib.MoejaxDecodeAttention),
                            (RMS_NORM_TARGET, lib.MoejaxRmsNorm),
                            (ROUTE_SOFTMAX_TARGET, lib.MoejaxRouteSoftmax),
-                           (TAKE_ROWS_TARGET, lib.MoejaxTakeRows)):
+                           (TAKE_ROWS_TARGET, lib.MoejaxTakeRows),
+                           (HOST_EXPERTS_TARGET, lib.MoejaxHostExperts)):
       jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(symbol), platform="cpu")
     lib.moejax_set_spin_us.argtypes = [ctypes.c_int64]
     lib.moejax_set_decoding.argtypes = [ctypes.c_int]

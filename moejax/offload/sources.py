@@ -100,10 +100,11 @@ def copy_into_slots(ctx, buffers: dict, store: dict, ids_J, slots_J,
                                    pinned="local" if pinned else False, low_bits=low_bits)
 
 
-def host_experts(ctx, store: dict, dtypes: dict, moe_in, ids_K, gates_K):
+def host_experts(ctx, store: dict, dtypes: dict, moe_in, ids_K, gates_K, in_place=True):
   """One token's HOST experts (gate 0: none) computed from the store where it lives ->
-  [1, D]: on the CPU backend the kernel reads them in place (`cpu_host`); else each is
-  sliced out as `dtypes` (the slot buffers') and run by `apply_experts`."""
+  [1, D]: on the CPU backend the kernel reads them in place (`cpu_host`); else (or
+  in_place=False: launch/bench_host's 'before') each is sliced out as `dtypes` (the slot
+  buffers') and run by `apply_experts`."""
   def sliced(x_D, ids, gates, w):
     rows = {name: jnp.concatenate([_row(v, ids[j], dtypes[name], ctx.pinned)
                                    for j in range(ids.shape[0])]) for name, v in w.items()}
@@ -111,7 +112,7 @@ def host_experts(ctx, store: dict, dtypes: dict, moe_in, ids_K, gates_K):
                                      gates[None], rows,
                                      swiglu=families.of(ctx.cfg).swiglu(ctx.cfg))
   x = moe_in.reshape(-1)
-  if (not ctx.pinned and cpu_host.supports(x, store) and cpu_kernel.available()
+  if (in_place and not ctx.pinned and cpu_host.supports(x, store) and cpu_kernel.available()
       and all(store[n].dtype.itemsize == jnp.dtype(t).itemsize for n, t in dtypes.items())):
     return cpu_host.host_experts(x, ids_K, gates_K, store, sliced).reshape(1, -1)
   return sliced(x, ids_K, gates_K, store)

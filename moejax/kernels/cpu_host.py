@@ -1,0 +1,49 @@
+"""One token through K experts read in place from the offload engine's host store, as one
+CPU custom call (``cpu_host.cc``, built and registered with the other kernels by
+``cpu_kernel``): the engine's HOST misses on the CPU backend (``offload.sources``).
+
+The store holds bf16 experts as their uint16 bits (``transfer.program_store``); the
+kernel reads them, or f32/bf16 ones, in place, where the XLA path first copies each
+selected expert out of the store (a dynamic slice of 9.4 MB per Qwen3-30B-A3B expert)
+and then runs the routed-expert kernel on the copies. Experts whose gate is 0 are not
+read. Other platforms, and a build without the kernels, keep the XLA path (the caller's
+``xla_fn``). Forward only: the engine does not differentiate.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from moejax.kernels import cpu_kernel
+
+_ACT = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+_WEIGHTS = _ACT + (jnp.dtype(jnp.uint16),)
+
+
+def supports(x, w: dict) -> bool:
+  """Plain SwiGLU experts ({"gate_up" [E, 2I, D], "down" [E, D, I]}, f32, bf16 or bf16
+  bits) and an f32/bf16 token: the kernel can compute them (when `cpu_kernel.available()`)."""
+  if set(w) != {"gate_up", "down"} or jnp.dtype(x.dtype) not in _ACT:
+    return False
+  gu, dn = w["gate_up"], w["down"]
+  return (jnp.dtype(gu.dtype) in _WEIGHTS and gu.dtype == dn.dtype and gu.ndim == 3
+          and dn.ndim == 3 and gu.shape[2] == x.shape[-1] == dn.shape[1]
+          and gu.shape[1] == 2 * dn.shape[2] and gu.shape[0] == dn.shape[0])
+
+
+def _call(x_D, ids_K, gates_K, gate_up, down):
+  return jax.ffi.ffi_call(cpu_kernel.HOST_EXPERTS_TARGET,
+                          jax.ShapeDtypeStruct(x_D.shape, x_D.dtype))(
+                              x_D, ids_K.astype(jnp.int32), gates_K.astype(jnp.float32),
+                              gate_up, down)
+
+
+def host_experts(x_D, ids_K, gates_K, w: dict, xla_fn):
+  """sum_j gates[j] * expert_{ids[j]}(x) [D] of one token x [D], experts read in place
+  from `w`: the kernel on the CPU, `xla_fn(x, ids, gates, w)` (reshaped to [D]) elsewhere. Call it only
+  when `supports(x, w)` and `cpu_kernel.available()`."""
+  return jax.lax.platform_dependent(
+      x_D, ids_K, gates_K, w["gate_up"], w["down"], cpu=_call,
+      default=lambda x, i, g, gu, dn: xla_fn(x, i, g, {"gate_up": gu, "down": dn}).reshape(
+          x.shape).astype(x.dtype))

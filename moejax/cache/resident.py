@@ -100,14 +100,15 @@ def make_budget(num_experts: int, top_k: int, expert_bytes: int, num_moe_layers:
   if devices > 1:
     one = make_budget(num_experts, top_k, expert_bytes, num_moe_layers, fraction=fraction,
                       nbytes=nbytes, streaming=streaming)
-    union = min(devices * one.slots, num_experts)
+    per = min(one.slots, -(-num_experts // devices))   # slots beyond E would stay empty
+    union = min(devices * per, num_experts)
     if streaming or union < top_k:
       raise BudgetError(
-          f"--expert_devices={devices} x {one.slots} slots per device hold {union} experts per "
+          f"--expert_devices={devices} x {per} slots per device hold {union} experts per "
           f"layer, fewer than top_k={top_k} (expert parallelism keeps no staging slots, nor "
           f"streams): raise --cache_fraction / --cache_bytes or the device count")
     return dataclasses.replace(one, slots=union, staging=0, devices=devices,
-                               slots_per_device=one.slots,
+                               slots_per_device=per,
                                source=f"{one.source} per device")
   if streaming:
     return Budget(num_experts, top_k, 0, top_k, expert_bytes, num_moe_layers,

@@ -146,7 +146,9 @@ def user_errors() -> tuple[type, ...]:
   from moejax.offload.link import LinkSpecError
   from moejax.cache.policy import PolicyError
   from moejax.cache.resident import BudgetError
-  return (UsageError, app.UsageError, PolicyError, BudgetError, LinkSpecError, StoreBackendError)
+  from moejax.offload.expert_parallel import ExpertParallelError
+  return (UsageError, app.UsageError, PolicyError, BudgetError, LinkSpecError, StoreBackendError,
+          ExpertParallelError)
 
 
 def checkpoint_errors() -> tuple[type, ...]:

@@ -32,7 +32,7 @@ FLAGS = flags.FLAGS
 OFFLOAD_FLAGS = ("cache_fraction", "cache_bytes", "store", "link", "tau", "admission_beta",
                  "lam", "tau_low", "low_bits",
                  "eviction", "prefetch", "speculative", "estimators", "streaming",
-                 "ppl_budget", "tpot_budget_ms")
+                 "ppl_budget", "tpot_budget_ms", "expert_devices")
 
 flags.DEFINE_string("model_dir", None, "Hugging Face model folder (config.json, "
                     "model.safetensors or its sharded index, tokenizer.json). "
@@ -71,6 +71,9 @@ flags.DEFINE_float("lam", None, "With --policy=cost: milliseconds a token is wor
                    "from --profile's link and this model's expert bytes (default: a Qwen3-30B-A3B "
                    "expert over the RTX 3090 profile's PCIe link), quality from the demo "
                    "model's calibration (moejax/cache/cost.py).")
+flags.DEFINE_string("host_ms", None, "With --policy=cost: offer the host option, one expert "
+                    "computed on the host CPU in this many ms, measured: a number, or the JSON "
+                    "of python -m launch.bench_host (its host_ms). Without it no host option.")
 flags.DEFINE_float("tau_low", None, "With --policy=threshold_low: share at or above which a "
                    "miss below --tau fetches its low-precision copy (default 0.02).")
 flags.DEFINE_enum("low_bits", None, ["8", "4"], "With --policy=fetch_low, threshold_low or cost: "
@@ -97,6 +100,9 @@ flags.DEFINE_enum("speculative", None, ["off", "predicted_weights", "true_router
                   "a wrong prediction (predicted or true router weights).")
 flags.DEFINE_string("estimators", None, "With --prefetch=quasi/hybrid: the folder holding "
                     "default_vectors/ and the estimators (default: <model_dir>-estimators).")
+flags.DEFINE_integer("expert_devices", 1, "With --policy: spread each MoE layer's expert slots "
+                     "over N devices (expert parallelism; the cache budget is per device). On a "
+                     "CPU-only machine the N host devices are provided here.")
 flags.DEFINE_bool("streaming", None, "With --policy: no expert cache; each layer's experts are "
                   "streamed in and none is kept across tokens.")
 flags.DEFINE_bool("stream", None, "Write the text to stdout token by token as it is generated. "
@@ -128,6 +134,11 @@ def check_flags():
     raise cli.UsageError("--streaming keeps no expert cache: drop --cache_fraction/--cache_bytes")
   if FLAGS.max_new_tokens < 1:
     raise cli.UsageError(f"--max_new_tokens must be >= 1, got {FLAGS.max_new_tokens}")
+  if FLAGS.expert_devices < 1:
+    raise cli.UsageError(f"--expert_devices must be >= 1, got {FLAGS.expert_devices}")
+  if FLAGS.expert_devices > 1 and FLAGS.prefetch not in (None, "none"):
+    raise cli.UsageError("--expert_devices > 1 with --prefetch: speculative prefetch is not "
+                         "expert-parallel yet; drop one of them")
   if FLAGS.max_len is not None and FLAGS.max_len < 2:
     raise cli.UsageError(f"--max_len must be >= 2, got {FLAGS.max_len}")
   if FLAGS.temperature < 0:
@@ -231,6 +242,14 @@ def cost_policy(policy, store):
     model = cost.from_profile(quant.bf16_nbytes(shapes), quant.low_nbytes(shapes, d.low_bits),
                               hw.link_Bps, hw.link_latency_s, cost.DEMO_SLOPES, d.low_bits)
     policy = dataclasses.replace(policy, decision=dataclasses.replace(d, cost=model))
+  if d.miss == "cost" and FLAGS.host_ms is not None and FLAGS.policy != "auto":
+    try:                          # the host option's time: measured (launch.bench_host)
+      host_ms = cost.measured_host_ms(FLAGS.host_ms)
+    except ValueError as e:
+      raise cli.UsageError(f"--host_ms: {e}") from None
+    d = policy.decision
+    policy = dataclasses.replace(policy, decision=dataclasses.replace(
+        d, cost=cost.with_host(d.cost_model(), host_ms)))
   low = (quant.load_or_build(store, d.low_bits, model_dir=FLAGS.model_dir)
          if d.low and FLAGS.model_dir else None)
   return policy, low
@@ -284,6 +303,8 @@ def sequence_length(cfg, prompt_len: int) -> int:
 def main(_):
   check_flags()
   folder = None if FLAGS.random_model else model_folder()
+  from moejax.offload import expert_parallel
+  expert_parallel.provide_cpu_devices(FLAGS.expert_devices)   # before JAX starts
   import jax
   import jax.numpy as jnp
   from moejax.offload import memory
@@ -411,7 +432,7 @@ def generate_offloaded(cfg, params, store, tok, ids, sp, dtype, seq):
   eng = OffloadEngine(cfg, params, store, policy,
                       cache_fraction=None if FLAGS.cache_bytes else cache_fraction(),
                       cache_bytes=FLAGS.cache_bytes, link=link, max_len=seq, dtype=dtype,
-                      prefetch=prefetch, low_store=low)
+                      prefetch=prefetch, low_store=low, expert_devices=FLAGS.expert_devices)
   with eng:
     print(f"[moejax] {eng.describe()}", file=sys.stderr)
     if not link.emulated and jax.devices()[0].platform == "cpu":

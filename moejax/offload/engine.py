@@ -126,8 +126,9 @@ class OffloadEngine:
     first = store.get(self.moe_layers[0], 0)
     spec = {k: (np.shape(v), jnp.dtype(np.asarray(v).dtype)) for k, v in first.items()}
     rows = cfg.top_k if self.mode.on else 0      # prefetch rows after the scratch row
-    states = {l: put(resident_lib.init_state(cfg.num_experts, self.budget.physical, spec,
-                                             extra_rows=rows)) for l in self.moe_layers}
+    states = {l: jax.device_put(resident_lib.init_state(    # filled on one device first
+        cfg.num_experts, self.budget.physical, spec, extra_rows=rows), self.device)
+              for l in self.moe_layers}
     counts = initial if isinstance(initial, dict) else None
     self._states, self.initial = resident_lib.fill_initial(
         states, "profile" if counts is not None else initial, self.budget, store,
@@ -403,7 +404,7 @@ def _link_counts(packed: np.ndarray, layout: decode.Layout, low_ratio: float = 0
   if plan is None:
     return (np.sum(fetch * size, axis=-1), np.sum(adm, axis=-1),
             np.sum(cols["prefetched"] >= 0, axis=-1))
-  on = lambda rows, d: (rows.astype(np.int64) // plan.slots) == d
+  on = lambda rows, d: (rows >= 0) & (rows.astype(np.int64) % plan.devices == d)
   per = lambda m, rows: np.stack([np.sum(m * on(rows, d), axis=-1)
                                   for d in range(plan.devices)], axis=-1)
   none = np.zeros(adm.shape[:-1] + (plan.devices,))

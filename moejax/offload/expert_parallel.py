@@ -6,7 +6,9 @@ ONE cache of N * S_d slots (at most E): the layer's `ResidentState` metadata
 (`slot_expert`, `expert_slot`, usage counts) is global and replicated, so `decide`,
 insert, eviction and admission are the single-device functions over the union, and
 the engine's decisions are those of one device with N * S_d slots.  Global slot s lives
-on device s // S_d at its local row s % S_d.
+on device s mod N at its local row s // N: slots interleave over the devices, so the
+experts a layer takes in one after another (empty slots fill lowest first) spread over
+the devices instead of piling onto the first one.
 
 Any device may hold any expert (an expert's "owner" is the device of the slot its
 insert chose, i.e. of the expert it evicted), rather than expert e living only on
@@ -106,8 +108,8 @@ def replicate(plan: Plan, tree):
 
 def shard_state(plan: Plan, state):
   """A single-device ResidentState (slots 0..P-1 in rows 0..P-1, P <= N * S_d) -> the
-  same cache laid out for the plan: device d's rows are slots d*S_d .. d*S_d + S_d - 1
-  and a scratch row; the metadata replicated."""
+  same cache laid out for the plan: device d's rows are slots d, d + N, d + 2N, ... and a
+  scratch row; the metadata replicated."""
   n, s = plan.devices, plan.slots
   num_p = state.slot_expert.shape[0]
   if num_p > n * s:
@@ -117,9 +119,8 @@ def shard_state(plan: Plan, state):
     host = np.asarray(jax.device_get(buf))
     rows = np.zeros((n * plan.rows,) + host.shape[1:], host.dtype)
     for d in range(n):
-      lo, hi = d * s, min((d + 1) * s, num_p)
-      if hi > lo:
-        rows[d * plan.rows:d * plan.rows + hi - lo] = host[lo:hi]
+      mine = host[d:num_p:n]
+      rows[d * plan.rows:d * plan.rows + len(mine)] = mine
     bufs[name] = _global(rows, plan.by_rows)
   meta = {f.name: getattr(state, f.name) for f in dataclasses.fields(state)
           if f.name != "buffers"}
@@ -130,8 +131,8 @@ def device_rows(plan: Plan, slots_J):
   """Inside the shard_map: this device's local row of each global slot (-1: a slot of
   another device, or none)."""
   d = jax.lax.axis_index(AXIS)
-  mine = (slots_J >= 0) & (slots_J // plan.slots == d)
-  return jnp.where(mine, slots_J % plan.slots, -1).astype(jnp.int32)
+  mine = (slots_J >= 0) & (slots_J % plan.devices == d)
+  return jnp.where(mine, slots_J // plan.devices, -1).astype(jnp.int32)
 
 
 def copy_rows(plan: Plan, copy_fn, buffers: dict, store: dict, ids_J, slots_J, **kw) -> dict:

@@ -126,9 +126,9 @@ def build_record(packed_LxW: np.ndarray, layout, moe_layers, expert_bytes: int,
   rec.fetch_bytes = rec.fetches * expert_bytes + rec.fetch_low_bytes
   rec.prefetch_bytes = rec.prefetches * expert_bytes
   rec.wasted_bytes = (rec.prefetches - rec.useful_prefetches) * expert_bytes
-  if plan is not None:     # a hit's row is its global slot, on device slot // S_d
+  if plan is not None:     # a hit's row is its global slot
     hit = cols["actions"].astype(np.int64) == layer.HIT
-    dev = cols["rows"].astype(np.int64) // plan.slots
+    dev = np.where(cols["rows"] >= 0, cols["rows"].astype(np.int64) % plan.devices, -1)
     rec.device_hits = tuple(float(np.sum(hit & (dev == d))) for d in range(plan.devices))
   ints = {name: cols[name].astype(np.int64).tolist() for name in _LAYER_IDS}
   for j, l in enumerate(moe_layers):

@@ -121,6 +121,59 @@ def _build_timer(cache: str, out: str, log: str):
         "-lggml-base", f"-Wl,-rpath,{lib}"], log, "compiling llama_timer.cpp")
 
 
+EXPERT_TIMER_SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                "ggml_expert_timer.cpp")
+
+
+def build_ggml(cache: str = DEFAULT_CACHE) -> str:
+  """The path of `ggml_expert_timer` (launch/ggml_expert_timer.cpp) linked against the
+  ggml libraries of this llama.cpp build: only the `ggml` target is built (minutes, not
+  the whole of llama.cpp; same configuration as `build`, same build folder), and the timer
+  is recompiled when its source is newer than the binary."""
+  out = os.path.join(cache, "build", "bin", "ggml_expert_timer")
+  if os.path.exists(out) and os.path.getmtime(out) >= os.path.getmtime(EXPERT_TIMER_SRC):
+    return out
+  cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+  if not cxx:
+    raise Unavailable("no C++ compiler (install g++ or clang, or set CXX) to build ggml")
+  os.makedirs(cache, exist_ok=True)
+  log, src, build_dir = os.path.join(cache, "build.log"), source_dir(cache), os.path.join(cache, "build")
+  lib = os.path.join(build_dir, "bin")
+  if not os.path.exists(os.path.join(lib, "libggml-cpu.so")):
+    if not os.path.exists(os.path.join(src, "CMakeLists.txt")):
+      sdist = os.path.join(cache, f"llama_cpp_python-{VERSION}.tar.gz")
+      if not os.path.exists(sdist):
+        _run([sys.executable, "-m", "pip", "download", f"llama-cpp-python=={VERSION}",
+              "--no-deps", "--no-binary", ":all:", "-d", cache], log, "pip download")
+      with tarfile.open(sdist) as tf:
+        tf.extractall(cache, filter="data")
+    cmake = shutil.which("cmake")
+    if cmake is None:
+      raise Unavailable("no cmake on the PATH (pip install cmake) to build ggml")
+    gen = ["-G", "Ninja"] if shutil.which("ninja") else []
+    print(f"[bench_host] building ggml into {build_dir} (first run only; log {log})",
+          file=sys.stderr)
+    _run([cmake, "-S", src, "-B", build_dir, *gen, "-DCMAKE_BUILD_TYPE=Release",
+          "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF",
+          "-DGGML_NATIVE=ON"], log, "cmake configure")
+    _run([cmake, "--build", build_dir, "-j", str(os.cpu_count() or 2), "--target", "ggml"],
+         log, "cmake build (ggml)")
+  _run([cxx, "-O2", "-std=c++17", EXPERT_TIMER_SRC, "-o", out, "-I",
+        os.path.join(src, "ggml", "include"), "-L", lib, "-lggml", "-lggml-base",
+        "-lggml-cpu", f"-Wl,-rpath,{lib}"], log, "compiling ggml_expert_timer.cpp")
+  return out
+
+
+def time_experts(timer: str, d: int, inter: int, experts: int, k: int, threads: int,
+                 iters: int) -> dict:
+  """One ggml_expert_timer run: {"median_s", "min_s", "mean_s", ...} per call."""
+  cmd = [timer, *(str(v) for v in (d, inter, experts, k, threads, iters))]
+  res = subprocess.run(cmd, capture_output=True, text=True)
+  if res.returncode != 0:
+    raise RuntimeError(f"{' '.join(cmd)} failed: {res.stderr[-2000:]}")
+  return json.loads(res.stdout.strip().splitlines()[-1])
+
+
 def convert(cache: str, hf_dir: str, outtype: str, out_dir: str) -> str:
   """`hf_dir` as GGUF (`outtype` f32 or bf16) under `out_dir`; converted once."""
   out = os.path.join(out_dir, f"{os.path.basename(os.path.normpath(hf_dir))}-{outtype}.gguf")

@@ -109,3 +109,31 @@ def test_bad_cost_flags_name_the_flag():
     P.make_policy("fetch_low", low_bits=2)
   with pytest.raises(P.PolicyError, match="--tau_low"):
     P.make_policy("threshold_low", tau_low=0.0)
+
+
+def test_host_time_is_measured_from_a_number_or_bench_host_json(tmp_path):
+  from moejax.cache import cost as cost_lib
+  assert cost_lib.measured_host_ms("0.35") == 0.35
+  path = tmp_path / "bench_host.json"
+  path.write_text('{"host_ms": 0.42, "summary": {}}')
+  assert cost_lib.measured_host_ms(str(path)) == 0.42
+  for bad in ("0", "-1", str(tmp_path / "missing.json")):
+    with pytest.raises(ValueError, match="host_ms"):
+      cost_lib.measured_host_ms(bad)
+  (tmp_path / "other.json").write_text('{"summary": {}}')
+  with pytest.raises(ValueError, match="host_ms"):
+    cost_lib.measured_host_ms(str(tmp_path / "other.json"))
+
+
+def test_a_measured_host_time_offers_the_host_option():
+  from moejax.cache import cost as cost_lib
+  base = cost_lib.default_model(8)
+  assert base.host_ms is None
+  share = jnp.array([0.05, 0.5, 0.9])
+  assert not bool(jnp.any(cost_lib.choose(base, 1e3, share) == cost_lib.HOST))
+  hosted = cost_lib.with_host(base, 0.35)      # cheaper than a full fetch (~0.39 ms)
+  assert hosted.host_ms == 0.35 and hosted.full_ms == base.full_ms
+  opt = cost_lib.choose(hosted, 1e3, share)    # quality matters: host beats wait-full
+  assert opt.tolist() == [cost_lib.LOW, cost_lib.HOST, cost_lib.HOST]   # int8 at a small share
+  slow = cost_lib.with_host(base, 50.0)
+  assert not bool(jnp.any(cost_lib.choose(slow, 1e3, share) == cost_lib.HOST))

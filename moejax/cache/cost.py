@@ -16,15 +16,17 @@ Per miss of normalised share s (g / sum of the token's selected g) the options a
   full     latency + bf16 bytes / link bandwidth     0
   low      latency + low bytes / link bandwidth      low_slope x s
   sub      0                                         sub_slope x s
-  host     one expert on the host (if profiled)      0
+  host     one expert on the host (if measured)      0
   drop     0                                         drop_slope x s
 
-and the policy takes the option with the least time + lam x quality (ties: the
-order above, so the better-quality option).  A 'sub' for which no unused resident
+The host time is a measurement, never a guess: `measured_host_ms` reads it from a
+number or from `launch.bench_host`'s JSON (generate --policy=cost --host_ms=...);
+without one the host option is not offered.  The policy takes the option with the
+least time + lam x quality (ties: the order above, so the better-quality option).  A 'sub' for which no unused resident
 expert is left becomes a DROP, as in every substituting rule.  lam is in ms per
 percentage point of perplexity: 0 never waits (substitution is free); a huge lam
 waits for every miss in full precision (`fetch_all`'s decisions) unless host compute
-is profiled and cheaper.  Times are per miss and independent (a token's waited
+is measured and cheaper.  Times are per miss and independent (a token's waited
 fetches share no latency): the model is a ranking, not a clock.
 
 The slopes are the study's linear fit of the perplexity increase (%) against the
@@ -88,6 +90,30 @@ def from_profile(expert_bf16_bytes: int, expert_low_bytes: int, link_Bps: float,
   return CostModel(full_ms=ms(expert_bf16_bytes), low_ms=ms(expert_low_bytes),
                    sub_slope=slopes.sub, low_slope=slopes.low(bits), drop_slope=slopes.drop,
                    host_ms=None if host_s is None else 1e3 * host_s)
+
+
+def measured_host_ms(spec) -> float:
+  """One expert's time on the host in ms, as measured: a number, or the path of
+  `launch.bench_host`'s JSON (its "host_ms": the engine's HOST call for one expert at
+  that run's shape, on that machine). ValueError for anything else, or a time <= 0."""
+  try:
+    ms = float(spec)
+  except (TypeError, ValueError):
+    import json   # pylint: disable=import-outside-toplevel
+    try:
+      with open(spec) as f:
+        ms = json.load(f)["host_ms"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+      raise ValueError(f"host_ms: {spec!r} is neither a number of ms nor a bench_host JSON "
+                       f"with 'host_ms' ({type(e).__name__}: {e})") from None
+  if ms is None or not float(ms) > 0:
+    raise ValueError(f"host_ms must be > 0 (ms per host expert), got {ms}")
+  return float(ms)
+
+
+def with_host(model: CostModel, host_ms: float | None) -> CostModel:
+  """`model` with the host option's time (None: no host option)."""
+  return dataclasses.replace(model, host_ms=host_ms)
 
 
 def miss_masks(params, miss, first, share):

@@ -41,9 +41,10 @@ def _call(x_D, ids_K, gates_K, gate_up, down):
 
 def host_experts(x_D, ids_K, gates_K, w: dict, xla_fn):
   """sum_j gates[j] * expert_{ids[j]}(x) [D] of one token x [D], experts read in place
-  from `w`: the kernel on the CPU, `xla_fn(x, ids, gates, w)` (reshaped to [D]) elsewhere. Call it only
+  from `w`: the kernel on the CPU, elsewhere `xla_fn(x [1, D], ids [1, K], gates [1, K],
+  w)` (`apply_experts`' signature, one row). Call it only
   when `supports(x, w)` and `cpu_kernel.available()`."""
   return jax.lax.platform_dependent(
       x_D, ids_K, gates_K, w["gate_up"], w["down"], cpu=_call,
-      default=lambda x, i, g, gu, dn: xla_fn(x, i, g, {"gate_up": gu, "down": dn}).reshape(
-          x.shape).astype(x.dtype))
+      default=lambda x, i, g, gu, dn: xla_fn(x[None], i[None], g[None], {
+          "gate_up": gu, "down": dn})[0].astype(x.dtype))

@@ -105,17 +105,17 @@ def host_experts(ctx, store: dict, dtypes: dict, moe_in, ids_K, gates_K, in_plac
   [1, D]: on the CPU backend the kernel reads them in place (`cpu_host`); else (or
   in_place=False: launch/bench_host's 'before') each is sliced out as `dtypes` (the slot
   buffers') and run by `apply_experts`."""
-  def sliced(x_D, ids, gates, w):
-    rows = {name: jnp.concatenate([_row(v, ids[j], dtypes[name], ctx.pinned)
-                                   for j in range(ids.shape[0])]) for name, v in w.items()}
-    return experts_lib.apply_experts(x_D.reshape(1, -1), jnp.arange(ids.shape[0])[None],
-                                     gates[None], rows,
+  def sliced(x_1xD, ids_1xK, gates_1xK, w):
+    k = ids_1xK.shape[1]
+    rows = {name: jnp.concatenate([_row(v, ids_1xK[0, j], dtypes[name], ctx.pinned)
+                                   for j in range(k)]) for name, v in w.items()}
+    return experts_lib.apply_experts(x_1xD, jnp.arange(k)[None], gates_1xK, rows,
                                      swiglu=families.of(ctx.cfg).swiglu(ctx.cfg))
   x = moe_in.reshape(-1)
   if (in_place and not ctx.pinned and cpu_host.supports(x, store) and cpu_kernel.available()
       and all(store[n].dtype.itemsize == jnp.dtype(t).itemsize for n, t in dtypes.items())):
     return cpu_host.host_experts(x, ids_K, gates_K, store, sliced).reshape(1, -1)
-  return sliced(x, ids_K, gates_K, store)
+  return sliced(x[None], ids_K[None], gates_K[None], store)
 
 
 def run_experts(ctx, mod, p, src: dict, h, moe_in, state, head, carried: tuple):

@@ -257,6 +257,19 @@ def test_a_request_timeout_ends_it(server):
   assert c.completions.create(model="demo", prompt=PROMPT, max_tokens=2).choices[0].text
 
 
+def test_a_stream_timeout_is_an_error_event(server):
+  # a stream's headers are sent when it is queued (docs/serve.md): a timeout is an event
+  body = dict(model="demo", prompt=PROMPT, max_tokens=MAX_LEN - 10, stream=True,
+              moejax={"timeout_s": 0.001})
+  with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+  assert events[-1] == "[DONE]"
+  assert json.loads(events[-2])["error"]["code"] == "timeout", events
+  assert server.client().completions.create(model="demo", prompt=PROMPT,
+                                            max_tokens=2).choices[0].text
+
+
 def test_load_every_request_completes_or_gets_429(server):
   done, rss, lock = [], {}, threading.Lock()
 

@@ -177,9 +177,14 @@ def main(_):
                   max_queue=FLAGS.max_queue, max_policies=FLAGS.max_policies, on_fail=on_fail)
   config.app = app_lib.create_app(worker, limits, metrics, tok, template)
   host, port = sock.getsockname()[:2]
+  # uvicorn's "auto" takes uvloop and httptools when installed (the serve extra): without
+  # them the first token comes ~0.7 ms later (docs/serve.md), so say which run
+  import importlib.util
+  stack = "/".join(name if importlib.util.find_spec(name) else fallback for name, fallback in
+                   (("uvloop", "asyncio"), ("httptools", "h11")))
   print(f"[moejax] serving {model_id!r} on http://{host}:{port} (chat: "
-        f"{'yes' if template else 'no, no chat template'}); loading ...", file=sys.stderr,
-        flush=True)
+        f"{'yes' if template else 'no, no chat template'}; {stack}); loading ...",
+        file=sys.stderr, flush=True)
   worker.start()
   try:
     server.run(sockets=[sock])

@@ -5,6 +5,7 @@
     job = Job(ids, sp, seed, policy, stops, timeout_s, sink)
     w.submit(job)                             # QueueFull: the queue holds max_queue
     job.cancel.set()                          # the engine stops at its next token
+    job.first_sent = threading.Event()        # a stream: set once its first text is written
 
 Each job runs `OffloadEngine.generate` under its own policy (`set_policy`: the resident
 experts, budget and link stay; a policy's first use compiles its programs).  `sink`
@@ -12,6 +13,14 @@ receives ("text", str) as text becomes final, then ("done", Result) or ("error",
 APIError).  A cancelled or timed-out job ends at the next token, between two engine
 steps, so the engine is left as after any generation: the next prompt pass starts a
 new KV cache, the resident experts carry over.
+
+Time to first token: with `first_sent` (a stream), the engine's thread waits, after it
+hands the first text to the event loop, until the loop has written it to the socket
+(at most FIRST_SENT_WAIT_S) before it decodes the second token.  Decoding at once
+would keep both cores of a small machine busy (the step and the CPU kernel's spinning
+helper), and the event loop and the client then waited for a core: the first chunk
+reached the client ~0.4-1 ms later (docs/serve.md).  The wait costs decoding one
+hand-off per request, not per token.
 """
 
 from __future__ import annotations
@@ -25,6 +34,9 @@ from typing import Any, Callable
 
 from moejax.serve import protocol
 from moejax.serve.text import StopText
+
+
+FIRST_SENT_WAIT_S = 0.02   # the longest the engine waits for the first chunk's write
 
 
 class QueueFull(Exception):
@@ -61,6 +73,7 @@ class Job:
   sink: Callable[[str, Any], None]
   created: float = dataclasses.field(default_factory=time.perf_counter)
   cancel: threading.Event = dataclasses.field(default_factory=threading.Event)
+  first_sent: threading.Event | None = None   # a stream: see FIRST_SENT_WAIT_S
 
   @property
   def deadline(self) -> float:
@@ -184,13 +197,18 @@ class Worker:
     out: list[int] = []
     times: list[float] = []
     state = {"end": None}
+    first_sent = job.first_sent
 
     def on_token(tid):
+      nonlocal first_sent
       times.append(time.perf_counter())
       out.append(int(tid))
       delta = text.add(tid)
       if delta:
         job.sink("text", delta)
+        if first_sent is not None:       # let the loop write the first chunk on a free core
+          first_sent.wait(FIRST_SENT_WAIT_S)
+          first_sent = None
       if text.stopped:
         state["end"] = "stop"
         raise _Stop

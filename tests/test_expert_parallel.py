@@ -130,3 +130,29 @@ def test_one_link_per_device():
   assert one.token(0.0, [2], [0], [0])[1]["wait_s"] == pytest.approx(2.0)
   assert two.token(0.0, [np.array([1, 1])], [0], [0])[1]["wait_s"] == pytest.approx(1.0)
   assert two.token(0.0, [np.array([2, 0])], [0], [0])[1]["wait_s"] == pytest.approx(2.0)
+
+
+def test_simulator_union_and_time_model():
+  from moejax.model.config import ModelConfig
+  from moejax.offload import hardware
+  from moejax.research import simulator, timemodel
+  cfg = ModelConfig(model_type="qwen3_moe", vocab_size=64, hidden_size=32, num_layers=2,
+                    num_heads=2, num_kv_heads=1, head_dim=16, num_experts=16, top_k=2,
+                    moe_intermediate_size=8, intermediate_size=32, sparse_layers=(True,) * 2,
+                    max_position_embeddings=128).validate()
+  logits = np.random.default_rng(0).normal(size=(40, 2, 16)).astype(np.float32)
+  two = simulator.simulate(cfg, logits, ["quality"], cache_fraction=0.25, devices=2)[0]
+  one = simulator.simulate(cfg, logits, ["quality"], cache_fraction=0.5)[0]
+  assert two.slots == one.slots == 8
+  np.testing.assert_array_equal(two.steps_TxLxC, one.steps_TxLxC)
+  hw = hardware.hardware("rtx3090x4")
+  assert (hw.devices, hw.link_Bps) == (4, hardware.hardware("rtx3090").link_Bps)
+  with pytest.raises(hardware.ProfileError, match="NAMExN"):
+    hardware.hardware("rtx3090x")
+  # 4 fetches of one layer: 4 transfers on one link, 1 on each of 4 links (+ all-reduce)
+  tp1 = timemodel.TimeParams("t", 0.0, 1.0, 0.0, 0.0, 10.0, 0.0)
+  tp4 = timemodel.TimeParams("t", 0.0, 1.0, 0.0, 0.0, 10.0, 0.0, devices=4, collective_s=0.5)
+  steps = np.zeros((1, 1, len(simulator.STEP_FIELDS)), np.int32)
+  steps[0, 0, 0] = 4
+  assert timemodel.time_per_token(steps, tp1)[0] == pytest.approx(41.0)
+  assert timemodel.time_per_token(steps, tp4)[0] == pytest.approx(11.5)

@@ -42,8 +42,9 @@ flags.DEFINE_string("out", None, "Output folder (results.json, PNG).", required=
 flags.DEFINE_list("policies", ["baseline", "quality", "speed", "host", "substitute_all"],
                   "Presets or miss rules (moejax.cache.policy).")
 flags.DEFINE_list("profiles", ["rtx3090", "rtx4090", "a100", "h100", "h200", "gh200"],
-                  "Hardware profiles (moejax/offload/hardware.py); this_machine needs --calibration "
-                  "or --check_engine.")
+                  "Hardware profiles (moejax/offload/hardware.py); NAMExN: N of NAME's GPUs "
+                  "expert-parallel (--cache_fractions per GPU, e.g. rtx3090x4); this_machine "
+                  "needs --calibration or --check_engine.")
 flags.DEFINE_list("cache_fractions", ["0.25"], "Experts per layer resident.")
 flags.DEFINE_string("shape", "auto", "Model shape for the roofline: auto, trace, or one of "
                     + ", ".join(hardware.MODELS))
@@ -167,7 +168,7 @@ def plot(results, path):
   for ax, prof in zip(axes.flat, profs):
     for pol in results["policies"]:
       pts = [(r["substituted_mass_per_token_layer"], r["time"][prof]["tpot_ms"])
-             for r in results["runs"] if r["policy_name"] == pol]
+             for r in results["runs"] if r["policy_name"] == pol and prof in r["time"]]
       ax.plot(*zip(*pts), "o-", label=pol)
     ax.set_title(prof, fontsize=9)
     ax.set_xlabel("substituted mass / token-layer")
@@ -198,24 +199,28 @@ def main(_):
   tps = time_params(FLAGS.profiles, shape, calibration)
   results["profiles"] = {k: dict(v.__dict__) for k, v in tps.items()}
   initial = None
+  by_devices = {}    # an expert-parallel profile's union cache is its own simulation
+  for prof, tp in tps.items():
+    by_devices.setdefault(tp.devices, []).append(prof)
   for frac in FLAGS.cache_fractions:
     f = float(frac)
-    if FLAGS.initial == "profile":
-      initial = simulator.profile_initial(tr.logits_TxLxR, tr.cfg,
-                                          simulator.budget_slots(tr.cfg, f).slots)
-    res = simulator.simulate(tr.cfg, tr.logits_TxLxR, pols, cache_fraction=f,
-                             initial_LxS=initial, prefill_tokens=FLAGS.prefill_tokens)
-    for name, r in zip(FLAGS.policies, res):
-      row = dict(r.summary(), policy_name=name, cache_fraction=f, time={})
-      for prof, tp in tps.items():
-        tpot = timemodel.time_per_token(r.steps_TxLxC, tp)
-        row["time"][prof] = dict(tpot_ms=1e3 * float(np.mean(tpot)),
-                                 **timemodel.breakdown(r.steps_TxLxC, tp))
-      results["runs"].append(row)
+    for n, profs in by_devices.items():
+      if FLAGS.initial == "profile":
+        initial = simulator.profile_initial(tr.logits_TxLxR, tr.cfg,
+                                            simulator.budget_slots(tr.cfg, f, n).slots)
+      res = simulator.simulate(tr.cfg, tr.logits_TxLxR, pols, cache_fraction=f, devices=n,
+                               initial_LxS=initial, prefill_tokens=FLAGS.prefill_tokens)
+      for name, r in zip(FLAGS.policies, res):
+        row = dict(r.summary(), policy_name=name, cache_fraction=f, devices=n, time={})
+        for prof in profs:
+          tpot = timemodel.time_per_token(r.steps_TxLxC, tps[prof])
+          row["time"][prof] = dict(tpot_ms=1e3 * float(np.mean(tpot)),
+                                   **timemodel.breakdown(r.steps_TxLxC, tps[prof]))
+        results["runs"].append(row)
   for r in results["runs"]:
     base = [b for b in results["runs"] if b["cache_fraction"] == r["cache_fraction"]
-            and b["policy_name"] == "baseline"]
-    for prof in tps:
+            and b["devices"] == r["devices"] and b["policy_name"] == "baseline"]
+    for prof in r["time"]:
       r["time"][prof]["speedup_vs_baseline"] = (base[0]["time"][prof]["tpot_ms"] /
                                                 r["time"][prof]["tpot_ms"] if base else None)
   with open(os.path.join(FLAGS.out, "results.json"), "w") as f:
@@ -226,14 +231,16 @@ def main(_):
 
 
 def table(results, profs) -> str:
-  head = f"{'policy':<16}{'cache':>6}{'hit %':>7}{'fetch/tok':>10}{'mass/tl':>8}" + "".join(
-      f"{p[:12]:>14}" for p in profs)
+  head = (f"{'policy':<16}{'cache':>6}{'dev':>4}{'hit %':>7}{'fetch/tok':>10}{'mass/tl':>8}"
+          + "".join(f"{p[:12]:>14}" for p in profs))
   lines = [f"SIMULATED time per token, ms (x speed-up vs baseline); shape {results['shape']}",
            head]
   for r in results["runs"]:
-    cells = "".join(f"{r['time'][p]['tpot_ms']:>8.2f} ({(r['time'][p]['speedup_vs_baseline'] or 0):.1f}x)"
-                    .rjust(14) for p in profs)
-    lines.append(f"{r['policy_name']:<16}{r['cache_fraction']:>6.3g}{100 * r['hit_rate']:>7.1f}"
+    cells = "".join((f"{r['time'][p]['tpot_ms']:>8.2f} "
+                     f"({(r['time'][p]['speedup_vs_baseline'] or 0):.1f}x)" if p in r["time"]
+                     else "-").rjust(14) for p in profs)
+    lines.append(f"{r['policy_name']:<16}{r['cache_fraction']:>6.3g}{r['devices']:>4}"
+                 f"{100 * r['hit_rate']:>7.1f}"
                  f"{r['fetches_per_token']:>10.2f}{r['substituted_mass_per_token_layer']:>8.3f}"
                  + cells)
   return "\n".join(lines)

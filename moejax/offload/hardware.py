@@ -85,6 +85,8 @@ class HardwareProfile:
   link_Bps: float              # effective pinned host->device bandwidth
   link_latency_s: float
   host_memory_Bps: float       # effective host-CPU read bandwidth (host expert compute)
+  devices: int = 1             # expert-parallel GPUs, each with this link ("rtx3090x4")
+  collective_s: float = 0.0    # one MoE layer's all-reduce of a token's partial outputs
 
   def expert_transfer_s(self, shape: ModelShape) -> float:
     """One expert of `shape` over the link (no latency)."""
@@ -113,10 +115,25 @@ HARDWARE: dict[str, HardwareProfile] = {p.name: p for p in [
 CALIBRATED = "this_machine"    # a profile measured by timing the engine (timemodel)
 
 
+# A small all-reduce (one token's hidden vector) between GPUs is latency-bound: NCCL's
+# small-message all-reduce takes ~10-20 us over PCIe and ~5-10 us over NVLink (nccl-tests
+# all_reduce_perf at 8 B - 8 KB, order of magnitude; assumed, not measured here).
+COLLECTIVE_S = {"PCIe 4.0 x16": 20e-6, "PCIe 5.0 x16": 15e-6, "NVLink-C2C": 8e-6}
+
+
 def hardware(name: str) -> HardwareProfile:
+  """A profile by name; "NAMExN" is N of NAME's GPUs, expert-parallel (each its own link
+  to the host, every MoE layer one all-reduce)."""
+  base, sep, n = name.rpartition("x")
+  if sep and base in HARDWARE and n.isdigit() and int(n) >= 1:
+    hw = HARDWARE[base]
+    return dataclasses.replace(hw, name=name, devices=int(n), gpu=f"{n} x {hw.gpu}",
+                               collective_s=COLLECTIVE_S.get(hw.link, 20e-6) if int(n) > 1
+                               else 0.0)
   if name not in HARDWARE:
     raise ProfileError(f"--profiles: unknown hardware profile {name!r}; known: "
-                       f"{', '.join(list(HARDWARE) + [CALIBRATED])}")
+                       f"{', '.join(list(HARDWARE) + [CALIBRATED])}, and NAMExN for N "
+                       f"expert-parallel GPUs (e.g. rtx3090x4)")
   return HARDWARE[name]
 
 

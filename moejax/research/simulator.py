@@ -190,10 +190,12 @@ def _initial_states(order_LxS, num_experts: int, num_slots: int,
 
 
 # ------------------------------------------------------------------ driver
-def budget_slots(cfg: ModelConfig, cache_fraction: float) -> resident_lib.Budget:
-  """The engine's budget for `cache_fraction` (expert bytes do not matter here)."""
+def budget_slots(cfg: ModelConfig, cache_fraction: float,
+                 devices: int = 1) -> resident_lib.Budget:
+  """The engine's budget for `cache_fraction` (expert bytes do not matter here); with
+  devices > 1 the fraction is per device and the slots their union (expert-parallel)."""
   return resident_lib.make_budget(cfg.num_experts, cfg.top_k, 1, len(cfg.moe_layers),
-                                  fraction=cache_fraction)
+                                  fraction=cache_fraction, devices=devices)
 
 
 def profile_initial(logits_TxLxR, cfg: ModelConfig, slots: int) -> np.ndarray:
@@ -221,11 +223,12 @@ def _layer_slices(nl: int):
 
 
 def simulate(cfg: ModelConfig, logits_TxLxR, policies, *, cache_fraction: float = 0.25,
-             initial_LxS=None, prefill_tokens: int = 0, per_step: bool = True,
+             devices: int = 1, initial_LxS=None, prefill_tokens: int = 0, per_step: bool = True,
              detail: bool = False, chunk: int = 8192, progress=None) -> list[SimResult]:
   """Replays `logits_TxLxR` (router outputs of the MoE layers) under each policy.
 
-  initial_LxS: the experts each layer's cache starts with (e.g. `profile_initial`),
+  devices: expert-parallel devices (`cache_fraction` each; the union is one cache, the
+  engine's `expert_parallel` design).  initial_LxS: the experts each layer's cache starts with (e.g. `profile_initial`),
   None = empty.  The first `prefill_tokens` tokens are a prompt (engine prefill);
   the rest are decoded one by one.  detail=True also keeps every decision,
   every step's statistics and every layer's resident set (for checks).  Policies are
@@ -240,7 +243,7 @@ def simulate(cfg: ModelConfig, logits_TxLxR, policies, *, cache_fraction: float 
                      f"MoE layers")
   if not 0 <= prefill_tokens < nt:
     raise ValueError(f"prefill_tokens={prefill_tokens} must be in [0, {nt})")
-  budget = budget_slots(cfg, cache_fraction)
+  budget = budget_slots(cfg, cache_fraction, devices)
   trim_to = budget.slots if budget.staging else None
   groups: dict[PolicyParams, list[int]] = {}
   for i, p in enumerate(policies):

@@ -15,6 +15,11 @@ Per token: `head_s` (embedding, LM head), then per MoE layer, in order:
   6. the layer's new admissions join the background queue (FIFO), which drains
      whenever the link is not carrying a sync fetch, overlapping compute.
 
+Expert-parallel (`devices` = N > 1, each device with its own link): a layer's fetches
+and its device experts spread evenly over the devices (ceil(n / N) each, as the
+engine's interleaved slots make likely), background transfers drain N links at
+once, and each MoE layer adds one all-reduce (`collective_s`).
+
 Link state is kept relative to the current time (backlog seconds, and per layer
 how much of the backlog must drain before its admissions have arrived), so the
 model is one `lax.scan` over (token, layer) steps, vmapped over policies and
@@ -53,10 +58,12 @@ class TimeParams:
   pieces: int = 4
   source: str = ""
   low_ratio: float = 0.5     # a low-precision copy's bytes / the expert's (int8 ~0.5)
+  devices: int = 1           # expert-parallel devices, each with its own link
+  collective_s: float = 0.0  # per MoE layer, with devices > 1
 
   def vector(self) -> np.ndarray:
-    return np.asarray([getattr(self, f) for f in FIELDS] + [self.pieces, self.low_ratio],
-                      np.float32)
+    return np.asarray([getattr(self, f) for f in FIELDS] + [
+        self.pieces, self.low_ratio, self.devices, self.collective_s], np.float32)
 
 
 def roofline(hw: hardware.HardwareProfile, shape: hardware.ModelShape,
@@ -68,6 +75,7 @@ def roofline(hw: hardware.HardwareProfile, shape: hardware.ModelShape,
       expert_s=shape.expert_bytes / hw.gpu_memory_Bps,
       host_expert_s=shape.expert_bytes / hw.host_memory_Bps,
       transfer_s=shape.expert_bytes / hw.link_Bps, latency_s=hw.link_latency_s,
+      devices=hw.devices, collective_s=hw.collective_s,
       source=f"roofline: {shape.name} on {hw.gpu} over {hw.link}")
 
 
@@ -84,7 +92,9 @@ def _step(p, carry, x):
   layer, c = x
   head, layer_s, exp_s, host_s, xfer, lat, f_over, a_over, pieces = (p[i] for i in range(9))
   fetch, host, adm, dev, low = (c[i].astype(jnp.float32) for i in range(5))
-  fetch = fetch + low * p[9]              # a low-precision fetch: low_ratio of the bytes
+  n_dev, coll = p[10], p[11]              # expert-parallel: per device, in parallel
+  fetch = jnp.ceil(fetch / n_dev) + jnp.ceil(low / n_dev) * p[9]   # low: low_ratio of bytes
+  dev = jnp.ceil(dev / n_dev)
   dt = jnp.where(layer == 0, head, 0.0) + layer_s
   bg, pos = _advance((bg, pos), dt)
   wait = pos[layer]                                # this layer's admissions still on the link
@@ -96,10 +106,11 @@ def _step(p, carry, x):
   piece_wait = jnp.where((fetch > 0) & (bg > 0), jnp.mod(bg, piece), 0.0)
   bg, pos = _advance((bg, pos), piece_wait)
   sync = jnp.where(fetch > 0, lat + fetch * xfer, 0.0)      # background paused
-  rest = jnp.where(fetch > 0, f_over, 0.0) + host * host_s + dev * exp_s
+  rest = (jnp.where(fetch > 0, f_over, 0.0) + host * host_s + dev * exp_s
+          + jnp.where(n_dev > 1, coll, 0.0))
   bg, pos = _advance((bg, pos), rest)
   dt = dt + piece_wait + sync + rest
-  bg = bg + adm * (xfer + lat)
+  bg = bg + jnp.ceil(adm / n_dev) * (xfer + lat)
   pos = pos.at[layer].set(jnp.where(adm > 0, bg, 0.0))
   adm_n = adm_n.at[layer].set(adm)
   tok = tok + dt
@@ -133,14 +144,17 @@ def breakdown(steps_TxLxC: np.ndarray, tp: TimeParams) -> dict:
   """Mean ms per token of the model's terms, without queueing (for tables)."""
   s = steps_TxLxC.astype(np.float64)
   f = {k: s[..., i] for i, k in enumerate(STEP_FIELDS)}
-  f["fetches"] = f["fetches"] + tp.low_ratio * f["fetches_low"]
+  per = lambda a: np.ceil(a / tp.devices)      # expert-parallel: each device's share
+  f["fetches"] = per(f["fetches"]) + tp.low_ratio * per(f["fetches_low"])
   nl = s.shape[1]
   ms = lambda a: 1e3 * float(np.mean(np.sum(a, axis=1)))
-  return {"compute_ms": 1e3 * (tp.head_s + nl * tp.layer_s) + ms(f["device_calls"] * tp.expert_s),
+  coll = nl * tp.collective_s if tp.devices > 1 else 0.0
+  return {"compute_ms": (1e3 * (tp.head_s + nl * tp.layer_s + coll)
+                         + ms(per(f["device_calls"]) * tp.expert_s)),
           "sync_transfer_ms": ms((f["fetches"] > 0) * tp.latency_s + f["fetches"] * tp.transfer_s),
           "fetch_overhead_ms": ms((f["fetches"] > 0) * tp.fetch_overhead_s),
           "host_ms": ms(f["host_calls"] * tp.host_expert_s),
-          "background_transfer_ms": ms(f["admissions"] * (tp.transfer_s + tp.latency_s))}
+          "background_transfer_ms": ms(per(f["admissions"]) * (tp.transfer_s + tp.latency_s))}
 
 
 # ------------------------------------------------------------------ calibration

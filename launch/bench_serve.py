@@ -42,6 +42,7 @@ flags.DEFINE_integer("max_new_tokens", 32, "Tokens per generation (greedy).")
 flags.DEFINE_integer("repeats", 8, "Timed generations of each.")
 flags.DEFINE_integer("server_max_len", None, "The server's --max_len (default: its own, the "
                      "model's limit up to 2048).")
+flags.DEFINE_float("pause_s", 0.05, "Pause before each timed generation.")
 flags.DEFINE_string("out", "bench_serve.json", "JSON output.")
 
 
@@ -150,20 +151,31 @@ def main(_):
       conn = http.client.HTTPConnection(host, int(port), timeout=600)   # kept alive
       via_server(conn, model_id)
       rows = {"generate": [], "server": []}
+      load_start = os.getloadavg()
       for _ in range(FLAGS.repeats):
+        # a pause before each: neither starts while the other's tail (the server's last
+        # writes and bookkeeping, the client's parsing) still runs
+        time.sleep(FLAGS.pause_s)
         rows["generate"].append(via_generate(eng, ids, sp))
+        time.sleep(FLAGS.pause_s)
         rows["server"].append(via_server(conn, model_id))
   finally:
     proc.terminate()
     proc.wait(30)
   med = {k: {m: float(np.median([r[m] for r in v])) for m in v[0]} for k, v in rows.items()}
   ratio = {m: med["server"][m] / med["generate"][m] for m in ("ttft_ms", "tokens_per_s")}
+  # the median of the ratios of the alternating pairs: load that drifts over the run
+  # falls on both of a pair alike
+  paired = {m: float(np.median([s[m] / g[m] for g, s in zip(rows["generate"], rows["server"])]))
+            for m in ("ttft_ms", "tokens_per_s")}
   res = dict(model_dir=model_dir, policy=FLAGS.policy, prompt_tokens=len(ids),
              max_new_tokens=FLAGS.max_new_tokens, repeats=FLAGS.repeats, link=link.describe(),
              generate_max_len=seq, server_max_len=FLAGS.server_max_len or
              min(cfg.max_position_embeddings, 2048), platform=jax.devices()[0].platform,
-             cpu_count=os.cpu_count(), load_avg=os.getloadavg(), date=time.strftime("%Y-%m-%d"),
-             median=med, server_over_generate=ratio, samples=rows)
+             cpu_count=os.cpu_count(), load_avg_start=load_start, load_avg=os.getloadavg(),
+             date=time.strftime("%Y-%m-%d %H:%M"), client="http.client, one keep-alive "
+             "connection", median=med, server_over_generate=ratio,
+             server_over_generate_paired_median=paired, samples=rows)
   with open(FLAGS.out, "w") as f:
     json.dump(res, f, indent=1)
   for k in ("generate", "server"):
@@ -172,7 +184,8 @@ def main(_):
   print(f"server's own TTFT {med['server']['server_ttft_ms']:.2f} ms, the HTTP path "
         f"{med['server']['http_ms']:.2f} ms (medians)")
   print(f"server / generate: TTFT {ratio['ttft_ms']:.3f}x, tokens/s "
-        f"{ratio['tokens_per_s']:.3f}x; wrote {FLAGS.out}")
+        f"{ratio['tokens_per_s']:.3f}x (medians of the pairs' ratios: "
+        f"{paired['ttft_ms']:.3f}x, {paired['tokens_per_s']:.3f}x); wrote {FLAGS.out}")
 
 
 if __name__ == "__main__":

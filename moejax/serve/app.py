@@ -86,14 +86,12 @@ def create_app(worker, limits: protocol.Limits, metrics, tok, template) -> FastA
     return {"object": "list", "data": [{"id": limits.model_id, "object": "model",
                                         "created": 0, "owned_by": "moejax"}]}
 
-  @app.post("/v1/completions")
   async def completions(request: Request):
     ready()
     body = await json_body(request)
     ids = protocol.completion_prompt(body, tok)
     return await run(request, protocol.parse(body, limits, ids, "max_tokens"), chat=False)
 
-  @app.post("/v1/chat/completions")
   async def chat_completions(request: Request):
     ready()
     body = await json_body(request)
@@ -104,6 +102,13 @@ def create_app(worker, limits: protocol.Limits, metrics, tok, template) -> FastA
     text = template.render(chat_lib.messages(body))
     req = protocol.parse(body, limits, tok.encode(text), "max_completion_tokens")
     return await run(request, req, chat=True)
+
+  # Plain Starlette routes: they take the raw Request and return a Response, so FastAPI's
+  # request handling (dependencies, validation, serialization) has nothing to do there,
+  # and skipping it brings the first token ~0.1 ms sooner (docs/serve.md).  Errors still
+  # go through the handlers above.
+  app.add_route("/v1/completions", completions, methods=["POST"])
+  app.add_route("/v1/chat/completions", chat_completions, methods=["POST"])
 
   async def run(request: Request, req: protocol.Request, chat: bool):
     from moejax.model.sampler import SamplingParams
@@ -146,7 +151,7 @@ def create_app(worker, limits: protocol.Limits, metrics, tok, template) -> FastA
       return error_response(event[1])
     result = event[1]
     use = protocol.usage(result.prompt_tokens, len(result.text_tokens), result.offload)
-    return resp.full("".join(parts), result.finish_reason, use)
+    return JSONResponse(resp.full("".join(parts), result.finish_reason, use))
 
   return app
 

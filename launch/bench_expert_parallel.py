@@ -26,6 +26,7 @@ from absl import app, flags
 import numpy as np
 from tqdm import tqdm
 
+from launch import cli
 from moejax.offload import expert_parallel
 
 FLAGS = flags.FLAGS
@@ -179,10 +180,12 @@ def plot(res: dict, path: str):
   ax[1].set(xlabel="devices", ylabel="ms per token", xscale="log", xticks=n, xticklabels=n,
             title=f"on {res['platform']} ({res['cores']} cores)")
   ax[1].legend(fontsize=8)
+  for a in ax:
+    a.minorticks_off()
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

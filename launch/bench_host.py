@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from launch import cli
 from launch import llama_cpp
 from moejax.kernels import cpu_kernel
 from moejax.model.config import ModelConfig
@@ -178,4 +179,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -40,6 +40,7 @@ def decisions(records):
 def local(out_path):
   from moejax.io.loader import load_model
   model = load_model(DEMO)
+  cfg, params, store = model
   res = {"devices": len(jax.devices())}
   # the resident model: one device holding every expert (equal to the Sampler, test_engine)
   ref = decode(model, "baseline", 1.0, 1)[0]
@@ -53,6 +54,11 @@ def local(out_path):
   res["union_same_decisions"] = decisions(one[1]) == decisions(two[1])
   res["union_same_resident"] = one[2] == two[2]
   res["union_maxdiff"] = float(np.max(np.abs(one[0] - two[0])))
+  # the store in pinned_host memory (the GPU layout): each device moves its rows itself
+  from moejax.io.store import make_store
+  pinned = decode((cfg, params, make_store(store, "pinned_host")), "quality", 0.25, 2)
+  res["pinned_same_decisions"] = decisions(pinned[1]) == decisions(two[1])
+  res["pinned_maxdiff"] = float(np.max(np.abs(pinned[0] - two[0])))
   res["hit_rate"], res["device_hit_rates"], res["late_hit_rate"] = {}, {}, {}
   for n in (1, 2, 4, 8):    # the same per-device budget, a growing union
     _, recs, _, st = two if n == 2 else decode(model, "quality", 0.25, n)

@@ -61,6 +61,8 @@ def test_the_union_is_one_cache_of_all_slots(local):
   # 2 devices x 25% make exactly the decisions of 1 device x 50%
   assert local["union_same_decisions"] and local["union_same_resident"]
   assert local["union_maxdiff"] < 1e-3
+  # a pinned_host store (the GPU layout; copies move rows to each device's memory)
+  assert local["pinned_same_decisions"] and local["pinned_maxdiff"] < 1e-5
 
 
 @needs_demo

@@ -102,8 +102,14 @@ def _global(x, sharding: NamedSharding):
 
 
 def replicate(plan: Plan, tree):
-  """Every leaf of `tree` replicated on the plan's devices."""
-  return jax.tree_util.tree_map(lambda a: _global(a, plan.replicated), tree)
+  """Every leaf of `tree` replicated on the plan's devices, in the leaf's memory kind (a
+  host store in pinned_host memory stays there, one copy per device)."""
+  def one(a):
+    kind = getattr(getattr(a, "sharding", None), "memory_kind", None)
+    if kind in (None, "device"):
+      return _global(a, plan.replicated)
+    return _global(a, NamedSharding(plan.mesh, P(), memory_kind=kind))
+  return jax.tree_util.tree_map(one, tree)
 
 
 def shard_state(plan: Plan, state):

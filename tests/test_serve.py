@@ -66,15 +66,19 @@ class Server:
           self.url = m.group(1)
           found.set()
     threading.Thread(target=read, daemon=True).start()
-    assert found.wait(120), "".join(self.log)
-    deadline = time.time() + 400
-    while time.time() < deadline:
-      assert self.proc.poll() is None, "".join(self.log)
-      if httpx.get(self.url + "/health").status_code == 200:
-        break
-      time.sleep(0.5)
-    else:
-      raise AssertionError("no /health 200: " + "".join(self.log))
+    try:
+      assert found.wait(120), "".join(self.log)
+      deadline = time.time() + 400
+      while time.time() < deadline:
+        assert self.proc.poll() is None, "".join(self.log)
+        if httpx.get(self.url + "/health").status_code == 200:
+          break
+        time.sleep(0.5)
+      else:
+        raise AssertionError("no /health 200: " + "".join(self.log))
+    except BaseException:
+      self.proc.kill()        # a server that never came up is not left running
+      raise
 
   def client(self, **kw):
     return openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, **kw)
@@ -92,18 +96,21 @@ class Server:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
   s = Server(tmp_path_factory.mktemp("serve"))
-  # the first request meets the resident sets launch.generate starts from
-  s.first = s.client().completions.create(model="demo", prompt=PROMPT, max_tokens=N,
-                                          temperature=0)
-  s.cli = {p: _generate(s.env, p) for p in ("quality", "baseline")}
-  yield s
-  for p in s.cli.values():
-    p.kill()
-  s.proc.terminate()
-  try:
-    s.proc.wait(30)
-  except subprocess.TimeoutExpired:
-    s.proc.kill()
+  s.cli = {}
+  try:       # the server ends whatever fails here, so that no failed setup leaves it running
+    # the first request meets the resident sets launch.generate starts from
+    s.first = s.client().completions.create(model="demo", prompt=PROMPT, max_tokens=N,
+                                            temperature=0)
+    s.cli = {p: _generate(s.env, p) for p in ("quality", "baseline")}
+    yield s
+  finally:
+    for p in s.cli.values():
+      p.kill()
+    s.proc.terminate()
+    try:
+      s.proc.wait(30)
+    except subprocess.TimeoutExpired:
+      s.proc.kill()
 
 
 def baseline(**kw):

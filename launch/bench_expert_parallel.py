@@ -11,7 +11,11 @@ steps left out).
 Overhead (native link, the on-device loop of `generate`): every expert resident on one
 device against the same experts spread over 2 and 4 devices (each holding 1/N of them),
 greedy, the same tokens; the ratio of times per token is what expert parallelism itself
-costs (the shard_map, the psum of each MoE layer).
+costs (the shard_map, the psum of each MoE layer).  Per `--overhead_models`: the demo
+model, the bench shape (launch/bench_models.py), and `qwen3_layers`: 4 layers of
+Qwen3-30B-A3B's shape (hidden 2048, 32/4 heads x 128, top-8 of 768-wide experts; 32
+experts a layer instead of 128, which changes what a token reads by nothing but the
+router), random bf16 weights.
 
 On a CPU-only machine the devices are host devices (`--xla_force_host_platform_device_count`,
 provided here) sharing this machine's cores.  Each setting runs `--rounds` times in rotated
@@ -41,6 +45,8 @@ flags.DEFINE_integer("decode_tokens", 96, "Sweep: teacher-forced decode steps pe
 flags.DEFINE_integer("skip_tokens", 16, "Sweep: decode steps left out (warm-up).")
 flags.DEFINE_list("overhead_devices", ["1", "2", "4"], "Overhead: device counts (all resident "
                   "in the union: each device holds 1/N of the experts).")
+flags.DEFINE_list("overhead_models", ["demo", "bench_f32", "qwen3_layers"],
+                  "Overhead: models (demo: --model_dir; bench_f32; qwen3_layers).")
 flags.DEFINE_integer("overhead_tokens", 64, "Overhead: greedy tokens per run.")
 flags.DEFINE_integer("rounds", 3, "Rounds per setting, in rotated order.")
 
@@ -72,14 +78,37 @@ def sweep_run(model, link, n: int, tokens) -> dict:
                 engine=eng.describe())
 
 
+def overhead_model(name: str):
+  """(cfg, params, store) of an --overhead_models entry."""
+  import jax.numpy as jnp
+  from launch import bench_models
+  from moejax.io.loader import init_random, load_model
+  from moejax.io.store import ExpertStore
+  from moejax.model.config import ModelConfig
+  if name == "demo":
+    return load_model(FLAGS.model_dir, dtype=jnp.float32)
+  if name == "qwen3_layers":
+    cfg = ModelConfig(model_type="qwen3_moe", vocab_size=32000, hidden_size=2048, num_layers=4,
+                      num_heads=32, num_kv_heads=4, head_dim=128, num_experts=32, top_k=8,
+                      moe_intermediate_size=768, intermediate_size=6144,
+                      sparse_layers=(True,) * 4, norm_topk_prob=True, qk_norm="head",
+                      max_position_embeddings=4096).validate()
+    params, exps = init_random(cfg, seed=0, dtype=jnp.bfloat16)
+    return cfg, params, ExpertStore.from_stacked(exps)
+  cfg, params, store, _, _ = bench_models.load(name)
+  return cfg, params, store
+
+
 def overhead_run(model, n: int, prompt) -> dict:
   """Greedy tokens in the on-device loop, every expert resident in the union of n."""
   from moejax.model.sampler import SamplingParams
   from moejax.offload.engine import OffloadEngine
+  import jax
   cfg, params, store = model
   m = FLAGS.overhead_tokens
+  dtype = jax.tree_util.tree_leaves(params)[0].dtype
   with OffloadEngine(cfg, params, store, "baseline", cache_fraction=1.0 / n, link="native",
-                     max_len=len(prompt) + m + 1, expert_devices=n) as eng:
+                     max_len=len(prompt) + m + 1, expert_devices=n, dtype=dtype) as eng:
     eng.warmup()
     sp = SamplingParams(0.0, 1.0, m, ())
     eng.generate(prompt, sp)          # compiles the loop (and the prefill bucket)
@@ -130,12 +159,17 @@ def main(_):
   with cpu_kernel.decoding():
     res["sweep"] = rounds(sweep_n, lambda n: sweep_run(model, link, n, tokens), "sweep")
     prompt = [int(t) for t in tokens[:FLAGS.prompt_tokens]]
-    res["overhead"] = rounds(over_n, lambda n: overhead_run(model, n, prompt), "overhead")
-  base = res["overhead"][str(over_n[0])]
-  ref = base["tokens"]
-  for r in res["overhead"].values():
-    r["tpot_ratio_to_one_device"] = r["tpot_ms"] / base["tpot_ms"]
-    r["same_tokens"] = r.pop("tokens") == ref
+    res["overhead"] = {}
+    for name in FLAGS.overhead_models:
+      m = overhead_model(name)
+      ov = rounds(over_n, lambda n, m=m: overhead_run(m, n, prompt), f"overhead {name}")
+      base = ov[str(over_n[0])]
+      ref = base["tokens"]
+      for r in ov.values():
+        r["tpot_ratio_to_one_device"] = r["tpot_ms"] / base["tpot_ms"]
+        r["same_tokens"] = r.pop("tokens") == ref
+      res["overhead"][name] = ov
+      del m
   res["load_average_after"] = os.getloadavg()
   os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
   runner.save_json(FLAGS.out, res)
@@ -156,10 +190,12 @@ def format_table(res: dict) -> str:
                  f"{per:<32}  {r['fetches_per_token']:>7.2f}  {r['wait_ms_per_token']:>7.2f}  "
                  f"{r['tpot_ms']:>8.2f}")
   lines += ["", "overhead: every expert resident in the union (native link, on-device loop)",
-            f"{'devices':>7}  {'ms/token':>8}  {'x 1 device':>10}  {'same tokens':>11}"]
-  for r in res["overhead"].values():
-    lines.append(f"{r['devices']:>7}  {r['tpot_ms']:>8.3f}  "
-                 f"{r['tpot_ratio_to_one_device']:>10.2f}  {str(r['same_tokens']):>11}")
+            f"{'model':<14}{'devices':>7}  {'ms/token':>8}  {'x 1 device':>10}  "
+            f"{'same tokens':>11}"]
+  for name, ov in res["overhead"].items():
+    for r in ov.values():
+      lines.append(f"{name:<14}{r['devices']:>7}  {r['tpot_ms']:>8.3f}  "
+                   f"{r['tpot_ratio_to_one_device']:>10.2f}  {str(r['same_tokens']):>11}")
   return "\n".join(lines)
 
 
@@ -173,12 +209,14 @@ def plot(res: dict, path: str):
   ax[0].plot(n, [100 * r["hit_rate"] for r in sw], "o-")
   ax[0].set(xlabel="devices", ylabel="union hit rate (%)", xscale="log", xticks=n,
             xticklabels=n, title=f"{100 * res['cache_fraction_per_device']:g}% of experts per device")
-  ax[1].plot(n, [r["tpot_ms"] for r in sw], "o-", label=f"sweep ({res['policy']})")
-  ov = list(res["overhead"].values())
-  ax[1].plot([r["devices"] for r in ov], [r["tpot_ms"] for r in ov], "s--",
-             label="all resident in the union")
-  ax[1].set(xlabel="devices", ylabel="ms per token", xscale="log", xticks=n, xticklabels=n,
-            title=f"on {res['platform']} ({res['cores']} cores)")
+  for name, ov in res["overhead"].items():
+    ov = list(ov.values())
+    ax[1].plot([r["devices"] for r in ov], [r["tpot_ratio_to_one_device"] for r in ov], "s--",
+               label=f"{name}, all resident in the union")
+  ax[1].plot(n, [r["tpot_ms"] / sw[0]["tpot_ms"] for r in sw], "o-",
+             label=f"demo, {res['policy']} (sweep)")
+  ax[1].set(xlabel="devices", ylabel="time per token / one device's", xscale="log", xticks=n,
+            xticklabels=n, title=f"on {res['platform']} ({res['cores']} cores)")
   ax[1].legend(fontsize=8)
   for a in ax:
     a.minorticks_off()

@@ -27,6 +27,7 @@ import time
 from absl import flags
 
 from moejax.cli import app as cli
+from moejax.cli import policy_flags
 
 FLAGS = flags.FLAGS
 OFFLOAD_FLAGS = ("cache_fraction", "cache_bytes", "store", "link", "tau", "admission_beta",
@@ -149,9 +150,9 @@ def check_flags():
     raise cli.UsageError("--top_p and --seed apply to sampling; with --temperature=0 "
                          "(greedy, the default) they change nothing: give --temperature > 0")
   if FLAGS.policy == "auto":
-    check_auto_flags()
+    policy_flags.check_auto_flags()
   elif FLAGS.policy is not None:
-    policy = make_policy()
+    policy = policy_flags.named_policy()
     for flag, rules in (("lam", ("cost",)), ("tau_low", ("threshold_low",)),
                         ("low_bits", ("fetch_low", "threshold_low", "cost"))):
       if cli.given(flag) and policy.miss not in rules:
@@ -167,92 +168,6 @@ def check_flags():
 
 def cache_fraction() -> float:
   return 0.25 if FLAGS.cache_fraction is None else FLAGS.cache_fraction
-
-
-_AUTO = {}   # --policy=auto: the resolved PolicyParams, once tuned (main)
-
-
-def check_auto_flags():
-  """--policy=auto: a budget, and no knob that auto-tuning chooses."""
-  from moejax.research import autotune
-  if FLAGS.random_model:
-    raise cli.UsageError("--policy=auto tunes on the quality study's text: it needs a model "
-                         "with its tokenizer, not --random_model")
-  for n in ("tau", "admission_beta", "eviction"):
-    if cli.given(n):
-      raise cli.UsageError(f"--{n} is chosen by --policy=auto; drop it, or name a policy")
-  if FLAGS.profile is not None and FLAGS.profile not in autotune.hardware.HARDWARE:
-    raise cli.UsageError(f"--profile: unknown {FLAGS.profile!r}; known: "
-                         f"{', '.join(autotune.hardware.HARDWARE)}")
-  try:
-    return autotune.Budget(FLAGS.ppl_budget, FLAGS.tpot_budget_ms, FLAGS.profile)
-  except autotune.AutoTuneError as e:
-    raise cli.UsageError(str(e)) from None
-
-
-def resolve_auto(cfg, params, store, tok):
-  """--policy=auto: tunes the policy on the quality study's streams (printing what it chose
-  and why, and the measured points) before the engine is built."""
-  import tempfile
-  from moejax.research import autotune, frontier
-  budget = check_auto_flags()
-  print(f"[moejax] --policy=auto: tuning for {budget.describe()} on the quality study's "
-        "calibration streams (simulator sweep, emulator checks)...", file=sys.stderr)
-  log = lambda line: print(line, file=sys.stderr, flush=True)
-  try:
-    with tempfile.TemporaryDirectory() as d:
-      policy, res = frontier.auto_policy(cfg, params, store, tok, budget, d,
-                                         cache_fraction=cache_fraction(), log=log)
-  except autotune.AutoTuneError as e:
-    raise cli.UsageError(str(e)) from None
-  a = res["auto"][0]
-  print(f"[moejax] auto chose {policy.describe()}: {a['reason']}; perplexity "
-        f"{a['calibration_pct']:+.2f}% measured (fit predicted {a['predicted_pct']:+.2f}%), "
-        f"{a['projected_speedup_rtx3090']:.2f}x fetch_all's projected speed on rtx3090",
-        file=sys.stderr)
-  print("[moejax] measured frontier (dPPL %, projected speed-up on rtx3090): " + ", ".join(
-      f"{q['policy']} {q['ppl_increase_pct']:+.2f}% {q['projected_speedup_rtx3090']:.2f}x"
-      for q in sorted(res["points"], key=lambda q: q["ppl_increase_pct"]) if q["pareto"]),
-      file=sys.stderr)
-  _AUTO["policy"] = policy
-
-
-def make_policy():
-  if FLAGS.policy == "auto":
-    return _AUTO["policy"]
-  from moejax.cache.policy import make_policy as make
-  return make(FLAGS.policy, tau=FLAGS.tau, admission_beta=FLAGS.admission_beta,
-              eviction=FLAGS.eviction, lam=FLAGS.lam, tau_low=FLAGS.tau_low,
-              low_bits=None if FLAGS.low_bits is None else int(FLAGS.low_bits))
-
-
-def cost_policy(policy, store):
-  """--policy=cost with --profile: the cost model's times from that profile's link and
-  this model's experts; the low-precision store a low-fetching policy reads, from the
-  disk cache -> (policy, low store or None)."""
-  import dataclasses
-  from moejax.cache import cost
-  from moejax.io import quant
-  from moejax.offload import hardware
-  d = policy.decision
-  if d.miss == "cost" and FLAGS.profile is not None and FLAGS.policy != "auto":
-    # (--policy=auto keeps the cost model its lambda was tuned with)
-    hw = hardware.hardware(FLAGS.profile)
-    shapes = {k: tuple(v.shape) for k, v in store.get(store.moe_layers[0], 0).items()}
-    model = cost.from_profile(quant.bf16_nbytes(shapes), quant.low_nbytes(shapes, d.low_bits),
-                              hw.link_Bps, hw.link_latency_s, cost.DEMO_SLOPES, d.low_bits)
-    policy = dataclasses.replace(policy, decision=dataclasses.replace(d, cost=model))
-  if d.miss == "cost" and FLAGS.host_ms is not None and FLAGS.policy != "auto":
-    try:                          # the host option's time: measured (launch.bench_host)
-      host_ms = cost.measured_host_ms(FLAGS.host_ms)
-    except ValueError as e:
-      raise cli.UsageError(f"--host_ms: {e}") from None
-    d = policy.decision
-    policy = dataclasses.replace(policy, decision=dataclasses.replace(
-        d, cost=cost.with_host(d.cost_model(), host_ms)))
-  low = (quant.load_or_build(store, d.low_bits, model_dir=FLAGS.model_dir)
-         if d.low and FLAGS.model_dir else None)
-  return policy, low
 
 
 def link_spec() -> str:
@@ -352,10 +267,10 @@ def main(_):
   from moejax.model.sampler import SamplingParams
   sp = SamplingParams(FLAGS.temperature, FLAGS.top_p, FLAGS.max_new_tokens,
                       tuple(cfg.eos_token_ids))
-  if FLAGS.policy == "auto":
-    resolve_auto(cfg, params, store, tok)
   if FLAGS.policy is not None:
-    return generate_offloaded(cfg, params, store, tok, ids, sp, dtype, seq)
+    policy = (policy_flags.resolve_auto(cfg, params, store, tok, cache_fraction())
+              if FLAGS.policy == "auto" else policy_flags.named_policy())
+    return generate_offloaded(cfg, params, store, tok, ids, sp, dtype, seq, policy)
   from moejax.model.sampler import Sampler
   sampler = Sampler(cfg, params, store.to_device(dtype), max_len=seq, dtype=dtype)
   print("[moejax] every expert resident (no --policy)", file=sys.stderr)
@@ -412,8 +327,9 @@ def load(cfg, folder, dtype, store_kind):
   return cfg, params, store
 
 
-def generate_offloaded(cfg, params, store, tok, ids, sp, dtype, seq):
-  """The OffloadEngine path: generates, then prints the per-token statistics table."""
+def generate_offloaded(cfg, params, store, tok, ids, sp, dtype, seq, policy):
+  """The OffloadEngine path under `policy`: generates, then prints the per-token
+  statistics table."""
   import jax
   from moejax.offload.calibrate import calibrated_link
   from moejax.offload.engine import OffloadEngine
@@ -428,7 +344,7 @@ def generate_offloaded(cfg, params, store, tok, ids, sp, dtype, seq):
     raise cli.UsageError(str(e)) from None
   prefetch = prefetch_lib.Prefetch(kind, FLAGS.speculative or "off", preds,
                                    streaming=bool(FLAGS.streaming))
-  policy, low = cost_policy(make_policy(), store)
+  policy, low = policy_flags.cost_policy(policy, store)
   eng = OffloadEngine(cfg, params, store, policy,
                       cache_fraction=None if FLAGS.cache_bytes else cache_fraction(),
                       cache_bytes=FLAGS.cache_bytes, link=link, max_len=seq, dtype=dtype,

@@ -43,7 +43,8 @@ from moejax.cache import resident as resident_lib
 from moejax.offload import token as token_lib
 from moejax.offload import transfer
 from moejax.prefetch.steps import Prefetch
-from moejax.offload.stats import TokenRecord, build_record, prefill_record, summarize
+from moejax.offload.stats import (TokenRecord, build_record, link_counts, prefill_record,
+                                  summarize)
 from moejax.model.sampler import SamplingParams, bucket, next_token
 
 
@@ -310,7 +311,7 @@ class OffloadEngine:
     compute = time.perf_counter() - t0
     waits = {}
     if self.link.emulated:
-      emulated, waits = self._clock.token(compute, *_link_counts(
+      emulated, waits = self._clock.token(compute, *link_counts(
           packed, self._layout, self._low_nbytes / self.store.expert_nbytes(), self.plan))
       if emulated - compute > self.transfer_timeout_s:
         transfer.sleep_until(t0 + compute + self.transfer_timeout_s)
@@ -390,22 +391,3 @@ class OffloadEngine:
     self.end_index += n - 1
     return [int(x) for x in toks[:n]]
 
-
-def _link_counts(packed: np.ndarray, layout: decode.Layout, low_ratio: float = 0.0,
-                 plan=None):
-  """Per MoE layer: waited fetches (a low-precision one counts low_ratio of an expert's
-  bytes), admissions requested, experts prefetched; expert-parallel (`plan`): per layer
-  and device [L, N], each copy counted on the device that owns its slot."""
-  cols = layout.split(packed)
-  low = cols["actions"] == policy_lib.FETCH_LOW
-  fetch = (cols["actions"] == policy_lib.FETCH) | low
-  size = np.where(low, low_ratio, 1.0)
-  adm = cols["admissions"] >= 0
-  if plan is None:
-    return (np.sum(fetch * size, axis=-1), np.sum(adm, axis=-1),
-            np.sum(cols["prefetched"] >= 0, axis=-1))
-  on = lambda rows, d: (rows >= 0) & (rows.astype(np.int64) % plan.devices == d)
-  per = lambda m, rows: np.stack([np.sum(m * on(rows, d), axis=-1)
-                                  for d in range(plan.devices)], axis=-1)
-  none = np.zeros(adm.shape[:-1] + (plan.devices,))
-  return per(fetch * size, cols["rows"]), per(adm, cols["admission_slots"]), none

@@ -138,6 +138,26 @@ def build_record(packed_LxW: np.ndarray, layout, moe_layers, expert_bytes: int,
   return rec
 
 
+def link_counts(packed: np.ndarray, layout, low_ratio: float = 0.0, plan=None):
+  """Per MoE layer: waited fetches (a low-precision one counts low_ratio of an expert's
+  bytes), admissions requested, experts prefetched; expert-parallel (`plan`): per layer
+  and device [L, N], each copy counted on the device that owns its slot."""
+  from moejax.offload import layer   # pylint: disable=import-outside-toplevel
+  cols = layout.split(packed)
+  low = cols["actions"] == layer.FETCH_LOW
+  fetch = (cols["actions"] == layer.FETCH) | low
+  size = np.where(low, low_ratio, 1.0)
+  adm = cols["admissions"] >= 0
+  if plan is None:
+    return (np.sum(fetch * size, axis=-1), np.sum(adm, axis=-1),
+            np.sum(cols["prefetched"] >= 0, axis=-1))
+  on = lambda rows, d: (rows >= 0) & (rows.astype(np.int64) % plan.devices == d)
+  per = lambda m, rows: np.stack([np.sum(m * on(rows, d), axis=-1)
+                                  for d in range(plan.devices)], axis=-1)
+  none = np.zeros(adm.shape[:-1] + (plan.devices,))
+  return per(fetch * size, cols["rows"]), per(adm, cols["admission_slots"]), none
+
+
 def prefill_record(tokens: int, moe_layers, copied_LxE, evicted_LxN, expert_bytes: int,
                    wall_s: float) -> TokenRecord:
   """The prompt's record: the experts it fetched (made available) and evicted per layer."""

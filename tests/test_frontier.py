@@ -103,6 +103,15 @@ def test_bad_budget_is_one_line_naming_the_flag():
   assert "--ppl_budgets" in p.stderr and len(p.stderr.strip().splitlines()) <= 2
   p = _frontier(["--tpot_budget_ms=5"], "/tmp/unused_frontier")
   assert p.returncode == 2 and "--profile" in p.stderr
+  p = _frontier(["--sweep_low_bits=3"], "/tmp/unused_frontier")
+  assert p.returncode == 2 and "--sweep_low_bits" in p.stderr
+
+
+def test_grid_sweeps_the_cost_rule_with_each_low_precision():
+  g = A.grid(taus=(0.1,), combos=(("lru", None),), lams=(0.3, 1.0), extra=(), low_bits=(8, 4))
+  cost = sorted((p.decision.lam, p.decision.low_bits) for p in g if p.miss == "cost")
+  assert cost == [(0.3, 4), (0.3, 8), (1.0, 4), (1.0, 8)]
+  assert all(p.decision.low_bits == 8 for p in A.grid(lams=(0.3,)) if p.miss == "cost")
 
 
 def test_isotonic_fit_is_monotone_through_the_origin():

@@ -58,6 +58,8 @@ flags.DEFINE_list("sweep_taus", [f"{t:g}" for t in A.TAUS], "Threshold taus of t
                   "sweep (--full: a finer list).")
 flags.DEFINE_list("sweep_lams", [f"{v:g}" for v in A.LAMS], "The cost rule's lambdas (ms per "
                   "%% PPL) of the sweep, when the policy module has the cost rule; empty: none.")
+flags.DEFINE_list("sweep_low_bits", ["8"], "The cost rule's low-precision copies in the sweep: "
+                  "8, 4 or both.")
 flags.DEFINE_list("combos", ["lru:none", "lfu:0.5"], "EVICTION:BETA pairs the sweep's rules run "
                   "under (BETA none: no background admission; --full: every pair).")
 flags.DEFINE_bool("full", False, "Full size: 8192 tokens per split, the fine grid (more "
@@ -97,13 +99,16 @@ def config() -> F.Config:
                    for e, _, b in (c.partition(":") for c in FLAGS.combos))
   except ValueError as e:
     raise cli.UsageError(f"--sweep_taus / --sweep_lams / --combos: {e}") from None
+  if not FLAGS.sweep_low_bits or any(b not in ("8", "4") for b in FLAGS.sweep_low_bits):
+    raise cli.UsageError(f"--sweep_low_bits: 8, 4 or 8,4, got {','.join(FLAGS.sweep_low_bits)}")
+  low_bits = tuple(int(b) for b in FLAGS.sweep_low_bits)
   if any(v < 0 for v in lams):
     bad = min(lams)
     raise cli.UsageError(f"--sweep_lams: lambda must be >= 0, got {bad:g} (nearest feasible: 0)")
   try:
     grid = (A.grid(A.TAUS_FULL, A.COMBOS_FULL, extra=("quality", "speed", "first_choice",
-                                                      "substitute_all"))
-            if FLAGS.full else A.grid(sweep_taus, combos, lams, ()))
+                                                      "substitute_all"), low_bits=low_bits)
+            if FLAGS.full else A.grid(sweep_taus, combos, lams, (), low_bits=low_bits))
   except P.PolicyError as e:
     raise cli.UsageError(str(e)) from None
   return F.Config(cache_fraction=FLAGS.cache_fraction, streams=FLAGS.streams,

@@ -88,16 +88,18 @@ def cost_available() -> bool:
           and "lam" in inspect.signature(policy_lib.make_policy).parameters)
 
 
-def grid(taus=TAUS, combos=COMBOS, lams=LAMS, extra=("quality", "speed")) -> list[PolicyParams]:
-  """fetch_all, threshold(tau) and, when available, cost(lambda) under each (eviction,
-  admission beta) of `combos`, and the `extra` presets / rules; duplicates removed."""
+def grid(taus=TAUS, combos=COMBOS, lams=LAMS, extra=("quality", "speed"),
+         low_bits=(8,)) -> list[PolicyParams]:
+  """fetch_all, threshold(tau) and, when available, cost(lambda) with each of `low_bits`'
+  low-precision copies under each (eviction, admission beta) of `combos`, and the `extra`
+  presets / rules; duplicates removed."""
   out = [policy_lib.make_policy("fetch_all")]
   for ev, b in combos:
     out += [policy_lib.make_policy("threshold", tau=t, eviction=ev, admission_beta=b)
             for t in taus]
     if cost_available():
-      out += [policy_lib.make_policy("cost", lam=l, eviction=ev, admission_beta=b)
-              for l in lams]
+      out += [policy_lib.make_policy("cost", lam=l, eviction=ev, admission_beta=b,
+                                     low_bits=bits) for bits in low_bits for l in lams]
   out += [policy_lib.make_policy(p) for p in extra]
   return unique(out)
 

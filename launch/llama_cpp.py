@@ -85,32 +85,37 @@ def build(cache: str = DEFAULT_CACHE) -> dict[str, str]:
     raise Unavailable("no C++ compiler (install g++ or clang, or set CXX) to build llama.cpp")
   os.makedirs(cache, exist_ok=True)
   log = os.path.join(cache, "build.log")
+  cmake = _configure(cache, log, "bench_peers", "llama.cpp")
+  _run([cmake, "--build", os.path.join(cache, "build"), "-j", str(os.cpu_count() or 2),
+        "--target", *TARGETS], log, "cmake build")
+  _build_timer(cache, bins["llama_timer"], log)
+  return bins
+
+
+def _configure(cache: str, log: str, who: str, what: str) -> str:
+  """The llama-cpp-python source (pip download, once) configured with cmake into
+  cache/build (Release, native, no tests or server) -> the cmake executable."""
   src = source_dir(cache)
   if not os.path.exists(os.path.join(src, "CMakeLists.txt")):
     sdist = os.path.join(cache, f"llama_cpp_python-{VERSION}.tar.gz")
     if not os.path.exists(sdist):
-      print(f"[bench_peers] fetching llama-cpp-python=={VERSION} (source) with pip",
-            file=sys.stderr)
+      print(f"[{who}] fetching llama-cpp-python=={VERSION} (source) with pip", file=sys.stderr)
       _run([sys.executable, "-m", "pip", "download", f"llama-cpp-python=={VERSION}",
             "--no-deps", "--no-binary", ":all:", "-d", cache], log, "pip download")
     with tarfile.open(sdist) as tf:
       tf.extractall(cache, filter="data")
   cmake = shutil.which("cmake")
   if cmake is None:
-    print("[bench_peers] no cmake: installing it into this environment with pip",
-          file=sys.stderr)
+    print(f"[{who}] no cmake: installing it into this environment with pip", file=sys.stderr)
     _run([sys.executable, "-m", "pip", "install", "cmake"], log, "pip install cmake")
     cmake = os.path.join(os.path.dirname(sys.executable), "cmake")
   gen = ["-G", "Ninja"] if shutil.which("ninja") else []
-  print(f"[bench_peers] building llama.cpp into {cache}/build (first run only; log {log})",
+  print(f"[{who}] building {what} into {cache}/build (first run only; log {log})",
         file=sys.stderr)
   _run([cmake, "-S", src, "-B", os.path.join(cache, "build"), *gen, "-DCMAKE_BUILD_TYPE=Release",
         "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF",
         "-DGGML_NATIVE=ON"], log, "cmake configure")
-  _run([cmake, "--build", os.path.join(cache, "build"), "-j", str(os.cpu_count() or 2),
-        "--target", *TARGETS], log, "cmake build")
-  _build_timer(cache, bins["llama_timer"], log)
-  return bins
+  return cmake
 
 
 def _build_timer(cache: str, out: str, log: str):
@@ -140,22 +145,7 @@ def build_ggml(cache: str = DEFAULT_CACHE) -> str:
   log, src, build_dir = os.path.join(cache, "build.log"), source_dir(cache), os.path.join(cache, "build")
   lib = os.path.join(build_dir, "bin")
   if not os.path.exists(os.path.join(lib, "libggml-cpu.so")):
-    if not os.path.exists(os.path.join(src, "CMakeLists.txt")):
-      sdist = os.path.join(cache, f"llama_cpp_python-{VERSION}.tar.gz")
-      if not os.path.exists(sdist):
-        _run([sys.executable, "-m", "pip", "download", f"llama-cpp-python=={VERSION}",
-              "--no-deps", "--no-binary", ":all:", "-d", cache], log, "pip download")
-      with tarfile.open(sdist) as tf:
-        tf.extractall(cache, filter="data")
-    cmake = shutil.which("cmake")
-    if cmake is None:
-      raise Unavailable("no cmake on the PATH (pip install cmake) to build ggml")
-    gen = ["-G", "Ninja"] if shutil.which("ninja") else []
-    print(f"[bench_host] building ggml into {build_dir} (first run only; log {log})",
-          file=sys.stderr)
-    _run([cmake, "-S", src, "-B", build_dir, *gen, "-DCMAKE_BUILD_TYPE=Release",
-          "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF",
-          "-DGGML_NATIVE=ON"], log, "cmake configure")
+    cmake = _configure(cache, log, "bench_host", "ggml")
     _run([cmake, "--build", build_dir, "-j", str(os.cpu_count() or 2), "--target", "ggml"],
          log, "cmake build (ggml)")
   _run([cxx, "-O2", "-std=c++17", EXPERT_TIMER_SRC, "-o", out, "-I",

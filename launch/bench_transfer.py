@@ -51,7 +51,7 @@ def define_flags():
 
 
 def _copy(bufs, stack, e, slot, pinned):
-  """As the engine's in-program copy (`layer.copy_rows`): a slice of the stacked store,
+  """As the engine's in-program copy (`sources.copy_rows`): a slice of the stacked store,
   moved to device memory when the store is in a host memory kind, written into a row.
   The buffers have the store's dtype (16-bit floats are held as their uint16 bits)."""
   out = {}

@@ -42,8 +42,8 @@ def _finish(proc, what, timeout=600):
 @pytest.fixture(scope="module")
 def local(tmp_path_factory):
   out = tmp_path_factory.mktemp("ep") / "local.json"
-  env = expert_parallel.cpu_flag_env(8)
-  env.pop("JAX_NUM_CPU_DEVICES", None)
+  env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "")
+                                    + " --xla_force_host_platform_device_count=8").strip())
   _finish(_child(["local", str(out)], env), "the 8-device child")
   return json.load(open(out))
 

@@ -73,7 +73,7 @@ class Budget:
 
   def describe(self) -> str:
     where = ("" if self.devices == 1 else
-             f" on {self.devices} devices of {self.slots_per_device} slots each")
+             f" expert-parallel on {self.devices} devices of {self.slots_per_device} slots each")
     s = (f"{self.slots}/{self.num_experts} experts per layer resident ({self.source}){where}"
          f" + {self.staging} staging slot(s) + 1 scratch row; {self.device_bytes / 1e6:.2f} "
          f"MB of expert cache over {self.num_moe_layers} MoE layers"
@@ -184,7 +184,7 @@ def insert(state: ResidentState, ids_J: jax.Array, rows_J: dict, in_use_E: jax.A
            params: policy_lib.CacheParams | policy_lib.PolicyParams, low_J=None):
   """Inserts experts ids_J[j] (with weights {name: rows_J[name][j]}) in order; pure and
   jittable.  rows_J holds one stacked array [>= J, ...] per buffer; None updates the
-  metadata only (the engine's decode step copies rows itself: `layer.copy_rows`).
+  metadata only (the engine's decode step copies rows itself: `sources.copy_rows`).
 
   The j-th insertion overwrites the j-th slot of `policy.eviction_order` (empty
   first, else per eviction policy): never the slot of an expert marked in

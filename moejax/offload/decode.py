@@ -4,7 +4,7 @@ Each is ONE jitted program over explicit pytrees (the parameters, each MoE layer
 source: its host store arrays and predictors, the carry: KV cache, ResidentStates,
 pending admissions), with the carry donated.  Inside, every layer runs
 `layer.moe_layer` on the `slots` source: waited fetches, admissions and prefetches
-are in-program copies from the host store into the slot buffers (`layer.copy_rows`).
+are in-program copies from the host store into the slot buffers (`sources.copy_rows`).
 The host's only per-token work is the dispatch and, when it wants them, reading the
 token's packed decisions (`Layout`) to build its record.
 

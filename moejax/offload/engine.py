@@ -111,9 +111,8 @@ class OffloadEngine:
     ctx = layer_lib.Ctx(cfg, policy, trim_to, pf.kind, pf.speculative, not pf.streaming,
                         None, "slots", pinned, defer_tail=True,
                         skip_empty=self.device.platform == "cpu", ep=self.plan)
-    put = lambda a: jax.device_put(a, self.device)
-    if self.plan is not None:   # dense parameters and the store on every device
-      put = lambda a: expert_parallel.replicate(self.plan, a)
+    put = self._put
+    if self.plan is not None:   # the store on every device too
       host = put(host)
     self.params = put(params)
     preds = (speculation.stacked_predictors(cfg, pf.kind, pf.predictors, stack=False)
@@ -156,9 +155,8 @@ class OffloadEngine:
   def describe(self) -> str:
     pf = (f"; prefetch {self.mode.prefetch}, speculative {self.mode.speculative}"
           if self.mode.on else "")
-    ep = f"; {self.plan.describe()}" if self.plan is not None else ""
     return (f"policy {self.policy.describe()}; {self.budget.describe()}; "
-            f"link {self.link.describe()}{pf}{ep}")
+            f"link {self.link.describe()}{pf}")
 
   # -------------------------------------------------------------- lifetime
   def close(self):
@@ -247,13 +245,17 @@ class OffloadEngine:
     self._records.clear()
     return out
 
+  def _put(self, tree):
+    """Dense pytrees (parameters, the KV cache) on the device, or on every device of the
+    plan (expert-parallel)."""
+    if self.plan is None:
+      return jax.device_put(tree, self.device)
+    return expert_parallel.replicate(self.plan, tree)
+
   def _new_carry(self, states):
     cache, _, pending = token_lib.empty_carry(self._prog.ctx, self.dtype, self.max_len, {},
                                               scan=False)
-    if self.plan is not None:
-      return (expert_parallel.replicate(self.plan, cache), states,
-              expert_parallel.replicate(self.plan, pending))
-    return jax.device_put((cache, states, pending), self.device)
+    return self._put(cache), states, self._put(pending)
 
   def prefill(self, prompt_ids) -> np.ndarray:
     """Runs the prompt (exact for every policy); returns the last position's logits [V]."""

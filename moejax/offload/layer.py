@@ -35,15 +35,13 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from moejax.model import experts as experts_lib
-from moejax.model import families, routing
+from moejax.model import routing
 from moejax.model.config import ModelConfig
 from moejax.cache import policy as policy_lib
 from moejax.prefetch import steps as pf
 from moejax.cache import resident as resident_lib
 from moejax.cache.policy import DROP, FETCH, FETCH_LOW, HIT, HOST, SUBSTITUTE
-from moejax.offload.sources import (copy_into_slots, copy_rows, device_memory,  # noqa: F401
-                                    run_experts)
+from moejax.offload.sources import run_experts
 
 # per-layer counts of a decoded token (summed over MoE layers by the drivers)
 STATS = ("expert_calls", "hits", "fetches", "substituted", "substituted_mass", "dropped",

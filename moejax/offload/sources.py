@@ -24,25 +24,20 @@ from moejax.model import families
 from moejax.offload import expert_parallel
 
 
-def device_memory():
-  """Device memory of the (single) device: where in-program copies from a host memory
-  kind go."""
-  return jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="device")
-
-
-def _to_device(x, pinned):
+def to_device(x, pinned):
   """A slice of a host-memory store moved to device memory (pinned: True, the single
-  device; "local", inside a shard_map: each device's own)."""
+  device's; "local", inside a shard_map: each device's own)."""
   if pinned == "local":
     return jax.device_put(x, jax.memory.Space.Device)
-  return jax.device_put(x, device_memory()) if pinned else x
+  return jax.device_put(x, jax.sharding.SingleDeviceSharding(
+      jax.devices()[0], memory_kind="device")) if pinned else x
 
 
 def _row(src, i, dtype, pinned):
   """src[i:i+1] on the device, as `dtype`.  The program store holds 16-bit floats as their
   uint16 bits (`transfer.program_store`): XLA CPU slices a bf16 array by converting all
   of it to f32 first, and hoists that convert of the whole store out of the copy loop."""
-  row = _to_device(jax.lax.dynamic_slice_in_dim(src, i, 1, axis=0), pinned)
+  row = to_device(jax.lax.dynamic_slice_in_dim(src, i, 1, axis=0), pinned)
   if row.dtype != dtype and row.dtype.itemsize == jnp.dtype(dtype).itemsize:
     return jax.lax.bitcast_convert_type(row, dtype)
   return row.astype(dtype)
@@ -50,7 +45,7 @@ def _row(src, i, dtype, pinned):
 
 def _low_row(src, name, i, dtype, pinned, bits: int):
   """The dequantised row i of a low-precision program store (`io.quant` layout)."""
-  q, s = (_to_device(jax.lax.dynamic_slice_in_dim(src[f"{name}.{x}"], i, 1, axis=0), pinned)
+  q, s = (to_device(jax.lax.dynamic_slice_in_dim(src[f"{name}.{x}"], i, 1, axis=0), pinned)
           for x in "qs")
   return quant.dequantize(q, s, bits, dtype)
 

@@ -127,9 +127,8 @@ def build_record(packed_LxW: np.ndarray, layout, moe_layers, expert_bytes: int,
   rec.prefetch_bytes = rec.prefetches * expert_bytes
   rec.wasted_bytes = (rec.prefetches - rec.useful_prefetches) * expert_bytes
   if plan is not None:     # a hit's row is its global slot
-    hit = cols["actions"].astype(np.int64) == layer.HIT
-    dev = np.where(cols["rows"] >= 0, cols["rows"].astype(np.int64) % plan.devices, -1)
-    rec.device_hits = tuple(float(np.sum(hit & (dev == d))) for d in range(plan.devices))
+    hits = per_device(cols["actions"] == layer.HIT, cols["rows"], plan.devices)
+    rec.device_hits = tuple(np.sum(hits, axis=0, dtype=np.float64).tolist())
   ints = {name: cols[name].astype(np.int64).tolist() for name in _LAYER_IDS}
   for j, l in enumerate(moe_layers):
     rec.layers[l] = LayerRecord(**{
@@ -151,11 +150,17 @@ def link_counts(packed: np.ndarray, layout, low_ratio: float = 0.0, plan=None):
   if plan is None:
     return (np.sum(fetch * size, axis=-1), np.sum(adm, axis=-1),
             np.sum(cols["prefetched"] >= 0, axis=-1))
-  on = lambda rows, d: (rows >= 0) & (rows.astype(np.int64) % plan.devices == d)
-  per = lambda m, rows: np.stack([np.sum(m * on(rows, d), axis=-1)
-                                  for d in range(plan.devices)], axis=-1)
   none = np.zeros(adm.shape[:-1] + (plan.devices,))
-  return per(fetch * size, cols["rows"]), per(adm, cols["admission_slots"]), none
+  return (per_device(fetch * size, cols["rows"], plan.devices),
+          per_device(adm, cols["admission_slots"], plan.devices), none)
+
+
+def per_device(weight_LxK, slots_LxK, devices: int) -> np.ndarray:
+  """[L, devices]: the weights summed by the device of their global slot (expert-parallel:
+  slot s lives on device s mod N; -1, no slot, counts nowhere)."""
+  slots = np.asarray(slots_LxK).astype(np.int64)
+  on = (slots[..., None] >= 0) & (slots[..., None] % devices == np.arange(devices))
+  return np.sum(np.asarray(weight_LxK, np.float64)[..., None] * on, axis=-2)
 
 
 def prefill_record(tokens: int, moe_layers, copied_LxE, evicted_LxN, expert_bytes: int,

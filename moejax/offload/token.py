@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from moejax.model import layer_stack, routing
 from moejax.model.model import Transformer, init_cache
 from moejax.offload import layer as layer_lib
+from moejax.offload import sources
 from moejax.cache import resident as resident_lib
 
 
@@ -89,7 +90,7 @@ def _tails(ctx: layer_lib.Ctx, carry, outs):
   """`layer.policy_tail` of every MoE layer at once (vmapped over their stacked
   metadata: one set of small ops per token instead of one per layer), after the last
   layer.  The copies its inserts promise are made by the layer at the next token
-  (`layer.run_experts`).  Unrolled carries only (dicts over layers)."""
+  (`sources.run_experts`).  Unrolled carries only (dicts over layers)."""
   cache, states, pending = carry
   heads, admitted = outs
   if ctx.all_resident:    # nothing can change: no usage counts kept (nothing is evicted)
@@ -119,7 +120,7 @@ def prefill(ctx: layer_lib.Ctx, dtype, max_len: int, params, layers, srcs, state
   it used most are inserted (`prefill_step`)."""
   cfg, pol = ctx.cfg, ctx.policy.cache
   model = Transformer(cfg, dtype)
-  num_e, k = cfg.num_experts, cfg.top_k
+  k = cfg.top_k
   plen = tokens_P.shape[0]
   valid = (jnp.arange(plen) < length).astype(jnp.float32)
   pos = jnp.arange(plen, dtype=jnp.int32)[None]
@@ -137,8 +138,7 @@ def prefill(ctx: layer_lib.Ctx, dtype, max_len: int, params, layers, srcs, state
     else:   # the layer's experts, on the device for this call only
       table = src["store"]
       if ctx.pinned:     # expert-parallel: to every device's own memory
-        table = jax.device_put(table, jax.memory.Space.Device if ctx.ep is not None
-                               else layer_lib.device_memory())
+        table = sources.to_device(table, "local" if ctx.ep is not None else True)
       table = {k: (jax.lax.bitcast_convert_type(v, st.buffers[k].dtype)
                    if v.dtype != st.buffers[k].dtype else v) for k, v in table.items()}
     x = _apply(mod, p, h, moe_in, ids.reshape(1, plen, k), gates.reshape(1, plen, k), table,
@@ -146,7 +146,7 @@ def prefill(ctx: layer_lib.Ctx, dtype, max_len: int, params, layers, srcs, state
     st, copy_ids, copy_slots, evicted = prefill_step(pol, ctx.trim_to, st, ids, valid,
                                                      decay_pow)
     if ctx.source == "slots":
-      st = dataclasses.replace(st, buffers=layer_lib.copy_into_slots(
+      st = dataclasses.replace(st, buffers=sources.copy_into_slots(
           ctx, st.buffers, table, copy_ids, copy_slots, pinned=False))
     return x, (cache, st, pending), (copy_ids, evicted)
 

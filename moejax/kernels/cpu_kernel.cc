@@ -61,6 +61,7 @@ struct Problem {
   const void* gate_up;
   const void* down;
   bool w_bf16;
+  bool serial = false;   // on the calling thread alone (parallel_for's `serial`)
   std::vector<int64_t> order;  // pair indices (n * k + j) sorted by expert
   std::vector<Item> items;
   std::vector<float> pair_out;  // [n * k, d], gate applied
@@ -124,7 +125,7 @@ void decode_phases(ffi::ThreadPool& pool, Problem& p) {
     for (int64_t t = 0; t < nt; ++t)
       for (int64_t j = 0; j < nj; ++j)
         a[(it.begin + t) * inter + j0 + j] = silu_mul(g[t * nj + j], u[t * nj + j]);
-  }, true);
+  }, true, p.serial);
   parallel_for(pool, items * c2, [&](int64_t q) {
     const Item& it = p.items[q / c2];
     const int64_t nt = it.end - it.begin, r0 = (q % c2) * kDownChunk;
@@ -137,7 +138,7 @@ void decode_phases(ffi::ThreadPool& pool, Problem& p) {
       const float gate = p.gates[pair];
       for (int64_t j = 0; j < nr; ++j) p.pair_out[pair * d + r0 + j] = gate * y[t * nr + j];
     }
-  }, true);
+  }, true, p.serial);
 }
 
 
@@ -153,9 +154,9 @@ void store(const float* src, int64_t count, bool bf16, void* dst) {
 bool is_bf16(ffi::DataType t) { return t == ffi::DataType::BF16; }
 bool supported(ffi::DataType t) { return t == ffi::DataType::F32 || t == ffi::DataType::BF16; }
 
-ffi::Error ExpertFfnImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> ids,
-                         ffi::Buffer<ffi::F32> gates, ffi::AnyBuffer gate_up,
-                         ffi::AnyBuffer down, ffi::Result<ffi::AnyBuffer> y) {
+ffi::Error ExpertFfn(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> ids,
+                     ffi::Buffer<ffi::F32> gates, ffi::AnyBuffer gate_up, ffi::AnyBuffer down,
+                     ffi::Result<ffi::AnyBuffer> y, bool serial) {
   auto xd = x.dimensions(), idd = ids.dimensions(), gud = gate_up.dimensions(),
        dnd = down.dimensions();
   if (xd.size() != 2 || idd.size() != 2 || gud.size() != 3 || dnd.size() != 3)
@@ -179,6 +180,7 @@ ffi::Error ExpertFfnImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi
   p->gate_up = gate_up.untyped_data();
   p->down = down.untyped_data();
   p->w_bf16 = is_bf16(gate_up.element_type());
+  p->serial = serial;
 
   // counting sort of the pairs by expert (ids clamped like XLA's dynamic indexing)
   const int64_t pairs = p->n * p->k, ne = p->num_experts;
@@ -205,7 +207,7 @@ ffi::Error ExpertFfnImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi
     parallel_for(pool, static_cast<int64_t>(p->items.size()), [&prob](int64_t i) {
       if (prob.w_bf16) run_item<uint16_t>(prob, prob.items[i]);
       else run_item<float>(prob, prob.items[i]);
-    }, false);
+    }, false, serial);
   }
 
   const int64_t n = p->n, k = p->k, d = p->d;
@@ -220,6 +222,18 @@ ffi::Error ExpertFfnImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi
                                         t * d * (p->x_bf16 ? 2 : 4));
   }
   return ffi::Error::Success();
+}
+
+ffi::Error ExpertFfnImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> ids,
+                         ffi::Buffer<ffi::F32> gates, ffi::AnyBuffer gate_up,
+                         ffi::AnyBuffer down, ffi::Result<ffi::AnyBuffer> y) {
+  return ExpertFfn(pool, x, ids, gates, gate_up, down, y, false);
+}
+
+ffi::Error ExpertFfnSerialImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> ids,
+                               ffi::Buffer<ffi::F32> gates, ffi::AnyBuffer gate_up,
+                               ffi::AnyBuffer down, ffi::Result<ffi::AnyBuffer> y) {
+  return ExpertFfn(pool, x, ids, gates, gate_up, down, y, true);
 }
 
 constexpr int64_t kLinearRows = 64;  // output rows per work item
@@ -301,6 +315,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoejaxLinear, LinearImpl,
                                   .RemainingRets());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoejaxExpertFfn, ExpertFfnImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoejaxExpertFfnSerial, ExpertFfnSerialImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()

@@ -46,6 +46,7 @@ import jax
 import jax.numpy as jnp
 
 TARGET = "moejax_expert_ffn"
+SERIAL_TARGET = "moejax_expert_ffn_serial"   # the same on the calling thread alone
 LINEAR_TARGET = "moejax_linear"
 LINEAR_MAX_TOKENS = 16   # up to this many rows of x: the kernel (decode); more: XLA's GEMM
 # f32 projections with fewer weight bytes stay with XLA: its dot is as fast there, and the
@@ -55,7 +56,7 @@ LINEAR_MAX_TOKENS = 16   # up to this many rows of x: the kernel (decode); more:
 LINEAR_MIN_F32_BYTES = 1 << 20
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _SRCS = [os.path.join(_HERE, f) for f in ("cpu_kernel.cc", "cpu_attention.cc", "cpu_rows.cc",
-                                           "cpu_host.cc")]
+                                           "cpu_host.cc", "cpu_collective.cc")]
 _HEADERS = [os.path.join(_HERE, h)   # part of the build key
             for h in ("cpu_bf16.h", "cpu_dot.h", "cpu_threads.h")]
 ATTENTION_TARGET = "moejax_decode_attention"     # cpu_attention.cc, wrapped by cpu_attention.py
@@ -63,6 +64,7 @@ RMS_NORM_TARGET = "moejax_rms_norm"              # cpu_rows.cc, wrapped by cpu_r
 ROUTE_SOFTMAX_TARGET = "moejax_route_softmax"    # cpu_rows.cc, wrapped by cpu_rows.py
 TAKE_ROWS_TARGET = "moejax_take_rows"            # cpu_rows.cc, wrapped by cpu_rows.py
 HOST_EXPERTS_TARGET = "moejax_host_experts"      # cpu_host.cc, wrapped by cpu_host.py
+ALL_REDUCE_TARGET = "moejax_host_all_reduce"     # cpu_collective.cc, by cpu_collective.py
 _MARCH = "-march=native"
 _FLAGS = ["-O3", _MARCH, "-std=c++17", "-shared", "-fPIC"]
 _OFF = ("0", "off", "false", "no")   # MOEJAX_CPU_KERNEL values that switch the kernels off
@@ -190,12 +192,15 @@ def _load() -> bool:
   anything fails."""
   try:
     lib = ctypes.cdll.LoadLibrary(build())
-    for target, symbol in ((TARGET, lib.MoejaxExpertFfn), (LINEAR_TARGET, lib.MoejaxLinear),
+    for target, symbol in ((TARGET, lib.MoejaxExpertFfn),
+                           (SERIAL_TARGET, lib.MoejaxExpertFfnSerial),
+                           (LINEAR_TARGET, lib.MoejaxLinear),
                            (ATTENTION_TARGET, lib.MoejaxDecodeAttention),
                            (RMS_NORM_TARGET, lib.MoejaxRmsNorm),
                            (ROUTE_SOFTMAX_TARGET, lib.MoejaxRouteSoftmax),
                            (TAKE_ROWS_TARGET, lib.MoejaxTakeRows),
-                           (HOST_EXPERTS_TARGET, lib.MoejaxHostExperts)):
+                           (HOST_EXPERTS_TARGET, lib.MoejaxHostExperts),
+                           (ALL_REDUCE_TARGET, lib.MoejaxHostAllReduce)):
       jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(symbol), platform="cpu")
     lib.moejax_set_spin_us.argtypes = [ctypes.c_int64]
     lib.moejax_set_decoding.argtypes = [ctypes.c_int]
@@ -305,32 +310,37 @@ def rows_vmap(fn, n_rows_args: int):
   return f
 
 
-def _expert_call(x_NxD, ids_NxK, gates_NxK, gate_up_Ex2IxD, down_ExDxI):
-  return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(x_NxD.shape, x_NxD.dtype))(
+def _expert_call(x_NxD, ids_NxK, gates_NxK, gate_up_Ex2IxD, down_ExDxI, *, target=TARGET):
+  return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(x_NxD.shape, x_NxD.dtype))(
       x_NxD, ids_NxK.astype(jnp.int32), gates_NxK.astype(jnp.float32), gate_up_Ex2IxD,
       down_ExDxI)
 
 
-_call = rows_vmap(_expert_call, 3)
+_CALLS = {False: rows_vmap(_expert_call, 3),
+          True: rows_vmap(functools.partial(_expert_call, target=SERIAL_TARGET), 3)}
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def expert_ffn(x_NxD, ids_NxK, gates_NxK, w: dict, xla_fn):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def expert_ffn(x_NxD, ids_NxK, gates_NxK, w: dict, xla_fn, serial: bool = False):
   """sum_k gates[n,k] * expert_{ids[n,k]}(x[n]) on CPU: the kernel; elsewhere `xla_fn`.
 
   `xla_fn(x, ids, gates, w)` is the XLA dispatch: other platforms run it, and the
-  backward pass differentiates it.
+  backward pass differentiates it. serial=True: the kernel on the calling thread alone,
+  without helper threads (the same bits): expert parallelism's host devices, each a
+  thread with a core of its own, where helpers would take the core another device needs.
   """
   return jax.lax.platform_dependent(
       x_NxD, ids_NxK, gates_NxK, w["gate_up"], w["down"],
-      cpu=_call, default=lambda x, i, g, gu, dn: xla_fn(x, i, g, {"gate_up": gu, "down": dn}))
+      cpu=_CALLS[bool(serial)],
+      default=lambda x, i, g, gu, dn: xla_fn(x, i, g, {"gate_up": gu, "down": dn}))
 
 
-def _fwd(x_NxD, ids_NxK, gates_NxK, w, xla_fn):
-  return expert_ffn(x_NxD, ids_NxK, gates_NxK, w, xla_fn), (x_NxD, ids_NxK, gates_NxK, w)
+def _fwd(x_NxD, ids_NxK, gates_NxK, w, xla_fn, serial=False):
+  return (expert_ffn(x_NxD, ids_NxK, gates_NxK, w, xla_fn, serial),
+          (x_NxD, ids_NxK, gates_NxK, w))
 
 
-def _bwd(xla_fn, res, g_NxD):
+def _bwd(xla_fn, serial, res, g_NxD):
   x_NxD, ids_NxK, gates_NxK, w = res
   _, vjp = jax.vjp(lambda x, g, ww: xla_fn(x, ids_NxK, g, ww), x_NxD, gates_NxK, w)
   dx, dg, dw = vjp(g_NxD)

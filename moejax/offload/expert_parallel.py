@@ -9,8 +9,8 @@ one after another spread over the devices).  Any device may hold any expert, so 
 host store is replicated per device.  Slot buffers [N * (S_d + 1), ...] are sharded on
 "expert" (each device: its slots and a scratch row); copies and routed experts run in
 `jax.shard_map`, each device on its own slots, and a `psum` adds the partial outputs
-(batch 1); everything else is replicated.  Why, and what it measured:
-docs/expert_parallel.md.
+(batch 1; host devices of one process: `cpu_collective`); everything else is
+replicated.  Why, and what it measured: docs/expert_parallel.md.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+
+from moejax.kernels import cpu_collective
 
 AXIS = "expert"
 
@@ -36,6 +38,7 @@ class Plan:
   the decode program's static context)."""
   mesh: Mesh
   slots: int             # S_d: slots per device and MoE layer
+  clique: int = 0        # > 0: host devices that add through `cpu_collective` (else psum)
 
   @property
   def devices(self) -> int:
@@ -56,9 +59,8 @@ class Plan:
 
 
 def provide_cpu_devices(n: int):
-  """Asks for n CPU devices when JAX's backends start (a CPU-only machine has one by
-  default).  Call before the first JAX computation; harmless where the default backend
-  is an accelerator (its devices are used, not the CPU's)."""
+  """Asks for n CPU devices when JAX's backends start (a CPU-only machine has one); call
+  before the first JAX computation.  Harmless where the default backend is an accelerator."""
   if n > 1:
     jax.config.update("jax_num_cpu_devices", max(n, jax.config.jax_num_cpu_devices))
 
@@ -72,7 +74,8 @@ def make_plan(n: int, slots_per_device: int, devices=None) -> Plan:
         f"available (on a CPU-only machine launch.generate provides them itself; in your "
         f"own program call moejax.offload.expert_parallel.provide_cpu_devices({n}) or set "
         f"XLA_FLAGS=--xla_force_host_platform_device_count={n} before JAX starts)")
-  return Plan(Mesh(np.asarray(devices[:n]), (AXIS,)), int(slots_per_device))
+  clique = cpu_collective.new_clique() if cpu_collective.usable(devices[:n]) else 0
+  return Plan(Mesh(np.asarray(devices[:n]), (AXIS,)), int(slots_per_device), clique)
 
 
 def _global(x, sharding: NamedSharding):
@@ -113,8 +116,7 @@ def shard_state(plan: Plan, state):
 
 
 def device_rows(plan: Plan, slots_J):
-  """Inside the shard_map: this device's local row of each global slot (-1: a slot of
-  another device, or none)."""
+  """Inside the shard_map: this device's local row of each global slot (-1: none here)."""
   d = jax.lax.axis_index(AXIS)
   mine = (slots_J >= 0) & (slots_J % plan.devices == d)
   return jnp.where(mine, slots_J // plan.devices, -1).astype(jnp.int32)
@@ -136,7 +138,8 @@ def routed_experts(plan: Plan, experts_fn, x_1xD, rows_K, weights_K, buffers: di
   def local(x, rows, w, bufs):
     mine = device_rows(plan, rows)
     y = experts_fn(x, jnp.maximum(mine, 0)[None], jnp.where(mine >= 0, w, 0.0)[None], bufs)
-    return jax.lax.psum(y, AXIS)
+    return (cpu_collective.all_reduce(y, AXIS, plan.devices, plan.clique) if plan.clique
+            else jax.lax.psum(y, AXIS))
   return jax.shard_map(local, mesh=plan.mesh, in_specs=(P(), P(), P(), P(AXIS)),
                        out_specs=P(), check_vma=False)(x_1xD, rows_K, weights_K, buffers)
 

@@ -152,9 +152,9 @@ def run_experts(ctx, mod, p, src: dict, h, moe_in, state, head, carried: tuple):
     state = dataclasses.replace(state, buffers=bufs)
   w = jnp.where(head.rows >= 0, dec.weights[0], 0.0)
   if ctx.ep is not None:           # each device its own slots' experts, then a psum
-    swiglu = families.of(ctx.cfg).swiglu(ctx.cfg)
+    swiglu, serial = families.of(ctx.cfg).swiglu(ctx.cfg), bool(ctx.ep.clique)  # host devices
     y = expert_parallel.routed_experts(
-        ctx.ep, lambda *a: experts_lib.apply_experts(*a, swiglu=swiglu),
+        ctx.ep, lambda *a: experts_lib.apply_experts(*a, swiglu=swiglu, serial=serial),
         moe_in.reshape(1, -1), head.rows, w, bufs)
     x = mod.apply({"params": p}, h, moe_in, y.reshape(h.shape), method="add_routed")
   else:

@@ -131,15 +131,19 @@ def copy_rows(plan: Plan, copy_fn, buffers: dict, store: dict, ids_J, slots_J, *
                        out_specs=P(AXIS), check_vma=False)(buffers, store, ids_J, slots_J)
 
 
-def routed_experts(plan: Plan, experts_fn, x_1xD, rows_K, weights_K, buffers: dict):
-  """sum_k weights_K[k] * expert in slot rows_K[k] (x one token), over the devices:
-  each computes the executed experts in its own slots (others' weights masked to 0)
-  with `experts_fn(x, ids_1xK, gates_1xK, local buffers)`; a psum adds the parts."""
-  def local(x, rows, w, bufs):
+def routed_experts(plan: Plan, experts_fn, x_TxD, rows_TxK, weights_TxK, buffers: dict,
+                   local=None):
+  """sum_k weights[t, k] * the expert in global row rows[t, k] (x: T tokens), over the
+  devices: each computes the rows it holds (others' weights masked to 0) with
+  `experts_fn(x, local rows, gates, local buffers)`; a psum adds the parts.  buffers:
+  the slot buffers (sharded), or with `local` a replicated store that local(store) turns
+  into this device's rows (the prompt: expert e is global row e)."""
+  def fn(x, rows, w, bufs):
     mine = device_rows(plan, rows)
-    y = experts_fn(x, jnp.maximum(mine, 0)[None], jnp.where(mine >= 0, w, 0.0)[None], bufs)
+    bufs = bufs if local is None else local(bufs)
+    y = experts_fn(x, jnp.maximum(mine, 0), jnp.where(mine >= 0, w, 0.0), bufs)
     return (cpu_collective.all_reduce(y, AXIS, plan.devices, plan.clique) if plan.clique
             else jax.lax.psum(y, AXIS))
-  return jax.shard_map(local, mesh=plan.mesh, in_specs=(P(), P(), P(), P(AXIS)),
-                       out_specs=P(), check_vma=False)(x_1xD, rows_K, weights_K, buffers)
-
+  return jax.shard_map(fn, mesh=plan.mesh, in_specs=(P(), P(), P(), P(AXIS if local is None
+                                                                       else None)),
+                       out_specs=P(), check_vma=False)(x_TxD, rows_TxK, weights_TxK, buffers)

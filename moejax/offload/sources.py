@@ -37,10 +37,14 @@ def _row(src, i, dtype, pinned):
   """src[i:i+1] on the device, as `dtype`.  The program store holds 16-bit floats as their
   uint16 bits (`transfer.program_store`): XLA CPU slices a bf16 array by converting all
   of it to f32 first, and hoists that convert of the whole store out of the copy loop."""
-  row = to_device(jax.lax.dynamic_slice_in_dim(src, i, 1, axis=0), pinned)
-  if row.dtype != dtype and row.dtype.itemsize == jnp.dtype(dtype).itemsize:
-    return jax.lax.bitcast_convert_type(row, dtype)
-  return row.astype(dtype)
+  return as_dtype(to_device(jax.lax.dynamic_slice_in_dim(src, i, 1, axis=0), pinned), dtype)
+
+
+def as_dtype(rows, dtype):
+  """Store rows as `dtype` (16-bit floats stored as their uint16 bits: a bitcast)."""
+  if rows.dtype != dtype and rows.dtype.itemsize == jnp.dtype(dtype).itemsize:
+    return jax.lax.bitcast_convert_type(rows, dtype)
+  return rows.astype(dtype)
 
 
 def _low_row(src, name, i, dtype, pinned, bits: int):
@@ -93,6 +97,23 @@ def copy_into_slots(ctx, buffers: dict, store: dict, ids_J, slots_J,
     return copy_rows(buffers, store, ids_J, slots_J, pinned, low_bits)
   return expert_parallel.copy_rows(ctx.ep, copy_rows, buffers, store, ids_J, slots_J,
                                    pinned="local" if pinned else False, low_bits=low_bits)
+
+
+def parallel_experts(ctx, x_TxD, rows_TxK, w_TxK, bufs: dict, dtypes: dict | None = None):
+  """`expert_parallel.routed_experts` of T tokens: rows in the slots `bufs`; or (dtypes:
+  the slot buffers' dtypes) expert ids in the layer's store `bufs`, each device computing
+  the experts d, d + N, ... from its replica (the prompt pass)."""
+  n, num_e = ctx.ep.devices, ctx.cfg.num_experts
+  swiglu, serial = families.of(ctx.cfg).swiglu(ctx.cfg), bool(ctx.ep.clique)  # host devices
+
+  def local(store):
+    ids = jnp.minimum(jax.lax.axis_index(expert_parallel.AXIS) + n * jnp.arange(-(-num_e // n)),
+                      num_e - 1)
+    return {k: as_dtype(jnp.take(to_device(v, "local" if ctx.pinned else False), ids, axis=0),
+                        dtypes[k]) for k, v in store.items()}
+  return expert_parallel.routed_experts(
+      ctx.ep, lambda *a: experts_lib.apply_experts(*a, swiglu=swiglu, serial=serial),
+      x_TxD, rows_TxK, w_TxK, bufs, None if dtypes is None else local)
 
 
 def host_experts(ctx, store: dict, dtypes: dict, moe_in, ids_K, gates_K, in_place=True):
@@ -152,10 +173,7 @@ def run_experts(ctx, mod, p, src: dict, h, moe_in, state, head, carried: tuple):
     state = dataclasses.replace(state, buffers=bufs)
   w = jnp.where(head.rows >= 0, dec.weights[0], 0.0)
   if ctx.ep is not None:           # each device its own slots' experts, then a psum
-    swiglu, serial = families.of(ctx.cfg).swiglu(ctx.cfg), bool(ctx.ep.clique)  # host devices
-    y = expert_parallel.routed_experts(
-        ctx.ep, lambda *a: experts_lib.apply_experts(*a, swiglu=swiglu, serial=serial),
-        moe_in.reshape(1, -1), head.rows, w, bufs)
+    y = parallel_experts(ctx, moe_in.reshape(1, -1), head.rows[None], w[None], bufs)
     x = mod.apply({"params": p}, h, moe_in, y.reshape(h.shape), method="add_routed")
   else:
     x = mod.apply({"params": p}, h, moe_in, jnp.maximum(head.rows, 0).reshape(1, 1, k),

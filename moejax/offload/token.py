@@ -116,8 +116,8 @@ def prefill(ctx: layer_lib.Ctx, dtype, max_len: int, params, layers, srcs, state
             length, decay_pow, scan: bool):
   """An exact prompt (the first `length` of tokens_P) of one stream -> (logits [V], carry,
   (experts made available [L, E] (-1 padded), evicted [L, E + P])).  Per MoE layer the prompt's experts are computed from the whole
-  layer on the device (the table, or a copy of the store's layer), then the missing ones
-  it used most are inserted (`prefill_step`)."""
+  layer on the device (the table, or a copy of the store's layer; expert-parallel: each
+  device its share), then the missing ones it used most are inserted (`prefill_step`)."""
   cfg, pol = ctx.cfg, ctx.policy.cache
   model = Transformer(cfg, dtype)
   k = cfg.top_k
@@ -133,21 +133,22 @@ def prefill(ctx: layer_lib.Ctx, dtype, max_len: int, params, layers, srcs, state
       return x, (cache, st, pending), None
     h, moe_in, logits, cache = _apply(mod, p, x, pos, cache, 0, method=layer_lib.attend_route)
     ids, gates, _ = routing.route(cfg, logits.reshape(plen, -1))   # [P, router_width]
-    if ctx.source == "table":
-      table = src["table"]
-    else:   # the layer's experts, on the device for this call only
-      table = src["store"]
-      if ctx.pinned:     # expert-parallel: to every device's own memory
-        table = sources.to_device(table, "local" if ctx.ep is not None else True)
-      table = {k: (jax.lax.bitcast_convert_type(v, st.buffers[k].dtype)
-                   if v.dtype != st.buffers[k].dtype else v) for k, v in table.items()}
-    x = _apply(mod, p, h, moe_in, ids.reshape(1, plen, k), gates.reshape(1, plen, k), table,
-               method="moe_residual")
+    if ctx.ep is not None:   # each device its share of the layer's experts, then a psum
+      y = sources.parallel_experts(ctx, moe_in.reshape(plen, -1), ids, gates, src["store"],
+                                   {n: b.dtype for n, b in st.buffers.items()})
+      x = _apply(mod, p, h, moe_in, y.reshape(h.shape), method="add_routed")
+    else:   # the table, or the layer's experts on the device for this call only
+      table = src["table"] if ctx.source == "table" else {
+          n: sources.as_dtype(sources.to_device(v, ctx.pinned), st.buffers[n].dtype)
+          for n, v in src["store"].items()}
+      x = _apply(mod, p, h, moe_in, ids.reshape(1, plen, k), gates.reshape(1, plen, k), table,
+                 method="moe_residual")
     st, copy_ids, copy_slots, evicted = prefill_step(pol, ctx.trim_to, st, ids, valid,
                                                      decay_pow)
-    if ctx.source == "slots":
+    if ctx.source == "slots":   # expert-parallel: each device from its replica of the store
       st = dataclasses.replace(st, buffers=sources.copy_into_slots(
-          ctx, st.buffers, table, copy_ids, copy_slots, pinned=False))
+          ctx, st.buffers, src["store"] if ctx.ep else table, copy_ids, copy_slots,
+          pinned=None if ctx.ep else False))
     return x, (cache, st, pending), (copy_ids, evicted)
 
   cache, _, pending = empty_carry(ctx, dtype, max_len, {}, scan)

@@ -171,6 +171,11 @@ def test_refine_sweeps_the_knob_between_its_neighbours():
 @pytest.mark.parametrize("args, says", [
     (["--policy=auto"], "--ppl_budget"),
     (["--policy=auto", "--tpot_budget_ms=20"], "--profile"),
+    (["--policy=auto", "--tpot_budget_ms=20", "--profile=nope"], "--profile: unknown"),
+    (["--policy=auto", "--tpot_budget_ms=20", "--profile=rtx3090x2"],
+     "--expert_devices=1: use --profile=rtx3090"),
+    (["--policy=auto", "--tpot_budget_ms=20", "--profile=rtx3090", "--expert_devices=2"],
+     "use --profile=rtx3090x2"),
     (["--policy=auto", "--ppl_budget=1", "--tau=0.1"], "--tau is chosen by --policy=auto"),
     (["--ppl_budget=1"], "--ppl_budget applies only with --policy")])
 def test_generate_auto_flags_are_one_line_usage_errors(args, says):

@@ -268,7 +268,8 @@ def main(_):
   sp = SamplingParams(FLAGS.temperature, FLAGS.top_p, FLAGS.max_new_tokens,
                       tuple(cfg.eos_token_ids))
   if FLAGS.policy is not None:
-    policy = (policy_flags.resolve_auto(cfg, params, store, tok, cache_fraction())
+    union = min(1.0, cache_fraction() * FLAGS.expert_devices)   # the devices' one cache
+    policy = (policy_flags.resolve_auto(cfg, params, store, tok, union)
               if FLAGS.policy == "auto" else policy_flags.named_policy())
     return generate_offloaded(cfg, params, store, tok, ids, sp, dtype, seq, policy)
   from moejax.model.sampler import Sampler

@@ -25,9 +25,17 @@ def check_auto_flags():
   for n in ("tau", "admission_beta", "eviction"):
     if cli.given(n):
       raise cli.UsageError(f"--{n} is chosen by --policy=auto; drop it, or name a policy")
-  if FLAGS.profile is not None and FLAGS.profile not in autotune.hardware.HARDWARE:
-    raise cli.UsageError(f"--profile: unknown {FLAGS.profile!r}; known: "
-                         f"{', '.join(autotune.hardware.HARDWARE)}")
+  if FLAGS.profile is not None:   # NAMExN: N expert-parallel GPUs, as --expert_devices=N
+    try:
+      hw = autotune.hardware.hardware(FLAGS.profile)
+    except autotune.hardware.ProfileError as e:
+      raise cli.UsageError(str(e).replace("--profiles:", "--profile:", 1)) from None
+    n = FLAGS.expert_devices
+    if hw.devices != n:
+      base = FLAGS.profile.rpartition("x")[0] if hw.devices > 1 else FLAGS.profile
+      raise cli.UsageError(f"--profile={FLAGS.profile} times {hw.devices} device(s) but the "
+                           f"engine runs on --expert_devices={n}: use --profile="
+                           f"{base + f'x{n}' if n > 1 else base}")
   try:
     return autotune.Budget(FLAGS.ppl_budget, FLAGS.tpot_budget_ms, FLAGS.profile)
   except autotune.AutoTuneError as e:
@@ -36,7 +44,8 @@ def check_auto_flags():
 
 def resolve_auto(cfg, params, store, tok, cache_fraction: float):
   """--policy=auto: the policy tuned on the quality study's streams (printing what it
-  chose and why, and the measured points), before the engine is built."""
+  chose and why, and the measured points), before the engine is built.  cache_fraction:
+  the union's (expert-parallel: N devices' slots are one cache)."""
   import tempfile
   from moejax.research import autotune, frontier
   budget = check_auto_flags()

@@ -222,12 +222,4 @@ ffi::Error HostExpertsImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<f
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MoejaxHostExperts, HostExpertsImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoejaxHostExperts, HostExpertsImpl, moejax::experts_binding());

@@ -224,16 +224,12 @@ ffi::Error ExpertFfn(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S3
   return ffi::Error::Success();
 }
 
+// kSerial: the moejax_expert_ffn_serial target (on the calling thread alone)
+template <bool kSerial>
 ffi::Error ExpertFfnImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> ids,
                          ffi::Buffer<ffi::F32> gates, ffi::AnyBuffer gate_up,
                          ffi::AnyBuffer down, ffi::Result<ffi::AnyBuffer> y) {
-  return ExpertFfn(pool, x, ids, gates, gate_up, down, y, false);
-}
-
-ffi::Error ExpertFfnSerialImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> ids,
-                               ffi::Buffer<ffi::F32> gates, ffi::AnyBuffer gate_up,
-                               ffi::AnyBuffer down, ffi::Result<ffi::AnyBuffer> y) {
-  return ExpertFfn(pool, x, ids, gates, gate_up, down, y, true);
+  return ExpertFfn(pool, x, ids, gates, gate_up, down, y, kSerial);
 }
 
 constexpr int64_t kLinearRows = 64;  // output rows per work item
@@ -314,22 +310,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoejaxLinear, LinearImpl,
                                   .RemainingArgs()
                                   .RemainingRets());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MoejaxExpertFfn, ExpertFfnImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MoejaxExpertFfnSerial, ExpertFfnSerialImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoejaxExpertFfn, ExpertFfnImpl<false>,
+                              moejax::experts_binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoejaxExpertFfnSerial, ExpertFfnImpl<true>,
+                              moejax::experts_binding());

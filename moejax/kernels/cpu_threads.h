@@ -128,4 +128,17 @@ inline void parallel_for(ffi::ThreadPool& pool, int64_t total, std::function<voi
   while (s->done.load(std::memory_order_acquire) < total) std::this_thread::yield();
 }
 
+// The binding of the expert kernels (cpu_kernel.cc's routed experts, cpu_host.cc's host
+// experts): XLA's intra-op pool; x, ids [S32], gates [F32], gate_up, down -> y.
+inline auto experts_binding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::AnyBuffer>()
+      .Ret<ffi::AnyBuffer>();
+}
+
 }  // namespace moejax

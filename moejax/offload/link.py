@@ -17,34 +17,8 @@ so the emulated bandwidth is chosen to give the same rho on this machine:
 
 Every reported time names its link (`Link.describe`).
 
-How the profiles' rho is derived (moejax.offload.hardware holds the numbers, for
-every MODEL@GPU pair of its tables; ``--link=scaled:GPU`` means Qwen3-30B-A3B):
-
-  Qwen3-30B-A3B (REFERENCE.md): hidden 2048, 32 query / 4 kv heads x 128,
-  128 experts, top-8, expert intermediate 768, bf16 (2 bytes per parameter).
-    expert bytes    = 3 * 2048 * 768 * 2                       =   9,437,184 B
-    attention bytes = (2048*4096 [q] + 2 * 2048*512 [k, v]
-                       + 4096*2048 [o]) * 2                     =  37,748,736 B
-    router bytes    = 128 * 2048 * 2                            =     524,288 B
-    norm bytes      = (2 * 2048 + 2 * 128) * 2                  =       8,704 B
-    active bytes per layer per token = attention + router + norms + 8 experts
-                    = 37,748,736 + 524,288 + 8,704 + 8 * 9,437,184
-                                                                = 113,779,200 B
-  Decode at batch 1 is memory-bound, so one layer's compute time is taken as
-  active bytes / GPU memory bandwidth (KV-cache reads, short context, and
-  kernel launch overheads are ignored: this is the roofline), and one expert's
-  transfer time as expert bytes / effective pinned host->device bandwidth:
-
-    RTX 3090 (936 GB/s), PCIe 4.0 x16 (~25 GB/s effective):
-      compute 113,779,200 / 936e9 = 121.56 us; transfer 9,437,184 / 25e9
-      = 377.49 us; rho = 3.105
-    H100 SXM (3.35 TB/s), PCIe 5.0 x16 (~50 GB/s effective):
-      compute 33.96 us; transfer 188.74 us; rho = 5.557
-    H200 (4.8 TB/s), PCIe 5.0 x16 (~50 GB/s effective):
-      compute 23.70 us; transfer 188.74 us; rho = 7.963
-
-  Link latency (a few us per DMA) is below 3% of these transfer times and is
-  not part of rho; a scaled link has zero latency.
+The profiles' rho (moejax.offload.hardware holds the numbers) is derived in
+docs/design.md, "Links".
 """
 
 from __future__ import annotations

@@ -144,6 +144,6 @@ def routed_experts(plan: Plan, experts_fn, x_TxD, rows_TxK, weights_TxK, buffers
     y = experts_fn(x, jnp.maximum(mine, 0), jnp.where(mine >= 0, w, 0.0), bufs)
     return (cpu_collective.all_reduce(y, AXIS, plan.devices, plan.clique) if plan.clique
             else jax.lax.psum(y, AXIS))
-  return jax.shard_map(fn, mesh=plan.mesh, in_specs=(P(), P(), P(), P(AXIS if local is None
-                                                                       else None)),
+  bufs_spec = P() if local is not None else P(AXIS)    # a replicated store, or the slots
+  return jax.shard_map(fn, mesh=plan.mesh, in_specs=(P(), P(), P(), bufs_spec),
                        out_specs=P(), check_vma=False)(x_TxD, rows_TxK, weights_TxK, buffers)

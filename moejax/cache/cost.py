@@ -63,7 +63,7 @@ class Slopes:
 
 # the demo model (ckpts/demo), 25% resident, the study's streams (4096 tokens): `fit_slopes`
 # of the emulator runs in docs/emulator.md ('Low precision and the cost model')
-DEMO_SLOPES = Slopes(sub=7.5, drop=9.7, low8=0.001, low4=0.39)
+DEMO_SLOPES = Slopes(sub=7.5, drop=9.7, low8=0.001, low4=0.25)
 
 
 @dataclasses.dataclass(frozen=True)

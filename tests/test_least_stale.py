@@ -1,4 +1,4 @@
-"""SpecMD's Least-Stale eviction (`policy.eviction_rank`, eviction="least_stale"): which
+"""SpecMD's Least-Stale eviction (`eviction.eviction_rank`, eviction="least_stale"): which
 slot it evicts, by hand and against a lexsort of its keys, and end to end through the
 one per-layer function (`layer.policy_step`, replayed by the simulator)."""
 
@@ -8,6 +8,7 @@ import chex
 import jax.numpy as jnp
 import numpy as np
 
+from moejax.cache import eviction as EV
 from moejax.cache import policy as P
 from moejax.cache import resident as R
 from moejax.model.config import ModelConfig
@@ -46,9 +47,9 @@ def test_ties_in_last_use_go_to_the_oldest_load_not_the_lowest_slot():
   st = state_with([0, 1, 2, 3], last=[4, 2, 2, 6, -1, -1, -1, -1],
                   loaded=[1, 2, 0, 5, -1, -1, -1, -1], step=6)
   none = jnp.zeros((4,), bool)
-  assert int(P.victim_slot(st, none, LRU)) == 1
-  assert int(P.victim_slot(st, none, LS)) == 2
-  order, usable = P.eviction_order(st, none, LS)
+  assert int(EV.victim_slot(st, none, LRU)) == 1
+  assert int(EV.victim_slot(st, none, LS)) == 2
+  order, usable = EV.eviction_order(st, none, LS)
   assert np.asarray(order).tolist() == [2, 1, 0, 3] and int(usable) == 4
 
 
@@ -57,15 +58,15 @@ def test_stale_goes_before_fresh_however_old_the_load():
   # e1 and e2 are stale: all three go before it
   st = state_with([0, 1, 2, 3], last=[4, 3, 5, 6, -1, -1, -1, -1],
                   loaded=[2, 3, 4, 0, -1, -1, -1, -1], step=6)
-  order, _ = P.eviction_order(st, jnp.zeros((4,), bool), LS)
+  order, _ = EV.eviction_order(st, jnp.zeros((4,), bool), LS)
   assert np.asarray(order).tolist() == [1, 0, 2, 3]
   # protected slots (the token's experts) stay last and are never overwritten
-  order, usable = P.eviction_order(st, jnp.asarray([True, True, False, False]), LS)
+  order, usable = EV.eviction_order(st, jnp.asarray([True, True, False, False]), LS)
   assert np.asarray(order).tolist()[:2] == [2, 3] and int(usable) == 2
   # empty slots first
   part = state_with([0, 1], slots=4, last=[0, 0, -1, -1, -1, -1, -1, -1],
                     loaded=[1, 0, -1, -1, -1, -1, -1, -1])
-  assert int(P.victim_slot(part, jnp.zeros((4,), bool), LS)) == 2
+  assert int(EV.victim_slot(part, jnp.zeros((4,), bool), LS)) == 2
 
 
 def test_order_is_the_lexicographic_order_of_its_keys():
@@ -77,7 +78,7 @@ def test_order_is_the_lexicographic_order_of_its_keys():
     st = state_with([int(e) for e in res], num_experts=num_e, slots=slots,
                     last=rng.integers(-1, 3, num_e), loaded=rng.integers(-1, 3, num_e))
     prot = rng.random(slots) < 0.3
-    order, usable = P.eviction_order(st, jnp.asarray(prot), LS)
+    order, usable = EV.eviction_order(st, jnp.asarray(prot), LS)
     se = np.asarray(st.slot_expert)
     empty = se < 0
     last = np.where(empty, -2, np.asarray(st.last_used)[np.maximum(se, 0)])

@@ -9,6 +9,7 @@ import pytest
 
 from moejax.model.config import ModelConfig
 from moejax.model.families.configs.glm import GlmConfig
+from moejax.cache import eviction as EV
 from moejax.cache import policy as P
 from moejax.cache import resident as R
 
@@ -165,15 +166,15 @@ def test_eviction_order_lru_and_lfu():
                            freq=jnp.asarray([1.0, 3.0, 0.5, 0.5, 0, 0, 0, 0], jnp.float32))
   none = jnp.zeros((4,), bool)
   lru, lfu = P.CacheParams(eviction="lru"), P.CacheParams(eviction="lfu")
-  assert int(P.victim_slot(st, none, lru)) == 1            # oldest use: e1 (t=2)
-  assert int(P.victim_slot(st, none, lfu)) == 3            # freq tie 0.5 (e2, e3): lru -> e3
+  assert int(EV.victim_slot(st, none, lru)) == 1            # oldest use: e1 (t=2)
+  assert int(EV.victim_slot(st, none, lfu)) == 3            # freq tie 0.5 (e2, e3): lru -> e3
   prot = jnp.asarray([False, True, False, True])
-  assert int(P.victim_slot(st, prot, lru)) == 0            # protected slots are never chosen
-  assert int(P.victim_slot(st, prot, lfu)) == 2
-  assert int(P.victim_slot(st, jnp.ones((4,), bool), lru)) == -1
+  assert int(EV.victim_slot(st, prot, lru)) == 0            # protected slots are never chosen
+  assert int(EV.victim_slot(st, prot, lfu)) == 2
+  assert int(EV.victim_slot(st, jnp.ones((4,), bool), lru)) == -1
   part = state_with([0, 1], slots=4)                        # empty slots come first
-  assert int(P.victim_slot(part, none, lru)) == 2
-  assert int(P.victim_slot(part, none, lfu)) == 2
+  assert int(EV.victim_slot(part, none, lru)) == 2
+  assert int(EV.victim_slot(part, none, lfu)) == 2
 
 
 def test_eviction_order_is_the_lexicographic_order_of_its_keys():
@@ -188,7 +189,7 @@ def test_eviction_order_is_the_lexicographic_order_of_its_keys():
                              freq=jnp.asarray(rng.integers(0, 3, num_e) * 0.5, jnp.float32))
     prot = rng.random(slots) < 0.3
     for ev in ("lru", "lfu"):
-      order, usable = P.eviction_order(st, jnp.asarray(prot), P.CacheParams(eviction=ev))
+      order, usable = EV.eviction_order(st, jnp.asarray(prot), P.CacheParams(eviction=ev))
       se = np.asarray(st.slot_expert)
       empty = se < 0
       last = np.where(empty, -2, np.asarray(st.last_used)[np.maximum(se, 0)])

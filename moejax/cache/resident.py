@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moejax.cache import eviction
 from moejax.cache import policy as policy_lib
 
 
@@ -186,7 +187,7 @@ def insert(state: ResidentState, ids_J: jax.Array, rows_J: dict, in_use_E: jax.A
   jittable.  rows_J holds one stacked array [>= J, ...] per buffer; None updates the
   metadata only (the engine's decode step copies rows itself: `sources.copy_rows`).
 
-  The j-th insertion overwrites the j-th slot of `policy.eviction_order` (empty
+  The j-th insertion overwrites the j-th slot of `eviction.eviction_order` (empty
   first, else per eviction policy): never the slot of an expert marked in
   `in_use_E` nor of one inserted earlier in this call.  Skips ids < 0, repeats
   and experts already resident, and insertions when every slot is protected.
@@ -205,7 +206,7 @@ def insert(state: ResidentState, ids_J: jax.Array, rows_J: dict, in_use_E: jax.A
   want = (ids >= 0) & (exp_s[ec] < 0) & first          # not resident, first occurrence
   rank = policy_lib.prefix_count(want) - 1
   protected = (slot_e >= 0) & in_use_E[jnp.maximum(slot_e, 0)]
-  order, usable = policy_lib.eviction_order(state, protected, params)
+  order, usable = eviction.eviction_order(state, protected, params)
   valid = want & (rank < usable)
   slot = order[jnp.clip(rank, 0, num_s - 1)]
   old = jnp.where(valid, slot_e[slot], -1)
@@ -244,7 +245,7 @@ def trim(state: ResidentState, budget_slots: int,
 
   Run after each token on a layer with staging slots (S < K): staging slots hold
   the token in flight only, so the resident set is back within the budget S.
-  The experts removed are the first of `policy.eviction_order` with nothing
+  The experts removed are the first of `eviction.eviction_order` with nothing
   protected (lru: oldest use; lfu: smallest decayed count; least_stale: oldest use,
   then oldest load; ties by lowest slot).
   Slot rows are not cleared (an empty slot's row is never read).  Returns
@@ -254,7 +255,7 @@ def trim(state: ResidentState, budget_slots: int,
   num_s = state.slot_expert.shape[0]
   slot_e = state.slot_expert
   excess = jnp.sum(slot_e >= 0) - budget_slots
-  rank, _ = policy_lib.eviction_rank(state, jnp.zeros((num_s,), bool), params)
+  rank, _ = eviction.eviction_rank(state, jnp.zeros((num_s,), bool), params)
   num_empty = jnp.sum(slot_e < 0)
   evict = (slot_e >= 0) & (rank >= num_empty) & (rank < num_empty + excess)
   old = jnp.where(evict, slot_e, -1)

@@ -1,5 +1,5 @@
-"""The row-wise CPU kernels (cpu_rows): RMSNorm, the softmax router rule and the bf16
-embedding lookup, each pinned by a hand-checked case, compared with XLA's ops (f32 and
+"""The row-wise CPU kernels (cpu_rows): RMSNorm, the softmax router rule, top-k and the
+bf16 embedding lookup, each pinned by a hand-checked case, compared with XLA's ops (f32 and
 bf16, odd widths, ties), under vmap and grad, and compiled to one custom call where XLA
 needs several thunks (or splits a tiny lookup over its thread pool)."""
 
@@ -177,3 +177,38 @@ def test_bf16_embedding_is_one_call_and_no_longer_split_over_the_pool():
   assert "outer_dimension_partitions" not in hlo
   x = m.apply({"params": params}, tok, method=model_lib.Transformer.embed)
   chex.assert_trees_all_equal(x, jnp.take(params["embed_tokens"]["embedding"], tok, axis=0))
+
+
+def test_top_k_hand_checked():
+  # values descending; ties to the lower index (1 before 3); -inf last, by index
+  x = jnp.array([[1.0, 5.0, -jnp.inf, 5.0, 2.0, -jnp.inf]])
+  vals, ids = jax.jit(lambda a: cpu_rows.top_k(a, 5))(x)
+  np.testing.assert_array_equal(np.asarray(ids), [[1, 3, 4, 0, 2]])
+  np.testing.assert_array_equal(np.asarray(vals), [[5.0, 5.0, 2.0, 1.0, -np.inf]])
+  assert _custom_calls(lambda a: cpu_rows.top_k(a, 5), x) == 1
+
+
+@pytest.mark.parametrize("k", [1, 8, 17, 128])
+def test_top_k_matches_lax_top_k_bits_with_ties_and_under_vmap(k):
+  rng = np.random.default_rng(k)
+  x = rng.integers(-3, 4, (4, 5, 128)).astype(np.float32)     # many ties
+  x[x == -3] = -np.inf
+  x[0, 0] = -np.inf                                             # a row with nothing left
+  want = jax.lax.top_k(x, k)
+  got = jax.jit(jax.vmap(jax.vmap(lambda a: cpu_rows.top_k(a, k))))(x)
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+  x = rng.standard_normal((3, 128)).astype(np.float32)
+  for g, w in zip(jax.jit(lambda a: cpu_rows.top_k(a, k))(x), jax.lax.top_k(x, k)):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+def test_first_k_is_the_first_set_positions():
+  from moejax.offload.layer import first_k
+  rng = np.random.default_rng(0)
+  m = rng.random((40, 128)) < 0.04
+  m[0], m[1] = False, True
+  got = np.asarray(jax.jit(jax.vmap(lambda a: first_k(a, 8)))(m))
+  for r in range(40):
+    want = list(np.nonzero(m[r])[0][:8])
+    assert list(got[r]) == want + [-1] * (8 - len(want)), r

@@ -58,6 +58,7 @@ import jax
 import jax.numpy as jnp
 
 from moejax.cache import cost as cost_lib
+from moejax.kernels import cpu_rows
 from moejax.model import routing
 from moejax.model.config import ModelConfig
 
@@ -305,7 +306,7 @@ def decide(router_logits_NxE: jax.Array, resident, params: DecideParams | Policy
     selected = jnp.any(ids[..., None] == jnp.arange(num_e), axis=-2)          # [N,E]
     cand_ok = (resident.expert_slot[None, :] >= 0) & ~selected
     cand_score = jnp.where(cand_ok, scores, -jnp.inf)
-    c_score, c_ids = jax.lax.top_k(cand_score, k)                  # [N,K]
+    c_score, c_ids = cpu_rows.top_k(cand_score, k)                 # [N,K]
     rank = prefix_count(rest) - 1                                  # misses in score order
     rank = jnp.clip(rank, 0, k - 1)
     got = pick(jnp.where(c_score > -jnp.inf, 1, 0), rank) > 0

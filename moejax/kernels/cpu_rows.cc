@@ -1,5 +1,5 @@
 // Row-wise ops of a decode step as one XLA CPU custom call each (through jax.ffi): an
-// RMSNorm, the softmax router rule (softmax, top-k, renormalisation), and a bf16
+// RMSNorm, the softmax router rule (softmax, top-k, renormalisation), a top-k, and a bf16
 // embedding lookup (take_rows). XLA's CPU
 // emitters do not fuse a reduction with its elementwise consumers, so each of them
 // compiles to 3-6 thunks, each with a fixed cost of a microsecond or so; a decode step of a
@@ -112,6 +112,38 @@ ffi::Error RouteSoftmaxImpl(ffi::Buffer<ffi::F32> logits, int64_t renorm,
   return ffi::Error::Success();
 }
 
+// Per row of x [R, E]: the K largest values in descending order and their indices, ties
+// to the lower index (jax.lax.top_k's order), by insertion into a sorted list of K (about
+// E compares a row; XLA CPU's TopK sorts a copy of each row). The callers' inputs are
+// router scores or -inf, never NaN (XLA orders NaN above +inf; this kernel does not).
+ffi::Error TopKImpl(ffi::Buffer<ffi::F32> x, ffi::Result<ffi::Buffer<ffi::F32>> vals,
+                    ffi::Result<ffi::Buffer<ffi::S32>> idx) {
+  auto xd = x.dimensions(), vd = vals->dimensions();
+  if (xd.size() != 2 || vd.size() != 2 || vd[0] != xd[0] || vd[1] > xd[1] || vd[1] < 1 ||
+      idx->element_count() != vals->element_count())
+    return ffi::Error::InvalidArgument(
+        "moejax_top_k: expected x [R,E], values and indices [R,K] with 1 <= K <= E");
+  const int64_t rows = xd[0], e = xd[1], k = vd[1];
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x.typed_data() + r * e;
+    float* v = vals->typed_data() + r * k;
+    int32_t* ix = idx->typed_data() + r * k;
+    int64_t n = 0;
+    for (int64_t j = 0; j < e; ++j) {
+      const float a = xr[j];
+      if (n == k && !(a > v[k - 1])) continue;      // an equal value keeps the lower index
+      int64_t p = n < k ? n++ : k - 1;
+      for (; p > 0 && a > v[p - 1]; --p) {
+        v[p] = v[p - 1];
+        ix[p] = ix[p - 1];
+      }
+      v[p] = a;
+      ix[p] = static_cast<int32_t>(j);
+    }
+  }
+  return ffi::Error::Success();
+}
+
 // rows[n] = table[ids[n]] for a bf16 table [V, D], with jnp.take's default semantics: a
 // negative id counts from the end, and an id still out of [0, V) gives a row of NaN.
 // XLA fuses the same gather with the bitcast that reads bf16 as uint16 (or with a convert
@@ -152,6 +184,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoejaxRmsNorm, RmsNormImpl,
                                   .Arg<ffi::AnyBuffer>()
                                   .Attr<float>("eps")
                                   .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoejaxTopK, TopKImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoejaxRouteSoftmax, RouteSoftmaxImpl,
                               ffi::Ffi::Bind()

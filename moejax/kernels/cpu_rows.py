@@ -1,11 +1,12 @@
-"""An RMSNorm, the softmax router rule and the bf16 embedding lookup as one CPU custom
-call each (``cpu_rows.cc``, built and registered with the expert kernel by ``cpu_kernel``).
+"""An RMSNorm, the softmax router rule, a top-k and the bf16 embedding lookup as one CPU
+custom call each (``cpu_rows.cc``, built and registered with the expert kernel by
+``cpu_kernel``).
 
 XLA's CPU backend compiles an RMSNorm to 3-4 thunks and softmax + top-k + renormalisation
 to about 6, each with a fixed cost of about a microsecond; on a small model that is a
 tenth of a decode step (docs/notes/cpu_speed.md, "Row-wise kernels"); XLA splits the bf16 lookup
-over its thread pool. Each function here takes an ``xla_fn`` with the same meaning: other
-platforms compile it, and the backward pass differentiates it (``custom_vjp``), so
+over its thread pool. Each function here takes an ``xla_fn`` with the same meaning (for
+``top_k`` it is ``jax.lax.top_k``): other platforms compile it, and the backward pass differentiates it (``custom_vjp``), so
 training is unchanged. Results agree with XLA's to
 float rounding (``tests/test_cpu_rows.py``). Under ``vmap`` the batch is folded into the
 rows of one call.
@@ -87,6 +88,31 @@ def route_softmax(logits_NxE, k: int, renorm: bool, xla_fn):
   ids, gates, scores = _kernel_or_xla(_route_caller(int(k), bool(renorm)), xla_fn,
                                       logits_NxE.reshape(-1, e))
   return ids.reshape(*lead, -1), gates.reshape(*lead, -1), scores.reshape(*lead, e)
+
+
+def _top_k_call(x_RxE, *, k: int):
+  r = x_RxE.shape[0]
+  return jax.ffi.ffi_call(cpu_kernel.TOP_K_TARGET, (
+      jax.ShapeDtypeStruct((r, k), jnp.float32), jax.ShapeDtypeStruct((r, k), jnp.int32)))(x_RxE)
+
+
+@functools.lru_cache(maxsize=None)
+def _top_k_caller(k: int):
+  return (cpu_kernel.rows_vmap(functools.partial(_top_k_call, k=k), 1),
+          lambda x: tuple(jax.lax.top_k(x, k)))
+
+
+def top_k(x, k: int):
+  """`jax.lax.top_k(x, k)` of f32 x [..., E] (values descending, ties to the lower index),
+  as the kernel on CPU: XLA CPU's TopK was 18% of a simulator sweep (docs/simulator.md).
+  For inputs without NaN (scores, or -inf for what is left out)."""
+  if jnp.dtype(x.dtype) != jnp.float32 or not cpu_kernel.available():
+    return jax.lax.top_k(x, k)
+  lead, e = x.shape[:-1], x.shape[-1]
+  if not 1 <= k <= e:
+    return jax.lax.top_k(x, k)        # its own error message
+  vals, ids = _kernel_or_xla(*_top_k_caller(int(k)), x.reshape(-1, e))
+  return vals.reshape(*lead, k), ids.reshape(*lead, k)
 
 
 def _take_call(ids_N, table_VxD):

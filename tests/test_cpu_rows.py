@@ -1,7 +1,8 @@
-"""The row-wise CPU kernels (cpu_rows): RMSNorm, the softmax router rule, top-k and the
-bf16 embedding lookup, each pinned by a hand-checked case, compared with XLA's ops (f32 and
-bf16, odd widths, ties), under vmap and grad, and compiled to one custom call where XLA
-needs several thunks (or splits a tiny lookup over its thread pool)."""
+"""The row-wise CPU kernels (cpu_rows): RMSNorm, the softmax router rule, top-k, a
+weighted bincount and the bf16 embedding lookup, each pinned by a hand-checked case,
+compared with XLA's ops (f32 and bf16, odd widths, ties), under vmap and grad, and
+compiled to one custom call where XLA needs several thunks (or splits a tiny lookup over
+its thread pool)."""
 
 import chex
 import jax
@@ -212,3 +213,17 @@ def test_first_k_is_the_first_set_positions():
   for r in range(40):
     want = list(np.nonzero(m[r])[0][:8])
     assert list(got[r]) == want + [-1] * (8 - len(want)), r
+
+
+def test_bin_sum_hand_checked_and_matches_the_one_hot_sum():
+  ids = jnp.array([[2, 0, 2, -1, 5]], jnp.int32)      # -1 and 5 (>= bins) add nothing
+  w = jnp.array([[0.5, 1.0, 0.25, 9.0, 9.0]])
+  got = jax.jit(lambda i, x: cpu_rows.bin_sum(i, x, 4))(ids, w)
+  np.testing.assert_array_equal(np.asarray(got), [[1.0, 0.0, 0.75, 0.0]])
+  assert _custom_calls(lambda i, x: cpu_rows.bin_sum(i, x, 4), ids, w) == 1
+  rng = np.random.default_rng(0)
+  ids = rng.permuted(np.tile(np.arange(128), (3, 5, 1)), axis=-1)[..., :8].astype(np.int32)
+  w = rng.random((3, 5, 8)).astype(np.float32)
+  want = jnp.sum(jnp.where(ids[..., :, None] == jnp.arange(128), w[..., :, None], 0.0), axis=-2)
+  got = jax.jit(jax.vmap(jax.vmap(lambda i, x: cpu_rows.bin_sum(i, x, 128))))(ids, w)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))   # distinct ids: exact

@@ -323,9 +323,8 @@ def decide(router_logits_NxE: jax.Array, resident, params: DecideParams | Policy
   admit = jnp.zeros((num_e,), bool)
   if params.admission_beta is not None:     # served elsewhere or in low precision
     low_hit = is_res & resident.low[ids]
-    w = jnp.where(served_elsewhere | low | low_hit, share, 0.0).reshape(-1, 1)
-    add = jnp.sum(jnp.where(ids.reshape(-1, 1) == jnp.arange(num_e), w, 0.0), axis=0)
-    acc = acc + add
+    w = jnp.where(served_elsewhere | low | low_hit, share, 0.0)
+    acc = acc + cpu_rows.bin_sum(ids.reshape(1, -1), w.reshape(1, -1), num_e)[0]
     admit = acc >= params.admission_beta
     acc = jnp.where(admit, 0.0, acc)
   return Decision(ids=ids, gates=gates, share=share, action=action, sub_ids=sub_ids,

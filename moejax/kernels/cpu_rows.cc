@@ -144,6 +144,28 @@ ffi::Error TopKImpl(ffi::Buffer<ffi::F32> x, ffi::Result<ffi::Buffer<ffi::F32>> 
   return ffi::Error::Success();
 }
 
+// Per row: out[r, ids[r, k]] += w[r, k] over k in order, from 0 (ids outside [0, E) add
+// nothing): a weighted bincount into E bins, where XLA CPU materialises the [K, E] one-hot
+// and reduces it over its first axis (11% of a simulator sweep).
+ffi::Error BinSumImpl(ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::F32> w,
+                      ffi::Result<ffi::Buffer<ffi::F32>> out) {
+  auto id = ids.dimensions(), od = out->dimensions();
+  if (id.size() != 2 || od.size() != 2 || od[0] != id[0] ||
+      w.element_count() != ids.element_count())
+    return ffi::Error::InvalidArgument(
+        "moejax_bin_sum: expected ids and weights [R,K] and out [R,E]");
+  const int64_t rows = id[0], k = id[1], e = od[1];
+  for (int64_t r = 0; r < rows; ++r) {
+    float* o = out->typed_data() + r * e;
+    std::fill(o, o + e, 0.0f);
+    const int32_t* ir = ids.typed_data() + r * k;
+    const float* wr = w.typed_data() + r * k;
+    for (int64_t j = 0; j < k; ++j)
+      if (ir[j] >= 0 && ir[j] < e) o[ir[j]] += wr[j];
+  }
+  return ffi::Error::Success();
+}
+
 // rows[n] = table[ids[n]] for a bf16 table [V, D], with jnp.take's default semantics: a
 // negative id counts from the end, and an id still out of [0, V) gives a row of NaN.
 // XLA fuses the same gather with the bitcast that reads bf16 as uint16 (or with a convert
@@ -184,6 +206,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoejaxRmsNorm, RmsNormImpl,
                                   .Arg<ffi::AnyBuffer>()
                                   .Attr<float>("eps")
                                   .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoejaxBinSum, BinSumImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoejaxTopK, TopKImpl,
                               ffi::Ffi::Bind()

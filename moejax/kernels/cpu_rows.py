@@ -1,15 +1,15 @@
-"""An RMSNorm, the softmax router rule, a top-k and the bf16 embedding lookup as one CPU
-custom call each (``cpu_rows.cc``, built and registered with the expert kernel by
-``cpu_kernel``).
+"""An RMSNorm, the softmax router rule, a top-k, a weighted bincount and the bf16
+embedding lookup as one CPU custom call each (``cpu_rows.cc``, built and registered with
+the expert kernel by ``cpu_kernel``).
 
 XLA's CPU backend compiles an RMSNorm to 3-4 thunks and softmax + top-k + renormalisation
 to about 6, each with a fixed cost of about a microsecond; on a small model that is a
-tenth of a decode step (docs/notes/cpu_speed.md, "Row-wise kernels"); XLA splits the bf16 lookup
-over its thread pool. Each function here takes an ``xla_fn`` with the same meaning (for
-``top_k`` it is ``jax.lax.top_k``): other platforms compile it, and the backward pass differentiates it (``custom_vjp``), so
-training is unchanged. Results agree with XLA's to
-float rounding (``tests/test_cpu_rows.py``). Under ``vmap`` the batch is folded into the
-rows of one call.
+tenth of a decode step (docs/notes/cpu_speed.md, "Row-wise kernels"); XLA splits the bf16
+lookup over its thread pool. Each function here has an XLA form with the same meaning (an
+``xla_fn`` argument, or ``jax.lax.top_k`` and a one-hot sum): other platforms compile it,
+and the backward pass differentiates it (``custom_vjp``), so training is unchanged.
+Results agree with XLA's to float rounding (``tests/test_cpu_rows.py``). Under ``vmap``
+the batch is folded into the rows of one call.
 """
 
 from __future__ import annotations
@@ -113,6 +113,36 @@ def top_k(x, k: int):
     return jax.lax.top_k(x, k)        # its own error message
   vals, ids = _kernel_or_xla(*_top_k_caller(int(k)), x.reshape(-1, e))
   return vals.reshape(*lead, k), ids.reshape(*lead, k)
+
+
+def _bin_sum_call(ids_RxK, w_RxK, *, bins: int):
+  return jax.ffi.ffi_call(cpu_kernel.BIN_SUM_TARGET,
+                          jax.ShapeDtypeStruct((ids_RxK.shape[0], bins), jnp.float32))(
+                              ids_RxK, w_RxK)
+
+
+def _bin_sum_xla(ids, w, bins: int):
+  return jnp.sum(jnp.where(ids[..., :, None] == jnp.arange(bins), w[..., :, None], 0.0),
+                 axis=-2)
+
+
+@functools.lru_cache(maxsize=None)
+def _bin_sum_caller(bins: int):
+  return (cpu_kernel.rows_vmap(functools.partial(_bin_sum_call, bins=bins), 2),
+          functools.partial(_bin_sum_xla, bins=bins))
+
+
+def bin_sum(ids, w, bins: int):
+  """out[..., e] = the sum of w[..., k] over the k with ids[..., k] == e (ids outside [0,
+  bins) add nothing), added in k order: a weighted bincount of int ids [..., K] and f32 w
+  [..., K] into `bins`, as the kernel on CPU (XLA CPU builds the [K, bins] one-hot and
+  reduces it, docs/simulator.md)."""
+  ids, w = ids.astype(jnp.int32), jnp.asarray(w, jnp.float32)
+  if not cpu_kernel.available():
+    return _bin_sum_xla(ids, w, bins)
+  lead, k = ids.shape[:-1], ids.shape[-1]
+  out = _kernel_or_xla(*_bin_sum_caller(int(bins)), ids.reshape(-1, k), w.reshape(-1, k))
+  return out.reshape(*lead, bins)
 
 
 def _take_call(ids_N, table_VxD):

@@ -41,7 +41,7 @@ import numpy as np
 
 BITS = (8, 4)
 GROUPS = (32, 64)
-_QMAX = {8: 127, 4: 7}
+_INT8_QMAX = 127
 _BF16 = ml_dtypes.bfloat16
 
 
@@ -84,12 +84,12 @@ def _codes(wg, s, bits: int):
 def _int4_scales(wg):
   """Per group of wg [..., G]: the bfloat16 scale of least squared error (docstring)."""
   amax = np.max(np.abs(wg), axis=-1)
-  best, best_s = None, None
-  for d in (7.0,) + INT4_DIVISORS:             # the plain rule first: it wins the ties
+  sse = lambda s: np.sum(np.square(_codes(wg, s, 4) * s.astype(np.float32)[..., None] - wg), -1)
+  best_s = _scale_up(amax, 7)                  # the plain rule first: it wins the ties
+  best = sse(best_s)
+  for d in INT4_DIVISORS:
     s = _scale_up(amax, d)
-    err = np.sum(np.square(_codes(wg, s, 4) * s.astype(np.float32)[..., None] - wg), -1)
-    if best is None:
-      best, best_s = err, s
+    err = sse(s)
     better = err < best
     best, best_s = np.where(better, err, best), np.where(better, s, best_s)
   return best_s
@@ -101,7 +101,7 @@ def quantize(w, bits: int, group: int = 32):
   c = w.shape[-1]
   g = c if bits == 8 else group
   wg = w.reshape(w.shape[:-1] + (c // g, g))
-  s = _scale_up(np.max(np.abs(wg), axis=-1), _QMAX[8]) if bits == 8 else _int4_scales(wg)
+  s = _scale_up(np.max(np.abs(wg), axis=-1), _INT8_QMAX) if bits == 8 else _int4_scales(wg)
   q = _codes(wg, s, bits).astype(np.int8).reshape(w.shape)
   if bits == 4:
     u = (q + 8).astype(np.uint8)

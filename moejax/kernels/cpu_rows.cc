@@ -1,15 +1,14 @@
 // Row-wise ops of a decode step as one XLA CPU custom call each (through jax.ffi): an
-// RMSNorm, the softmax router rule (softmax, top-k, renormalisation), a top-k, and a bf16
-// embedding lookup (take_rows). XLA's CPU
+// RMSNorm, the softmax router rule (softmax, top-k, renormalisation), a top-k, a weighted
+// bincount and a bf16 embedding lookup (take_rows). XLA's CPU
 // emitters do not fuse a reduction with its elementwise consumers, so each of them
 // compiles to 3-6 thunks, each with a fixed cost of a microsecond or so; a decode step of a
-// small model has hundreds (docs/speed.md). Both run on the calling thread: a decode
+// small model has hundreds (docs/speed.md). All run on the calling thread: a decode
 // step's rows are a few hundred floats.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <numeric>
 #include <vector>
 
 #include "cpu_bf16.h"
@@ -68,6 +67,25 @@ ffi::Error RmsNormImpl(ffi::AnyBuffer x, ffi::AnyBuffer w, float eps,
   return ffi::Error::Success();
 }
 
+// The K largest of x[0..E) in descending order with their indices, ties to the lower index
+// (jax.lax.top_k's order), by insertion into a sorted list of K: about E compares, where
+// XLA CPU's TopK sorts a copy of the row. Inputs are router scores or -inf, never NaN
+// (XLA orders NaN above +inf; this does not).
+void top_k_row(const float* x, int64_t e, int64_t k, float* v, int32_t* ix) {
+  int64_t n = 0;
+  for (int64_t j = 0; j < e && k > 0; ++j) {
+    const float a = x[j];
+    if (n == k && !(a > v[k - 1])) continue;      // an equal value keeps the lower index
+    int64_t p = n < k ? n++ : k - 1;
+    for (; p > 0 && a > v[p - 1]; --p) {
+      v[p] = v[p - 1];
+      ix[p] = ix[p - 1];
+    }
+    v[p] = a;
+    ix[p] = static_cast<int32_t>(j);
+  }
+}
+
 // Per row of logits [R, E]: scores = softmax(logits); ids = the K highest scores, in
 // descending order, ties to the lower index (jax.lax.top_k's order); gates = their scores,
 // divided by their sum when `renorm`.
@@ -82,7 +100,6 @@ ffi::Error RouteSoftmaxImpl(ffi::Buffer<ffi::F32> logits, int64_t renorm,
     return ffi::Error::InvalidArgument(
         "moejax_route_softmax: expected logits [R,E], ids and gates [R,K], scores [R,E]");
   const int64_t rows = ld[0], e = ld[1], k = id[1];
-  std::vector<int32_t> order(e);
   for (int64_t r = 0; r < rows; ++r) {
     const float* l = logits.typed_data() + r * e;
     float* s = scores->typed_data() + r * e;
@@ -94,28 +111,18 @@ ffi::Error RouteSoftmaxImpl(ffi::Buffer<ffi::F32> logits, int64_t renorm,
       sum += s[j];
     }
     for (int64_t j = 0; j < e; ++j) s[j] /= sum;
-    std::iota(order.begin(), order.end(), 0);
-    std::partial_sort(order.begin(), order.begin() + k, order.end(), [s](int32_t a, int32_t b) {
-      return s[a] > s[b] || (s[a] == s[b] && a < b);
-    });
     int32_t* ir = ids->typed_data() + r * k;
     float* gr = gates->typed_data() + r * k;
+    top_k_row(s, e, k, gr, ir);
     float top = 0.0f;
-    for (int64_t j = 0; j < k; ++j) {
-      ir[j] = order[j];
-      gr[j] = s[order[j]];
-      top += gr[j];
-    }
+    for (int64_t j = 0; j < k; ++j) top += gr[j];
     if (renorm)
       for (int64_t j = 0; j < k; ++j) gr[j] /= top;
   }
   return ffi::Error::Success();
 }
 
-// Per row of x [R, E]: the K largest values in descending order and their indices, ties
-// to the lower index (jax.lax.top_k's order), by insertion into a sorted list of K (about
-// E compares a row; XLA CPU's TopK sorts a copy of each row). The callers' inputs are
-// router scores or -inf, never NaN (XLA orders NaN above +inf; this kernel does not).
+// Per row of x [R, E]: `top_k_row` (values and indices, as jax.lax.top_k).
 ffi::Error TopKImpl(ffi::Buffer<ffi::F32> x, ffi::Result<ffi::Buffer<ffi::F32>> vals,
                     ffi::Result<ffi::Buffer<ffi::S32>> idx) {
   auto xd = x.dimensions(), vd = vals->dimensions();
@@ -124,23 +131,9 @@ ffi::Error TopKImpl(ffi::Buffer<ffi::F32> x, ffi::Result<ffi::Buffer<ffi::F32>> 
     return ffi::Error::InvalidArgument(
         "moejax_top_k: expected x [R,E], values and indices [R,K] with 1 <= K <= E");
   const int64_t rows = xd[0], e = xd[1], k = vd[1];
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* xr = x.typed_data() + r * e;
-    float* v = vals->typed_data() + r * k;
-    int32_t* ix = idx->typed_data() + r * k;
-    int64_t n = 0;
-    for (int64_t j = 0; j < e; ++j) {
-      const float a = xr[j];
-      if (n == k && !(a > v[k - 1])) continue;      // an equal value keeps the lower index
-      int64_t p = n < k ? n++ : k - 1;
-      for (; p > 0 && a > v[p - 1]; --p) {
-        v[p] = v[p - 1];
-        ix[p] = ix[p - 1];
-      }
-      v[p] = a;
-      ix[p] = static_cast<int32_t>(j);
-    }
-  }
+  for (int64_t r = 0; r < rows; ++r)
+    top_k_row(x.typed_data() + r * e, e, k, vals->typed_data() + r * k,
+              idx->typed_data() + r * k);
   return ffi::Error::Success();
 }
 

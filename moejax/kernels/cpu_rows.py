@@ -106,11 +106,9 @@ def top_k(x, k: int):
   """`jax.lax.top_k(x, k)` of f32 x [..., E] (values descending, ties to the lower index),
   as the kernel on CPU: XLA CPU's TopK was 18% of a simulator sweep (docs/simulator.md).
   For inputs without NaN (scores, or -inf for what is left out)."""
-  if jnp.dtype(x.dtype) != jnp.float32 or not cpu_kernel.available():
-    return jax.lax.top_k(x, k)
   lead, e = x.shape[:-1], x.shape[-1]
-  if not 1 <= k <= e:
-    return jax.lax.top_k(x, k)        # its own error message
+  if jnp.dtype(x.dtype) != jnp.float32 or not 1 <= k <= e or not cpu_kernel.available():
+    return jax.lax.top_k(x, k)        # (a bad k: its own error message)
   vals, ids = _kernel_or_xla(*_top_k_caller(int(k)), x.reshape(-1, e))
   return vals.reshape(*lead, k), ids.reshape(*lead, k)
 

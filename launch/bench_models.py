@@ -3,6 +3,11 @@
   bench   Qwen3-MoE, 8 layers, hidden 512, 8 q / 4 kv heads x 64, 64 experts of 256,
           top-8, vocab 32000, random weights (seed 0), saved to a HF folder on request
   demo    the demo checkpoint (ckpts/demo), converted to the requested dtype
+  wide    Qwen3-30B-A3B's layer width (hidden 2048, 32 q / 4 kv heads x 128, 128 experts
+          of 768, top-8, norm_topk_prob), 4 layers by default, vocab 8192, random bf16
+          weights (std 0.02; routers std 0.5, so routing is skewed as a trained model's),
+          stored per expert as the published checkpoints are, in 5 safetensors shards:
+          `save_wide` writes it once (5.05 GB at 4 layers, 30 GB at 24)
 """
 
 from __future__ import annotations
@@ -18,7 +23,8 @@ from moejax.io.loader import init_random, load_model, save_hf
 from moejax.io.store import ExpertStore
 
 DEMO_DIR = "ckpts/demo"
-NAMES = ("bench_f32", "bench_bf16", "demo_f32", "demo_bf16")
+NAMES = ("bench_f32", "bench_bf16", "demo_f32", "demo_bf16", "wide_bf16")
+WIDE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "moejax", "models")
 
 
 def run_all(res: dict, names, bench_model, out: str, table) -> dict:
@@ -78,4 +84,90 @@ def save_bench(out_dir: str, demo_dir: str = DEMO_DIR) -> str:
     tok = os.path.join(demo_dir, "tokenizer.json")
     save_hf(cfg, params, exps, out_dir, layout="per_expert",
             tokenizer_json=tok if os.path.exists(tok) else None)
+  return out_dir
+
+
+def wide_config(layers: int = 4) -> ModelConfig:
+  """Qwen3-30B-A3B's layer width with `layers` layers and a vocabulary of 8192."""
+  return ModelConfig(model_type="qwen3_moe", vocab_size=8192, hidden_size=2048,
+                     num_layers=layers, num_heads=32, num_kv_heads=4, head_dim=128,
+                     num_experts=128, top_k=8, moe_intermediate_size=768,
+                     intermediate_size=6144, sparse_layers=(True,) * layers, qk_norm="head",
+                     norm_topk_prob=True, rope_theta=1e6, max_position_embeddings=4096,
+                     bos_token_id=None).validate()
+
+
+def wide_dir(layers: int = 4, root: str = WIDE_DIR) -> str:
+  return os.path.join(root, f"wide_bf16_{layers}L")
+
+
+def save_wide(out_dir: str, layers: int = 4, shards: int = 5, seed: int = 0,
+              demo_dir: str = DEMO_DIR, progress: bool | None = None) -> str:
+  """Writes the wide model (module docstring) to `out_dir` once, streaming: one expert's
+  tensors in memory at a time.  Shard 1 holds the dense tensors, shards 2.. the experts
+  of consecutive layers.  Refuses before writing when the disk lacks the space."""
+  import shutil
+  import sys
+  import ml_dtypes
+  import numpy as np
+  from tqdm import tqdm
+  from moejax.io.loader import abstract_params
+  from moejax.io.safetensors_io import write_streamed
+  if os.path.exists(os.path.join(out_dir, "model.safetensors.index.json")):
+    return out_dir
+  cfg = wide_config(layers)
+  bf16 = np.dtype(ml_dtypes.bfloat16)
+  dense = []
+  for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_params(cfg, jnp.bfloat16))[0]:
+    p = [k.key for k in path]
+    name = ("model.embed_tokens.weight" if p == ["embed_tokens", "embedding"] else
+            "lm_head.weight" if p[0] == "lm_head" else
+            "model." + ".".join(p).replace("layers_", "layers."))
+    dense.append((name, bf16, tuple(leaf.shape)))
+  i_, d_ = cfg.moe_intermediate_size, cfg.hidden_size
+  shapes = {"gate_proj": (i_, d_), "up_proj": (i_, d_), "down_proj": (d_, i_)}
+  groups = np.array_split(np.arange(layers), max(1, min(shards - 1, layers)))
+  files = [[(n, dt, s) for n, dt, s in dense]]
+  for g in groups:
+    files.append([(f"model.layers.{l}.mlp.experts.{e}.{w}.weight", bf16, shapes[w])
+                  for l in g for e in range(cfg.num_experts) for w in shapes])
+  total = sum(int(np.prod(s)) * 2 for f in files for _, _, s in f)
+  os.makedirs(out_dir, exist_ok=True)
+  free = shutil.disk_usage(out_dir).free
+  if free < total * 1.02:
+    raise OSError(f"{out_dir}: the wide model needs {total / 1e9:.2f} GB, the disk has "
+                  f"{free / 1e9:.2f} GB free")
+  rng = np.random.default_rng(seed)
+
+  def chunks(name):
+    shape = next(s for f in files for n, _, s in f if n == name)
+    std = (0.0 if name.endswith("norm.weight") else
+           0.5 if name.endswith("mlp.gate.weight") else 0.02)
+    if std == 0.0:
+      yield np.ones(shape, bf16)
+      return
+    rows = max(1, (1 << 22) // int(np.prod(shape[1:])))   # ~4M values at a time
+    for r in range(0, shape[0], rows):
+      n = min(rows, shape[0] - r)
+      yield (rng.standard_normal((n,) + shape[1:], dtype=np.float32) * std).astype(bf16)
+
+  bar = tqdm(total=total, desc=f"writing {out_dir}", unit="B", unit_scale=True,
+             unit_divisor=1000, file=sys.stderr,
+             disable=not (sys.stderr.isatty() if progress is None else progress))
+  weight_map = {}
+  for k, specs in enumerate(files):
+    fname = f"model-{k + 1:05d}-of-{len(files):05d}.safetensors"
+    write_streamed(os.path.join(out_dir, fname), specs, chunks, {"format": "pt"},
+                   on_bytes=bar.update)
+    weight_map.update({n: fname for n, _, _ in specs})
+  bar.close()
+  hf = cfg.to_hf_dict()
+  hf["torch_dtype"] = "bfloat16"
+  with open(os.path.join(out_dir, "config.json"), "w") as f:
+    json.dump(hf, f, indent=2)
+  tok = os.path.join(demo_dir, "tokenizer.json")
+  if os.path.exists(tok):
+    shutil.copy(tok, os.path.join(out_dir, "tokenizer.json"))
+  with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:   # last: done
+    json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
   return out_dir

@@ -27,10 +27,21 @@ def test_plan_by_hand():
                + 4 + 4 + 8 + 8              # q/k norms, the two layer norms
                + 8 * 8)                     # router [E, D]
   assert p.dense_bytes == 4 * (2 * 16 * 8 + 2 * per_layer + 8)   # embed + head, final norm
-  assert p.prefill_bytes == 8 * 384
+  assert p.prefill_bytes == 0                               # CPU: the store read in place
+  gpu = memory.plan_memory(tiny(), jnp.float32, cache_fraction=0.25, kv_len=10, platform="gpu")
+  assert gpu.prefill_bytes == 8 * 384                       # one layer, for the prompt pass
   assert p.host_bytes == 2 * 8 * 384
   assert p.device_bytes == p.dense_bytes + p.expert_cache_bytes + p.kv_bytes + p.prefill_bytes
-  assert memory.plan_memory(tiny(), jnp.float32, store="mmap", kv_len=10).host_bytes == 0
+  # the tiers: on the CPU the device's bytes are anonymous RAM beside the numpy store
+  assert p.anon_bytes == p.host_bytes + p.device_bytes and p.page_cache_bytes == 0
+  assert gpu.anon_bytes == gpu.host_bytes
+  mm = memory.plan_memory(tiny(), jnp.float32, store="mmap", kv_len=10)
+  assert mm.host_bytes == 0 and mm.page_cache_bytes == 2 * 8 * 384
+  assert mm.anon_bytes == mm.device_bytes
+  assert any(line.startswith("page cache") for line in mm.lines())
+  # no policy on the CPU: the experts are read where the store holds them (counted once)
+  res = memory.plan_memory(tiny(), jnp.float32, store="mmap", offload=False, kv_len=10)
+  assert res.anon_bytes == res.dense_bytes + res.kv_bytes
   # K = 2 > S = 1: one staging slot
   assert memory.plan_memory(tiny(), jnp.float32, cache_fraction=0.125, kv_len=10).cache_slots == 3
   # no policy: every expert on the device

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from moejax.model.config import ModelConfig
+from moejax.io import repack
 from moejax.io.loader import init_random, load_model, save_hf
 from moejax.offload import transfer
 from moejax.offload.engine import OffloadEngine
@@ -60,9 +61,14 @@ def test_mmap_checkpoint_in_another_dtype_stays_on_disk(model):
   _, dirs = model
   _, _, ram = load_model(dirs["fused_bf16"])  # bf16 file read as f32 into RAM
   _, _, mm = load_model(dirs["fused_bf16"], mmap=True)
-  assert all(mm.layers[i].stacked is None for i in mm.moe_layers)  # converted per expert
-  assert mm.get(2, 4)["gate_up"].dtype == np.float32
+  # repacked once into a stacked f32 file in the cache folder, mapped, not read into RAM
+  for i in mm.moe_layers:
+    for v in mm.stacked(i).values():
+      assert isinstance(v, np.memmap) and v.dtype == np.float32 and repack.aligned(v)
+      assert os.path.realpath(v.filename).startswith(os.path.realpath(repack.cache_root()))
   assert_same_experts(mm, ram)
+  _, _, again = load_model(dirs["fused_bf16"], mmap=True)     # the same file, reused
+  assert again.stacked(2)["gate_up"].filename == mm.stacked(2)["gate_up"].filename
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -273,7 +273,7 @@ def main(_):
               if FLAGS.policy == "auto" else policy_flags.named_policy())
     return generate_offloaded(cfg, params, store, tok, ids, sp, dtype, seq, policy)
   from moejax.model.sampler import Sampler
-  sampler = Sampler(cfg, params, store.to_device(dtype), max_len=seq, dtype=dtype)
+  sampler = Sampler(cfg, params, store.device_experts(dtype), max_len=seq, dtype=dtype)
   print("[moejax] every expert resident (no --policy)", file=sys.stderr)
   t0 = time.time()
   out = write_text(tok, lambda on_token: sampler.generate(ids, sp, seed=FLAGS.seed,

@@ -181,14 +181,16 @@ def load_model(model_dir: str, dtype=jnp.float32, mmap: bool = False, check_fini
   idx = _Index(model_dir)
   idx.track(progress, f"loading {os.path.basename(os.path.normpath(model_dir))}")
   try:
-    out = _load(cfg, family, idx, model_dir, dtype, mmap, check_finite, dequantize_mxfp4)
+    out = _load(cfg, family, idx, model_dir, dtype, mmap, check_finite, dequantize_mxfp4,
+                progress)
     idx.close(complete=True)
     return out
   finally:
     idx.close()
 
 
-def _load(cfg, family, idx: _Index, model_dir, dtype, mmap, check_finite, dequantize_mxfp4):
+def _load(cfg, family, idx: _Index, model_dir, dtype, mmap, check_finite, dequantize_mxfp4,
+          progress=None):
   np_dtype = np.dtype(jnp.dtype(dtype))
   expected = abstract_params(cfg, dtype)
   leaf_dtypes = {tuple(k.key for k in path): np.dtype(leaf.dtype)
@@ -245,6 +247,10 @@ def _load(cfg, family, idx: _Index, model_dir, dtype, mmap, check_finite, dequan
     d[p[-1]] = v
 
   # routed experts
+  if mmap and family.load_layer_experts is None:
+    layers = _mapped_experts(cfg, idx, model_dir, fused, per_expert, np_dtype, check_finite,
+                             progress)
+    return cfg, params, ExpertStore(layers, cfg.num_layers, backend="mmap")
   d_, i_ = cfg.hidden_size, cfg.moe_intermediate_size
   layers = {}
   for layer in cfg.moe_layers:
@@ -264,16 +270,7 @@ def _load(cfg, family, idx: _Index, model_dir, dtype, mmap, check_finite, dequan
       gu, dn = idx.get(names["gate_up_proj"]), idx.get(names["down_proj"])
       _check(idx, names["gate_up_proj"], gu, (cfg.num_experts, 2 * i_, d_), check_finite)
       _check(idx, names["down_proj"], dn, (cfg.num_experts, d_, i_), check_finite)
-      if mmap and gu.dtype == np_dtype:
-        st = {"gate_up": gu, "down": dn}
-      elif mmap:  # disk tier in another dtype: convert one expert at a time, on access
-        def fused_getter(e, gu=gu, dn=dn):
-          return {"gate_up": np.asarray(gu[e], dtype=np_dtype),
-                  "down": np.asarray(dn[e], dtype=np_dtype)}
-        layers[layer] = LayerExperts(cfg.num_experts, getter=fused_getter)
-        continue
-      else:
-        st = {"gate_up": np.array(gu, dtype=np_dtype), "down": np.array(dn, dtype=np_dtype)}
+      st = {"gate_up": np.array(gu, dtype=np_dtype), "down": np.array(dn, dtype=np_dtype)}
       layers[layer] = LayerExperts(cfg.num_experts, stacked=st)
       continue
     per = per_expert.get(layer, {})
@@ -284,22 +281,90 @@ def _load(cfg, family, idx: _Index, model_dir, dtype, mmap, check_finite, dequan
                                 f"'model.layers.{layer}.mlp.experts.{e}.{w}.weight'")
         shape = (d_, i_) if w == "down_proj" else (i_, d_)
         _check(idx, per[e][w], idx.get(per[e][w]), shape, check_finite)
-    if mmap:
-      def getter(e, per=per):
-        return {"gate_up": np.concatenate([idx.get(per[e]["gate_proj"]),
-                                           idx.get(per[e]["up_proj"])]).astype(np_dtype,
-                                                                                copy=False),
-                "down": idx.get(per[e]["down_proj"]).astype(np_dtype, copy=False)}
-      layers[layer] = LayerExperts(cfg.num_experts, getter=getter)
-    else:
-      gu = np.empty((cfg.num_experts, 2 * i_, d_), np_dtype)
-      dn = np.empty((cfg.num_experts, d_, i_), np_dtype)
-      for e in range(cfg.num_experts):
-        gu[e, :i_] = idx.get(per[e]["gate_proj"])
-        gu[e, i_:] = idx.get(per[e]["up_proj"])
-        dn[e] = idx.get(per[e]["down_proj"])
-      layers[layer] = LayerExperts(cfg.num_experts, stacked={"gate_up": gu, "down": dn})
+    gu = np.empty((cfg.num_experts, 2 * i_, d_), np_dtype)
+    dn = np.empty((cfg.num_experts, d_, i_), np_dtype)
+    for e in range(cfg.num_experts):
+      gu[e, :i_] = idx.get(per[e]["gate_proj"])
+      gu[e, i_:] = idx.get(per[e]["up_proj"])
+      dn[e] = idx.get(per[e]["down_proj"])
+    layers[layer] = LayerExperts(cfg.num_experts, stacked={"gate_up": gu, "down": dn})
   return cfg, params, ExpertStore(layers, cfg.num_layers, backend="mmap" if mmap else "numpy")
+
+
+def _expert_names(cfg, idx: _Index, model_dir, fused, per_expert) -> dict:
+  """{MoE layer: ("fused", {kind: name}) | ("per_expert", {e: {w: name}})}, every name
+  present and every shape checked from the headers alone (nothing is read)."""
+  d_, i_ = cfg.hidden_size, cfg.moe_intermediate_size
+  out = {}
+  for layer in cfg.moe_layers:
+    if layer in fused:
+      names = fused[layer]
+      for need, shape in (("gate_up_proj", (cfg.num_experts, 2 * i_, d_)),
+                          ("down_proj", (cfg.num_experts, d_, i_))):
+        if need not in names:
+          raise CheckpointError(f"{model_dir}: missing tensor "
+                                f"'model.layers.{layer}.mlp.experts.{need}'")
+        _check(idx, names[need], idx.files[idx.where[names[need]]].get(names[need]), shape,
+               False)
+      out[layer] = ("fused", {"gate_up": names["gate_up_proj"], "down": names["down_proj"]})
+      continue
+    per = per_expert.get(layer, {})
+    for e in range(cfg.num_experts):
+      for w in ("gate_proj", "up_proj", "down_proj"):
+        if w not in per.get(e, {}):
+          raise CheckpointError(f"{model_dir}: missing tensor "
+                                f"'model.layers.{layer}.mlp.experts.{e}.{w}.weight'")
+        shape = (d_, i_) if w == "down_proj" else (i_, d_)
+        _check(idx, per[e][w], idx.files[idx.where[per[e][w]]].get(per[e][w]), shape, False)
+    out[layer] = ("per_expert", per)
+  return out
+
+
+def _mapped_experts(cfg, idx: _Index, model_dir, fused, per_expert, np_dtype, check_finite,
+                    progress) -> dict:
+  """The disk tier: {MoE layer: LayerExperts of read-only memmaps [E, ...]} that jax can
+  wrap without a copy (`repack`).  A fused checkpoint already in `np_dtype` and aligned
+  is mapped as it is; any other is repacked once into a stacked file (its experts checked
+  for NaN/Inf as they are written; a reused file was checked when written)."""
+  from moejax.io import repack
+  src = _expert_names(cfg, idx, model_dir, fused, per_expert)
+  E = cfg.num_experts
+  kinds = {"gate_up": (2 * cfg.moe_intermediate_size, cfg.hidden_size),
+           "down": (cfg.hidden_size, cfg.moe_intermediate_size)}
+  if all(how == "fused" for how, _ in src.values()):
+    direct = {l: {k: idx.files[idx.where[n]].get(n) for k, n in names.items()}
+              for l, (_, names) in src.items()}
+    if all(a.dtype == np_dtype and repack.aligned(a) for d in direct.values()
+           for a in d.values()):
+      for l, (_, names) in src.items():
+        for k, n in names.items():
+          for e in range(E) if check_finite else ():
+            _finite(idx, n, direct[l][k][e], f" (expert {e})")
+      return {l: LayerExperts(E, stacked=d) for l, d in direct.items()}
+
+  def chunks(layer, kind):
+    how, names = src[layer]
+    if how == "fused":
+      a = idx.get(names[kind])
+      for e in range(E):
+        yield _finite(idx, names[kind], a[e], f" (expert {e})", check_finite, np_dtype)
+      return
+    for e in range(E):
+      for w in (("gate_proj", "up_proj") if kind == "gate_up" else ("down_proj",)):
+        yield _finite(idx, names[e][w], idx.get(names[e][w]), "", check_finite, np_dtype)
+
+  path, _ = repack.stacked_file(model_dir, cfg.moe_layers, E, kinds, np_dtype, chunks,
+                                progress)
+  maps = repack.open_stacked(path, cfg.moe_layers, kinds)
+  return {l: LayerExperts(E, stacked=m) for l, m in maps.items()}
+
+
+def _finite(idx: _Index, name: str, a: np.ndarray, what: str = "", check: bool = True,
+            dtype=None) -> np.ndarray:
+  """`a` (as `dtype`), after checking it holds no NaN or Inf when `check`."""
+  if check and not np.isfinite(a.astype(np.float32) if a.dtype != np.float32 else a).all():
+    raise CheckpointError(f"{idx.where[name]}: tensor '{name}'{what} contains NaN or Inf")
+  return a if dtype is None else a.astype(dtype, copy=False)
 
 
 def save_hf(cfg: ModelConfig, params, experts: list, out_dir: str, dtype=np.float32,

@@ -119,21 +119,53 @@ class SafetensorsFile:
 
 
 def save_file(tensors: dict[str, np.ndarray], path: str, metadata: dict | None = None):
-  header, off, arrays = {}, 0, []
-  for name in sorted(tensors):
-    a = np.ascontiguousarray(tensors[name])
+  arrays = {name: np.ascontiguousarray(tensors[name]) for name in sorted(tensors)}
+  for name, a in arrays.items():
     if a.dtype not in NAMES:
       raise CheckpointError(f"cannot save tensor '{name}' of dtype {a.dtype}")
-    header[name] = {"dtype": NAMES[a.dtype], "shape": list(a.shape),
-                    "data_offsets": [off, off + a.nbytes]}
-    off += a.nbytes
-    arrays.append(a)
+  write_streamed(path, [(n, a.dtype, a.shape) for n, a in arrays.items()],
+                 lambda name: [arrays[name]], metadata)
+
+
+def write_streamed(path: str, specs, chunks, metadata: dict | None = None, align: int = 1,
+                   on_bytes=None):
+  """Writes a safetensors file tensor by tensor, never holding more than one chunk.
+
+  specs: [(name, dtype, shape)] in file order; chunks(name) -> an iterable of arrays
+  whose bytes, in order, are the tensor's (e.g. one expert at a time).  align > 1:
+  the data section and every tensor start at a multiple of `align` bytes from the
+  file's start (page-aligned tensors can be mapped and handed to jax without a copy);
+  the gaps are zeros, which this module's reader accepts.  on_bytes(n): progress.
+  The file is written to `path + '.part'` and renamed when complete, so an interrupted
+  write leaves no file that looks whole."""
+  header, off = {}, 0
+  for name, dt, shape in specs:
+    dt = np.dtype(dt)
+    if dt not in NAMES:
+      raise CheckpointError(f"cannot save tensor '{name}' of dtype {dt}")
+    n = int(np.prod(shape)) * dt.itemsize
+    header[name] = {"dtype": NAMES[dt], "shape": [int(d) for d in shape],
+                    "data_offsets": [off, off + n]}
+    off += n + (-n % align)
   if metadata:
     header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
   raw = json.dumps(header, separators=(",", ":")).encode()
-  raw += b" " * (-len(raw) % 8)
-  with open(path, "wb") as f:
+  raw += b" " * (-(len(raw) + 8) % max(8, align))
+  part = path + ".part"
+  with open(part, "wb") as f:
     f.write(struct.pack("<Q", len(raw)))
     f.write(raw)
-    for a in arrays:
-      f.write(a.tobytes())
+    for name, dt, shape in specs:
+      lo, hi = header[name]["data_offsets"]
+      written = 0
+      for c in chunks(name):
+        b = np.ascontiguousarray(c).view(np.uint8).reshape(-1)
+        f.write(memoryview(b))
+        written += b.size
+        if on_bytes:
+          on_bytes(b.size)
+      if written != hi - lo:
+        raise CheckpointError(f"{path}: tensor '{name}' got {written} bytes, expected {hi - lo}")
+      if -(hi - lo) % align:
+        f.write(b"\0" * (-(hi - lo) % align))
+  os.replace(part, path)

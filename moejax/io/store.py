@@ -97,6 +97,26 @@ class ExpertStore:
                   for k, v in st.items()})
     return out
 
+  def device_experts(self, dtype=None) -> list:
+    """Every expert for the all-resident path (the Sampler), read-only.  On the CPU
+    backend, where device memory is host RAM, a numpy or mapped store already in `dtype`
+    is handed to jax in place: no second copy of the experts, and a mapped store stays
+    the file's pages (page cache, as llama.cpp's mmap).  Elsewhere: `to_device`."""
+    dev = jax.devices()[0]
+    if dev.platform != "cpu" or self.backend == "pinned_host":
+      return self.to_device(dtype)
+    out = []
+    for i in range(self.num_layers):
+      if i not in self.layers:
+        out.append(None)
+        continue
+      st = {k: np.asarray(v) for k, v in self.stacked(i).items()}
+      if dtype is not None and any(_is_float(v.dtype) and np.dtype(v.dtype) != jnp.dtype(dtype)
+                                   for v in st.values()):
+        return self.to_device(dtype)
+      out.append({k: jax.device_put(v, dev) for k, v in st.items()})
+    return out
+
   @classmethod
   def from_stacked(cls, per_layer: list, num_layers: int | None = None) -> "ExpertStore":
     """Build from a list over layers of {name: [E, ...]} (None for dense layers)."""

@@ -153,6 +153,10 @@ void store(const float* src, int64_t count, bool bf16, void* dst) {
 
 bool is_bf16(ffi::DataType t) { return t == ffi::DataType::BF16; }
 bool supported(ffi::DataType t) { return t == ffi::DataType::F32 || t == ffi::DataType::BF16; }
+// weights may also be bf16 held as their uint16 bits (the engine's program store,
+// read in place by the prompt pass)
+bool weights_bf16(ffi::DataType t) { return t == ffi::DataType::BF16 || t == ffi::DataType::U16; }
+bool weights_ok(ffi::DataType t) { return supported(t) || t == ffi::DataType::U16; }
 
 ffi::Error ExpertFfn(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> ids,
                      ffi::Buffer<ffi::F32> gates, ffi::AnyBuffer gate_up, ffi::AnyBuffer down,
@@ -162,9 +166,10 @@ ffi::Error ExpertFfn(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S3
   if (xd.size() != 2 || idd.size() != 2 || gud.size() != 3 || dnd.size() != 3)
     return ffi::Error::InvalidArgument("moejax_expert_ffn: expected x [N,D], ids [N,K], "
                                        "gate_up [E,2I,D], down [E,D,I]");
-  if (!supported(x.element_type()) || !supported(gate_up.element_type()) ||
+  if (!supported(x.element_type()) || !weights_ok(gate_up.element_type()) ||
       gate_up.element_type() != down.element_type() || y->element_type() != x.element_type())
-    return ffi::Error::InvalidArgument("moejax_expert_ffn: f32 or bf16 only");
+    return ffi::Error::InvalidArgument("moejax_expert_ffn: f32 or bf16 only (weights also "
+                                       "as uint16 bf16 bits)");
   auto p = std::make_unique<Problem>();
   p->n = xd[0];
   p->d = xd[1];
@@ -179,7 +184,7 @@ ffi::Error ExpertFfn(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S3
   p->gates = gates.typed_data();
   p->gate_up = gate_up.untyped_data();
   p->down = down.untyped_data();
-  p->w_bf16 = is_bf16(gate_up.element_type());
+  p->w_bf16 = weights_bf16(gate_up.element_type());
   p->serial = serial;
 
   // counting sort of the pairs by expert (ids clamped like XLA's dynamic indexing)

@@ -285,9 +285,17 @@ def enabled(on: bool):
 
 
 def supports(x_NxD, w: dict) -> bool:
+  """Plain SwiGLU experts in f32 or bf16 (also bf16 held as uint16 bits, as the engine's
+  program store holds them) and an f32/bf16 activation."""
   ok = {jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)}
   return (set(w) == {"gate_up", "down"} and jnp.dtype(x_NxD.dtype) in ok
-          and jnp.dtype(w["gate_up"].dtype) in ok and w["gate_up"].dtype == w["down"].dtype)
+          and jnp.dtype(w["gate_up"].dtype) in ok | {jnp.dtype(jnp.uint16)}
+          and w["gate_up"].dtype == w["down"].dtype)
+
+
+def _bits_as_bf16(w):
+  """uint16 bf16 bits as bf16 (the XLA fallback's view of a program store)."""
+  return jax.lax.bitcast_convert_type(w, jnp.bfloat16) if w.dtype == jnp.uint16 else w
 
 
 def rows_vmap(fn, n_rows_args: int):
@@ -336,7 +344,8 @@ def expert_ffn(x_NxD, ids_NxK, gates_NxK, w: dict, xla_fn, serial: bool = False)
   return jax.lax.platform_dependent(
       x_NxD, ids_NxK, gates_NxK, w["gate_up"], w["down"],
       cpu=_CALLS[bool(serial)],
-      default=lambda x, i, g, gu, dn: xla_fn(x, i, g, {"gate_up": gu, "down": dn}))
+      default=lambda x, i, g, gu, dn: xla_fn(x, i, g, {"gate_up": _bits_as_bf16(gu),
+                                                       "down": _bits_as_bf16(dn)}))
 
 
 def _fwd(x_NxD, ids_NxK, gates_NxK, w, xla_fn, serial=False):

@@ -202,20 +202,19 @@ class OffloadEngine:
   # -------------------------------------------------------------- programs
   def warmup(self, prompt_lengths=()):
     """Compiles the decode step (and, with a native link, nothing else is compiled per
-    token) on throwaway state, so that records measure decoding, not compilation; and
+    token), so that records measure decoding, not compilation; and
     the prompt pass for the bucket of each of `prompt_lengths` (one compile a bucket).
     The resident sets are left as they were."""
     self._check()
-    carry = self._new_carry(jax.tree_util.tree_map(jnp.copy, self.states))
-    out = self._step(self.params, self._srcs, carry, np.int32(0), np.int32(0))
-    jax.block_until_ready(out)
+    # lowered and compiled, not run: the calls that follow reuse the executables, and no
+    # throwaway copy of the slot buffers is made (Qwen3-30B-A3B: 1.2 GB a layer at 25%)
+    self._step.lower(self.params, self._srcs, self._new_carry(self.states), np.int32(0),
+                     np.int32(0)).compile()
     recurrent = families.of(self.cfg).has_recurrent_state(self.cfg)
     for t in sorted({min(int(t), self.max_len - 1) for t in prompt_lengths if t >= 1}):
       tb = t if recurrent else min(bucket(t), self.max_len)
-      states = jax.tree_util.tree_map(jnp.copy, self.states)
-      out = decode.prefill(self._prog, self.params, self._srcs, states,
-                           np.zeros((tb,), np.int32), np.int32(t), np.float32(1.0))
-      jax.block_until_ready(out)
+      decode.prefill.lower(self._prog, self.params, self._srcs, self.states,
+                           np.zeros((tb,), np.int32), np.int32(t), np.float32(1.0)).compile()
 
   def set_policy(self, policy: policy_lib.PolicyParams | str):
     """Decodes from now on under `policy`, keeping the resident sets, the budget and the

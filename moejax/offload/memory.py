@@ -13,8 +13,20 @@ minutes to read), from the same shapes the loader and the engine use:
   prefill fetches    transient: a long prompt may need every non-resident expert
                      of one layer at once (at most E experts).
 
-Host RAM holds the expert store: every expert for ``numpy`` and ``pinned_host``,
-none for ``mmap`` (the OS page cache reads the checkpoint file on demand).
+Where each byte lives (the tiers, docs/engine.md "Memory tiers"):
+
+  anonymous RAM   what the process owns: the expert store for ``numpy`` and
+                  ``pinned_host`` (page-locked), and on the CPU backend everything the
+                  "device" holds too (device memory *is* host RAM there);
+  page cache      ``mmap``: the experts stay in the (repacked, `io.repack`) checkpoint
+                  file and are read through the OS page cache, which keeps what fits and
+                  drops the rest under pressure: file-backed, never counted as owned;
+  device memory   dense parameters, the expert cache, the KV cache and, on an
+                  accelerator, the prompt pass's transient copy of one layer (on the CPU
+                  backend the prompt pass reads the store in place: no copy).
+
+`MemoryPlan.anon_bytes` is what a run's anonymous RSS should stay within (plus the
+runtime's own few hundred MB: jax, XLA's executables, Python).
 """
 
 from __future__ import annotations
@@ -75,6 +87,7 @@ class MemoryPlan:
   kv_len: int
   kv_bytes: int
   prefill_bytes: int         # transient, at most
+  platform: str = "cpu"      # the backend: "cpu" (device memory is host RAM) or an accelerator
 
   @property
   def all_experts_bytes(self) -> int:
@@ -93,6 +106,22 @@ class MemoryPlan:
   def device_bytes(self) -> int:
     return self.dense_bytes + self.expert_cache_bytes + self.kv_bytes + self.prefill_bytes
 
+  @property
+  def page_cache_bytes(self) -> int:
+    """File-backed pages the run reads (at most; the kernel reclaims them)."""
+    return self.all_experts_bytes if self.store == "mmap" else 0
+
+  @property
+  def anon_bytes(self) -> int:
+    """Anonymous RAM the process owns: the host store, plus the device's share on the
+    CPU backend.  Without a policy on the CPU the experts are read where the store holds
+    them (`ExpertStore.device_experts`), so they count once, as the store."""
+    if self.platform != "cpu":
+      return self.host_bytes
+    if not self.offload:
+      return self.host_bytes + self.device_bytes - self.expert_cache_bytes
+    return self.host_bytes + self.device_bytes
+
   def lines(self) -> list[str]:
     if self.store == "mmap":
       host = (f"0 B of experts kept in RAM (--store=mmap: the {gb(self.all_experts_bytes)} of "
@@ -110,25 +139,45 @@ class MemoryPlan:
     else:
       cache = f"every expert {gb(self.expert_cache_bytes)} (no --policy: all resident)"
       extra = ""
-    device = (f"{gb(self.device_bytes)} = dense parameters {gb(self.dense_bytes)} + {cache} + "
+    if self.platform == "cpu" and not self.offload:
+      cache = (f"every expert read where the store holds it ({gb(self.all_experts_bytes)}, "
+               f"no --policy)")
+    elif self.platform == "cpu" and self.offload:
+      extra = " (the prompt pass reads the store in place)"
+    shared = self.platform == "cpu" and not self.offload     # experts counted as the store
+    device = (f"{gb(self.device_bytes - (self.expert_cache_bytes if shared else 0))}"
+              f" = dense parameters {gb(self.dense_bytes)} + {cache} + "
               f"KV cache {gb(self.kv_bytes)} ({self.kv_len} positions){extra}")
-    return [f"host RAM       {host}", f"device memory  {device}"]
+    out = [f"host RAM       {host}", f"device memory  {device}"]
+    if self.platform == "cpu":
+      out.append(f"anonymous RAM  {gb(self.anon_bytes)} owned by the process (the CPU backend's "
+                 f"device memory is host RAM; plus the runtime's few hundred MB)")
+    else:
+      out.append(f"anonymous RAM  {gb(self.anon_bytes)} owned by the process on the host")
+    if self.page_cache_bytes:
+      out.append(f"page cache     up to {gb(self.page_cache_bytes)} of the mapped experts, "
+                 f"file-backed: the OS keeps what fits and reads the rest from disk")
+    return out
 
   def as_dict(self) -> dict:
     d = dataclasses.asdict(self)
     d.update(host_bytes=self.host_bytes, device_bytes=self.device_bytes,
-             expert_cache_bytes=self.expert_cache_bytes, all_experts_bytes=self.all_experts_bytes)
+             expert_cache_bytes=self.expert_cache_bytes, all_experts_bytes=self.all_experts_bytes,
+             anon_bytes=self.anon_bytes, page_cache_bytes=self.page_cache_bytes)
     return d
 
 
 def plan_memory(cfg: ModelConfig, dtype, *, store: str = "numpy", offload: bool = True,
                 cache_fraction: float | None = 0.25, cache_bytes: int | None = None,
-                kv_len: int = 4096, mxfp4: bool = False) -> MemoryPlan:
+                kv_len: int = 4096, mxfp4: bool = False,
+                platform: str | None = None) -> MemoryPlan:
   """The memory a run of `cfg` needs (see the module docstring); raises BudgetError for
-  a budget the engine would refuse, with the same message."""
+  a budget the engine would refuse, with the same message.  platform: the backend
+  (default: jax's first device's)."""
   from moejax.io.loader import abstract_params
   from moejax.model.model import init_cache
   from moejax.cache import resident
+  from moejax.model import families
   ebytes = expert_nbytes(cfg, dtype, mxfp4)
   n_moe = len(cfg.moe_layers)
   if offload:
@@ -136,14 +185,18 @@ def plan_memory(cfg: ModelConfig, dtype, *, store: str = "numpy", offload: bool 
                                   fraction=None if cache_bytes else cache_fraction,
                                   nbytes=cache_bytes)
     slots = budget.physical + 1                      # + the scratch row
-    prefill = cfg.num_experts * ebytes
+    platform = platform or jax.devices()[0].platform
+    # the CPU backend's prompt pass reads the store in place (`sources.prompt_table`)
+    plain = set(families.of(cfg).expert_shapes(cfg)) == {"gate_up", "down"} and not mxfp4
+    prefill = 0 if platform == "cpu" and plain else cfg.num_experts * ebytes
   else:
     slots, prefill = cfg.num_experts, 0
   kv = jax.eval_shape(lambda: init_cache(cfg, 1, kv_len, dtype))
   return MemoryPlan(store=store, offload=offload,
                     dense_bytes=tree_nbytes(abstract_params(cfg, dtype)), expert_bytes=ebytes,
                     num_moe_layers=n_moe, num_experts=cfg.num_experts, cache_slots=int(slots),
-                    kv_len=kv_len, kv_bytes=tree_nbytes(kv), prefill_bytes=prefill)
+                    kv_len=kv_len, kv_bytes=tree_nbytes(kv), prefill_bytes=prefill,
+                    platform=platform or jax.devices()[0].platform)
 
 
 def gb(n: int) -> str:

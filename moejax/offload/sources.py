@@ -87,6 +87,18 @@ def copy_rows(buffers: dict, store: dict, ids_J, slots_J, pinned,
   return jax.lax.fori_loop(0, n, copy_one, dict(buffers))
 
 
+def prompt_table(ctx, store: dict, x, dtypes: dict) -> dict:
+  """The expert table a prompt pass computes its (token, expert) pairs from.  On the CPU
+  backend (a store in the device's own memory) it is the store itself: the routed kernel
+  reads the rows it needs in place, 16-bit floats as their bits, so no step holds a copy
+  of the layer (Qwen3-30B-A3B: 1.2 GB a layer).  Elsewhere (or without the kernel) the
+  layer is moved to the device, as `dtypes`, for this call only: the plan's transient
+  "prefill" bytes."""
+  if not ctx.pinned and cpu_kernel.supports(x, store) and cpu_kernel.available():
+    return store
+  return {n: as_dtype(to_device(v, ctx.pinned), dtypes[n]) for n, v in store.items()}
+
+
 def copy_into_slots(ctx, buffers: dict, store: dict, ids_J, slots_J,
                     low_bits: int | None = None, pinned: bool | None = None) -> dict:
   """`copy_rows` into the layer's slots: on the one device, or expert-parallel on the

@@ -115,9 +115,10 @@ def _tails(ctx: layer_lib.Ctx, carry, outs):
 def prefill(ctx: layer_lib.Ctx, dtype, max_len: int, params, layers, srcs, states, tokens_P,
             length, decay_pow, scan: bool):
   """An exact prompt (the first `length` of tokens_P) of one stream -> (logits [V], carry,
-  (experts made available [L, E] (-1 padded), evicted [L, E + P])).  Per MoE layer the prompt's experts are computed from the whole
-  layer on the device (the table, or a copy of the store's layer; expert-parallel: each
-  device its share), then the missing ones it used most are inserted (`prefill_step`)."""
+  (experts made available [L, E] (-1 padded), evicted [L, E + P])).  Per MoE layer the
+  prompt's experts are computed from the table, or from the store where it lives
+  (`sources.prompt_table`; expert-parallel: each device its share), then the missing ones
+  it used most are inserted (`prefill_step`)."""
   cfg, pol = ctx.cfg, ctx.policy.cache
   model = Transformer(cfg, dtype)
   k = cfg.top_k
@@ -137,10 +138,9 @@ def prefill(ctx: layer_lib.Ctx, dtype, max_len: int, params, layers, srcs, state
       y = sources.parallel_experts(ctx, moe_in.reshape(plen, -1), ids, gates, src["store"],
                                    {n: b.dtype for n, b in st.buffers.items()})
       x = _apply(mod, p, h, moe_in, y.reshape(h.shape), method="add_routed")
-    else:   # the table, or the layer's experts on the device for this call only
-      table = src["table"] if ctx.source == "table" else {
-          n: sources.as_dtype(sources.to_device(v, ctx.pinned), st.buffers[n].dtype)
-          for n, v in src["store"].items()}
+    else:   # the table, the store read in place, or the layer on the device for this call
+      table = src["table"] if ctx.source == "table" else sources.prompt_table(
+          ctx, src["store"], moe_in, {n: b.dtype for n, b in st.buffers.items()})
       x = _apply(mod, p, h, moe_in, ids.reshape(1, plen, k), gates.reshape(1, plen, k), table,
                  method="moe_residual")
     st, copy_ids, copy_slots, evicted = prefill_step(pol, ctx.trim_to, st, ids, valid,

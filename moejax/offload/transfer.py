@@ -5,8 +5,10 @@ MoE layer one stacked `[E, ...]` array per tensor kind, so a fetch is one dynami
 slice.  On an accelerator the arrays live in host memory: `pinned_host` (page-locked:
 the copy is a DMA at the link's full speed), or `unpinned_host` with one warning line
 when pinning fails.  On the CPU backend device memory *is* host memory: a numpy (or
-memory-mapped) store is handed over without a copy where jax can share the buffer,
-and a `pinned_host` store stays in that memory kind.
+memory-mapped) store is handed over without a copy where jax can share the buffer
+(a mapped store stays the file's pages, read through the page cache: `io.repack` lays
+it out so that jax can; a copy would be reported in one warning line), and a
+`pinned_host` store stays in that memory kind.
 
 Errors: `TransferError` (a store the program cannot read: the message names the layer
 and tensor), `TransferTimeout` (an emulated link whose waits exceed the engine's
@@ -66,6 +68,7 @@ def program_store(store, device) -> tuple[dict, bool]:
                         f"the expert store from (memory kinds: "
                         f"{', '.join(store_lib.memory_kinds(device))})")
   out = {}
+  copied = 0
   for l in store.moe_layers:
     layer = {}
     for name, arr in store.stacked(l).items():
@@ -79,6 +82,8 @@ def program_store(store, device) -> tuple[dict, bool]:
       while True:
         try:
           layer[name] = _put(host, device, kinds[0])
+          if device.platform == "cpu" and not store_lib.shares_buffer(layer[name], host):
+            copied += host.nbytes
           break
         except Exception as e:  # pylint: disable=broad-except  (pinning can fail for size)
           if len(kinds) == 1:
@@ -90,4 +95,8 @@ def program_store(store, device) -> tuple[dict, bool]:
           kinds = kinds[1:]
     out[l] = layer
   jax.block_until_ready(out)
+  if copied and store_lib.store_backend(store) == "mmap":
+    print(f"[moejax] warning: {copied / 1e9:.2f} GB of the mapped expert store was copied "
+          f"into RAM (jax wraps a host buffer in place only at 64-byte alignment)",
+          file=sys.stderr)
   return out, kinds[0] is not None

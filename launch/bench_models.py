@@ -97,15 +97,31 @@ def wide_config(layers: int = 4) -> ModelConfig:
                      bos_token_id=None).validate()
 
 
-def wide_dir(layers: int = 4, root: str = WIDE_DIR) -> str:
-  return os.path.join(root, f"wide_bf16_{layers}L")
+def wide_dir(layers: int = 4, root: str = WIDE_DIR, layout: str = "per_expert") -> str:
+  return os.path.join(root, f"wide_bf16_{layers}L" + ("" if layout == "per_expert" else
+                                                      f"_{layout}"))
+
+
+def wide_bytes(layers: int) -> int:
+  """The wide model's size on disk (bf16), either layout."""
+  import numpy as np
+  from moejax.io.loader import abstract_params
+  from moejax.offload.memory import expert_nbytes, tree_nbytes
+  cfg = wide_config(layers)
+  return (tree_nbytes(abstract_params(cfg, jnp.bfloat16))
+          + layers * cfg.num_experts * expert_nbytes(cfg, np.dtype("bfloat16")))
 
 
 def save_wide(out_dir: str, layers: int = 4, shards: int = 5, seed: int = 0,
-              demo_dir: str = DEMO_DIR, progress: bool | None = None) -> str:
+              demo_dir: str = DEMO_DIR, progress: bool | None = None,
+              layout: str = "per_expert") -> str:
   """Writes the wide model (module docstring) to `out_dir` once, streaming: one expert's
   tensors in memory at a time.  Shard 1 holds the dense tensors, shards 2.. the experts
-  of consecutive layers.  Refuses before writing when the disk lacks the space."""
+  of consecutive layers.  layout "fused": each layer's experts as the transformers-v5
+  stacked ``mlp.experts.gate_up_proj`` [E, 2I, D] and ``down_proj`` [E, D, I] (random
+  values of the same distribution), which `--store=mmap` maps without a repack.  Every tensor starts on a 64-byte
+  boundary with no gaps (the header is padded; every tensor's size is a multiple of 64).
+  Refuses before writing when the disk lacks the space."""
   import shutil
   import sys
   import ml_dtypes
@@ -128,9 +144,15 @@ def save_wide(out_dir: str, layers: int = 4, shards: int = 5, seed: int = 0,
   shapes = {"gate_proj": (i_, d_), "up_proj": (i_, d_), "down_proj": (d_, i_)}
   groups = np.array_split(np.arange(layers), max(1, min(shards - 1, layers)))
   files = [[(n, dt, s) for n, dt, s in dense]]
+  E = cfg.num_experts
   for g in groups:
-    files.append([(f"model.layers.{l}.mlp.experts.{e}.{w}.weight", bf16, shapes[w])
-                  for l in g for e in range(cfg.num_experts) for w in shapes])
+    if layout == "fused":
+      files.append([(f"model.layers.{l}.mlp.experts.{w}", bf16, (E,) + s)
+                    for l in g for w, s in (("gate_up_proj", (2 * i_, d_)),
+                                            ("down_proj", (d_, i_)))])
+    else:
+      files.append([(f"model.layers.{l}.mlp.experts.{e}.{w}.weight", bf16, shapes[w])
+                    for l in g for e in range(E) for w in shapes])
   total = sum(int(np.prod(s)) * 2 for f in files for _, _, s in f)
   os.makedirs(out_dir, exist_ok=True)
   free = shutil.disk_usage(out_dir).free
@@ -139,8 +161,10 @@ def save_wide(out_dir: str, layers: int = 4, shards: int = 5, seed: int = 0,
                   f"{free / 1e9:.2f} GB free")
   rng = np.random.default_rng(seed)
 
+  shape_of = {n: s for f in files for n, _, s in f}
+
   def chunks(name):
-    shape = next(s for f in files for n, _, s in f if n == name)
+    shape = shape_of[name]
     std = (0.0 if name.endswith("norm.weight") else
            0.5 if name.endswith("mlp.gate.weight") else 0.02)
     if std == 0.0:
@@ -158,7 +182,7 @@ def save_wide(out_dir: str, layers: int = 4, shards: int = 5, seed: int = 0,
   for k, specs in enumerate(files):
     fname = f"model-{k + 1:05d}-of-{len(files):05d}.safetensors"
     write_streamed(os.path.join(out_dir, fname), specs, chunks, {"format": "pt"},
-                   on_bytes=bar.update)
+                   align=64, on_bytes=bar.update)
     weight_map.update({n: fname for n, _, _ in specs})
   bar.close()
   hf = cfg.to_hf_dict()

@@ -4,12 +4,15 @@
 //
 // After a short warm-up: prefill = one llama_decode of PREFILL_LEN random tokens
 // (logits at the last position only); decode = DECODE_TOKENS greedy single-token steps
-// after a PROMPT_LEN-token prompt (the prompt is not timed). Prints one JSON line.
+// after a PROMPT_LEN-token prompt (the prompt is not timed). Prints one JSON line, with
+// the disk bytes this process read (/proc/self/io read_bytes) during prefill and during
+// decode (-1 where /proc cannot be read): a model larger than RAM is read through mmap.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "llama.h"
@@ -17,6 +20,18 @@
 static double now() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
       .count();
+}
+
+static long long disk_read_bytes() {
+  long long v = -1;
+  if (FILE* f = std::fopen("/proc/self/io", "r")) {
+    char key[64];
+    long long x;
+    while (std::fscanf(f, "%63s %lld", key, &x) == 2)
+      if (std::string(key) == "read_bytes:") v = x;
+    std::fclose(f);
+  }
+  return v;
 }
 
 static void check(int32_t rc, const char* what) {
@@ -67,22 +82,27 @@ int main(int argc, char** argv) {
   }
 
   llama_memory_clear(llama_get_memory(ctx), true);
+  long long r0 = disk_read_bytes();
   double t0 = now();
   check(llama_decode(ctx, llama_batch_get_one(toks.data(), prefill)), "prefill");
   llama_synchronize(ctx);
   const double prefill_s = now() - t0;
+  const long long prefill_read = r0 < 0 ? -1 : disk_read_bytes() - r0;
 
   llama_memory_clear(llama_get_memory(ctx), true);
   check(llama_decode(ctx, llama_batch_get_one(toks.data(), prompt)), "prompt");
   tok = argmax(llama_get_logits_ith(ctx, -1), vocab);
+  r0 = disk_read_bytes();
   t0 = now();
   for (int i = 0; i < steps; ++i) {
     check(llama_decode(ctx, llama_batch_get_one(&tok, 1)), "decode");
     tok = argmax(llama_get_logits_ith(ctx, -1), vocab);
   }
   const double decode_s = now() - t0;
-  std::printf("{\"prefill_tok_s\": %.3f, \"decode_tok_s\": %.3f}\n", prefill / prefill_s,
-              steps / decode_s);
+  const long long decode_read = r0 < 0 ? -1 : disk_read_bytes() - r0;
+  std::printf("{\"prefill_tok_s\": %.3f, \"decode_tok_s\": %.3f, \"prefill_read_bytes\": %lld, "
+              "\"decode_read_bytes\": %lld}\n", prefill / prefill_s, steps / decode_s,
+              prefill_read, decode_read);
   llama_free(ctx);
   llama_model_free(model);
   return 0;

@@ -5,7 +5,16 @@
 Model: the demo model at --model_dir (ckpts/demo) when it exists, else a
 random-weight model of the demo's shape (Qwen3-MoE, hidden 128, 8 layers, 64
 experts of 32, top-8, vocab 8192), or of Qwen3-30B-A3B's with --shape (said so in
-the output).  The experts wait in a --store back-end (numpy, mmap, pinned_host).
+the output); or, with --model=wide_bf16, the real-width checkpoint of
+`launch.bench_models` (Qwen3-30B-A3B's layers, per-expert bf16 safetensors, written
+once), loaded straight into the --store back-end:
+
+  python -m launch.bench_offload --model=wide_bf16 --store=mmap --links=native
+
+The experts wait in a --store back-end (numpy, mmap, pinned_host).  The JSON also
+holds the load time, each runner's compile time, the process's peak anonymous RSS (all
+runners at once) and each runner's memory plan (`launch.bench_memory` measures each
+run alone against its plan).
 
 Every preset decodes the same teacher-forced token stream (so all see the same
 inputs), after a prompt and `--warmup_tokens` untimed tokens, one `decode_step` per
@@ -64,6 +73,12 @@ from moejax.kernels import cpu_kernel
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", "bench_offload.json", "JSON results file.")
 flags.DEFINE_string("model_dir", "ckpts/demo", "HF folder of the model (random weights if absent).")
+flags.DEFINE_enum("model", "dir", ["dir", "wide_bf16"], "dir: --model_dir (or a random model); "
+                  "wide_bf16: Qwen3-30B-A3B's layer width, random bf16, per-expert safetensors "
+                  "(launch.bench_models; written once to --wide_root), loaded with --store.")
+flags.DEFINE_integer("wide_layers", 4, "Layers of the wide_bf16 model.")
+flags.DEFINE_string("wide_root", None, "Folder of the wide models (default: "
+                    "~/.cache/moejax/models).")
 flags.DEFINE_bool("random_model", False, "Use a random-weight model even if --model_dir exists.")
 flags.DEFINE_enum("shape", "demo", ["demo", "qwen3-30b-a3b"],
                   "Random-weight shape: the demo model, or Qwen3-30B-A3B's expert/attention "
@@ -111,6 +126,12 @@ def qwen3_30b_shape(layers: int) -> ModelConfig:
 
 def load(dtype):
   """(cfg, params, store, token stream source, description)."""
+  if FLAGS.model == "wide_bf16":
+    from launch import bench_models
+    d = bench_models.wide_dir(FLAGS.wide_layers, FLAGS.wide_root or bench_models.WIDE_DIR)
+    bench_models.save_wide(d, FLAGS.wide_layers)
+    cfg, params, store = load_model(d, dtype=dtype, mmap=FLAGS.store != "numpy")
+    return cfg, params, store, os.path.join(d, "tokenizer.json"), f"wide_bf16 ({d})"
   if not FLAGS.random_model and os.path.exists(os.path.join(FLAGS.model_dir, "config.json")):
     cfg, params, store = load_model(FLAGS.model_dir, dtype=dtype)
     tok_path = os.path.join(FLAGS.model_dir, "tokenizer.json")
@@ -169,9 +190,20 @@ def make_engine(stack, cfg, params, store, policy, link, stream, counts, dtype, 
   eng = stack.enter_context(OffloadEngine(cfg, params, store, policy, cache_fraction=fraction,
                                           link=link, max_len=len(stream) + 8, dtype=dtype,
                                           initial=counts if fraction < 1 else "auto"))
+  t0 = time.perf_counter()
   eng.warmup()
+  eng.compile_s = time.perf_counter() - t0
   eng.prefill(stream[:FLAGS.prompt_len])
   return eng
+
+
+def plans(cfg, dtype, max_len: int, presets) -> dict:
+  """The memory plan (`offload.memory`) of each runner's own run, as the CLI prints it."""
+  from moejax.offload.memory import plan_memory
+  mk = lambda offload, f: plan_memory(cfg, dtype, store=FLAGS.store, offload=offload,
+                                      cache_fraction=f, kv_len=max_len).as_dict()
+  return {"sampler": mk(False, None), "all_resident": mk(True, 1.0),
+          **{p: mk(True, FLAGS.cache_fraction) for p in presets}}
 
 
 def run_rounds(runners: dict, stream: list) -> dict:
@@ -197,17 +229,18 @@ def run_rounds(runners: dict, stream: list) -> dict:
 
 
 def main(argv):
-  with cpu_kernel.decoding():   # decode loops throughout: the kernel helpers stay awake
-    return _main(argv)
+  from moejax.offload.memwatch import AnonWatch
+  with cpu_kernel.decoding(), AnonWatch() as watch:   # kernel helpers stay awake
+    return _main(argv, watch)
 
 
-def _main(_):
+def _main(_, watch):
   with contextlib.ExitStack() as stack:
-    run(stack)
+    run(stack, watch)
 
 
-def run(stack: contextlib.ExitStack):
-  dtype = jnp.dtype(FLAGS.dtype)
+def run(stack: contextlib.ExitStack, watch):
+  dtype = jnp.dtype("bfloat16" if FLAGS.model == "wide_bf16" else FLAGS.dtype)
   platform = jax.devices()[0].platform
   presets = list(FLAGS.presets)
   if platform != "cpu" and "host" in presets:
@@ -220,11 +253,13 @@ def run(stack: contextlib.ExitStack):
     presets.remove("host")
     print("[bench_offload] 'host' skipped: the engine cannot compute host experts from a "
           "pinned_host store yet (use --store=numpy or mmap)", file=sys.stderr)
+  t0 = time.perf_counter()
   cfg, params, store, tok_path, desc = load(dtype)
+  load_s = time.perf_counter() - t0
   n = FLAGS.prompt_len + FLAGS.warmup_tokens + FLAGS.decode_tokens
   prof_stream, stream = token_streams(cfg, tok_path, n)
   counts = calibrate.profile_counts(cfg, params, store, prof_stream, dtype)
-  experts = store.to_device(dtype)            # the Sampler's, before the store moves
+  experts = store.device_experts(dtype)       # the Sampler's, before the store moves
   try:
     store = make_store(store, FLAGS.store)
   except StoreBackendError as e:
@@ -253,7 +288,10 @@ def run(stack: contextlib.ExitStack):
            for spec in FLAGS.links}
 
   sampler = SamplerRun(cfg, params, experts, dtype, len(stream) + 8)
+  t0 = time.perf_counter()
   sampler.prefill(stream[:FLAGS.prompt_len])
+  sampler.decode_step(stream[FLAGS.prompt_len])      # compiles its step
+  sampler_compile_s = time.perf_counter() - t0
   mk = lambda pol, link, f: make_engine(stack, cfg, params, store, pol, link, stream, counts,
                                         dtype, f)
   runners = {"sampler": sampler, "all_resident": mk("baseline", links[FLAGS.links[0]], 1.0)}
@@ -289,7 +327,24 @@ def run(stack: contextlib.ExitStack):
       "scaled_link_layer_compute_ms": layer_s and 1e3 * layer_s,    # None: no scaled link
       "layer_step_x_layers_ms": model_layer_s and 1e3 * model_layer_s * cfg.num_layers,
       "bench_wall_s": wall, "links": {},
+      "load_s": load_s, "sampler_prefill_and_compile_s": sampler_compile_s,
+      "compile_s": {str(k if isinstance(k, str) else "/".join(k)): r.compile_s
+                    for k, r in runners.items() if hasattr(r, "compile_s")},
+      "memory": {"peak_anon_bytes": watch.sample() and watch.peak_anon,
+                 "note": "one process holds every runner at once: compare the peak with the "
+                         "sum of the plans' anon_bytes (launch.bench_memory measures each "
+                         "run alone)",
+                 "plans": plans(cfg, dtype, len(stream) + 8, presets)},
   }
+  result["memory"]["sum_of_plans_anon_bytes"] = (
+      result["memory"]["plans"]["sampler"]["anon_bytes"]
+      + result["memory"]["plans"]["all_resident"]["anon_bytes"]
+      + sum(result["memory"]["plans"][p]["anon_bytes"] for p in presets) * len(links))
+  mem = result["memory"]
+  print(f"load {load_s:.1f} s; compile (decode step): " + ", ".join(
+      f"{k} {v:.1f} s" for k, v in result["compile_s"].items()) + f"; peak anonymous RSS "
+      f"{mem['peak_anon_bytes'] / 1e9:.2f} GB for all runners at once (their plans sum to "
+      f"{mem['sum_of_plans_anon_bytes'] / 1e9:.2f} GB)")
   print(f"sampler (all experts resident, one jitted decode_step per token): {sampler_ms:.3f} "
         f"ms/token; engine all resident: {med['all_resident']:.3f} ms/token "
         f"({med['all_resident'] / sampler_ms:.2f}x sampler); one expert's in-program copy "

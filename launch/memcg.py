@@ -94,8 +94,10 @@ def run(argv: list[str], limit_bytes: int | None, timeout_s: float = 3600.0,
     procs = os.path.join(group, "cgroup.procs")
     t0 = time.perf_counter()
     blocks0 = resource.getrusage(resource.RUSAGE_CHILDREN).ru_inblock
-    child = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             env=env, preexec_fn=lambda: _write(procs, os.getpid()))
+    # the shell joins the group, then execs the command (no Python runs between fork and
+    # exec: a preexec_fn would fork a multithreaded parent, e.g. one that imported jax)
+    child = subprocess.Popen(["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', procs, *argv],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     watch = memwatch.AnonWatch(pid=str(child.pid), interval_s=0.02)
     stop = threading.Event()
 

@@ -183,9 +183,10 @@ def init_state(num_experts: int, num_slots: int, expert_spec: dict,
 
 def write_rows(buf, rows, at):
   """buf with rows [n, ...] written at row `at` (`lax.dynamic_update_slice`, in place when
-  the buffer is donated).  16-bit floats are written as their uint16 bits: XLA's CPU
-  backend updates a bf16 buffer by converting all of it to f32 and back (4.9 s for 8
-  Qwen3-30B-A3B experts into a 128-slot layer; the bits: in place, milliseconds)."""
+  the buffer is donated); rows of a 16-bit float buffer may come as their bits.  16-bit
+  floats are written as their uint16 bits: XLA's CPU backend converted a bf16 buffer to
+  f32 and back around the update (8 Qwen3-30B-A3B experts into a [129, 1536, 2048]
+  buffer: 1.5 s as bf16, 5 ms as bits)."""
   if buf.dtype.itemsize == 2 and jnp.issubdtype(buf.dtype, jnp.floating):
     if rows.dtype != jnp.uint16:
       rows = as_bits(rows.astype(buf.dtype))

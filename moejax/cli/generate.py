@@ -30,7 +30,7 @@ from moejax.cli import app as cli
 from moejax.cli import policy_flags
 
 FLAGS = flags.FLAGS
-OFFLOAD_FLAGS = ("cache_fraction", "cache_bytes", "store", "link", "tau", "admission_beta",
+OFFLOAD_FLAGS = ("cache_fraction", "cache_bytes", "link", "tau", "admission_beta",
                  "lam", "tau_low", "low_bits",
                  "eviction", "prefetch", "speculative", "estimators", "streaming",
                  "ppl_budget", "tpot_budget_ms", "expert_devices")
@@ -59,9 +59,12 @@ flags.DEFINE_float("cache_fraction", None, "With --policy: share of each layer's
                    "resident (default 0.25).")
 flags.DEFINE_integer("cache_bytes", None, "With --policy: device memory for the expert cache in "
                      "bytes, over all MoE layers (instead of --cache_fraction).")
-flags.DEFINE_enum("store", None, ["numpy", "mmap", "pinned_host"], "With --policy: where the "
-                  "experts wait on the host: numpy (RAM, default), mmap (the checkpoint file "
-                  "on disk), pinned_host (page-locked memory: the fast DMA path on a GPU).")
+flags.DEFINE_enum("store", None, ["numpy", "mmap", "pinned_host"], "Where the experts wait on "
+                  "the host: numpy (RAM, default), mmap (the checkpoint file on disk, read "
+                  "through the page cache: a model larger than RAM; a per-expert checkpoint is "
+                  "repacked once into $MOEJAX_CACHE_DIR, default ~/.cache/moejax), pinned_host "
+                  "(page-locked memory: the fast DMA path on a GPU). Without --policy on the "
+                  "CPU, mmap keeps every expert in the mapped file (as llama.cpp's mmap).")
 flags.DEFINE_string("link", None, "With --policy: host->device link: 'native' (the real copy), "
                     "'scaled[:PROFILE]' (emulated, scaled to a GPU) or e.g. '16GB/s,10us'. "
                     "Default: native on an accelerator, scaled on a CPU-only machine.")

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from moejax.cache import policy as policy_lib
+from moejax.cache import resident as resident_lib
 from moejax.cache.policy import HOST
 from moejax.io import quant
 from moejax.kernels import cpu_host, cpu_kernel
@@ -79,9 +80,12 @@ def copy_rows(buffers: dict, store: dict, ids_J, slots_J, pinned,
   def copy_one(j, bufs):
     bufs = dict(bufs)
     for name, buf in bufs.items():
-      row = (_row(store[name], ids[j], buf.dtype, pinned) if low_bits is None else
-             _low_row(store, name, ids[j], buf.dtype, pinned, low_bits))
-      bufs[name] = jax.lax.dynamic_update_slice_in_dim(buf, row, slots[j], axis=0)
+      if low_bits is None:   # 16-bit floats stay bits from the store to the slot
+        row = to_device(jax.lax.dynamic_slice_in_dim(store[name], ids[j], 1, axis=0), pinned)
+        row = row if row.dtype.itemsize == buf.dtype.itemsize else as_dtype(row, buf.dtype)
+      else:
+        row = _low_row(store, name, ids[j], buf.dtype, pinned, low_bits)
+      bufs[name] = resident_lib.write_rows(buf, row, slots[j])
     return bufs
 
   return jax.lax.fori_loop(0, n, copy_one, dict(buffers))

@@ -16,7 +16,7 @@ anonymous RAM, the child's sampled peak RssAnon (`memwatch`: owned memory, not t
 mapped file's pages), whether peak <= plan + --tolerance_gb (1 GB: the runtime's own
 memory, jax and XLA's executables), the exit code, whether the kernel killed it for
 memory, its wall time, and (with --memory_limit_gb) the memory cgroup's peak, page
-cache included.  A table on the terminal and --out JSON.
+cache included (the page cache is dropped before each such run: --drop_caches).  A table on the terminal and --out JSON.
 
 --memory_limit_gb runs every child in a memory cgroup of that size (`launch.memcg`:
 needs root and cgroup v1; without them the reason is printed and the exit is 2).  A
@@ -47,14 +47,17 @@ flags.DEFINE_float("memory_limit_gb", None, "Run each child in a memory cgroup o
 flags.DEFINE_float("tolerance_gb", 1.0, "Allowed peak above the plan's anonymous RAM.")
 flags.DEFINE_integer("max_new_tokens", 32, "Tokens each run generates.")
 flags.DEFINE_integer("timeout_s", 3600, "Per run.")
+flags.DEFINE_bool("drop_caches", True, "With --memory_limit_gb: drop the page cache before "
+                  "each run (root), so the mapped experts are read, and charged, inside the "
+                  "cgroup; pages cached before would count elsewhere.")
 
 
 def run_flags(name: str) -> list[str]:
   if name == "sampler":
     return []
   if name == "all_resident":
-    return ["--policy=baseline", "--cache_fraction=1.0"]
-  return [f"--policy={name}", f"--cache_fraction={FLAGS.cache_fraction}"]
+    return ["--policy=baseline", "--cache_fraction=1.0", "--link=native"]
+  return [f"--policy={name}", f"--cache_fraction={FLAGS.cache_fraction}", "--link=native"]
 
 
 def plan_of(cfg, name: str, max_len: int) -> dict:
@@ -107,11 +110,13 @@ def main(_):
          "tolerance_bytes": tol, "loadavg_start": os.getloadavg(), "runs": {}}
   for name in FLAGS.runs:
     argv = [sys.executable, "-m", "launch.generate", f"--model_dir={model_dir}",
-            "--dtype=bfloat16", "--store=mmap", "--link=native", "--nostream",
+            "--dtype=bfloat16", "--store=mmap", "--nostream",
             "--noprogress", f"--max_new_tokens={FLAGS.max_new_tokens}",
             f"--max_len={max_len}", *run_flags(name)]
     print(f"[bench_memory] {name}: {' '.join(argv[2:])}", file=sys.stderr)
     if limit is not None:
+      if FLAGS.drop_caches:
+        memcg.drop_page_cache()
       r = memcg.run(argv, limit, FLAGS.timeout_s)
     else:
       r = _run_plain(argv)

@@ -147,6 +147,14 @@ def paths(layers: int) -> tuple[str, str]:
   return d, gguf
 
 
+def repacked(model_dir: str) -> bool:
+  """Whether moejax's stacked copy of a per-expert checkpoint is already cached."""
+  import jax.numpy as jnp
+  from moejax.io import repack
+  return (os.path.isdir(model_dir) and
+          os.path.exists(repack.stacked_path(model_dir, jnp.bfloat16)))
+
+
 def disk_shortfall(model_dir: str, gguf: str, layers: int, plan: dict) -> str | None:
   """None when the disk holds what is still to be written plus the reserve, else why not."""
   from launch import bench_models
@@ -154,8 +162,8 @@ def disk_shortfall(model_dir: str, gguf: str, layers: int, plan: dict) -> str | 
   parts = {}
   if not os.path.exists(os.path.join(model_dir, "model.safetensors.index.json")):
     parts["model"] = size
-  if FLAGS.layout == "per_expert":
-    parts["moejax repack (if not cached)"] = plan["all_experts_bytes"]
+  if FLAGS.layout == "per_expert" and not repacked(model_dir):
+    parts["moejax repack"] = plan["all_experts_bytes"]
   if "llama.cpp" in FLAGS.contenders and not os.path.exists(gguf):
     parts["GGUF"] = int(size * 1.01)
   need = sum(parts.values()) + RESERVE

@@ -101,3 +101,23 @@ def test_runs_in_a_memory_cgroup_smaller_than_the_checkpoint(tmp_path):
   assert size > limit
   r, res = child(d, "mmap", limit=limit)
   assert res.peak_bytes <= limit and r["tokens"] == 8
+
+
+def test_a_repack_that_does_not_fit_is_refused_before_writing(ckpt_64mb, tmp_path, monkeypatch):
+  """Too little free disk for the stacked file: one error naming the bytes and
+  MOEJAX_CACHE_DIR, raised before anything is read or written."""
+  import shutil
+  from collections import namedtuple
+  monkeypatch.setenv("MOEJAX_CACHE_DIR", str(tmp_path / "cache"))
+  usage = namedtuple("usage", "total used free")
+  monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10**9, 10**9 - 10**6, 10**6))
+  cfg = config(256, 160)
+  kinds = {"gate_up": (320, 256), "down": (256, 160)}
+  with pytest.raises(repack.RepackError, match=r"0\.06 GB .* 0\.00 GB free.*MOEJAX_CACHE_DIR"):
+    repack.check_space(ckpt_64mb, cfg.moe_layers, 64, kinds, jnp.bfloat16, per_expert=True)
+  with pytest.raises(repack.RepackError, match="MOEJAX_CACHE_DIR"):
+    load_model(ckpt_64mb, dtype=jnp.bfloat16, mmap=True)
+  assert not os.path.exists(repack.stacked_path(ckpt_64mb, jnp.bfloat16))
+  assert not os.path.exists(repack.stacked_path(ckpt_64mb, jnp.bfloat16) + ".part")
+  # no repack needed (not per-expert): nothing to check
+  repack.check_space(ckpt_64mb, cfg.moe_layers, 64, kinds, jnp.bfloat16, per_expert=False)

@@ -70,6 +70,39 @@ def aligned(a: np.ndarray) -> bool:
   return a.__array_interface__["data"][0] % JAX_ALIGN == 0
 
 
+def check_space(model_dir: str, layers, num_experts: int, kinds: dict, dtype,
+                per_expert: bool):
+  """Raises RepackError, before anything is read, when a repack would be needed
+  (`per_expert`, or a checkpoint in another dtype) and the cache folder's disk cannot
+  hold it; the message names the bytes and MOEJAX_CACHE_DIR."""
+  path = stacked_path(model_dir, dtype)
+  if os.path.exists(path) or not per_expert:
+    return
+  _check_free(model_dir, path, _specs(layers, num_experts, kinds, dtype))
+
+
+def _specs(layers, num_experts: int, kinds: dict, dtype) -> list:
+  dt = np.dtype(dtype)
+  return [(f"layers.{l}.{k}", dt, (num_experts,) + tuple(s)) for l in layers
+          for k, s in kinds.items()]
+
+
+def _check_free(model_dir: str, path: str, specs) -> int:
+  total = sum(int(np.prod(s)) * np.dtype(dt).itemsize for _, dt, s in specs)
+  folder = os.path.dirname(path)
+  probe = folder
+  while not os.path.exists(probe):
+    probe = os.path.dirname(probe)
+  free = shutil.disk_usage(probe).free
+  need = total + len(specs) * ALIGN
+  if free < need:
+    raise RepackError(
+        f"{model_dir}: --store=mmap repacks the routed experts into one stacked file of "
+        f"{need / 1e9:.2f} GB under {folder}, but that disk has {free / 1e9:.2f} GB free; "
+        f"free space or set MOEJAX_CACHE_DIR to a larger disk")
+  return total
+
+
 def stacked_file(model_dir: str, layers, num_experts: int, kinds: dict, dtype, chunks,
                  progress: bool | None = None) -> tuple[str, bool]:
   """(path of the stacked file, whether it was written now).
@@ -81,17 +114,9 @@ def stacked_file(model_dir: str, layers, num_experts: int, kinds: dict, dtype, c
   if os.path.exists(path):
     return path, False
   dt = np.dtype(dtype)
-  specs = [(f"layers.{l}.{k}", dt, (num_experts,) + tuple(s)) for l in layers
-           for k, s in kinds.items()]
-  total = sum(int(np.prod(s)) * dt.itemsize for _, _, s in specs)
+  specs = _specs(layers, num_experts, kinds, dtype)
+  total = _check_free(model_dir, path, specs)
   os.makedirs(os.path.dirname(path), exist_ok=True)
-  free = shutil.disk_usage(os.path.dirname(path)).free
-  need = total + len(specs) * ALIGN
-  if free < need:
-    raise RepackError(
-        f"{model_dir}: --store=mmap repacks the routed experts into one stacked file of "
-        f"{need / 1e9:.2f} GB under {os.path.dirname(path)}, but that disk has "
-        f"{free / 1e9:.2f} GB free; free space or set MOEJAX_CACHE_DIR to a larger disk")
   print(f"[moejax] --store=mmap: repacking the routed experts once into {path} "
         f"({total / 1e9:.2f} GB, {dt.name}, stacked per layer; later runs map it)",
         file=sys.stderr)

@@ -78,6 +78,22 @@ def test_qwen3_profile_numbers_match_their_derivation():
   assert _ratio("qwen3-30b-a3b@h200") == pytest.approx(7.96252, rel=1e-5)
 
 
+def test_disk_profiles_hand_checked():
+  """Experts read from disk: one Qwen3-30B-A3B expert over this VM's disk (0.7 GB/s)
+  takes 13.5 ms (measured here: 11-17 ms); from an NVMe SSD (5 GB/s) 1.9 ms, 5x a
+  PCIe 4.0 copy; rho is the expert's transfer over the layer's compute on that machine."""
+  shape = hardware.model_shape("qwen3-30b-a3b")
+  vm = hardware.hardware("vm_disk")
+  assert vm.expert_transfer_s(shape) == pytest.approx(9_437_184 / 0.7e9)
+  assert 11e-3 < vm.expert_transfer_s(shape) < 17e-3
+  assert vm.layer_compute_s(shape) == pytest.approx(113_779_200 / 30e9)
+  nvme = hardware.hardware("rtx3090_nvme")
+  assert nvme.expert_transfer_s(shape) == pytest.approx(
+      5 * hardware.hardware("rtx3090").expert_transfer_s(shape))
+  key, _, p = scaled_profile("qwen3-30b-a3b@vm_disk")
+  assert p is vm and p.ratio(shape) == pytest.approx((9_437_184 / 0.7e9) / (113_779_200 / 30e9))
+
+
 def test_scaled_profiles_come_from_the_one_hardware_table():
   # the simulator's roofline and the scaled link read the same HardwareProfile
   assert scaled_profile("rtx3090")[2] is hardware.hardware("rtx3090")

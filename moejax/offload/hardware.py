@@ -41,6 +41,17 @@ figures are what published measurements typically reach, rounded):
                204.8 GB/s -> 150 GB/s; server 8-channel DDR5-4800 307 GB/s ->
                230 GB/s; Grace LPDDR5X 500 GB/s peak (Grace CPU data sheet)
                -> 400 GB/s.  The ~75-80% ratio is what STREAM-like reads reach.
+  Disks, the tier below host RAM (a miss that is not in the page cache or a host
+  staging cache is read from here; as a profile's "link" they give the time model
+  and the scaled link a model whose experts are read from disk):
+               NVMe PCIe 4.0 x4 7.0-7.45 GB/s sequential reads (vendor data
+               sheets, e.g. Samsung 990 PRO); ~5 GB/s assumed for 9 MB reads at low
+               queue depth; ~80 us per request (4K random reads at QD1 measure
+               50-100 us).  SATA SSD 6 Gb/s: ~0.55 GB/s peak -> 0.5 GB/s, ~100 us.
+               This VM's disk: direct reads measured at 0.56-0.82 GB/s (one Qwen3-
+               30B-A3B expert in 11-17 ms; docs/engine.md "Memory tiers") -> 0.7 GB/s,
+               100 us assumed; its CPU reads memory at ~30 GB/s on two threads
+               (measured, AVX-512 loads), the "gpu memory" of a CPU-only profile.
   "this machine (emulated link)": no datasheet; its compute times are measured
                by timing the engine here (`timemodel.calibrate_engine`) and its
                link is the emulated one the engine ran with.
@@ -111,6 +122,14 @@ HARDWARE: dict[str, HardwareProfile] = {p.name: p for p in [
     HardwareProfile("h100", "H100 SXM", "PCIe 5.0 x16", 3.35e12, 50e9, 10e-6, 230e9),
     HardwareProfile("h200", "H200", "PCIe 5.0 x16", 4.8e12, 50e9, 10e-6, 230e9),
     HardwareProfile("gh200", "GH200 (96 GB)", "NVLink-C2C", 4.0e12, 400e9, 5e-6, 400e9),
+    # experts on disk: the link is the disk (CPU-only profiles: "gpu" memory is RAM)
+    HardwareProfile("rtx3090_nvme", "RTX 3090", "NVMe PCIe 4.0 SSD", 936e9, 5e9, 80e-6, 40e9),
+    HardwareProfile("ddr5_nvme", "CPU (DDR5-5600 dual channel)", "NVMe PCIe 4.0 SSD", 70e9,
+                    5e9, 80e-6, 70e9),
+    HardwareProfile("ddr4_sata", "CPU (DDR4-3200 dual channel)", "SATA SSD", 40e9, 0.5e9,
+                    100e-6, 40e9),
+    HardwareProfile("vm_disk", "this 2-core VM", "its virtual disk (measured)", 30e9, 0.7e9,
+                    100e-6, 30e9),
 ]}
 CALIBRATED = "this_machine"    # a profile measured by timing the engine (timemodel)
 

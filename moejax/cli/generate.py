@@ -262,13 +262,17 @@ def main(_):
         f"GB = 10^9):", file=sys.stderr)
   for line in plan.lines():
     print(f"  {line}", file=sys.stderr)
-  stored = checkpoint_dtype(folder)
+  stored = memory.checkpoint_dtype(folder)
   if stored and stored != jnp.dtype(dtype).name:
     print(f"  note: the checkpoint stores {stored}; --dtype={FLAGS.dtype} converts every "
           f"weight to {jnp.dtype(dtype).name} while loading (the sizes above are in "
           f"{jnp.dtype(dtype).name}; --dtype={stored} keeps them as stored)", file=sys.stderr)
   if store_kind != "numpy" and folder is not None:   # a repack that cannot fit: now
-    check_repack_space(folder, cfg, dtype, stored)
+    from moejax.io import repack
+    try:
+      repack.check_checkpoint(folder, cfg, dtype)
+    except repack.RepackError as e:
+      raise cli.UsageError(str(e)) from None
   if FLAGS.dry_run:
     return 0
   cfg, params, store = load(cfg, folder, dtype, store_kind)
@@ -289,45 +293,6 @@ def main(_):
   dt = time.time() - t0
   print(f"[moejax] {token_count(len(out))} in {dt:.2f} s (incl. compile)", file=sys.stderr)
   return 0
-
-
-def check_repack_space(folder, cfg, dtype, stored):
-  """UsageError when --store=mmap would repack the experts (a per-expert checkpoint, or
-  one in another dtype) onto a disk without the room."""
-  from moejax.io import repack
-  from moejax.io.loader import expert_shapes
-  from moejax.io.safetensors_io import SafetensorsFile
-  index = os.path.join(folder, "model.safetensors.index.json")
-  if os.path.exists(index):
-    import json
-    with open(index) as f:
-      names = list(json.load(f).get("weight_map", {}))
-  elif os.path.exists(os.path.join(folder, "model.safetensors")):
-    names = list(SafetensorsFile(os.path.join(folder, "model.safetensors")).keys())
-  else:
-    return
-  per_expert = any(".mlp.experts.0." in n for n in names) or (stored or "") != dtype.name
-  shp = expert_shapes(cfg)
-  if set(shp) != {"gate_up", "down"}:
-    return                                  # a family's own layout is not repacked
-  try:
-    repack.check_space(folder, cfg.moe_layers, cfg.num_experts, shp, dtype, per_expert)
-  except repack.RepackError as e:
-    raise cli.UsageError(str(e)) from None
-
-
-def checkpoint_dtype(folder) -> str | None:
-  """The dtype config.json says the weights are stored in (torch_dtype / dtype), if any."""
-  if folder is None:
-    return None
-  import json
-  try:
-    with open(os.path.join(folder, "config.json")) as f:
-      hf = json.load(f)
-  except (OSError, ValueError):
-    return None
-  name = hf.get("torch_dtype") or hf.get("dtype")
-  return name if name in ("float32", "bfloat16", "float16") else None
 
 
 def streaming() -> bool:

@@ -63,6 +63,19 @@ def checkpoint_is_mxfp4(model_dir: str) -> bool:
   return any(n.endswith("_proj_blocks") for n in names)
 
 
+def checkpoint_dtype(model_dir: str | None) -> str | None:
+  """The dtype config.json says the weights are stored in (torch_dtype / dtype), if any."""
+  if model_dir is None:
+    return None
+  try:
+    with open(os.path.join(model_dir, "config.json")) as f:
+      hf = json.load(f)
+  except (OSError, ValueError):
+    return None
+  name = hf.get("torch_dtype") or hf.get("dtype")
+  return name if name in ("float32", "bfloat16", "float16") else None
+
+
 def expert_nbytes(cfg: ModelConfig, dtype, mxfp4: bool = False) -> int:
   """Bytes of one routed expert as the store holds it: every tensor in `dtype`, except
   gpt_oss MXFP4 blocks and scales, which stay one byte per element (biases in `dtype`)."""

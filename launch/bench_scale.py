@@ -55,7 +55,8 @@ flags.DEFINE_integer("rounds", 2, "Rounds; each runs every contender once (rotat
 flags.DEFINE_list("contenders", ["llama.cpp", "quality", "speed", "baseline"], "Who runs.")
 flags.DEFINE_string("out", "bench_scale.json", "JSON results file.")
 flags.DEFINE_integer("prompt_len", 16, "Prompt tokens before the timed decode.")
-flags.DEFINE_integer("prefill_len", 64, "llama.cpp's timed prefill length.")
+flags.DEFINE_integer("prefill_len", 16, "llama.cpp's timed prefill length (moejax's is "
+                     "--prompt_len).")
 flags.DEFINE_integer("decode_tokens", 32, "Greedy tokens timed.")
 flags.DEFINE_integer("warmup_tokens", 4, "moejax: greedy tokens decoded untimed after the prompt.")
 flags.DEFINE_integer("max_len", 256, "moejax: KV length (and the plan's kv_len).")
@@ -86,16 +87,18 @@ def child_moejax() -> dict:
   from moejax.offload.memory import plan_memory
   out = {"policy": FLAGS.policy, "model_dir": FLAGS.model_dir}
   with memwatch.AnonWatch(interval_s=0.01) as whole:
-    t0 = time.perf_counter()
+    r0, t0 = memwatch.read_bytes(), time.perf_counter()
     cfg, params, store = load_model(FLAGS.model_dir, dtype=jnp.bfloat16, mmap=True,
                                     progress=False)
     out["load_s"] = time.perf_counter() - t0
+    out["load_read_bytes"] = memwatch.read_bytes() - r0
     out["plan"] = plan_memory(cfg, jnp.bfloat16, store="mmap", cache_fraction=FLAGS.cache_fraction,
                               kv_len=FLAGS.max_len).as_dict()
-    t0 = time.perf_counter()
+    r0, t0 = memwatch.read_bytes(), time.perf_counter()
     eng = OffloadEngine(cfg, params, store, FLAGS.policy, cache_fraction=FLAGS.cache_fraction,
                         link="native", max_len=FLAGS.max_len, dtype=jnp.bfloat16)
     out["engine_s"] = time.perf_counter() - t0
+    out["engine_read_bytes"] = memwatch.read_bytes() - r0
     out["anon_after_load_bytes"] = memwatch.status()["rss_anon"]
     t0 = time.perf_counter()
     eng.warmup(prompt_lengths=(FLAGS.prompt_len,))
@@ -178,6 +181,28 @@ def disk_shortfall(model_dir: str, gguf: str, layers: int, plan: dict) -> str | 
           f"it has {free}")
 
 
+def model_files(name: str, model_dir: str, gguf: str) -> list[str]:
+  if name == "llama.cpp":
+    return [gguf]
+  files = [os.path.join(model_dir, f) for f in os.listdir(model_dir) if f.endswith(".safetensors")]
+  if FLAGS.layout == "per_expert" and repacked(model_dir):
+    import jax.numpy as jnp
+    from moejax.io import repack
+    files.append(repack.stacked_path(model_dir, jnp.bfloat16))
+  return files
+
+
+def cached_bytes(files: list[str]) -> int | None:
+  """Bytes of `files` in the page cache (util-linux fincore; None without it): after the
+  drop this should be ~0, else another process holds or reads the same files."""
+  import subprocess
+  if not shutil.which("fincore"):
+    return None
+  res = subprocess.run(["fincore", "--bytes", "--noheadings", "--output=RES", *files],
+                       capture_output=True, text=True)
+  return sum(int(x) for x in res.stdout.split()) if res.returncode == 0 else None
+
+
 def run_one(name: str, model_dir: str, gguf: str, bins: dict | None, limit: int) -> dict:
   from launch import memcg
   if name == "llama.cpp":
@@ -189,10 +214,11 @@ def run_one(name: str, model_dir: str, gguf: str, bins: dict | None, limit: int)
             f"--decode_tokens={FLAGS.decode_tokens}", f"--warmup_tokens={FLAGS.warmup_tokens}",
             f"--max_len={FLAGS.max_len}", f"--cache_fraction={FLAGS.cache_fraction}"]
   memcg.drop_page_cache()
+  cached = cached_bytes(model_files(name, model_dir, gguf))
   res = memcg.run(argv, limit, FLAGS.timeout_s, env=dict(os.environ, JAX_PLATFORMS="cpu"))
   row = {"returncode": res.returncode, "oom_killed": res.oom_killed, "wall_s": res.wall_s,
          "group_peak_bytes": res.peak_bytes, "peak_anon_bytes": res.peak_anon_bytes,
-         "run_read_bytes": res.read_bytes}
+         "run_read_bytes": res.read_bytes, "cached_at_start_bytes": cached}
   try:
     child = json.loads(res.stdout.strip().splitlines()[-1])
   except (ValueError, IndexError):

@@ -51,6 +51,9 @@ def bench_config(layers: int = 8) -> ModelConfig:
                      qk_norm="head", max_position_embeddings=4096).validate()
 
 
+GGUF_DIR = os.path.join(os.path.expanduser("~"), ".cache", "moejax", "gguf")   # bench_scale's too
+
+
 def split_name(name: str) -> tuple[str, jnp.dtype]:
   if name not in NAMES:
     raise ValueError(f"--models: unknown model {name!r}; choose from {', '.join(NAMES)}")
@@ -69,6 +72,10 @@ def load(name: str, demo_dir: str = DEMO_DIR):
     cfg, params, store = load_model(demo_dir, dtype=dtype)
     tok = os.path.join(demo_dir, "tokenizer.json")
     return cfg, params, store, demo_dir, tok if os.path.exists(tok) else None
+  if kind == "wide":   # real width: written once, mapped (--store=mmap), read in place
+    d = save_wide(wide_dir(4))
+    cfg, params, store = load_model(d, dtype=dtype, mmap=True)
+    return cfg, params, store, d, os.path.join(d, "tokenizer.json")
   cfg = bench_config()
   params, exps = init_random(cfg, seed=0, dtype=dtype)
   return cfg, params, ExpertStore.from_stacked(exps), None, None

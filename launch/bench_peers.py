@@ -5,7 +5,8 @@
 Not part of the tests.  First run: builds llama.cpp from the llama-cpp-python
 source distribution into --llama_cache (see launch/llama_cpp.py; skipped with a
 message when there is no C++ compiler) and converts the models to GGUF there.
-Then, per model (bench shape f32, demo f32, demo bf16):
+Then, per model (bench shape f32, demo f32, demo bf16; `--models=wide_bf16`: Qwen3-30B-A3B's
+layer width at 4 layers, `launch.bench_models`, its experts read from the mapped file):
   * greedy text agreement llama.cpp vs the moejax Sampler (models with a tokenizer);
   * --rounds interleaved rounds; in each, every engine in turn decodes
     --decode_tokens greedy tokens after a --prompt_len prompt, then prefills a
@@ -240,18 +241,20 @@ def bench_model(name: str, bins, work: str) -> dict:
   runners, res = {}, {"engines": {}}
   if "llama.cpp" in FLAGS.engines and bins:
     gguf = llama_cpp.convert(FLAGS.llama_cache, hf_dir, "bf16" if dtype == jnp.bfloat16
-                             else "f32", os.path.join(FLAGS.llama_cache, "gguf"))
+                             else "f32", bench_models.GGUF_DIR if kind == "wide"
+                             else os.path.join(FLAGS.llama_cache, "gguf"))
     runners["llama.cpp"] = LlamaRunner(bins, gguf, FLAGS.threads)
     if FLAGS.threads > 1:  # its threads spin at barriers: on a busy machine 1 can win
       runners["llama.cpp_1t"] = LlamaRunner(bins, gguf, 1)
   if "sampler" in FLAGS.engines or "llama.cpp" in runners:
-    runners["sampler"] = SamplerRunner(cfg, params, store.to_device(), dtype, max_len)
+    runners["sampler"] = SamplerRunner(cfg, params, store.device_experts(), dtype, max_len)
   if "sampler_loop" in FLAGS.engines:
-    runners["sampler_loop"] = SamplerLoopRunner(cfg, params, store.to_device(), dtype, max_len)
+    runners["sampler_loop"] = SamplerLoopRunner(cfg, params, store.device_experts(), dtype,
+                                                  max_len)
   if "engine" in FLAGS.engines:
     runners["engine"] = EngineRunner(cfg, params, store, dtype, max_len)
   if "sampler_pool" in FLAGS.engines:
-    runners["sampler_pool"] = PoolRunner(SamplerRunner(cfg, params, store.to_device(), dtype,
+    runners["sampler_pool"] = PoolRunner(SamplerRunner(cfg, params, store.device_experts(), dtype,
                                                        max_len))
   if "engine_pool" in FLAGS.engines:
     runners["engine_pool"] = PoolRunner(EngineRunner(cfg, params, store, dtype, max_len))

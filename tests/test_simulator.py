@@ -265,5 +265,6 @@ def test_roofline_of_qwen3_30b_on_rtx3090():
 
 def test_unknown_profile_lists_the_known_ones():
   with pytest.raises(hardware.ProfileError, match="known: rtx3090, rtx4090, a100, h100, h200, "
-                                                  "gh200, this_machine"):
+                                                  "gh200, rtx3090_nvme, ddr5_nvme, ddr4_sata, "
+                                                  "vm_disk, this_machine"):
     hardware.hardware("rtx5090")

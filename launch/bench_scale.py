@@ -29,8 +29,10 @@ the loop, in both programs), the peak RssAnon of the child (sampled from outside
 cgroup's peak (anon + page cache), OOM kill or not, and decode tok/s over llama.cpp's.
 moejax's memory plan (`plan_memory(..., store="mmap")`) is reported beside its peak: its
 anon_bytes + 1 GB of runtime must fit the limit (else exit 2 before loading anything).
-The load average at start and end is recorded.  Needs root and a v1 memory cgroup
-(exit 2 with the reason otherwise).
+Also in the JSON: each run's model-file bytes still cached after the drop (fincore;
+non-zero means another process holds or reads the same files), the disk bytes moejax
+read while loading, setting up the engine and prefilling, and the load average at start
+and end.  Needs root and a v1 memory cgroup (exit 2 with the reason otherwise).
 """
 
 from __future__ import annotations

@@ -123,3 +123,36 @@ def test_a_repack_that_does_not_fit_is_refused_before_writing(ckpt_64mb, tmp_pat
   assert not os.path.exists(repack.stacked_path(ckpt_64mb, jnp.bfloat16) + ".part")
   # no repack needed (not per-expert): nothing to check
   repack.check_space(ckpt_64mb, cfg.moe_layers, 64, kinds, jnp.bfloat16, per_expert=False)
+
+
+def _aligned_fused(tmp_path, nan_at=None) -> str:
+  """A fused bf16 checkpoint whose tensors start on 64-byte boundaries (mapped as it is);
+  nan_at=(layer, expert): a NaN in that expert's gate_up."""
+  from moejax.io.safetensors_io import SafetensorsFile, write_streamed
+  cfg = config(256, 160)
+  d = tmp_path / ("nan" if nan_at else "ok")
+  params, exps = init_random(cfg, seed=0, dtype=jnp.bfloat16)
+  save_hf(cfg, params, exps, str(d), dtype=jnp.bfloat16, layout="fused")
+  f = SafetensorsFile(str(d / "model.safetensors"))
+  tensors = {n: np.array(f.get(n)) for n in f.keys()}
+  if nan_at:
+    tensors[f"model.layers.{nan_at[0]}.mlp.experts.gate_up_proj"][nan_at[1], 3, 5] = np.nan
+  del f
+  write_streamed(str(d / "model.safetensors"), [(n, a.dtype, a.shape) for n, a in
+                                                tensors.items()], lambda n: [tensors[n]],
+                 {"format": "pt"}, align=64)
+  return str(d)
+
+
+def test_an_aligned_fused_checkpoint_is_mapped_as_it_is_and_checked_once(tmp_path):
+  d = _aligned_fused(tmp_path)
+  _, _, store = load_model(d, dtype=jnp.bfloat16, mmap=True)
+  gu = store.stacked(0)["gate_up"]
+  assert os.path.realpath(gu.filename) == os.path.realpath(os.path.join(d, "model.safetensors"))
+  assert os.path.exists(repack.checked_stamp(d, jnp.bfloat16))     # not read whole again
+  assert not os.path.exists(repack.stacked_path(d, jnp.bfloat16))   # no repack
+  bad = _aligned_fused(tmp_path, nan_at=(2, 7))
+  with pytest.raises(Exception, match=r"layers\.2\.mlp\.experts\.gate_up_proj' \(expert 7\) "
+                                      r"contains NaN"):
+    load_model(bad, dtype=jnp.bfloat16, mmap=True)
+  assert not os.path.exists(repack.checked_stamp(bad, jnp.bfloat16))

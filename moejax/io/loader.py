@@ -324,8 +324,9 @@ def _mapped_experts(cfg, idx: _Index, model_dir, fused, per_expert, np_dtype, ch
                     progress) -> dict:
   """The disk tier: {MoE layer: LayerExperts of read-only memmaps [E, ...]} that jax can
   wrap without a copy (`repack`).  A fused checkpoint already in `np_dtype` and aligned
-  is mapped as it is; any other is repacked once into a stacked file (its experts checked
-  for NaN/Inf as they are written; a reused file was checked when written)."""
+  is mapped as it is (its experts checked for NaN/Inf on the first load only:
+  `repack.checked_stamp`); any other is repacked once into a stacked file (its experts
+  checked as they are written; a reused file was checked when written)."""
   from moejax.io import repack
   src = _expert_names(cfg, idx, model_dir, fused, per_expert)
   E = cfg.num_experts
@@ -336,10 +337,14 @@ def _mapped_experts(cfg, idx: _Index, model_dir, fused, per_expert, np_dtype, ch
               for l, (_, names) in src.items()}
     if all(a.dtype == np_dtype and repack.aligned(a) for d in direct.values()
            for a in d.values()):
-      for l, (_, names) in src.items():
-        for k, n in names.items():
-          for e in range(E) if check_finite else ():
-            _finite(idx, n, direct[l][k][e], f" (expert {e})")
+      stamp = repack.checked_stamp(model_dir, np_dtype)
+      if check_finite and not os.path.exists(stamp):    # once per checkpoint: a full read
+        for l, (_, names) in src.items():
+          for k, n in names.items():
+            for e in range(E):
+              _finite(idx, n, direct[l][k][e], f" (expert {e})")
+        os.makedirs(os.path.dirname(stamp), exist_ok=True)
+        open(stamp, "w").close()
       return {l: LayerExperts(E, stacked=d) for l, d in direct.items()}
 
   def chunks(layer, kind):

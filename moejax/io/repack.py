@@ -65,6 +65,13 @@ def stacked_path(model_dir: str, dtype) -> str:
                       "experts.safetensors")
 
 
+def checked_stamp(model_dir: str, dtype) -> str:
+  """A marker beside where the stacked file would be: the mapped checkpoint's experts were
+  checked for NaN/Inf (the key changes with the checkpoint, so a changed one is checked
+  again).  A directly mapped checkpoint is read whole once for the check, not every run."""
+  return os.path.join(os.path.dirname(stacked_path(model_dir, dtype)), "finite.ok")
+
+
 def aligned(a: np.ndarray) -> bool:
   """Whether jax's CPU client can wrap `a`'s memory without a copy."""
   return a.__array_interface__["data"][0] % JAX_ALIGN == 0

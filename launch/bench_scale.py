@@ -63,7 +63,8 @@ flags.DEFINE_integer("decode_tokens", 32, "Greedy tokens timed.")
 flags.DEFINE_integer("warmup_tokens", 4, "moejax: greedy tokens decoded untimed after the prompt.")
 flags.DEFINE_integer("max_len", 256, "moejax: KV length (and the plan's kv_len).")
 flags.DEFINE_float("cache_fraction", 0.25, "moejax: share of each layer's experts in slots.")
-flags.DEFINE_integer("threads", 2, "llama.cpp threads.")
+flags.DEFINE_integer("threads", 2, "llama.cpp threads (on a busy 2-core machine 1 decoded 4.6x "
+                     "faster than 2: docs/runs/2026-12-05-engine4/bench_scale.md).")
 flags.DEFINE_float("timeout_s", 1800.0, "Per-run time limit.")
 flags.DEFINE_string("model_root", None, "Where the wide model is written (default "
                     "launch.bench_models.WIDE_DIR).")

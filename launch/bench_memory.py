@@ -12,11 +12,12 @@ written once; or --model_dir) with `--store=mmap --link=native`, in a child proc
   quality, speed, baseline   the presets at --cache_fraction (0.25)
 
 For each: the plan (`offload.memory.plan_memory`, what `--dry_run` prints) and its
-anonymous RAM, the child's sampled peak RssAnon (`memwatch`: owned memory, not the
-mapped file's pages), whether peak <= plan + --tolerance_gb (1 GB: the runtime's own
+anonymous RAM, the child's sampled peak RssAnon (`offload.memory.AnonWatch`: owned
+memory, not the mapped file's pages), whether peak <= plan + --tolerance_gb (1 GB: the runtime's own
 memory, jax and XLA's executables), the exit code, whether the kernel killed it for
 memory, its wall time, and (with --memory_limit_gb) the memory cgroup's peak, page
-cache included (the page cache is dropped before each such run: --drop_caches).  A table on the terminal and --out JSON.
+cache included (the page cache is dropped before each such run: --drop_caches).  A
+table on the terminal and --out JSON.
 
 --memory_limit_gb runs every child in a memory cgroup of that size (`launch.memcg`:
 needs root and cgroup v1; without them the reason is printed and the exit is 2).  A
@@ -143,11 +144,11 @@ def _run_plain(argv):
   import threading
   import time
   from launch.memcg import Result
-  from moejax.offload import memwatch
+  from moejax.offload import memory as mem
   t0 = time.perf_counter()
   blocks0 = resource.getrusage(resource.RUSAGE_CHILDREN).ru_inblock
   child = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-  watch, stop = memwatch.AnonWatch(pid=str(child.pid)), threading.Event()
+  watch, stop = mem.AnonWatch(pid=str(child.pid)), threading.Event()
 
   def sample():
     while not stop.wait(0.02):

@@ -229,7 +229,7 @@ def run_rounds(runners: dict, stream: list) -> dict:
 
 
 def main(argv):
-  from moejax.offload.memwatch import AnonWatch
+  from moejax.offload.memory import AnonWatch
   with cpu_kernel.decoding(), AnonWatch() as watch:   # kernel helpers stay awake
     return _main(argv, watch)
 

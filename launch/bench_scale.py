@@ -85,45 +85,45 @@ def child_moejax() -> dict:
   import numpy as np
   from moejax.io.loader import load_model
   from moejax.kernels import cpu_kernel
-  from moejax.offload import memwatch
+  from moejax.offload import memory as mem
   from moejax.offload.engine import OffloadEngine
   from moejax.offload.memory import plan_memory
   out = {"policy": FLAGS.policy, "model_dir": FLAGS.model_dir}
-  with memwatch.AnonWatch(interval_s=0.01) as whole:
-    r0, t0 = memwatch.read_bytes(), time.perf_counter()
+  with mem.AnonWatch(interval_s=0.01) as whole:
+    r0, t0 = mem.read_bytes(), time.perf_counter()
     cfg, params, store = load_model(FLAGS.model_dir, dtype=jnp.bfloat16, mmap=True,
                                     progress=False)
     out["load_s"] = time.perf_counter() - t0
-    out["load_read_bytes"] = memwatch.read_bytes() - r0
+    out["load_read_bytes"] = mem.read_bytes() - r0
     out["plan"] = plan_memory(cfg, jnp.bfloat16, store="mmap", cache_fraction=FLAGS.cache_fraction,
                               kv_len=FLAGS.max_len).as_dict()
-    r0, t0 = memwatch.read_bytes(), time.perf_counter()
+    r0, t0 = mem.read_bytes(), time.perf_counter()
     eng = OffloadEngine(cfg, params, store, FLAGS.policy, cache_fraction=FLAGS.cache_fraction,
                         link="native", max_len=FLAGS.max_len, dtype=jnp.bfloat16)
     out["engine_s"] = time.perf_counter() - t0
-    out["engine_read_bytes"] = memwatch.read_bytes() - r0
-    out["anon_after_load_bytes"] = memwatch.status()["rss_anon"]
+    out["engine_read_bytes"] = mem.read_bytes() - r0
+    out["anon_after_load_bytes"] = mem.status()["rss_anon"]
     t0 = time.perf_counter()
     eng.warmup(prompt_lengths=(FLAGS.prompt_len,))
     out["compile_s"] = time.perf_counter() - t0
     prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, FLAGS.prompt_len).tolist()
     with cpu_kernel.decoding():
-      r0 = memwatch.read_bytes()
+      r0 = mem.read_bytes()
       t0 = time.perf_counter()
       logits = eng.prefill(prompt)
       out["prefill_s"] = time.perf_counter() - t0
-      out["prefill_read_bytes"] = memwatch.read_bytes() - r0
+      out["prefill_read_bytes"] = mem.read_bytes() - r0
       tok = int(np.argmax(logits))
       for _ in range(FLAGS.warmup_tokens):
         tok = int(np.argmax(eng.decode_step(tok)))
       toks = []
-      r0 = memwatch.read_bytes()
+      r0 = mem.read_bytes()
       t0 = time.perf_counter()
       for _ in range(FLAGS.decode_tokens):
         tok = int(np.argmax(eng.decode_step(tok)))
         toks.append(tok)
       out["decode_s"] = time.perf_counter() - t0
-      out["decode_read_bytes"] = memwatch.read_bytes() - r0
+      out["decode_read_bytes"] = mem.read_bytes() - r0
   n = FLAGS.decode_tokens
   out.update(prefill_tok_s=FLAGS.prompt_len / out["prefill_s"], decode_tok_s=n / out["decode_s"],
              decode_tokens=n, decode_read_bytes_per_token=out["decode_read_bytes"] / n,

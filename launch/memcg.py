@@ -6,8 +6,8 @@
 The child starts in a fresh group under the mounted v1 memory hierarchy
 (``/sys/fs/cgroup/memory``) whose ``memory.limit_in_bytes`` is the limit: anonymous memory
 above it is killed by the kernel's OOM killer, file pages (the mapped checkpoint) are
-reclaimed.  Peak anonymous RSS is sampled from the child's /proc status (`memwatch`),
-the group's own peak (``memory.max_usage_in_bytes``) counts page cache too, and the
+reclaimed.  Peak anonymous RSS is sampled from the child's /proc status
+(`offload.memory.AnonWatch`), the group's own peak (``memory.max_usage_in_bytes``) counts page cache too, and the
 disk bytes read are the child's block input operations (``ru_inblock`` x 512 bytes,
 from the rusage of waited children: one child at a time).
 
@@ -85,7 +85,7 @@ def run(argv: list[str], limit_bytes: int | None, timeout_s: float = 3600.0,
   why = available()
   if why:
     raise RuntimeError(why)
-  from moejax.offload import memwatch
+  from moejax.offload import memory as mem
   group = os.path.join(ROOT, f"moejax-{os.getpid()}-{time.monotonic_ns()}")
   os.makedirs(group)
   try:
@@ -98,7 +98,7 @@ def run(argv: list[str], limit_bytes: int | None, timeout_s: float = 3600.0,
     # exec: a preexec_fn would fork a multithreaded parent, e.g. one that imported jax)
     child = subprocess.Popen(["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', procs, *argv],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    watch = memwatch.AnonWatch(pid=str(child.pid), interval_s=0.02)
+    watch = mem.AnonWatch(pid=str(child.pid), interval_s=0.02)
     stop = threading.Event()
 
     def sample():

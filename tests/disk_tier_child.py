@@ -10,7 +10,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from moejax.offload.memwatch import AnonWatch, status   # before jax: nothing held yet
+from moejax.offload.memory import AnonWatch, status
 
 
 def main(model_dir: str, store: str, fraction: float, tokens: int):

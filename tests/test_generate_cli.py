@@ -74,12 +74,20 @@ def test_random_model_and_model_dir_together():
 
 # ------------------------------------------------------------------ flag combinations
 @pytest.mark.parametrize("flag", ["--cache_fraction=0.5", "--cache_bytes=1000000", "--link=scaled",
-                                  "--tau=0.2", "--store=mmap", "--admission_beta=0.5",
-                                  "--eviction=lfu"])
+                                  "--tau=0.2", "--admission_beta=0.5", "--eviction=lfu"])
 def test_offload_flag_without_policy(flag):
   assert_usage_error([flag], flag.split("=")[0] + " applies only with --policy",
                      "--policy=quality")
 
+
+def test_mapped_store_without_policy_reads_every_expert_in_place():
+  """--store=mmap without --policy: the plan counts no expert in anonymous RAM (they are
+  page cache), and the run generates from the mapped file."""
+  rc, out, err = run("--store=mmap", "--max_new_tokens=4", "--prompt=def f(x):",
+                     "--nostream")
+  assert rc == 0, err
+  assert "every expert read where the store holds it" in err
+  assert "page cache     up to" in err and out.startswith("def f(x):")
 
 def test_several_offload_flags_without_policy_are_all_named():
   assert_usage_error(["--cache_fraction=0.5", "--link=native"],

@@ -262,7 +262,8 @@ def main(_):
         f"GB = 10^9):", file=sys.stderr)
   for line in plan.lines():
     print(f"  {line}", file=sys.stderr)
-  stored = memory.checkpoint_dtype(folder)
+  from moejax.io.loader import checkpoint_dtype
+  stored = checkpoint_dtype(folder)
   if stored and stored != jnp.dtype(dtype).name:
     print(f"  note: the checkpoint stores {stored}; --dtype={FLAGS.dtype} converts every "
           f"weight to {jnp.dtype(dtype).name} while loading (the sizes above are in "

@@ -29,6 +29,19 @@ from moejax.io.store import ExpertStore, LayerExperts
 _FLOAT_SRC = ("F32", "F16", "BF16", "F64")
 
 
+def checkpoint_dtype(model_dir: str | None) -> str | None:
+  """The dtype config.json says the weights are stored in (torch_dtype / dtype), if any."""
+  if model_dir is None:
+    return None
+  try:
+    with open(os.path.join(model_dir, "config.json")) as f:
+      hf = json.load(f)
+  except (OSError, ValueError):
+    return None
+  name = hf.get("torch_dtype") or hf.get("dtype")
+  return name if name in ("float32", "bfloat16", "float16") else None
+
+
 def expert_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
   """Per-expert tensor shapes of the (dequantised) expert dict, without the expert axis."""
   return families.of(cfg).expert_shapes(cfg)

@@ -92,8 +92,7 @@ def check_checkpoint(model_dir: str, cfg, dtype):
   """`check_space` for a checkpoint folder before loading it with mmap=True: a repack is
   needed for per-expert tensors or a stored dtype other than `dtype` (read from the
   index or header and config.json only)."""
-  from moejax.io.loader import expert_shapes
-  from moejax.offload.memory import checkpoint_dtype
+  from moejax.io.loader import checkpoint_dtype, expert_shapes
   shp = expert_shapes(cfg)
   if set(shp) != {"gate_up", "down"}:
     return                                  # a family's own layout is not repacked

@@ -26,7 +26,14 @@ Where each byte lives (the tiers, docs/engine.md "Memory tiers"):
                   backend the prompt pass reads the store in place: no copy).
 
 `MemoryPlan.anon_bytes` is what a run's anonymous RSS should stay within (plus the
-runtime's own few hundred MB: jax, XLA's executables, Python).
+runtime's own few hundred MB: jax, XLA's executables, Python).  What a run really holds
+is measured here too: /proc's VmHWM mixes anonymous and file pages, so `AnonWatch`
+samples RssAnon on a thread and keeps its peak (`status()` reads the figures once,
+`read_bytes()` the disk bytes a process read; Linux only, elsewhere None):
+
+  with AnonWatch() as w:
+    run()
+  w.peak_anon, w.read_bytes
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -61,19 +69,6 @@ def checkpoint_is_mxfp4(model_dir: str) -> bool:
   else:
     return False
   return any(n.endswith("_proj_blocks") for n in names)
-
-
-def checkpoint_dtype(model_dir: str | None) -> str | None:
-  """The dtype config.json says the weights are stored in (torch_dtype / dtype), if any."""
-  if model_dir is None:
-    return None
-  try:
-    with open(os.path.join(model_dir, "config.json")) as f:
-      hf = json.load(f)
-  except (OSError, ValueError):
-    return None
-  name = hf.get("torch_dtype") or hf.get("dtype")
-  return name if name in ("float32", "bfloat16", "float16") else None
 
 
 def expert_nbytes(cfg: ModelConfig, dtype, mxfp4: bool = False) -> int:
@@ -218,3 +213,78 @@ def gb(n: int) -> str:
 
 def mb(n: int) -> str:
   return f"{n / 1e6:.2f} MB" if n >= 1e5 else f"{n / 1e3:.1f} kB"
+
+
+# ------------------------------------------------- what a run really holds (measured)
+def _status_kb(pid: str = "self") -> dict:
+  out = {}
+  try:
+    with open(f"/proc/{pid}/status") as f:
+      for line in f:
+        key, _, rest = line.partition(":")
+        if rest.strip().endswith("kB"):
+          out[key] = int(rest.split()[0]) * 1024
+  except OSError:
+    pass
+  return out
+
+
+def read_bytes(pid: str = "self") -> int | None:
+  """Bytes this process caused to be read from storage (/proc/PID/io read_bytes)."""
+  try:
+    with open(f"/proc/{pid}/io") as f:
+      for line in f:
+        if line.startswith("read_bytes:"):
+          return int(line.split()[1])
+  except OSError:
+    return None
+  return None
+
+
+def status(pid: str = "self") -> dict:
+  """{rss_anon, rss_file, vm_hwm}: bytes now (VmHWM: the peak of anon + file pages)."""
+  s = _status_kb(pid)
+  return {"rss_anon": s.get("RssAnon"), "rss_file": s.get("RssFile"),
+          "vm_hwm": s.get("VmHWM")}
+
+
+class AnonWatch:
+  """The peak of RssAnon, sampled every `interval_s` on a daemon thread, and the disk
+  bytes read, between enter and exit (`peak_anon` also counts what was held at enter)."""
+
+  def __init__(self, interval_s: float = 0.005, pid: str = "self"):
+    self.interval_s, self.pid = interval_s, pid
+    self.peak_anon = self.start_anon = self.read_bytes = None
+    self._stop = threading.Event()
+    self._thread = None
+    self._read0 = None
+
+  def sample(self):
+    a = _status_kb(self.pid).get("RssAnon")
+    if a is not None:
+      self.peak_anon = a if self.peak_anon is None else max(self.peak_anon, a)
+    return a
+
+  def _loop(self):
+    while not self._stop.wait(self.interval_s):
+      self.sample()
+
+  def __enter__(self):
+    self.start_anon = self.sample()
+    self._read0 = read_bytes(self.pid)
+    self._thread = threading.Thread(target=self._loop, name="moejax-anon-watch", daemon=True)
+    self._thread.start()
+    return self
+
+  def __exit__(self, *exc):
+    self._stop.set()
+    self._thread.join()
+    self.sample()
+    r = read_bytes(self.pid)
+    self.read_bytes = None if r is None or self._read0 is None else r - self._read0
+    return False
+
+  def as_dict(self) -> dict:
+    return {"peak_anon_bytes": self.peak_anon, "start_anon_bytes": self.start_anon,
+            "disk_read_bytes": self.read_bytes, **{f"{k}_bytes": v for k, v in
+                                                   status(self.pid).items()}}

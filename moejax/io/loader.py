@@ -260,48 +260,38 @@ def _load(cfg, family, idx: _Index, model_dir, dtype, mmap, check_finite, dequan
     d[p[-1]] = v
 
   # routed experts
-  if mmap and family.load_layer_experts is None:
+  if family.load_layer_experts is not None:    # the family's own tensor layout
+    layers = {layer: LayerExperts(cfg.num_experts, stacked=family.load_layer_experts(
+        idx, fused.get(layer, {}), cfg, layer, np_dtype, dequantize_mxfp4=dequantize_mxfp4,
+        mmap=mmap, check_finite=check_finite, check=_check, error=CheckpointError,
+        model_dir=model_dir)) for layer in cfg.moe_layers}
+  elif mmap:
     layers = _mapped_experts(cfg, idx, model_dir, fused, per_expert, np_dtype, check_finite,
                              progress)
-    return cfg, params, ExpertStore(layers, cfg.num_layers, backend="mmap")
-  d_, i_ = cfg.hidden_size, cfg.moe_intermediate_size
-  layers = {}
-  for layer in cfg.moe_layers:
-    if family.load_layer_experts is not None:  # the family's own tensor layout
-      st = family.load_layer_experts(
-          idx, fused.get(layer, {}), cfg, layer, np_dtype, dequantize_mxfp4=dequantize_mxfp4,
-          mmap=mmap, check_finite=check_finite, check=_check, error=CheckpointError,
-          model_dir=model_dir)
-      layers[layer] = LayerExperts(cfg.num_experts, stacked=st)
-      continue
-    if layer in fused:
-      names = fused[layer]
-      for need in ("gate_up_proj", "down_proj"):
-        if need not in names:
-          raise CheckpointError(f"{model_dir}: missing tensor "
-                                f"'model.layers.{layer}.mlp.experts.{need}'")
-      gu, dn = idx.get(names["gate_up_proj"]), idx.get(names["down_proj"])
-      _check(idx, names["gate_up_proj"], gu, (cfg.num_experts, 2 * i_, d_), check_finite)
-      _check(idx, names["down_proj"], dn, (cfg.num_experts, d_, i_), check_finite)
-      st = {"gate_up": np.array(gu, dtype=np_dtype), "down": np.array(dn, dtype=np_dtype)}
-      layers[layer] = LayerExperts(cfg.num_experts, stacked=st)
-      continue
-    per = per_expert.get(layer, {})
-    for e in range(cfg.num_experts):
-      for w in ("gate_proj", "up_proj", "down_proj"):
-        if w not in per.get(e, {}):
-          raise CheckpointError(f"{model_dir}: missing tensor "
-                                f"'model.layers.{layer}.mlp.experts.{e}.{w}.weight'")
-        shape = (d_, i_) if w == "down_proj" else (i_, d_)
-        _check(idx, per[e][w], idx.get(per[e][w]), shape, check_finite)
-    gu = np.empty((cfg.num_experts, 2 * i_, d_), np_dtype)
-    dn = np.empty((cfg.num_experts, d_, i_), np_dtype)
-    for e in range(cfg.num_experts):
-      gu[e, :i_] = idx.get(per[e]["gate_proj"])
-      gu[e, i_:] = idx.get(per[e]["up_proj"])
-      dn[e] = idx.get(per[e]["down_proj"])
-    layers[layer] = LayerExperts(cfg.num_experts, stacked={"gate_up": gu, "down": dn})
+  else:
+    layers = _ram_experts(cfg, idx, model_dir, fused, per_expert, np_dtype, check_finite)
   return cfg, params, ExpertStore(layers, cfg.num_layers, backend="mmap" if mmap else "numpy")
+
+
+def _ram_experts(cfg, idx: _Index, model_dir, fused, per_expert, np_dtype,
+                 check_finite) -> dict:
+  """{MoE layer: LayerExperts of stacked numpy arrays in `np_dtype`} read into RAM (each
+  tensor checked for NaN/Inf as it is read)."""
+  E, i_ = cfg.num_experts, cfg.moe_intermediate_size
+  read = lambda name: _finite(idx, name, idx.get(name), "", check_finite)   # a mapped view
+  layers = {}
+  for layer, (how, names) in _expert_names(cfg, idx, model_dir, fused, per_expert).items():
+    if how == "fused":                      # one copy into RAM, converted on the way
+      st = {k: np.array(read(n), dtype=np_dtype) for k, n in names.items()}
+    else:
+      st = {"gate_up": np.empty((E, 2 * i_, cfg.hidden_size), np_dtype),
+            "down": np.empty((E, cfg.hidden_size, i_), np_dtype)}
+      for e in range(E):
+        st["gate_up"][e, :i_] = read(names[e]["gate_proj"])
+        st["gate_up"][e, i_:] = read(names[e]["up_proj"])
+        st["down"][e] = read(names[e]["down_proj"])
+    layers[layer] = LayerExperts(E, stacked=st)
+  return layers
 
 
 def _expert_names(cfg, idx: _Index, model_dir, fused, per_expert) -> dict:

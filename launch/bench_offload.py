@@ -228,15 +228,10 @@ def run_rounds(runners: dict, stream: list) -> dict:
   return per
 
 
-def main(argv):
+def main(_):
   from moejax.offload.memory import AnonWatch
-  with cpu_kernel.decoding(), AnonWatch() as watch:   # kernel helpers stay awake
-    return _main(argv, watch)
-
-
-def _main(_, watch):
-  with contextlib.ExitStack() as stack:
-    run(stack, watch)
+  with cpu_kernel.decoding(), AnonWatch() as watch, contextlib.ExitStack() as stack:
+    run(stack, watch)                                  # kernel helpers stay awake
 
 
 def run(stack: contextlib.ExitStack, watch):

@@ -138,10 +138,9 @@ def test_agrees_with_engine_on_models_with_several_layer_kinds(family, fraction,
   assert final == {l: sorted(int(e) for e in out["slot_expert"][0, -1, j] if e >= 0)
                    for j, l in enumerate(cfg.moe_layers)}
   assert sum(r.substituted for r in records) > 0 and sum(r.admitted for r in records) > 0
-  if fraction == 0.125:   # trimmed back to S = 1 after every token, then the admissions
+  if fraction == 0.125:   # trimmed back to S = 1 after every token, admissions included
     resident = (out["slot_expert"] >= 0).sum(-1)         # [1, T, L]
-    assert np.all(resident - (out["admissions"] >= 0).sum(-1) <= 1)
-    assert np.any(resident == 2)                         # an admission in the staging slot
+    assert np.all(resident <= 1)
 
 
 # ------------------------------------------------------------------ tiny random model

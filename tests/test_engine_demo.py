@@ -29,16 +29,18 @@ def demo():
   return load_model(DEMO)
 
 
-@pytest.mark.parametrize("slots", [1, 4])
-def test_budget_below_top_k_is_really_that_small(demo, slots):
+@pytest.mark.parametrize("slots,policy", [(1, "baseline"), (4, "baseline"), (4, "quality")])
+def test_budget_below_top_k_is_really_that_small(demo, slots, policy):
+  """Between tokens a layer holds at most S experts, the admissions it requested
+  included (they are inserted before the trim: cache_fraction=0.0625 is S = 4)."""
   cfg, params, store = demo
   assert slots < cfg.top_k
-  with OffloadEngine(cfg, params, store, "baseline", cache_fraction=slots / cfg.num_experts,
+  with OffloadEngine(cfg, params, store, policy, cache_fraction=slots / cfg.num_experts,
                      max_len=64) as eng:
     assert (eng.budget.slots, eng.budget.staging) == (slots, cfg.top_k - slots)
     eng.prefill(PROMPT)
     assert all(len(s) <= slots for s in eng.resident_sets().values())
-    for tok in STREAM[:6]:
+    for tok in STREAM[:24]:
       eng.decode_step(tok)
       sets = eng.resident_sets()
       assert all(len(s) <= slots for s in sets.values()), sets
@@ -49,6 +51,8 @@ def test_budget_below_top_k_is_really_that_small(demo, slots):
         assert rec.actions.count(0) <= slots
     s = eng.stats()
     assert s["evictions_per_token"] > 0 and s["hit_rate"] <= slots / cfg.top_k
+    if policy == "quality":      # the case that held S + 2 between tokens
+      assert s["admitted_per_token"] > 0, s
 
 
 def run(demo, link, tokens):

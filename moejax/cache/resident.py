@@ -265,14 +265,14 @@ def insert(state: ResidentState, ids_J: jax.Array, rows_J: dict, in_use_E: jax.A
 
 
 def trim(state: ResidentState, budget_slots: int,
-         params: policy_lib.CacheParams | policy_lib.PolicyParams):
+         params: policy_lib.CacheParams | policy_lib.PolicyParams, protected_S=None):
   """Evicts experts until at most `budget_slots` are resident (pure, jittable).
 
   Run after each token on a layer with staging slots (S < K): staging slots hold
   the token in flight only, so the resident set is back within the budget S.
-  The experts removed are the first of `eviction.eviction_order` with nothing
-  protected (lru: oldest use; lfu: smallest decayed count; least_stale: oldest use,
-  then oldest load; ties by lowest slot).
+  The experts removed are the first of `eviction.eviction_order` (lru: oldest use;
+  lfu: smallest decayed count; least_stale: oldest use, then oldest load; ties by
+  lowest slot), the `protected_S` slots last (the token's admissions).
   Slot rows are not cleared (an empty slot's row is never read).  Returns
   (state, evicted_P): the expert each slot lost (-1: none).
   """
@@ -280,7 +280,8 @@ def trim(state: ResidentState, budget_slots: int,
   num_s = state.slot_expert.shape[0]
   slot_e = state.slot_expert
   excess = jnp.sum(slot_e >= 0) - budget_slots
-  rank, _ = eviction.eviction_rank(state, jnp.zeros((num_s,), bool), params)
+  prot = jnp.zeros((num_s,), bool) if protected_S is None else protected_S
+  rank, _ = eviction.eviction_rank(state, prot, params)
   num_empty = jnp.sum(slot_e < 0)
   evict = (slot_e >= 0) & (rank >= num_empty) & (rank < num_empty + excess)
   old = jnp.where(evict, slot_e, -1)

@@ -279,9 +279,30 @@ class OffloadEngine:
     out, copied, evicted = jax.device_get((logits, copied, evicted))
     self._clock.reset()
     self.end_index = t
+    waits = {}
+    if self.link.emulated:   # each layer waits for the missing experts its prompt used
+      n_l = np.sum(np.asarray(copied) >= 0, axis=-1)
+      none = np.zeros_like(n_l)
+      waits = self._wait_link(t0, f"the {t}-token prompt", n_l, none, none)
+      self._clock.reset()
     self.prefill_record = prefill_record(t, self.moe_layers, copied, evicted,
                                          self.store.expert_nbytes(), time.perf_counter() - t0)
+    self.prefill_record.wait_s = waits.get("wait_s", 0.0)
     return np.asarray(out)
+
+  def _wait_link(self, t0: float, what: str, fetches, admissions, prefetches) -> dict:
+    """Sleeps out the emulated link's time for copies counted per MoE layer (`LinkClock`)
+    since t0 -> its waits; past `transfer_timeout_s` the engine stops with TransferTimeout."""
+    compute = time.perf_counter() - t0
+    emulated, waits = self._clock.token(compute, fetches, admissions, prefetches)
+    if emulated - compute > self.transfer_timeout_s:
+      transfer.sleep_until(t0 + compute + self.transfer_timeout_s)
+      self._failed = transfer.TransferTimeout(
+          f"the emulated link needs {emulated - compute:.3g} s for the copies of {what}, "
+          f"beyond transfer_timeout_s={self.transfer_timeout_s:g}")
+      raise self._failed
+    transfer.sleep_until(t0 + emulated)
+    return waits
 
   def decode_step(self, token, lazy: bool = False):
     """Feeds one token at position `end_index`; returns the next-token logits [V].
@@ -309,19 +330,10 @@ class OffloadEngine:
       return logits
     self._read_deferred()
     out, packed = jax.device_get((logits, packed))
-    compute = time.perf_counter() - t0
     waits = {}
     if self.link.emulated:
-      emulated, waits = self._clock.token(compute, *link_counts(
+      waits = self._wait_link(t0, f"the token at position {self.end_index - 1}", *link_counts(
           packed, self._layout, self._low_nbytes / self.store.expert_nbytes(), self.plan))
-      if emulated - compute > self.transfer_timeout_s:
-        transfer.sleep_until(t0 + compute + self.transfer_timeout_s)
-        self._failed = transfer.TransferTimeout(
-            f"the emulated link needs {emulated - compute:.3g} s for the copies of the token "
-            f"at position {self.end_index - 1}, beyond transfer_timeout_s="
-            f"{self.transfer_timeout_s:g}")
-        raise self._failed
-      transfer.sleep_until(t0 + emulated)
     self._unbuilt.append((packed, time.perf_counter() - t0, waits))
     return jnp.asarray(out) if lazy else out
 

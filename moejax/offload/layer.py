@@ -1,16 +1,18 @@
 """One MoE layer of a decoded token: the per-layer sequence, written once.
 
-`policy_step` is the cache's side of a layer, pure over its `ResidentState`, its
-router logits and the admissions requested at the previous token:
+`policy_step` is the cache's side of a layer, pure over its `ResidentState` and its
+router logits:
 
-  1. insert those admissions (ascending ids, nothing protected);
-  2. decide (`policy.decide`, a control rule, or the speculative decision on the
+  1. decide (`policy.decide`, a control rule, or the speculative decision on the
      view in which the experts prefetched for this layer count as resident);
-  3. insert the FETCH experts (the token's executed experts protected);
-  4. `policy.update_usage`;
-  5. insert the prefetched experts the layer executed (speculative prefetch, unless
+  2. insert the FETCH experts (the token's executed experts protected);
+  3. `policy.update_usage`;
+  4. insert the prefetched experts the layer executed (speculative prefetch, unless
      streaming);
-  6. trim back to the budget (a layer with staging slots).
+  5. insert the admissions this token requested (ascending ids, nothing protected;
+     their rows are copied at the next token, before the layer's experts run);
+  6. trim back to the budget S (a layer with staging slots), the admissions evicted
+     last: between tokens a layer holds at most S experts.
 
 It returns the new state and a `Step`: the decision, the copies the inserts need
 (expert id -> slot, in insert order), the buffer row each executed expert is read
@@ -206,8 +208,8 @@ def policy_head(cfg: ModelConfig, decision, cache, state, logits_1xE, *,
 
 def policy_tail(cfg: ModelConfig, decision, cache, trim_to, state, head: Head, *,
                 spec_on: bool = False, keep: bool = True, skip_empty: bool = False):
-  """Steps 3-6: usage, the executed prefetches into the cache, the trim, then this
-  token's admission requests inserted for the next token -> (state, Step).  It touches
+  """Steps 3-6: usage, the executed prefetches into the cache, this token's admission
+  requests inserted for the next token, then the trim -> (state, Step).  It touches
   only the layer's own state and nothing its experts read this token, so the engine
   runs it for every MoE layer at once after the last layer (vmapped)."""
   k, num_e = cfg.top_k, cfg.num_experts
@@ -224,9 +226,6 @@ def policy_tail(cfg: ModelConfig, decision, cache, trim_to, state, head: Head, *
       state, ev_pf, kept_slots = _insert(state, kept, _in_use(dec.exec_ids[0], num_e), cache,
                                          skip_empty)
     evicted.append(ev_pf)
-  ev_trim = jnp.full(state.slot_expert.shape, -1, jnp.int32)
-  if trim_to is not None:          # staging slots hold the token in flight only
-    state, ev_trim = resident_lib.trim(state, trim_to, cache)
   adm = ev_adm = adm_slots = none_K
   if decision.admission_beta is not None:   # in place before the layer's next decision
     adm = first_k(dec.admit, k)
@@ -236,6 +235,14 @@ def policy_tail(cfg: ModelConfig, decision, cache, trim_to, state, head: Head, *
       up = (adm >= 0) & (state.expert_slot[e] >= 0) & state.low[e] & (adm_slots < 0)
       adm_slots = jnp.where(up, state.expert_slot[e], adm_slots)
       state = dataclasses.replace(state, low=state.low & ~_in_use(jnp.where(up, adm, -1), num_e))
+  ev_trim = jnp.full(state.slot_expert.shape, -1, jnp.int32)
+  if trim_to is not None:   # staging slots hold the token in flight only; the trim comes
+    # after the admissions (evicted last), so between tokens a layer holds at most S
+    slot_s = jnp.arange(state.slot_expert.shape[0])
+    prot = jnp.any((adm_slots[:, None] == slot_s[None, :]) & (adm_slots[:, None] >= 0), axis=0)
+    state, ev_trim = resident_lib.trim(state, trim_to, cache, prot)
+    gone = (adm >= 0) & (state.expert_slot[jnp.maximum(adm, 0)] < 0)   # more than S admitted
+    adm, adm_slots = jnp.where(gone, -1, adm), jnp.where(gone, -1, adm_slots)
   pending = (adm, adm_slots, ev_adm, kept, kept_slots)
   return state, Step(head, kept, kept_slots, jnp.concatenate(evicted + [ev_trim]), pending)
 

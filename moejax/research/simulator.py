@@ -1,8 +1,8 @@
 """Replays router traces through the offload policy, without the model.
 
 The per-(token, layer) step is the engine's and the emulator's own function,
-`layer.policy_step` (decide, insert the FETCH experts, usage, trim, then insert the
-admissions this token requested: the state the layer's next decision sees), on the
+`layer.policy_step` (decide, insert the FETCH experts, usage, insert the admissions
+this token requested, then trim: the state the layer's next decision sees), on the
 recorded router logits; its counts are `layer.layer_counts` (an admission and its
 evictions count at the next token, where they take effect).
 

@@ -1,6 +1,4 @@
-"""The launch scripts' exit-code and Ctrl-C plumbing lives in moejax.cli.app."""
-import sys
-
-from moejax.cli import app as _impl
-
-sys.modules[__name__] = _impl   # `from launch import cli` is moejax.cli.app itself
+"""The exit-code and Ctrl-C plumbing, for the launch scripts that still import it from here
+(default_vectors, train_estimators, bench_host, bench_expert_parallel); it lives in
+moejax.cli.app, which new scripts import."""
+from moejax.cli.app import UsageError, demo_model_dir, run, usage_exit  # noqa: F401

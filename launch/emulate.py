@@ -1,10 +1,6 @@
 """`python -m launch.emulate` from a checkout; the program is moejax.cli.emulate, which an
 installed moejax runs as `moejax-emulate`."""
-import sys
-
-from moejax.cli import emulate as _impl
+from moejax.cli import emulate
 
 if __name__ == "__main__":
-  _impl.entry()
-else:
-  sys.modules[__name__] = _impl   # `from launch import emulate` is moejax.cli.emulate itself
+  emulate.entry()

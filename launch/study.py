@@ -1,10 +1,6 @@
 """`python -m launch.study` from a checkout; the program is moejax.cli.study, which an
 installed moejax runs as `moejax-study`."""
-import sys
-
-from moejax.cli import study as _impl
+from moejax.cli import study
 
 if __name__ == "__main__":
-  _impl.entry()
-else:
-  sys.modules[__name__] = _impl   # `from launch import study` is moejax.cli.study itself
+  study.entry()

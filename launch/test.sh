@@ -21,7 +21,7 @@ fi
 logs="$(mktemp -d)"
 trap 'rm -rf "$logs"' EXIT
 # One XLA compilation cache for this run's processes (removed with the logs): test files
-# that build the same engine steps compile them once (docs/notes/cpu_speed.md, "Test time").
+# that build the same engine steps compile them once (docs/lab/notes/cpu_speed.md, "Test time").
 export JAX_COMPILATION_CACHE_DIR="${JAX_COMPILATION_CACHE_DIR:-$logs/xla-cache}"
 export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="${JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS:-0.3}"
 run_one() {   # file, log dir: never fails (the status goes to <log>.rc)

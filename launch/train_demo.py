@@ -31,7 +31,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from tqdm import tqdm
 
-from launch import cli
+from moejax.cli import app as cli
 from moejax.train import corpus, data
 from moejax.model.config import ModelConfig
 from moejax.io.loader import init_random, load_model, save_hf

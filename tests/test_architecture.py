@@ -1,7 +1,7 @@
 """The package's layers (docs/architecture.md): a module imports only its own package and
 the layers below it; no moejax/ folder holds more than MAX_MODULES modules.
 
-Every module under moejax/ and estimators/ is parsed with `ast` (imports inside
+Every module under moejax/, estimators/ and benchmarks/ is parsed with `ast` (imports inside
 functions count too); nothing is imported.
 """
 
@@ -24,10 +24,11 @@ TIERS = (
     ("moejax.research", "estimators.data", "estimators.train"),
     ("moejax.cli",),
     ("moejax.serve",),                # the server: runs as a program through moejax.cli.app
+    ("benchmarks",),                  # checkout-only: the logic of launch/bench_*.py
     ("launch",),
 )
 RANK = {pkg: rank for rank, tier in enumerate(TIERS) for pkg in tier}
-PROJECT = ("moejax", "estimators", "launch")
+PROJECT = ("moejax", "estimators", "benchmarks", "launch")
 
 
 def layer_of(dotted: str) -> str | None:
@@ -84,8 +85,8 @@ def violations(path: pathlib.Path, source: str | None = None) -> list[str]:
   return out
 
 
-def _modules():
-  return sorted(p for d in ("moejax", "estimators") for p in (ROOT / d).rglob("*.py"))
+def _modules(folders=("moejax", "estimators", "benchmarks")):
+  return sorted(p for d in folders for p in (ROOT / d).rglob("*.py"))
 
 
 def test_every_module_imports_only_lower_layers():
@@ -125,6 +126,13 @@ def test_peers_and_lower_layers():
   steps = ROOT / "moejax" / "prefetch" / "steps.py"
   assert not violations(steps, "from estimators.model import estimate\n")
   assert violations(ROOT / "estimators" / "model.py", "from moejax.model import routing\n")
+
+
+def test_moejax_never_imports_benchmarks_or_launch():
+  # the product stands without the lab: benchmarks/ and launch/ stay out of the wheel
+  bad = [f"{p.relative_to(ROOT)}:{line}: {target}" for p in _modules(("moejax", "estimators"))
+         for line, target in imports_of(p) if target.split(".")[0] in ("benchmarks", "launch")]
+  assert not bad, bad
 
 
 def test_no_folder_has_more_than_max_modules():

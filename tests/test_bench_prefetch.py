@@ -1,10 +1,11 @@
-"""launch.bench_prefetch's interleaved rounds: the order, the median round, per-round ratios."""
+"""benchmarks.prefetch (launch.bench_prefetch): its interleaved rounds, the order, the
+median round, the per-round ratios."""
 
 from absl import flags
 from absl.testing import flagsaver
 import pytest
 
-from launch import bench_prefetch as B
+from benchmarks import prefetch as B
 
 
 @pytest.fixture(autouse=True)

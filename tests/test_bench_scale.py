@@ -1,4 +1,5 @@
-"""launch.bench_scale without llama.cpp: its exit-2 paths and the moejax child end to end."""
+"""launch.bench_scale (benchmarks.scale) without llama.cpp: its exit-2 paths and the moejax
+child end to end."""
 
 import json
 import subprocess
@@ -9,7 +10,7 @@ import jax.numpy as jnp
 import pytest
 from absl.testing import flagsaver
 
-from launch import bench_scale, memcg
+from benchmarks import memcg, scale as bench_scale
 from moejax.io.loader import init_random, save_hf
 from moejax.model.config import ModelConfig
 

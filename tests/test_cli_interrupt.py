@@ -2,7 +2,7 @@
 
 The bug: SIGINT about 0.3 s after launch.generate's `[moejax] policy` line was ignored in
 4 of 10 tries: the KeyboardInterrupt landed in JAX's `_xla_gc_callback` ("Exception
-ignored in ..."), generation ran to the end, exit 0.  `launch.cli.run` now turns SIGINT
+ignored in ..."), generation ran to the end, exit 0.  `moejax.cli.app.run` now turns SIGINT
 into KeyboardInterrupt plus a watchdog that ends the process with os._exit(130) if it is
 still alive cli.INTERRUPT_GRACE_S after the signal.
 """
@@ -28,7 +28,7 @@ class Proc:
 
   def __init__(self, argv, env=None, stdout=False):
     # SIGINT at its default in the child: a test run started in the background (`cmd &`
-    # in a script, nohup) ignores it, and a process started so keeps ignoring it (cli.py)
+    # in a script, nohup) ignores it, and a process started so keeps ignoring it (moejax/cli/app.py)
     self.p = subprocess.Popen(argv, cwd=REPO, env=env, text=True, stdin=subprocess.DEVNULL,
                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
                               stderr=subprocess.PIPE,
@@ -121,7 +121,7 @@ def test_generate_interrupted_exits_130_within_a_second(after, delay):
 # ------------------------------------------------------- the mechanism, on tiny scripts
 PRELUDE = """
 import sys, time
-from launch import cli
+from moejax.cli import app as cli
 
 def say(msg):
   sys.stderr.write(msg + "\\n")
@@ -153,7 +153,7 @@ def test_interrupt_swallowed_in_a_loop_still_exits_130(tmp_path):
   """)
   rc, dt = proc.interrupt(0.1)
   assert_interrupted(proc, rc, dt, "script.py")
-  from launch import cli
+  from moejax.cli import app as cli
   assert dt >= cli.INTERRUPT_GRACE_S * 0.9, dt      # it was the watchdog
 
 
@@ -229,7 +229,7 @@ def test_interrupt_swallowed_by_a_gc_callback_is_redelivered(tmp_path):
   assert_interrupted(proc, rc, dt, "script.py")
   assert "interrupt raised in the gc callback" in proc.stderr()
   assert "cleanup ran\n" in proc.out
-  from launch import cli
+  from moejax.cli import app as cli
   assert dt < cli.INTERRUPT_GRACE_S, dt      # re-delivered, not the watchdog
 
 

@@ -50,7 +50,7 @@ def child(model_dir, store, fraction=0.125, tokens=8, limit=None):
     out = subprocess.run(argv, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
-  from launch import memcg
+  from benchmarks import memcg
   r = memcg.run(argv, limit, timeout_s=600)
   assert r.returncode == 0 and not r.oom_killed, (r.returncode, r.oom_killed, r.stderr[-3000:])
   return json.loads(r.stdout.strip().splitlines()[-1]), r
@@ -90,7 +90,7 @@ def test_peak_anonymous_memory_against_the_plan(ckpt_64mb):
 def test_runs_in_a_memory_cgroup_smaller_than_the_checkpoint(tmp_path):
   """A per-expert checkpoint of 806 MB decodes in a 700 MB memory cgroup: the mapped
   experts are page cache the kernel reclaims, not memory the run owns."""
-  from launch import memcg
+  from benchmarks import memcg
   why = memcg.available()
   if why:
     pytest.skip(f"memory cgroups unavailable: {why}")

@@ -125,9 +125,9 @@ def test_estimate_with_the_previous_tokens_routing_hand_checked():
 
 
 def test_estimator_inputs_compare_finds_the_informative_input(tmp_path):
-  """launch.estimator_inputs: when the next router's logits repeat the previous token's,
+  """benchmarks.estimator_inputs: when the next router's logits repeat the previous token's,
   the variant given the previous token's probabilities must beat q alone."""
-  from launch import estimator_inputs as ei
+  from benchmarks import estimator_inputs as ei
   rng = np.random.default_rng(0)
   n, seq = 4096, 8
   q = rng.standard_normal((n, 16)).astype(np.float32)

@@ -90,7 +90,7 @@ def test_greedy_fetch_all_is_the_resident_models_greedy_chain():
 def test_emulate_cli_bad_input_names_the_flag():
   from absl import app, flags
   from absl.testing import flagsaver
-  from launch import emulate as EM
+  from moejax.cli import emulate as EM
   fl = flags.FLAGS
   if not fl.is_parsed():
     fl(["emulate"])

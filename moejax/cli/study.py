@@ -11,7 +11,7 @@ d  background admission beta in {0.25, 0.5, 1, 2, off}; loss by tokens since a
    document boundary
 e  cache size 12.5 / 25 / 50 % for baseline, quality, speed
 f  router shape: gate share by rank, the tau sweep as % of calls substituted
-gen greedy 64-token continuations of the HumanEval prompts (launch.study_gen)
+gen greedy 64-token continuations of the HumanEval prompts (moejax.cli.study_gen)
 
 Each experiment writes OUT/<exp>.json (+ PNG) and is skipped when that file
 exists; each emulation is kept in OUT/runs/, so a killed study resumes.

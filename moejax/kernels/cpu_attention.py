@@ -5,7 +5,7 @@ built and registered with the expert kernel by ``cpu_kernel``).
 platform (``jax.lax.platform_dependent``: elsewhere XLA's `gqa_attention`).  It reads
 the cache in place and visits only the positions a query can see; XLA's path copies the
 key cache into the score dot's layout at every step and softmaxes over every position
-(docs/notes/cpu_speed.md).  Results agree with `gqa_attention` to float rounding
+(docs/lab/notes/cpu_speed.md).  Results agree with `gqa_attention` to float rounding
 (`tests/test_cpu_attention.py`); the decode path is never differentiated (training runs
 without a cache), so there is no gradient rule.
 """

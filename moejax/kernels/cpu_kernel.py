@@ -51,7 +51,7 @@ LINEAR_TARGET = "moejax_linear"
 LINEAR_MAX_TOKENS = 16   # up to this many rows of x: the kernel (decode); more: XLA's GEMM
 # f32 projections with fewer weight bytes stay with XLA: its dot is as fast there, and the
 # custom call's fixed cost (argument marshalling, waking the thread pool) is not paid per
-# projection (docs/notes/cpu_speed.md, "Which projections go to the kernel").  bf16 always
+# projection (docs/lab/notes/cpu_speed.md, "Which projections go to the kernel").  bf16 always
 # goes to the kernel: XLA converts the weights to f32 before each dot.
 LINEAR_MIN_F32_BYTES = 1 << 20
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -239,7 +239,7 @@ def set_spin_us(us: int) -> bool:
   ``decoding()``, in microseconds (default 1000, or $MOEJAX_CPU_SPIN_US at start-up). A
   decode step's calls are 0.1-1 ms apart, so an awake helper joins each at once; 0 hands
   decode calls to XLA's intra-op pool instead, whose task woke 100-600 us late on a
-  2-core machine (docs/notes/cpu_speed.md). Returns False (and does nothing) when the kernel is
+  2-core machine (docs/lab/notes/cpu_speed.md). Returns False (and does nothing) when the kernel is
   unavailable."""
   if not available():
     return False

@@ -4,7 +4,7 @@ the expert kernel by ``cpu_kernel``).
 
 XLA's CPU backend compiles an RMSNorm to 3-4 thunks and softmax + top-k + renormalisation
 to about 6, each with a fixed cost of about a microsecond; on a small model that is a
-tenth of a decode step (docs/notes/cpu_speed.md, "Row-wise kernels"); XLA splits the bf16
+tenth of a decode step (docs/lab/notes/cpu_speed.md, "Row-wise kernels"); XLA splits the bf16
 lookup over its thread pool. Each function here has an XLA form with the same meaning (an
 ``xla_fn`` argument, or ``jax.lax.top_k`` and a one-hot sum): other platforms compile it,
 and the backward pass differentiates it (``custom_vjp``), so training is unchanged.
@@ -154,7 +154,7 @@ _take_caller = cpu_kernel.rows_vmap(_take_call, 1)
 
 def take_rows(table_VxD, ids, cpu_xla_fn):
   """`jnp.take(table, ids, axis=0)` of a bf16 table: the kernel on CPU (XLA splits its
-  fused lookup over the thread pool at every step, docs/notes/cpu_speed.md), else
+  fused lookup over the thread pool at every step, docs/lab/notes/cpu_speed.md), else
   `cpu_xla_fn(table, ids)` whenever the kernels are not used (`cpu_kernel.available()`:
   switched off, no compiler, or a default backend other than the CPU, whatever compilers
   it has); jnp.take for gradients."""

@@ -28,7 +28,7 @@ ExpertWeights = dict  # {"gate_up": [E, 2I, D], "down": [E, D, I]}, or a family'
 SLICED_MAX_PAIRS = 64   # up to this many (token, expert) pairs: the sliced path
 # A family's own expert (gpt_oss: MXFP4 dequantised per pair) unrolls into a much larger
 # program: at 16 pairs the sliced path compiled in 2 s and ran slower than grouped, at 64
-# pairs 21 s (docs/notes/cpu_speed.md, "Sliced experts of a family's own layout").
+# pairs 21 s (docs/lab/notes/cpu_speed.md, "Sliced experts of a family's own layout").
 FAMILY_SLICED_MAX_PAIRS = 8
 SWIGLU = (1.702, 7.0)  # gpt_oss clamped-SwiGLU (alpha, limit) unless the caller passes cfg's
 

@@ -1,0 +1,3 @@
+"""The benchmarks: the logic of the `python -m launch.bench_*` commands (and of the other
+measurement commands, launch.evaluate, predictors, estimator_inputs, compare_eviction),
+writing JSON.  Checkout-only: not in the wheel; moejax never imports it (tests may)."""

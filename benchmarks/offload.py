@@ -1,0 +1,392 @@
+"""Time per token of the offload presets against the all-resident Sampler, in one run.
+
+  python -m launch.bench_offload --out=bench_offload.json
+
+Model: the demo model at --model_dir (ckpts/demo) when it exists, else a
+random-weight model of the demo's shape (Qwen3-MoE, hidden 128, 8 layers, 64
+experts of 32, top-8, vocab 8192), or of Qwen3-30B-A3B's with --shape (said so in
+the output); or, with --model=wide_bf16, the real-width checkpoint of
+`benchmarks.models` (Qwen3-30B-A3B's layers, per-expert bf16 safetensors, written
+once), loaded straight into the --store back-end:
+
+  python -m launch.bench_offload --model=wide_bf16 --store=mmap --links=native
+
+The experts wait in a --store back-end (numpy, mmap, pinned_host).  The JSON also
+holds the load time, each runner's compile time, the process's peak anonymous RSS (all
+runners at once) and each runner's memory plan (`launch.bench_memory` measures each
+run alone against its plan).
+
+Every preset decodes the same teacher-forced token stream (so all see the same
+inputs), after a prompt and `--warmup_tokens` untimed tokens, one `decode_step` per
+token.  The caches start from the experts most often routed on a separate profiling
+stream.  Timed beside them, on the same tokens: the all-resident `moejax.model.sampler.Sampler`
+(one jitted `decode_step` call per token, its logits read back as the engine's are)
+and the OffloadEngine with every expert resident.  The timed tokens are cut into
+`--rounds` blocks; in each round every runner decodes that block in turn (rotated
+order), so the load of a shared machine falls on all alike.  A runner's time per token
+is the median over rounds of its round's mean (ms per token).
+
+Per preset and link:
+  tpot_ms            time per token (median over rounds, above)
+  tpot_over_sampler  tpot_ms / sampler_tpot_ms (the Sampler's figure from this run)
+  lower_bound_ms     sampler_tpot_ms + (waited fetches per token) x expert_copy_ms
+                     + (emulated link only) the link's waits per token (the records'
+                     wait_s + admission_wait_s + prefetch_wait_s): the time of the same
+                     decisions with no overhead beyond the Sampler's decode step, the
+                     fetches' in-program copies and the emulated link's waits.
+                     expert_copy_ms: one expert's in-program copy from this run's store
+                     into a slot buffer, measured here (`launch.bench_transfer`): the
+                     lesser of one jitted call copying one expert (dispatch included)
+                     and the per-copy time of a jitted loop of copies.
+  tpot_over_lower_bound, and the engine's per-token statistics (`stats`: means over
+  the timed tokens' records).
+Every time names its link.  Figures are wall-clock on a shared machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import json
+import os
+import sys
+import sysconfig
+import time
+
+from absl import app, flags
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.transfer import expert_copy_seconds
+from moejax.model.config import ModelConfig
+from moejax.io.loader import init_random, load_model
+from moejax.offload import calibrate
+from moejax.offload.engine import OffloadEngine
+from moejax.io.store import BACKENDS, StoreBackendError, make_store
+from moejax.offload.link import parse_link
+from moejax.model.sampler import Sampler, SamplingParams
+from moejax.io.store import ExpertStore
+from moejax.kernels import cpu_kernel
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("out", "bench_offload.json", "JSON results file.")
+flags.DEFINE_string("model_dir", "ckpts/demo", "HF folder of the model (random weights if absent).")
+flags.DEFINE_enum("model", "dir", ["dir", "wide_bf16"], "dir: --model_dir (or a random model); "
+                  "wide_bf16: Qwen3-30B-A3B's layer width, random bf16, per-expert safetensors "
+                  "(benchmarks.models; written once to --wide_root), loaded with --store.")
+flags.DEFINE_integer("wide_layers", 4, "Layers of the wide_bf16 model.")
+flags.DEFINE_string("wide_root", None, "Folder of the wide models (default: "
+                    "~/.cache/moejax/models).")
+flags.DEFINE_bool("random_model", False, "Use a random-weight model even if --model_dir exists.")
+flags.DEFINE_enum("shape", "demo", ["demo", "qwen3-30b-a3b"],
+                  "Random-weight shape: the demo model, or Qwen3-30B-A3B's expert/attention "
+                  "shape with --layers layers (for an accelerator run).")
+flags.DEFINE_integer("layers", 0, "Layers of the random-weight model (0: the shape's default).")
+flags.DEFINE_list("presets", ["baseline", "quality", "speed", "host", "substitute_all"],
+                  "Policies to time ('host' only on the CPU backend).")
+flags.DEFINE_list("links", ["scaled", "native"], "--link specs to time side by side.")
+flags.DEFINE_enum("store", "numpy", list(BACKENDS), "Expert store back-end "
+                  "(moejax.io.store.make_store).")
+flags.DEFINE_float("cache_fraction", 0.25, "Experts per layer resident.")
+flags.DEFINE_integer("prompt_len", 16, "Prompt tokens.")
+flags.DEFINE_integer("warmup_tokens", 16, "Decoded tokens not timed (cache warm-up, compile).")
+flags.DEFINE_integer("decode_tokens", 64, "Decoded tokens timed.")
+flags.DEFINE_integer("rounds", 8, "Interleaved rounds the timed tokens are cut into.")
+flags.DEFINE_integer("seed", 0, "Token stream seed (random-weight model).")
+flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute/parameter dtype.")
+flags.DEFINE_enum("scaled_compute", "model", ["model", "engine"],
+                  "Layer compute time the scaled link is sized against: 'model' = one MoE "
+                  "layer's jitted decode step with its own experts resident (the computation "
+                  "alone); 'engine' = the all-resident engine's time per token / layers.")
+
+LOWER_BOUND = ("sampler_tpot_ms + fetches_per_token x expert_copy_ms + (emulated link) "
+               "wait_ms + admission_wait_ms + prefetch_wait_ms per token; expert_copy_ms: "
+               "min(expert_copy_call_ms, expert_copy_in_loop_ms), one expert's in-program copy "
+               "from this run's store into a slot buffer")
+
+
+def demo_shape(layers: int) -> ModelConfig:
+  return ModelConfig(model_type="qwen3_moe", vocab_size=8192, hidden_size=128,
+                     num_layers=layers or 8, num_heads=4, num_kv_heads=2, head_dim=32,
+                     num_experts=64, top_k=8, moe_intermediate_size=32, intermediate_size=512,
+                     sparse_layers=(True,) * (layers or 8), qk_norm="head",
+                     norm_topk_prob=True).validate()
+
+
+def qwen3_30b_shape(layers: int) -> ModelConfig:
+  n = layers or 4
+  return ModelConfig(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048,
+                     num_layers=n, num_heads=32, num_kv_heads=4, head_dim=128,
+                     num_experts=128, top_k=8, moe_intermediate_size=768,
+                     intermediate_size=6144, sparse_layers=(True,) * n, qk_norm="head",
+                     norm_topk_prob=True).validate()
+
+
+def load(dtype):
+  """(cfg, params, store, token stream source, description)."""
+  if FLAGS.model == "wide_bf16":
+    from benchmarks import models as bench_models
+    d = bench_models.wide_dir(FLAGS.wide_layers, FLAGS.wide_root or bench_models.WIDE_DIR)
+    bench_models.save_wide(d, FLAGS.wide_layers)
+    cfg, params, store = load_model(d, dtype=dtype, mmap=FLAGS.store != "numpy")
+    return cfg, params, store, os.path.join(d, "tokenizer.json"), f"wide_bf16 ({d})"
+  if not FLAGS.random_model and os.path.exists(os.path.join(FLAGS.model_dir, "config.json")):
+    cfg, params, store = load_model(FLAGS.model_dir, dtype=dtype)
+    tok_path = os.path.join(FLAGS.model_dir, "tokenizer.json")
+    return cfg, params, store, tok_path if os.path.exists(tok_path) else None, FLAGS.model_dir
+  cfg = demo_shape(FLAGS.layers) if FLAGS.shape == "demo" else qwen3_30b_shape(FLAGS.layers)
+  params, exps = init_random(cfg, seed=0, dtype=dtype)
+  # random routers are nearly uniform; widen them so routing has a real model's skew
+  params = jax.tree_util.tree_map_with_path(
+      lambda p, x: x * 25 if "mlp" in jax.tree_util.keystr(p) and "gate" in
+      jax.tree_util.keystr(p) else x, params)
+  desc = (f"RANDOM-WEIGHT model of the {FLAGS.shape} shape "
+          f"({'no model at ' + FLAGS.model_dir if not FLAGS.random_model else '--random_model'})")
+  return cfg, params, ExpertStore.from_stacked(exps), None, desc
+
+
+def token_streams(cfg, tok_path, n: int):
+  """(profiling stream, measured stream): held-out text when a tokenizer exists."""
+  if tok_path:
+    from moejax.io.tokenizer import Tokenizer
+    tok = Tokenizer(tok_path)
+    lib = sysconfig.get_paths()["stdlib"]
+    texts = [open(p, errors="ignore").read() for p in sorted(glob.glob(os.path.join(lib, "json",
+                                                                                     "*.py")))]
+    ids = tok.encode("\n".join(texts))
+    if len(ids) >= 2 * n:
+      return ids[:n], ids[n:2 * n]
+  rng = np.random.default_rng(FLAGS.seed)
+  return ([int(t) for t in rng.integers(0, cfg.vocab_size, n)],
+          [int(t) for t in rng.integers(0, cfg.vocab_size, n)])
+
+
+class SamplerRun:
+  """The all-resident Sampler behind the engine's interface: prefill, then one jitted
+  `decode_step` per teacher-forced token, its logits read back to the host."""
+
+  def __init__(self, cfg, params, experts, dtype, max_len: int):
+    self.s = Sampler(cfg, params, experts, max_len=max_len, dtype=dtype)
+    self.sp, self.key = SamplingParams(), jax.random.PRNGKey(0)
+    self.cache, self.pos = None, 0
+
+  def prefill(self, ids):
+    logits, self.cache = self.s.prefill(np.asarray([ids], np.int32))
+    self.pos = len(ids)
+    return np.asarray(logits[0])
+
+  def decode_step(self, token: int):
+    _, logits, self.cache = self.s.decode_step(self.cache, np.asarray([token], np.int32),
+                                               self.pos, self.sp, self.key)
+    self.pos += 1
+    return np.asarray(logits[0])
+
+
+def make_engine(stack, cfg, params, store, policy, link, stream, counts, dtype, fraction):
+  """An engine entered into `stack` (closed however the run ends), warmed up and prefilled;
+  its cache starts from `counts`' most used experts ("auto": all, at fraction 1)."""
+  eng = stack.enter_context(OffloadEngine(cfg, params, store, policy, cache_fraction=fraction,
+                                          link=link, max_len=len(stream) + 8, dtype=dtype,
+                                          initial=counts if fraction < 1 else "auto"))
+  t0 = time.perf_counter()
+  eng.warmup()
+  eng.compile_s = time.perf_counter() - t0
+  eng.prefill(stream[:FLAGS.prompt_len])
+  return eng
+
+
+def plans(cfg, dtype, max_len: int, presets) -> dict:
+  """The memory plan (`offload.memory`) of each runner's own run, as the CLI prints it."""
+  from moejax.offload.memory import plan_memory
+  mk = lambda offload, f: plan_memory(cfg, dtype, store=FLAGS.store, offload=offload,
+                                      cache_fraction=f, kv_len=max_len).as_dict()
+  return {"sampler": mk(False, None), "all_resident": mk(True, 1.0),
+          **{p: mk(True, FLAGS.cache_fraction) for p in presets}}
+
+
+def run_rounds(runners: dict, stream: list) -> dict:
+  """Warm-up tokens on every runner, then the timed tokens in --rounds blocks: in round
+  r every runner decodes block r in turn, starting at runner r.  -> {name: [mean ms
+  per token of each round]}."""
+  pos = FLAGS.prompt_len
+  for r in runners.values():
+    for t in stream[pos:pos + FLAGS.warmup_tokens]:
+      r.decode_step(t)
+  timed = stream[pos + FLAGS.warmup_tokens:]
+  blocks = [b for b in np.array_split(np.arange(len(timed)), max(1, FLAGS.rounds)) if len(b)]
+  names = list(runners)
+  per = {n: [] for n in names}
+  for i, blk in enumerate(blocks):
+    for name in names[i % len(names):] + names[:i % len(names)]:
+      run = runners[name]
+      t0 = time.perf_counter()
+      for j in blk:
+        run.decode_step(timed[j])
+      per[name].append(1e3 * (time.perf_counter() - t0) / len(blk))
+  return per
+
+
+def main(_):
+  from moejax.offload.memory import AnonWatch
+  with cpu_kernel.decoding(), AnonWatch() as watch, contextlib.ExitStack() as stack:
+    run(stack, watch)                                  # kernel helpers stay awake
+
+
+def run(stack: contextlib.ExitStack, watch):
+  dtype = jnp.dtype("bfloat16" if FLAGS.model == "wide_bf16" else FLAGS.dtype)
+  platform = jax.devices()[0].platform
+  presets = list(FLAGS.presets)
+  if platform != "cpu" and "host" in presets:
+    presets.remove("host")
+    print("[bench_offload] 'host' skipped: it computes misses on the host CPU, which needs "
+          "the CPU backend", file=sys.stderr)
+  if FLAGS.store == "pinned_host" and "host" in presets:
+    # the engine's host experts read the store in place, and XLA's CPU dot refuses a
+    # pinned_host operand (memory_space mismatch in dot_general) at the first compile
+    presets.remove("host")
+    print("[bench_offload] 'host' skipped: the engine cannot compute host experts from a "
+          "pinned_host store yet (use --store=numpy or mmap)", file=sys.stderr)
+  t0 = time.perf_counter()
+  cfg, params, store, tok_path, desc = load(dtype)
+  load_s = time.perf_counter() - t0
+  n = FLAGS.prompt_len + FLAGS.warmup_tokens + FLAGS.decode_tokens
+  prof_stream, stream = token_streams(cfg, tok_path, n)
+  counts = calibrate.profile_counts(cfg, params, store, prof_stream, dtype)
+  experts = store.device_experts(dtype)       # the Sampler's, before the store moves
+  try:
+    store = make_store(store, FLAGS.store)
+  except StoreBackendError as e:
+    raise app.UsageError(str(e)) from None
+  ebytes = store.expert_nbytes()
+  print(f"[bench_offload] {desc}: {cfg.num_layers} layers, {cfg.num_experts} experts top-"
+        f"{cfg.top_k}, expert {ebytes} bytes, {FLAGS.store} store, {platform}; "
+        f"{FLAGS.decode_tokens} timed tokens in {FLAGS.rounds} rounds after "
+        f"{FLAGS.warmup_tokens} warm-up", file=sys.stderr)
+
+  copy = expert_copy_seconds(store)
+  copy_ms = 1e3 * min(copy["copy_s"], copy["copy_in_loop_s"])
+  scaled = any(s.startswith("scaled") for s in FLAGS.links)
+  layer_s = calibrate.layer_compute_seconds(cfg, params, store, dtype) if scaled else None
+  model_layer_s = layer_s
+  if FLAGS.scaled_compute == "engine" and scaled:
+    with OffloadEngine(cfg, params, store, "baseline", cache_fraction=1.0,
+                       max_len=len(prof_stream) + 8, dtype=dtype) as e:
+      e.warmup()
+      e.prefill(prof_stream[:FLAGS.prompt_len])
+      for t in prof_stream[FLAGS.prompt_len:FLAGS.prompt_len + 48]:
+        e.decode_step(t)
+      layer_s = e.stats(skip=8)["tpot_median_ms"] * 1e-3 / cfg.num_layers
+  links = {spec: (parse_link(spec, expert_bytes=ebytes, layer_compute_s=layer_s)
+                  if spec.startswith("scaled") else parse_link(spec, expert_bytes=ebytes))
+           for spec in FLAGS.links}
+
+  sampler = SamplerRun(cfg, params, experts, dtype, len(stream) + 8)
+  t0 = time.perf_counter()
+  sampler.prefill(stream[:FLAGS.prompt_len])
+  sampler.decode_step(stream[FLAGS.prompt_len])      # compiles its step
+  sampler_compile_s = time.perf_counter() - t0
+  mk = lambda pol, link, f: make_engine(stack, cfg, params, store, pol, link, stream, counts,
+                                        dtype, f)
+  runners = {"sampler": sampler, "all_resident": mk("baseline", links[FLAGS.links[0]], 1.0)}
+  for spec, link in links.items():
+    for preset in presets:
+      runners[(spec, preset)] = mk(preset, link, FLAGS.cache_fraction)
+  print(f"[bench_offload] {runners[(FLAGS.links[0], presets[0])].describe()}", file=sys.stderr)
+  t0 = time.time()
+  rounds = run_rounds(runners, stream)
+  wall = time.time() - t0
+  med = {k: float(np.median(v)) for k, v in rounds.items()}
+  sampler_ms = med["sampler"]
+  ratio_rounds = lambda k: [a / b for a, b in zip(rounds[k], rounds["sampler"])]
+  resident = runners["all_resident"].stats(skip=FLAGS.warmup_tokens)
+  result = {
+      "model": desc, "model_type": cfg.model_type, "layers": cfg.num_layers,
+      "experts": cfg.num_experts, "top_k": cfg.top_k, "expert_bytes": ebytes,
+      "dtype": FLAGS.dtype, "store": FLAGS.store, "device": str(jax.devices()[0]),
+      "cache_fraction": FLAGS.cache_fraction, "decode_tokens": FLAGS.decode_tokens,
+      "warmup_tokens": FLAGS.warmup_tokens, "rounds": len(rounds["sampler"]),
+      "tpot": "median over rounds of each round's mean ms per token",
+      "lower_bound": LOWER_BOUND,
+      "sampler_tpot_ms": sampler_ms, "sampler_tpot_ms_rounds": rounds["sampler"],
+      "engine_all_resident_tpot_ms": med["all_resident"],
+      "engine_all_resident_tpot_ms_rounds": rounds["all_resident"],
+      "engine_all_resident_over_sampler": med["all_resident"] / sampler_ms,
+      "engine_all_resident_stats": resident,
+      "expert_copy_ms": copy_ms, "expert_copy_call_ms": 1e3 * copy["copy_s"],
+      "expert_copy_in_loop_ms": 1e3 * copy["copy_in_loop_s"],
+      "expert_device_put_ms": 1e3 * copy["device_put_s"],
+      "expert_device_put_aliases": copy["device_put_aliases"],
+      "scaled_compute": FLAGS.scaled_compute,
+      "scaled_link_layer_compute_ms": layer_s and 1e3 * layer_s,    # None: no scaled link
+      "layer_step_x_layers_ms": model_layer_s and 1e3 * model_layer_s * cfg.num_layers,
+      "bench_wall_s": wall, "links": {},
+      "load_s": load_s, "sampler_prefill_and_compile_s": sampler_compile_s,
+      "compile_s": {str(k if isinstance(k, str) else "/".join(k)): r.compile_s
+                    for k, r in runners.items() if hasattr(r, "compile_s")},
+      "memory": {"peak_anon_bytes": watch.sample() and watch.peak_anon,
+                 "note": "one process holds every runner at once: compare the peak with the "
+                         "sum of the plans' anon_bytes (launch.bench_memory measures each "
+                         "run alone)",
+                 "plans": plans(cfg, dtype, len(stream) + 8, presets)},
+  }
+  result["memory"]["sum_of_plans_anon_bytes"] = (
+      result["memory"]["plans"]["sampler"]["anon_bytes"]
+      + result["memory"]["plans"]["all_resident"]["anon_bytes"]
+      + sum(result["memory"]["plans"][p]["anon_bytes"] for p in presets) * len(links))
+  mem = result["memory"]
+  print(f"load {load_s:.1f} s; compile (decode step): " + ", ".join(
+      f"{k} {v:.1f} s" for k, v in result["compile_s"].items()) + f"; peak anonymous RSS "
+      f"{mem['peak_anon_bytes'] / 1e9:.2f} GB for all runners at once (their plans sum to "
+      f"{mem['sum_of_plans_anon_bytes'] / 1e9:.2f} GB)")
+  print(f"sampler (all experts resident, one jitted decode_step per token): {sampler_ms:.3f} "
+        f"ms/token; engine all resident: {med['all_resident']:.3f} ms/token "
+        f"({med['all_resident'] / sampler_ms:.2f}x sampler); one expert's in-program copy "
+        f"({FLAGS.store} store): {copy_ms:.4f} ms")
+  for spec, link in links.items():
+    rows = {}
+    for preset in presets:
+      eng = runners[(spec, preset)]
+      s = eng.stats(skip=FLAGS.warmup_tokens)
+      waits = (s["wait_ms_per_token"] + s["admission_wait_ms_per_token"]
+               + s["prefetch_wait_ms_per_token"]) if link.emulated else 0.0
+      lb = sampler_ms + copy_ms * s["fetches_per_token"] + waits
+      tpot = med[(spec, preset)]
+      rows[preset] = dict(
+          policy=eng.policy.describe(), tpot_ms=tpot, lower_bound_ms=lb,
+          tpot_over_sampler=tpot / sampler_ms, tpot_over_lower_bound=tpot / lb,
+          tpot_ms_rounds=rounds[(spec, preset)],
+          tpot_over_sampler_rounds=ratio_rounds((spec, preset)),
+          emulated_wait_ms_per_token=waits, tpot_mean_ms=s["tpot_ms"],
+          tpot_median_ms=s["tpot_median_ms"], substituted_call_pct=s["substituted_call_pct"],
+          hit_rate=s["hit_rate"], stats=s, budget=eng.budget.as_dict())
+    base = rows.get("baseline", {}).get("tpot_ms")
+    for r in rows.values():
+      r["speedup_vs_baseline"] = base / r["tpot_ms"] if base else None
+    result["links"][spec] = dict(
+        link=link.describe(), bandwidth_Bps=link.bandwidth_Bps, latency_s=link.latency_s,
+        expert_transfer_ms=1e3 * link.transfer_time(ebytes) if link.emulated else copy_ms,
+        presets=rows)
+    print(table(rows, link.describe(), sampler_ms))
+  first = result["links"][FLAGS.links[0]]
+  result["link"], result["presets"] = first["link"], first["presets"]
+  with open(FLAGS.out, "w") as f:
+    json.dump(result, f, indent=2, default=float)
+  print(f"[bench_offload] wrote {FLAGS.out}", file=sys.stderr)
+
+
+def table(rows: dict, link_desc: str, sampler_ms: float) -> str:
+  head = (f"link: {link_desc}; sampler {sampler_ms:.3f} ms/token\n"
+          f"{'preset':<15}{'tpot ms':>9}{'x smp':>7}{'bound ms':>10}{'/bound':>8}{'x base':>8}"
+          f"{'hit %':>7}{'subst %':>9}{'fetch/tok':>10}{'wait ms':>9}{'adm/tok':>8}")
+  lines = [head]
+  # tpot: median over rounds; bound: sampler + in-program copies + emulated waits
+  for name, r in rows.items():
+    s = r["stats"]
+    sp = r["speedup_vs_baseline"]
+    lines.append(f"{name:<15}{r['tpot_ms']:>9.3f}{r['tpot_over_sampler']:>7.2f}"
+                 f"{r['lower_bound_ms']:>10.3f}{r['tpot_over_lower_bound']:>8.2f}{(sp or 0):>8.2f}"
+                 f"{100 * r['hit_rate']:>7.1f}{r['substituted_call_pct']:>9.1f}"
+                 f"{s['fetches_per_token']:>10.2f}{r['emulated_wait_ms_per_token']:>9.2f}"
+                 f"{s['admissions_per_token']:>8.2f}")
+  return "\n".join(lines)

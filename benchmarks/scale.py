@@ -1,0 +1,347 @@
+"""moejax against llama.cpp on a model larger than the memory it may use (the seed's claim).
+
+  python -m launch.bench_scale --layers=24 --memory_limit_gb=12 --out=bench_scale.json
+
+The model: `benchmarks.models`' wide model (Qwen3-30B-A3B's layer width: hidden 2048,
+128 experts of 768, top-8, vocab 8192, random bf16) with --layers layers (24: 30.0 GB),
+written once (--layout fused: stacked per layer, mapped in place by moejax; per_expert:
+as published checkpoints, repacked once by moejax into $MOEJAX_CACHE_DIR), and the same
+weights as a bf16 GGUF for llama.cpp (the vendored convert_hf_to_gguf.py, which splits
+the fused gate_up_proj itself), converted once into --gguf_dir.  Before writing anything
+the free disk space is checked (what is missing + an 8 GB reserve; exit 2 if short).
+
+Contenders, each run as a child process in its own v1 memory cgroup whose limit is
+--memory_limit_gb (GB = 1e9 bytes; anonymous memory and page cache together, so a
+mapped model's pages compete with the process's own), after the page cache is dropped:
+  llama.cpp  `llama_timer` (benchmarks/llama_timer.cpp, the C API, --threads threads): the
+             GGUF is mmapped, the page cache is its only expert cache; a warm-up (8-token
+             prompt + 4 steps), a --prefill_len prefill, then --decode_tokens greedy steps
+             after a --prompt_len prompt.
+  quality, speed, baseline  moejax's OffloadEngine with that preset, --store=mmap (the
+             routed experts stay in the mapped file), --cache_fraction (25%) of each layer's
+             experts copied into slots, native link, bf16 (`--child=moejax`, below):
+             load, warmup (compile), a --prompt_len prefill, --warmup_tokens untimed greedy
+             steps, then --decode_tokens timed greedy steps (next = argmax of the logits).
+Reported per contender (median over --rounds; each round runs every contender once, in
+rotated order, so the load of a shared machine falls on all alike): decode and prefill
+tok/s, disk bytes read per decoded token (decode only: /proc/self/io read_bytes around
+the loop, in both programs), the peak RssAnon of the child (sampled from outside), the
+cgroup's peak (anon + page cache), OOM kill or not, and decode tok/s over llama.cpp's.
+moejax's memory plan (`plan_memory(..., store="mmap")`) is reported beside its peak: its
+anon_bytes + 1 GB of runtime must fit the limit (else exit 2 before loading anything).
+Also in the JSON: each run's model-file bytes still cached after the drop (fincore;
+non-zero means another process holds or reads the same files), the disk bytes moejax
+read while loading, setting up the engine and prefilling, and the load average at start
+and end.  Needs root and a v1 memory cgroup (exit 2 with the reason otherwise).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import statistics
+import sys
+import time
+
+from absl import flags
+
+from moejax.cli import app as cli
+
+FLAGS = flags.FLAGS
+flags.DEFINE_integer("layers", 24, "Layers of the wide model.")
+flags.DEFINE_float("memory_limit_gb", 12.0, "Memory cgroup limit of every contender (GB).")
+flags.DEFINE_enum("layout", "fused", ["fused", "per_expert"], "Expert layout of the model on disk.")
+flags.DEFINE_integer("rounds", 2, "Rounds; each runs every contender once (rotated order).")
+flags.DEFINE_list("contenders", ["llama.cpp", "quality", "speed", "baseline"], "Who runs.")
+flags.DEFINE_string("out", "bench_scale.json", "JSON results file.")
+flags.DEFINE_integer("prompt_len", 16, "Prompt tokens before the timed decode.")
+flags.DEFINE_integer("prefill_len", 16, "llama.cpp's timed prefill length (moejax's is "
+                     "--prompt_len).")
+flags.DEFINE_integer("decode_tokens", 32, "Greedy tokens timed.")
+flags.DEFINE_integer("warmup_tokens", 4, "moejax: greedy tokens decoded untimed after the prompt.")
+flags.DEFINE_integer("max_len", 256, "moejax: KV length (and the plan's kv_len).")
+flags.DEFINE_float("cache_fraction", 0.25, "moejax: share of each layer's experts in slots.")
+flags.DEFINE_integer("threads", 2, "llama.cpp threads (on a busy 2-core machine 1 decoded 4.6x "
+                     "faster than 2: docs/lab/runs/2026-12-05-engine4/bench_scale.md).")
+flags.DEFINE_float("timeout_s", 1800.0, "Per-run time limit.")
+flags.DEFINE_string("model_root", None, "Where the wide model is written (default "
+                    "benchmarks.models.WIDE_DIR).")
+flags.DEFINE_string("gguf_dir", os.path.join(os.path.expanduser("~"), ".cache", "moejax", "gguf"),
+                    "Where the GGUF is written.")
+flags.DEFINE_string("child", None, "Internal: 'moejax' runs one moejax contender and prints JSON.")
+flags.DEFINE_string("model_dir", None, "--child: the model folder.")
+flags.DEFINE_string("policy", "quality", "--child: the preset.")
+
+RESERVE = 8 * 10**9          # disk left free at all times
+RUNTIME = 10**9              # moejax's runtime beyond the plan's anonymous bytes
+GB = 1e9
+
+
+def child_moejax() -> dict:
+  """One moejax run (in the caller's cgroup): one JSON-able dict."""
+  import jax.numpy as jnp
+  import numpy as np
+  from moejax.io.loader import load_model
+  from moejax.kernels import cpu_kernel
+  from moejax.offload import memory as mem
+  from moejax.offload.engine import OffloadEngine
+  from moejax.offload.memory import plan_memory
+  out = {"policy": FLAGS.policy, "model_dir": FLAGS.model_dir}
+  with mem.AnonWatch(interval_s=0.01) as whole:
+    r0, t0 = mem.read_bytes(), time.perf_counter()
+    cfg, params, store = load_model(FLAGS.model_dir, dtype=jnp.bfloat16, mmap=True,
+                                    progress=False)
+    out["load_s"] = time.perf_counter() - t0
+    out["load_read_bytes"] = mem.read_bytes() - r0
+    out["plan"] = plan_memory(cfg, jnp.bfloat16, store="mmap", cache_fraction=FLAGS.cache_fraction,
+                              kv_len=FLAGS.max_len).as_dict()
+    r0, t0 = mem.read_bytes(), time.perf_counter()
+    eng = OffloadEngine(cfg, params, store, FLAGS.policy, cache_fraction=FLAGS.cache_fraction,
+                        link="native", max_len=FLAGS.max_len, dtype=jnp.bfloat16)
+    out["engine_s"] = time.perf_counter() - t0
+    out["engine_read_bytes"] = mem.read_bytes() - r0
+    out["anon_after_load_bytes"] = mem.status()["rss_anon"]
+    t0 = time.perf_counter()
+    eng.warmup(prompt_lengths=(FLAGS.prompt_len,))
+    out["compile_s"] = time.perf_counter() - t0
+    prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, FLAGS.prompt_len).tolist()
+    with cpu_kernel.decoding():
+      r0 = mem.read_bytes()
+      t0 = time.perf_counter()
+      logits = eng.prefill(prompt)
+      out["prefill_s"] = time.perf_counter() - t0
+      out["prefill_read_bytes"] = mem.read_bytes() - r0
+      tok = int(np.argmax(logits))
+      for _ in range(FLAGS.warmup_tokens):
+        tok = int(np.argmax(eng.decode_step(tok)))
+      toks = []
+      r0 = mem.read_bytes()
+      t0 = time.perf_counter()
+      for _ in range(FLAGS.decode_tokens):
+        tok = int(np.argmax(eng.decode_step(tok)))
+        toks.append(tok)
+      out["decode_s"] = time.perf_counter() - t0
+      out["decode_read_bytes"] = mem.read_bytes() - r0
+  n = FLAGS.decode_tokens
+  out.update(prefill_tok_s=FLAGS.prompt_len / out["prefill_s"], decode_tok_s=n / out["decode_s"],
+             decode_tokens=n, decode_read_bytes_per_token=out["decode_read_bytes"] / n,
+             peak_anon_bytes=whole.peak_anon, tokens=toks[:16])
+  st = eng.stats(skip=FLAGS.warmup_tokens)
+  out["stats"] = {k: v for k, v in st.items() if isinstance(v, (int, float)) or v is None}
+  for k in ("hit_rate", "fetches_per_token", "substituted_call_pct"):
+    out[k] = st.get(k)
+  return out
+
+
+def plan_needs(layers: int) -> tuple[dict, int]:
+  """moejax's memory plan at this width and the cgroup limit it needs (bytes)."""
+  import jax.numpy as jnp
+  from benchmarks import models as bench_models
+  from moejax.offload.memory import plan_memory
+  plan = plan_memory(bench_models.wide_config(layers), jnp.bfloat16, store="mmap",
+                     cache_fraction=FLAGS.cache_fraction, kv_len=FLAGS.max_len).as_dict()
+  return plan, plan["anon_bytes"] + RUNTIME
+
+
+def paths(layers: int) -> tuple[str, str]:
+  from benchmarks import models as bench_models
+  root = FLAGS.model_root or bench_models.WIDE_DIR
+  d = bench_models.wide_dir(layers, root=root, layout=FLAGS.layout)
+  gguf = os.path.join(FLAGS.gguf_dir, f"{os.path.basename(os.path.normpath(d))}-bf16.gguf")
+  return d, gguf
+
+
+def repacked(model_dir: str) -> bool:
+  """Whether moejax's stacked copy of a per-expert checkpoint is already cached."""
+  import jax.numpy as jnp
+  from moejax.io import repack
+  return (os.path.isdir(model_dir) and
+          os.path.exists(repack.stacked_path(model_dir, jnp.bfloat16)))
+
+
+def disk_shortfall(model_dir: str, gguf: str, layers: int, plan: dict) -> str | None:
+  """None when the disk holds what is still to be written plus the reserve, else why not."""
+  from benchmarks import models as bench_models
+  size = bench_models.wide_bytes(layers)
+  parts = {}
+  if not os.path.exists(os.path.join(model_dir, "model.safetensors.index.json")):
+    parts["model"] = size
+  if FLAGS.layout == "per_expert" and not repacked(model_dir):
+    parts["moejax repack"] = plan["all_experts_bytes"]
+  if "llama.cpp" in FLAGS.contenders and not os.path.exists(gguf):
+    parts["GGUF"] = int(size * 1.01)
+  need = sum(parts.values()) + RESERVE
+  probe = os.path.dirname(os.path.normpath(model_dir))
+  while not os.path.isdir(probe):
+    probe = os.path.dirname(probe)
+  free = shutil.disk_usage(probe).free
+  if free >= need:
+    return None
+  what = ", ".join(f"{k} {v}" for k, v in parts.items())
+  return (f"needs {need} bytes free on the disk of {probe} ({what}, reserve {RESERVE}); "
+          f"it has {free}")
+
+
+def model_files(name: str, model_dir: str, gguf: str) -> list[str]:
+  if name == "llama.cpp":
+    return [gguf]
+  files = [os.path.join(model_dir, f) for f in os.listdir(model_dir) if f.endswith(".safetensors")]
+  if FLAGS.layout == "per_expert" and repacked(model_dir):
+    import jax.numpy as jnp
+    from moejax.io import repack
+    files.append(repack.stacked_path(model_dir, jnp.bfloat16))
+  return files
+
+
+def cached_bytes(files: list[str]) -> int | None:
+  """Bytes of `files` in the page cache (util-linux fincore; None without it): after the
+  drop this should be ~0, else another process holds or reads the same files."""
+  import subprocess
+  if not shutil.which("fincore"):
+    return None
+  res = subprocess.run(["fincore", "--bytes", "--noheadings", "--output=RES", *files],
+                       capture_output=True, text=True)
+  return sum(int(x) for x in res.stdout.split()) if res.returncode == 0 else None
+
+
+def run_one(name: str, model_dir: str, gguf: str, bins: dict | None, limit: int) -> dict:
+  from benchmarks import memcg
+  if name == "llama.cpp":
+    argv = [bins["llama_timer"], gguf, str(FLAGS.threads), str(FLAGS.prefill_len),
+            str(FLAGS.prompt_len), str(FLAGS.decode_tokens)]
+  else:
+    argv = [sys.executable, "-m", "launch.bench_scale", "--child=moejax",
+            f"--model_dir={model_dir}", f"--policy={name}", f"--prompt_len={FLAGS.prompt_len}",
+            f"--decode_tokens={FLAGS.decode_tokens}", f"--warmup_tokens={FLAGS.warmup_tokens}",
+            f"--max_len={FLAGS.max_len}", f"--cache_fraction={FLAGS.cache_fraction}"]
+  memcg.drop_page_cache()
+  cached = cached_bytes(model_files(name, model_dir, gguf))
+  res = memcg.run(argv, limit, FLAGS.timeout_s, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  row = {"returncode": res.returncode, "oom_killed": res.oom_killed, "wall_s": res.wall_s,
+         "group_peak_bytes": res.peak_bytes, "peak_anon_bytes": res.peak_anon_bytes,
+         "run_read_bytes": res.read_bytes, "cached_at_start_bytes": cached}
+  try:
+    child = json.loads(res.stdout.strip().splitlines()[-1])
+  except (ValueError, IndexError):
+    child = None
+  if res.returncode != 0 or child is None:
+    row["error"] = (res.stderr or res.stdout)[-1500:]
+    return row
+  if name == "llama.cpp":
+    d = child.get("decode_read_bytes", -1)
+    child["decode_read_bytes_per_token"] = d / FLAGS.decode_tokens if d >= 0 else None
+  else:
+    row["child_peak_anon_bytes"] = child.pop("peak_anon_bytes")
+  row.update(child)
+  return row
+
+
+def median(rows: list[dict], key: str):
+  vals = [r[key] for r in rows if r.get(key) is not None]
+  return statistics.median(vals) if vals else None
+
+
+def summarize(runs: dict) -> dict:
+  keys = ("decode_tok_s", "prefill_tok_s", "decode_read_bytes_per_token", "peak_anon_bytes",
+          "group_peak_bytes", "wall_s", "load_s", "engine_s", "compile_s", "hit_rate",
+          "fetches_per_token", "substituted_call_pct")
+  out = {}
+  for name, rows in runs.items():
+    s = {k: median(rows, k) for k in keys}
+    s["oom_killed"] = [r["oom_killed"] for r in rows]
+    s["failed"] = sum(1 for r in rows if "error" in r)
+    out[name] = s
+  ref = out.get("llama.cpp", {}).get("decode_tok_s")
+  for name, s in out.items():
+    s["x_llama_cpp"] = s["decode_tok_s"] / ref if ref and s["decode_tok_s"] else None
+  return out
+
+
+def table(res: dict) -> str:
+  def f(v, scale=1.0, fmt="{:.2f}"):
+    return "n/a" if v is None else fmt.format(v / scale)
+  plan = res["plan"]
+  lines = [f"{res['layers']} layers ({res['model_bytes'] / GB:.1f} GB) in a "
+           f"{res['memory_limit_gb']:g} GB cgroup; moejax plan anon "
+           f"{plan['anon_bytes'] / GB:.2f} GB (+1 GB runtime); medians of {res['rounds']} rounds",
+           f"{'contender':<11}{'decode t/s':>11}{'prefill t/s':>12}{'MB/token':>10}"
+           f"{'anon GB':>9}{'group GB':>9}{'OOM':>5}{'x llama':>9}{'hit %':>7}{'fetch/t':>8}"]
+  for name, s in res["summary"].items():
+    lines.append(f"{name:<11}{f(s['decode_tok_s']):>11}{f(s['prefill_tok_s']):>12}"
+                 f"{f(s['decode_read_bytes_per_token'], 1e6, '{:.0f}'):>10}"
+                 f"{f(s['peak_anon_bytes'], GB):>9}{f(s['group_peak_bytes'], GB):>9}"
+                 f"{'yes' if any(s['oom_killed']) else 'no':>5}{f(s['x_llama_cpp']):>9}"
+                 f"{f(s['hit_rate'], 0.01, '{:.1f}'):>7}{f(s['fetches_per_token'], 1, '{:.1f}'):>8}")
+  lines.append(f"load average: start {res['loadavg_start']}, end {res['loadavg_end']}")
+  return "\n".join(lines)
+
+
+def main(argv):
+  del argv
+  if FLAGS.child == "moejax":
+    if not FLAGS.model_dir:
+      raise cli.UsageError("--child=moejax needs --model_dir")
+    print(json.dumps(child_moejax()))
+    return
+  if FLAGS.child:
+    raise cli.UsageError(f"--child={FLAGS.child}: only 'moejax'")
+  from benchmarks import memcg
+  why = memcg.available()
+  if why:
+    print(f"bench_scale: {why}", file=sys.stderr)
+    sys.exit(2)
+  bad = [c for c in FLAGS.contenders if c != "llama.cpp" and c not in
+         ("quality", "speed", "baseline", "host", "substitute_all")]
+  if bad:
+    raise cli.UsageError(f"--contenders: unknown {', '.join(bad)}")
+  limit = int(FLAGS.memory_limit_gb * GB)
+  plan, needs = plan_needs(FLAGS.layers)
+  if limit < needs:
+    cli.usage_exit(f"--memory_limit_gb={FLAGS.memory_limit_gb:g} is below what moejax's plan "
+                   f"needs ({plan['anon_bytes'] / GB:.2f} GB anonymous + 1 GB runtime): the "
+                   f"smallest that works is --memory_limit_gb={math.ceil(needs / 1e8) / 10:g}")
+  model_dir, gguf = paths(FLAGS.layers)
+  short = disk_shortfall(model_dir, gguf, FLAGS.layers, plan)
+  if short:
+    print(f"bench_scale: {short}", file=sys.stderr)
+    sys.exit(2)
+  from benchmarks import models as bench_models, llama_cpp
+  res = {"layers": FLAGS.layers, "memory_limit_gb": FLAGS.memory_limit_gb,
+         "layout": FLAGS.layout, "model_dir": model_dir, "gguf": gguf,
+         "model_bytes": bench_models.wide_bytes(FLAGS.layers), "rounds": FLAGS.rounds,
+         "contenders": list(FLAGS.contenders), "plan": plan, "plan_limit_needs_bytes": needs,
+         "cache_fraction": FLAGS.cache_fraction, "prompt_len": FLAGS.prompt_len,
+         "prefill_len": FLAGS.prefill_len, "decode_tokens": FLAGS.decode_tokens,
+         "warmup_tokens": FLAGS.warmup_tokens, "threads": FLAGS.threads,
+         "cpu_count": os.cpu_count(), "loadavg_start": os.getloadavg(),
+         "argv": sys.argv}
+  t0 = time.perf_counter()
+  bench_models.save_wide(model_dir, layers=FLAGS.layers, layout=FLAGS.layout)
+  res["model_write_s"] = time.perf_counter() - t0
+  bins = None
+  if "llama.cpp" in FLAGS.contenders:
+    bins = llama_cpp.build()
+    t0 = time.perf_counter()
+    converted = llama_cpp.convert(llama_cpp.DEFAULT_CACHE, model_dir, "bf16", FLAGS.gguf_dir)
+    assert converted == gguf, (converted, gguf)
+    res["gguf_convert_s"] = time.perf_counter() - t0
+    res["gguf_bytes"] = os.path.getsize(gguf)
+  runs = {c: [] for c in FLAGS.contenders}
+  n = len(FLAGS.contenders)
+  for r in range(FLAGS.rounds):
+    for name in FLAGS.contenders[r % n:] + FLAGS.contenders[:r % n]:
+      print(f"[bench_scale] round {r + 1}/{FLAGS.rounds}: {name}", file=sys.stderr, flush=True)
+      row = run_one(name, model_dir, gguf, bins, limit)
+      row["round"] = r
+      runs[name].append(row)
+      print(f"[bench_scale]   {name}: decode {row.get('decode_tok_s')} tok/s, rc "
+            f"{row['returncode']}, oom {row['oom_killed']}, {row['wall_s']:.0f} s"
+            + (f"; error: {row['error'][-300:]}" if "error" in row else ""),
+            file=sys.stderr, flush=True)
+      res.update(runs=runs, loadavg_end=os.getloadavg(), summary=summarize(runs))
+      with open(FLAGS.out, "w") as f:
+        json.dump(res, f, indent=1)
+  print(table(res))
+  print(f"wrote {FLAGS.out}")

@@ -1,0 +1,188 @@
+"""Time to first token and decode tokens/s through launch.serve against launch.generate's
+own path, in the same run, on the same machine.
+
+  python -m launch.bench_serve --out=bench_serve.json        # the demo model, quality
+
+launch.generate's path is run in this process as that program runs it: the same
+`calibrated_link`, `OffloadEngine` and `eng.generate(ids, sp, on_token=...)` with the
+program's KV cache size (prompt + new tokens, rounded up to 64).  The server runs as a
+`python -m launch.serve` subprocess on 127.0.0.1 and is read with streamed requests over
+one keep-alive connection by a lean client (the standard library's http.client: httpx
+took ~0.5 ms more per first chunk on this machine, its own parsing, not the server's).
+Both are warmed with one generation first (the prompt pass compiles per prompt bucket),
+then --repeats generations alternate between the two, so that load from other processes
+falls on both alike.  Per generation: TTFT (from the call, or from just before the
+request is written, to the first token in on_token, or to the line of the first chunk
+with text read from the socket) and decode tokens/s ((tokens - 1) / (last token - first
+token)); for the server also its own TTFT (usage.moejax.ttft_ms: the prompt pass to the
+first token in the engine's thread) and the difference, the HTTP path's share.  The
+JSON holds every sample and the medians.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+
+from absl import flags
+import numpy as np
+
+from moejax.cli import app as cli
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("model_dir", None, "Model folder (default: the demo model).")
+flags.DEFINE_string("policy", "quality", "Offload policy of both.")
+flags.DEFINE_string("prompt", "def fibonacci(n):", "Prompt.")
+flags.DEFINE_integer("max_new_tokens", 32, "Tokens per generation (greedy).")
+flags.DEFINE_integer("repeats", 8, "Timed generations of each.")
+flags.DEFINE_integer("server_max_len", None, "The server's --max_len (default: its own, the "
+                     "model's limit up to 2048).")
+flags.DEFINE_float("pause_s", 0.05, "Pause before each timed generation.")
+flags.DEFINE_string("out", "bench_serve.json", "JSON output.")
+
+
+def start_server(model_dir, warm_len):
+  args = [sys.executable, "-m", "launch.serve", f"--model_dir={model_dir}", "--port=0",
+          f"--policy={FLAGS.policy}", f"--warm_prompt_tokens={warm_len}"]
+  if FLAGS.server_max_len:
+    args.append(f"--max_len={FLAGS.server_max_len}")
+  proc = subprocess.Popen(args, stderr=subprocess.PIPE, text=True)
+  url, log = [], []
+
+  def read():
+    for line in proc.stderr:
+      log.append(line)
+      m = re.search(r"on (http://[\d.]+:\d+)", line)
+      if m and not url:
+        url.append(m.group(1))
+  threading.Thread(target=read, daemon=True).start()
+  import httpx
+  t0 = time.time()
+  while time.time() - t0 < 600:
+    if proc.poll() is not None:
+      raise RuntimeError("the server ended: " + "".join(log))
+    if url:
+      try:
+        if httpx.get(url[0] + "/health").status_code == 200:
+          return proc, url[0]
+      except httpx.HTTPError:
+        pass
+    time.sleep(0.5)
+  raise RuntimeError("the server did not become healthy: " + "".join(log))
+
+
+def via_server(conn, model_id):
+  """One streamed completion on the keep-alive http.client connection `conn`."""
+  body = json.dumps(dict(model=model_id, prompt=FLAGS.prompt, temperature=0, stream=True,
+                         max_tokens=FLAGS.max_new_tokens)).encode()
+  lines, usage = [], None
+  t0 = time.perf_counter()
+  conn.request("POST", "/v1/completions", body=body,
+               headers={"Content-Type": "application/json"})
+  r = conn.getresponse()
+  if r.status != 200:
+    raise RuntimeError(f"the server answered {r.status}: {r.read()[:500]!r}")
+  while True:
+    line = r.readline()          # one SSE line, the chunked framing undone
+    if not line or line.startswith(b"data: [DONE]"):
+      break
+    if line.startswith(b"data: {"):   # stamped when read, parsed after
+      lines.append((time.perf_counter(), line))
+  r.read()                       # the last chunk: the connection is free for the next one
+  stamps = []
+  for t, line in lines:
+    chunk = json.loads(line[6:])
+    if chunk.get("choices") and chunk["choices"][0]["text"]:
+      stamps.append(t)
+    usage = chunk.get("usage") or usage
+  n = usage["completion_tokens"]
+  server_ttft = usage["moejax"]["ttft_ms"]
+  return dict(ttft_ms=1e3 * (stamps[0] - t0), tokens=n,
+              tokens_per_s=(n - 1) / (stamps[-1] - stamps[0]),
+              server_ttft_ms=server_ttft, http_ms=1e3 * (stamps[0] - t0) - server_ttft,
+              server_tokens_per_s=usage["moejax"]["decode_tokens_per_s"])
+
+
+def via_generate(eng, ids, sp):
+  stamps = []
+  t0 = time.perf_counter()
+  out = eng.generate(ids, sp, seed=0, on_token=lambda t: stamps.append(time.perf_counter()))
+  eng.take_records()
+  n = len(out)
+  return dict(ttft_ms=1e3 * (stamps[0] - t0), tokens=n,
+              tokens_per_s=(n - 1) / (stamps[-1] - stamps[0]))
+
+
+def main(_):
+  import jax
+  import jax.numpy as jnp
+  from moejax.cache.policy import make_policy
+  from moejax.io.loader import load_model
+  from moejax.io.store import make_store
+  from moejax.io.tokenizer import Tokenizer
+  from moejax.model.sampler import SamplingParams, bucket
+  from moejax.offload.calibrate import calibrated_link
+  from moejax.offload.engine import OffloadEngine
+  model_dir = FLAGS.model_dir or cli.demo_model_dir()
+  tok = Tokenizer(model_dir)
+  ids = tok.encode(FLAGS.prompt)
+  proc, url = start_server(model_dir, len(ids))
+  try:
+    cfg, params, experts = load_model(model_dir, dtype=jnp.float32)
+    store = make_store(experts, "numpy")
+    from moejax.offload.link import default_spec
+    spec = default_spec(jax.devices()[0].platform)
+    link = calibrated_link(spec, cfg, params, store, jnp.float32)
+    need = len(ids) + FLAGS.max_new_tokens        # launch.generate's sequence_length
+    seq = min(cfg.max_position_embeddings, max(need, bucket(need, minimum=64)))
+    sp = SamplingParams(0.0, 1.0, FLAGS.max_new_tokens, tuple(cfg.eos_token_ids))
+    model_id = os.path.basename(os.path.normpath(model_dir))
+    with OffloadEngine(cfg, params, store, make_policy(FLAGS.policy), cache_fraction=0.25,
+                       link=link, max_len=seq, dtype=jnp.float32) as eng:
+      eng.warmup()
+      via_generate(eng, ids, sp)                  # the prompt pass compiles
+      import http.client
+      host, port = url.rsplit("/", 1)[1].rsplit(":", 1)
+      conn = http.client.HTTPConnection(host, int(port), timeout=600)   # kept alive
+      via_server(conn, model_id)
+      rows = {"generate": [], "server": []}
+      load_start = os.getloadavg()
+      for _ in range(FLAGS.repeats):
+        # a pause before each: neither starts while the other's tail (the server's last
+        # writes and bookkeeping, the client's parsing) still runs
+        time.sleep(FLAGS.pause_s)
+        rows["generate"].append(via_generate(eng, ids, sp))
+        time.sleep(FLAGS.pause_s)
+        rows["server"].append(via_server(conn, model_id))
+  finally:
+    proc.terminate()
+    proc.wait(30)
+  med = {k: {m: float(np.median([r[m] for r in v])) for m in v[0]} for k, v in rows.items()}
+  ratio = {m: med["server"][m] / med["generate"][m] for m in ("ttft_ms", "tokens_per_s")}
+  # the median of the ratios of the alternating pairs: load that drifts over the run
+  # falls on both of a pair alike
+  paired = {m: float(np.median([s[m] / g[m] for g, s in zip(rows["generate"], rows["server"])]))
+            for m in ("ttft_ms", "tokens_per_s")}
+  res = dict(model_dir=model_dir, policy=FLAGS.policy, prompt_tokens=len(ids),
+             max_new_tokens=FLAGS.max_new_tokens, repeats=FLAGS.repeats, link=link.describe(),
+             generate_max_len=seq, server_max_len=FLAGS.server_max_len or
+             min(cfg.max_position_embeddings, 2048), platform=jax.devices()[0].platform,
+             cpu_count=os.cpu_count(), load_avg_start=load_start, load_avg=os.getloadavg(),
+             date=time.strftime("%Y-%m-%d %H:%M"), client="http.client, one keep-alive "
+             "connection", median=med, server_over_generate=ratio,
+             server_over_generate_paired_median=paired, samples=rows)
+  with open(FLAGS.out, "w") as f:
+    json.dump(res, f, indent=1)
+  for k in ("generate", "server"):
+    print(f"{k:9s} TTFT {med[k]['ttft_ms']:8.2f} ms   decode {med[k]['tokens_per_s']:8.1f} "
+          f"tokens/s")
+  print(f"server's own TTFT {med['server']['server_ttft_ms']:.2f} ms, the HTTP path "
+        f"{med['server']['http_ms']:.2f} ms (medians)")
+  print(f"server / generate: TTFT {ratio['ttft_ms']:.3f}x, tokens/s "
+        f"{ratio['tokens_per_s']:.3f}x (medians of the pairs' ratios: "
+        f"{paired['ttft_ms']:.3f}x, {paired['tokens_per_s']:.3f}x); wrote {FLAGS.out}")

@@ -220,12 +220,20 @@ def table(rows: dict, ppl_source: str) -> str:
   return "\n".join(out)
 
 
+WRAP_MARK = "\u21a9"      # ends a column's line that goes on in the next row
+
+
 def side_by_side(left: str, right: str, titles: tuple[str, str], width: int = 46) -> str:
-  """Two texts in columns, each line wrapped at `width`."""
+  """Two texts in columns of `width`; a longer line is wrapped, each of its rows but the
+  last ending in WRAP_MARK."""
   def column(text):
     out = []
     for line in text.expandtabs(4).split("\n"):
-      out += textwrap.wrap(line, width, drop_whitespace=False, replace_whitespace=False) or [""]
+      if len(line) <= width:
+        out.append(line)
+        continue
+      rows = textwrap.wrap(line, width - 1, drop_whitespace=False, replace_whitespace=False)
+      out += [r + WRAP_MARK for r in rows[:-1]] + rows[-1:]
     return out
   a, b = column(left), column(right)
   a += [""] * (len(b) - len(a))
@@ -233,6 +241,28 @@ def side_by_side(left: str, right: str, titles: tuple[str, str], width: int = 46
   lines = [f"{titles[0]:<{width}} | {titles[1]}", f"{'-' * width}-+-{'-' * width}"]
   lines += [f"{x:<{width}} | {y}" for x, y in zip(a, b)]
   return "\n".join(lines)
+
+
+def cores() -> int:
+  """The cores this process may run on (its affinity mask where there is one)."""
+  if hasattr(os, "sched_getaffinity"):
+    return len(os.sched_getaffinity(0))
+  return os.cpu_count() or 1
+
+
+def busy_warning() -> str | None:
+  """A warning when the 1-minute load average exceeds the cores: other processes then
+  take CPU time from the engines, and the timing columns mean little."""
+  try:
+    load = os.getloadavg()[0]
+  except (AttributeError, OSError):
+    return None
+  n = cores()
+  if load <= n:
+    return None
+  return (f"warning: the machine is busy (load average {load:.1f} on {n} cores): the "
+          "timings (ms/token, x baseline) will be unreliable; run the demo on a quiet "
+          "machine for figures to compare")
 
 
 # ------------------------------------------------------------------ main
@@ -244,6 +274,9 @@ def main(argv):
 def _main(_):
   check_flags()
   t_start = time.time()
+  busy = busy_warning()
+  if busy:
+    print(busy, file=sys.stderr, flush=True)
   import jax
   import jax.numpy as jnp
   from moejax.io.loader import load_model
@@ -293,7 +326,10 @@ def _main(_):
     for eng in engines.values():
       eng.close()
 
+  busy = busy_warning() or busy        # the load during the run, else at its start
   print()
+  if busy:
+    print(busy)
   print(f"time per decoded token, every preset fed the exact model's greedy continuation "
         f"({len(timed)} tokens; link: {link.describe()})")
   print(table(rows, ppl["source"]))
@@ -310,7 +346,8 @@ def _main(_):
                 link_spec=spec, budget=budget.as_dict(), prompt=FLAGS.prompt,
                 max_new_tokens=FLAGS.max_new_tokens, block=FLAGS.block, timed_tokens=timed,
                 perplexity={k: v for k, v in ppl.items() if k not in ("ppl", "increase_pct")},
-                presets=rows, decode_wall_s=decode_s, perplexity_wall_s=ppl_s,
+                presets=rows, load_average=os.getloadavg()[0] if hasattr(os, "getloadavg")
+                else None, cores=cores(), busy_warning=busy, decode_wall_s=decode_s, perplexity_wall_s=ppl_s,
                 total_wall_s=time.time() - t_start)
   with open(json_path, "w") as f:
     json.dump(result, f, indent=2, default=float)

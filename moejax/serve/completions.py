@@ -52,6 +52,11 @@ async def read_body(receive) -> bytes | None:
       return b"".join(parts)
 
 
+def refused(status: int) -> str:
+  """The outcome of a request answered `status` before it was queued."""
+  return "unavailable" if status == 503 else "error" if status >= 500 else "invalid"
+
+
 class Completions:
   """The ASGI application: the two completion routes here, the rest to `fallback`."""
 
@@ -60,18 +65,37 @@ class Completions:
     self.fallback = fallback
 
   async def __call__(self, scope, receive, send):
+    if scope["type"] == "http":
+      send = self.counting(send)
     chat = ROUTES.get(scope.get("path")) if scope["type"] == "http" else None
     if chat is None or scope["method"] != "POST":
       return await self.fallback(scope, receive, send)
     raw = await read_body(receive)
     if raw is None:
+      self.worker.metrics.outcome("cancelled")      # the client left before its body
       return
     try:
       req = self.request(raw, chat)
       self.worker.check_policy(req.policy)
     except protocol.APIError as e:
+      self.worker.metrics.outcome(refused(e.status))
       return await send_json(send, e.status, e.body())
+    except Exception as e:  # pylint: disable=broad-except
+      self.worker.metrics.outcome("error")           # a fault here, not the client's
+      err = protocol.APIError(500, f"the request failed: {type(e).__name__}: {e}",
+                              "server_error")
+      return await send_json(send, 500, err.body())
     await self.run(req, chat, receive, send)
+
+  def counting(self, send):
+    """`send` that counts each answer's status (moejax_http_responses_total)."""
+    metrics = self.worker.metrics
+
+    async def counted(message):
+      if message["type"] == "http.response.start":
+        metrics.responded(message["status"])
+      await send(message)
+    return counted
 
   def ready(self):
     worker = self.worker

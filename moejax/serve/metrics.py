@@ -1,8 +1,12 @@
 """The server's Prometheus metrics (text exposition format 0.0.4), kept by hand: a few
-counters and gauges need no client library.
+counters and gauges need no client library.  Counts are integers, rendered exactly.
 
-  moejax_requests_total{outcome}          finished requests: stop, length, cancelled,
-                                          timeout, error; rejected (429: queue full)
+  moejax_requests_total{outcome}          completion requests by how they ended: stop,
+                                          length, cancelled (the client left), timeout
+                                          (504), error (500), rejected (429: queue
+                                          full), invalid (400: the request was refused),
+                                          unavailable (503: loading, or failed to load)
+  moejax_http_responses_total{code}       every HTTP answer, any route, by status code
   moejax_generated_tokens_total           tokens sent
   moejax_decode_tokens_per_second         the last request's decode rate (tokens after
                                           the first / their time)
@@ -10,14 +14,34 @@ counters and gauges need no client library.
                                           prompt pass to its first token
   moejax_queue_wait_seconds               sum and count: from arrival to the start
   moejax_queue_depth                      requests waiting (not the running one)
+  moejax_policy_compiles_total            policies compiled on a request's first use
+  moejax_policy_compile_seconds_total     ... their compile time (outside the requests'
+                                          ttft and tpot)
   moejax_expert_hit_rate                  hits / expert calls over every decode step
   moejax_fetch_wait_seconds_total         decode time spent waiting for expert fetches
-  moejax_expert_calls_total{action}       hit, substituted, fetched (waited), other
+  moejax_expert_calls_total{action}       hit, substituted, fetched (waited; full
+                                          precision), other (low-precision fetches,
+                                          dropped, computed on the host); they sum to
+                                          the expert calls
 """
 
 from __future__ import annotations
 
 import threading
+
+CALLS = ("hit", "substituted", "fetched", "other")
+
+
+def expert_calls(records) -> dict[str, int]:
+  """Expert calls of decode records (`moejax.offload.stats.TokenRecord`) by action, as
+  integers: each is a sum of the records' whole counts (no share is subtracted)."""
+  total = lambda *keys: int(round(sum(r[k] for r in records for k in keys)))
+  return {"hit": total("hits"), "substituted": total("substituted"),
+          "fetched": total("fetches"), "other": total("fetches_low", "dropped", "host_calls")}
+
+
+def _sample(value) -> str:
+  return str(value) if isinstance(value, int) else repr(float(value))
 
 
 class Metrics:
@@ -25,26 +49,38 @@ class Metrics:
   def __init__(self):
     self._lock = threading.Lock()
     self.outcomes: dict[str, int] = {}
+    self.responses: dict[int, int] = {}
     self.tokens = 0
     self.decode_tps = 0.0
     self.ttft_sum, self.ttft_count = 0.0, 0
     self.wait_sum, self.wait_count = 0.0, 0
+    self.compile_s, self.compiles = 0.0, 0
     self.fetch_wait_s = 0.0
-    self.calls = {"hit": 0.0, "substituted": 0.0, "fetched": 0.0, "other": 0.0}
+    self.calls = dict.fromkeys(CALLS, 0)
     self.queue_depth = lambda: 0            # set by the worker
 
   def outcome(self, name: str):
     with self._lock:
       self.outcomes[name] = self.outcomes.get(name, 0) + 1
 
+  def responded(self, status: int):
+    with self._lock:
+      self.responses[status] = self.responses.get(status, 0) + 1
+
   def waited(self, seconds: float):
     with self._lock:
       self.wait_sum += seconds
       self.wait_count += 1
 
-  def finished(self, tokens: int, ttft_s: float | None, decode_tps: float | None,
-               stats: dict):
-    """A request's figures; `stats`: `moejax.offload.stats.summarize` of its records."""
+  def compiled(self, seconds: float):
+    with self._lock:
+      self.compile_s += seconds
+      self.compiles += 1
+
+  def finished(self, tokens: int, ttft_s: float | None, decode_tps: float | None, records):
+    """A request's figures; `records`: its decode steps' `TokenRecord`s."""
+    calls = expert_calls(records)
+    wait_s = sum(r.wait_s for r in records)
     with self._lock:
       self.tokens += tokens
       if ttft_s is not None:
@@ -52,17 +88,9 @@ class Metrics:
         self.ttft_count += 1
       if decode_tps is not None:
         self.decode_tps = decode_tps
-      n = stats.get("tokens", 0)
-      if n:
-        calls = stats["expert_calls_per_token"] * n
-        hit = stats["hit_rate"] * calls
-        sub = stats["substituted_call_pct"] / 100 * calls
-        fetched = stats["fetches_per_token"] * n
-        self.calls["hit"] += hit
-        self.calls["substituted"] += sub
-        self.calls["fetched"] += fetched
-        self.calls["other"] += max(0.0, calls - hit - sub - fetched)
-        self.fetch_wait_s += stats["wait_ms_per_token"] * n / 1e3
+      for k, v in calls.items():
+        self.calls[k] += v
+      self.fetch_wait_s += wait_s
 
   def render(self) -> str:
     with self._lock:
@@ -73,10 +101,12 @@ class Metrics:
         out.append(f"# HELP {name} {help_}")
         out.append(f"# TYPE {name} {kind}")
         for labels, value in samples:
-          out.append(f"{name}{labels} {value:.6g}")
+          out.append(f"{name}{labels} {_sample(value)}")
 
-      metric("moejax_requests_total", "counter", "Finished requests by outcome.",
+      metric("moejax_requests_total", "counter", "Completion requests by outcome.",
              [(f'{{outcome="{k}"}}', v) for k, v in sorted(self.outcomes.items())])
+      metric("moejax_http_responses_total", "counter", "HTTP answers by status code.",
+             [(f'{{code="{k}"}}', v) for k, v in sorted(self.responses.items())])
       metric("moejax_generated_tokens_total", "counter", "Tokens generated.",
              [("", self.tokens)])
       metric("moejax_decode_tokens_per_second", "gauge",
@@ -88,7 +118,12 @@ class Metrics:
            self.wait_sum, self.wait_count)):
         metric(name, "summary", help_, [("_sum", s), ("_count", c)])
       metric("moejax_queue_depth", "gauge", "Requests waiting in the queue.",
-             [("", self.queue_depth())])
+             [("", int(self.queue_depth()))])
+      metric("moejax_policy_compiles_total", "counter",
+             "Policies compiled on a request's first use.", [("", self.compiles)])
+      metric("moejax_policy_compile_seconds_total", "counter",
+             "Their compile time, outside the requests' ttft and tpot.",
+             [("", self.compile_s)])
       metric("moejax_expert_hit_rate", "gauge", "Resident-expert hits over expert calls.",
              [("", self.calls["hit"] / calls if calls else 0.0)])
       metric("moejax_fetch_wait_seconds_total", "counter",

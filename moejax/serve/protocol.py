@@ -193,8 +193,9 @@ def completion_prompt(body: Any, tok) -> list[int]:
   raise bad("'prompt' must be a string or a list of token ids", "prompt")
 
 
-def offload_usage(stats: dict, eng, policy, ttft_s, tps, queue_s) -> dict:
-  """`usage.moejax`: the request's offload statistics (per decode step)."""
+def offload_usage(stats: dict, eng, policy, ttft_s, tps, queue_s, compile_s=0.0) -> dict:
+  """`usage.moejax`: the request's offload statistics (per decode step); compile_s: the
+  policy's first use compiled its programs, before the timed part (not in ttft, tpot)."""
   n = stats.get("tokens", 0)
   f = lambda k: round(float(stats[k]), 6) if n else None
   return {
@@ -208,6 +209,7 @@ def offload_usage(stats: dict, eng, policy, ttft_s, tps, queue_s) -> dict:
       "ttft_ms": None if ttft_s is None else round(1e3 * ttft_s, 3),
       "decode_tokens_per_s": None if tps is None else round(tps, 3),
       "queue_ms": round(1e3 * queue_s, 3),
+      "compile_ms": round(1e3 * compile_s, 3),
       "prompt_fetches": float(eng.prefill_record["fetches"]) if eng.prefill_record else None,
   }
 

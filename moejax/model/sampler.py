@@ -101,40 +101,74 @@ def decode_sample(model: Transformer, params, experts, cache, token_B, end_index
   return nxt, logits[:, -1], cache
 
 
+def sample_loop(step, carry, logits_V, start, key, n_new, stop_ids, temperature, top_p, *,
+                bucket_new: int, greedy: bool, nucleus: bool, record=None):
+  """The one device generation loop (gemma's sampler shape), for the Sampler and the
+  engine: up to `n_new` tokens of one sequence in one `lax.while_loop`.
+
+  step(carry, token, pos) -> (carry, logits [V], rec): one decoded token.  The first
+  token is sampled from `logits_V` (the prompt's); token i (i >= 1) is sampled from the
+  decode of token i-1 at position `start + i - 1`.  Stops after `n_new` tokens or after
+  a token in `stop_ids` (-1 pads; the stop token is kept).  Keys: one split of `key` per
+  token, the token sampled with the split-off half (as `token_loop`).  `n_new`,
+  `temperature` and `top_p` may be traced; static: the buffer length `bucket_new`
+  (>= max(n_new, 1)), `greedy` / `nucleus` (temperature == 0, top_p < 1), and `record`
+  (the shape of step's rec, e.g. from `jax.eval_shape`; None: step returns none).
+  -> (carry, tokens [bucket_new] int32 (-1 after the end), count (int32 scalar), recs
+  [bucket_new, ...]: row i is the decode of token i, rows from count - 1 on unused)."""
+  sample = lambda lg, k: _sample(lg[None], k, temperature, top_p, greedy=greedy,
+                                 nucleus=nucleus)[0]
+  key, sub = jax.random.split(key)
+  tok = sample(logits_V, sub)
+  toks = jnp.full((bucket_new,), -1, jnp.int32).at[0].set(tok)
+  recs = jax.tree_util.tree_map(lambda r: jnp.zeros((bucket_new,) + r.shape, r.dtype), record)
+
+  def body(c):
+    i, _, key, carry, tok, toks, recs = c
+    carry, logits, rec = step(carry, tok, start + i - 1)
+    recs = jax.tree_util.tree_map(lambda a, r: a.at[i - 1].set(r), recs, rec)
+    key, sub = jax.random.split(key)
+    tok = sample(logits, sub)
+    toks = toks.at[i].set(tok)
+    return i + 1, jnp.any(tok == stop_ids) | (i + 1 >= n_new), key, carry, tok, toks, recs
+
+  done = jnp.any(tok == stop_ids) | (n_new <= 1)
+  i, _, _, carry, _, toks, recs = jax.lax.while_loop(
+      lambda c: ~c[1], body, (jnp.int32(1), done, key, carry, tok, toks, recs))
+  return carry, toks, jnp.minimum(i, n_new), recs
+
+
+def token_loop(logits_V, decode, sp: SamplingParams, key, on_token=None) -> list[int]:
+  """The one per-token generation loop (the Sampler's and the engine's, for callers that
+  take each token as it comes): token i is sampled from the last logits with the next
+  split of `key` (as `sample_loop`), then `decode(token, i)` gives the next logits.
+  Runs inside `cpu_kernel.decoding()`."""
+  out = []
+  with cpu_kernel.decoding():
+    for i in range(sp.max_new_tokens):
+      key, sub = jax.random.split(key)
+      tid = int(next_token(logits_V, sub, float(sp.temperature), float(sp.top_p)))
+      out.append(tid)
+      if on_token:
+        on_token(tid)
+      if tid in sp.stop_ids or i == sp.max_new_tokens - 1:
+        break
+      logits_V = decode(tid, i)
+  return out
+
+
 @functools.partial(jax.jit, static_argnames=("model", "bucket_new", "greedy", "nucleus"),
                    donate_argnames=("cache",))
 def decode_loop(model: Transformer, params, experts, cache, logits_1xV, start, key, n_new,
                 stop_ids, temperature, top_p, *, bucket_new: int, greedy: bool, nucleus: bool):
-  """Up to `n_new` tokens of one sequence in one `lax.while_loop` on the device.
-
-  The first token is sampled from the prefill's `logits_1xV`; token i (i >= 1) is decoded
-  from token i-1 at position `start + i - 1`.  Stops after `n_new` tokens or after a token
-  in `stop_ids` (-1 pads; the stop token is kept).  Keys as `Sampler.generate`: one split of
-  `key` per token, the token sampled with the split-off half.  `n_new`, `temperature` and
-  `top_p` are traced; static: the buffer length `bucket_new` (>= max(n_new, 1)), and
-  `greedy` / `nucleus` (temperature == 0, top_p < 1).
-  -> (tokens [bucket_new] int32, count (int32 scalar), cache)."""
-  sample = functools.partial(_sample, temperature=temperature, top_p=top_p, greedy=greedy,
-                             nucleus=nucleus)
-
-  def stops(tok_1):
-    return jnp.any(tok_1[0] == stop_ids)
-
-  key, sub = jax.random.split(key)
-  tok = sample(logits_1xV, sub)
-  out = jnp.zeros((bucket_new,), jnp.int32).at[0].set(tok[0])
-
-  def body(carry):
-    i, tok, key, cache, out, _ = carry
-    key, sub = jax.random.split(key)
-    logits, cache, _ = model.apply({"params": params}, tok[:, None], experts, cache,
-                                   start + i - 1)
-    tok = sample(logits[:, -1], sub)
-    return i + 1, tok, key, cache, out.at[i].set(tok[0]), stops(tok) | (i + 1 >= n_new)
-
-  carry = (jnp.int32(1), tok, key, cache, out, stops(tok) | (n_new <= 1))
-  i, _, _, cache, out, _ = jax.lax.while_loop(lambda c: ~c[-1], body, carry)
-  return out, jnp.minimum(i, n_new), cache
+  """`sample_loop` over the resident model -> (tokens [bucket_new], count, cache)."""
+  def step(cache, tok, pos):
+    logits, cache, _ = model.apply({"params": params}, tok.reshape(1, 1), experts, cache, pos)
+    return cache, logits[0, -1], None
+  cache, out, n, _ = sample_loop(step, cache, logits_1xV[0], start, key, n_new, stop_ids,
+                                 temperature, top_p, bucket_new=bucket_new, greedy=greedy,
+                                 nucleus=nucleus)
+  return out, n, cache
 
 
 class Sampler:
@@ -206,22 +240,19 @@ class Sampler:
   def generate(self, prompt_ids: list[int], sp: SamplingParams, seed: int = 0,
                on_token=None) -> list[int]:
     """Generates up to sp.max_new_tokens tokens after `prompt_ids` (batch 1), one call
-    per token (`on_token(id)` as each comes); `generate_loop` runs them on the device."""
+    per token (`token_loop`: `on_token(id)` as each comes); `generate_loop` runs them on
+    the device, with the same tokens for the same seed."""
     prompt = self._prompt(prompt_ids, sp)
     t = prompt.shape[1]
-    key = jax.random.PRNGKey(seed)
     logits, cache = self.prefill(prompt)
-    key, sub = jax.random.split(key)
-    tok = sample_token(logits, sub, float(sp.temperature), float(sp.top_p))
-    out = []
-    with cpu_kernel.decoding():
-      for i in range(sp.max_new_tokens):
-        tid = int(tok[0])
-        out.append(tid)
-        if on_token:
-          on_token(tid)
-        if tid in sp.stop_ids or i == sp.max_new_tokens - 1:
-          break
-        key, sub = jax.random.split(key)
-        tok, _, cache = self.decode_step(cache, tok, t + i, sp, sub)
-    return out
+    state = {"cache": cache}
+
+    def decode(tid, i):
+      _, lg, state["cache"] = decode_sample(
+          self.model, self.params, self.experts, state["cache"], np.asarray([tid], np.int32),
+          np.int32(t + i), _NO_KEY, temperature=0.0, top_p=1.0)
+      return lg[0]
+    return token_loop(logits[0], decode, sp, jax.random.PRNGKey(seed), on_token)
+
+
+_NO_KEY = np.zeros((2,), np.uint32)   # a raw key: greedy steps of `token_loop` draw nothing

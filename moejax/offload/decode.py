@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from moejax.model.config import ModelConfig
 from moejax.offload import layer as layer_lib
 from moejax.offload import token as token_lib
-from moejax.model.sampler import sample_token
+from moejax.model.sampler import sample_loop
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,36 +102,20 @@ def step_fn(prog: Program):
   return jax.jit(functools.partial(_decode, prog), donate_argnums=(2,))
 
 
-@functools.partial(jax.jit, static_argnames=("prog", "steps", "temperature", "top_p"),
+@functools.partial(jax.jit, static_argnames=("prog", "bucket_new", "greedy", "nucleus"),
                    donate_argnums=(3,))
-def loop(prog: Program, params, srcs, carry, logits, pos, key, stop_ids, steps: int,
-         temperature: float, top_p: float):
-  """Up to `steps` sampled tokens in one `while_loop` (gemma's sampler shape), as
-  `OffloadEngine.generate`'s per-token path: token i is sampled from the last logits
-  with the next split of `key`; generation ends after `steps` tokens or at a stop id
-  (kept); every token but the last is decoded at position pos + i.
-  -> (carry, tokens [steps] (-1 after the end), count, packed [steps, L, width]: row i
-  is the decode of token i, rows from count - 1 on unused)."""
-  sample = lambda lg, k: sample_token(lg[None], k, temperature, top_p)[0]
-  key, sub = jax.random.split(key)
-  tok = sample(logits, sub)
-  packed0 = jax.eval_shape(lambda c: _decode(prog, params, srcs, c, tok, pos)[2], carry)
-  toks = jnp.full((steps,), -1, jnp.int32).at[0].set(tok)
-  packs = jnp.zeros((steps,) + packed0.shape, packed0.dtype)
-  done = jnp.any(tok == stop_ids) | (steps == 1)
-
-  def body(c):
-    i, _, key, carry, tok, toks, packs = c
-    carry, logits, packed = _decode(prog, params, srcs, carry, tok, pos + i - 1)
-    packs = packs.at[i - 1].set(packed)
-    key, sub = jax.random.split(key)
-    tok = sample(logits, sub)
-    toks = toks.at[i].set(tok)
-    return i + 1, jnp.any(tok == stop_ids) | (i + 1 == steps), key, carry, tok, toks, packs
-
-  i, _, _, carry, _, toks, packs = jax.lax.while_loop(
-      lambda c: ~c[1], body, (jnp.int32(1), done, key, carry, tok, toks, packs))
-  return carry, _replicated(prog.ctx, toks), _replicated(prog.ctx, i), _replicated(prog.ctx, packs)
+def loop(prog: Program, params, srcs, carry, logits, pos, key, n_new, stop_ids, temperature,
+         top_p, *, bucket_new: int, greedy: bool, nucleus: bool):
+  """`sampler.sample_loop` over the decode step: up to `n_new` sampled tokens in one
+  `while_loop`, as `OffloadEngine.generate`'s per-token path (`sampler.token_loop`).
+  -> (carry, tokens [bucket_new] (-1 after the end), count, packed [bucket_new, L, width]:
+  row i is the decode of token i, rows from count - 1 on unused)."""
+  step = lambda c, tok, p: _decode(prog, params, srcs, c, tok, p)
+  rec = jax.eval_shape(lambda c: step(c, jnp.int32(0), pos)[2], carry)
+  carry, toks, n, packs = sample_loop(step, carry, logits, pos, key, n_new, stop_ids,
+                                      temperature, top_p, bucket_new=bucket_new,
+                                      greedy=greedy, nucleus=nucleus, record=rec)
+  return carry, _replicated(prog.ctx, toks), _replicated(prog.ctx, n), _replicated(prog.ctx, packs)
 
 
 @functools.partial(jax.jit, static_argnames=("prog",), donate_argnums=(3,))

@@ -45,7 +45,7 @@ from moejax.offload import transfer
 from moejax.prefetch.steps import Prefetch
 from moejax.offload.stats import (TokenRecord, build_record, link_counts, prefill_record,
                                   summarize)
-from moejax.model.sampler import SamplingParams, bucket, next_token
+from moejax.model.sampler import SamplingParams, bucket, token_loop
 
 
 class OffloadEngine:
@@ -370,37 +370,27 @@ class OffloadEngine:
     if on_token is None and not self.link.emulated:
       with cpu_kernel.decoding():     # the CPU kernel's helpers spin between calls
         return self._generate_loop(logits, sp, key)
-    out = []
-    with cpu_kernel.decoding():
-      for i in range(sp.max_new_tokens):
-        key, sub = jax.random.split(key)
-        tid = int(next_token(logits, sub, float(sp.temperature), float(sp.top_p)))
-        out.append(tid)
-        if on_token:
-          on_token(tid)
-        if tid in sp.stop_ids or i == sp.max_new_tokens - 1:
-          break
-        logits = self.decode_step(tid)
-    return out
+    return token_loop(logits, lambda tid, i: self.decode_step(tid), sp, key, on_token)
 
   def _generate_loop(self, logits, sp: SamplingParams, key) -> list[int]:
     self._check()
-    stop = np.asarray(list(sp.stop_ids) or [-1], np.int32)
+    stop = np.full(bucket(len(sp.stop_ids), 4), -1, np.int32)
+    stop[:len(sp.stop_ids)] = sp.stop_ids
     args = (self.params, self._srcs, self._carry, jnp.asarray(logits),
-            np.int32(self.end_index), key, stop)
-    statics = (sp.max_new_tokens, float(sp.temperature), float(sp.top_p), stop.shape)
-    if statics not in self._loops:     # compiled ahead, so the records time decoding only
+            np.int32(self.end_index), key, np.int32(sp.max_new_tokens), stop,
+            np.float32(sp.temperature), np.float32(sp.top_p))
+    statics = dict(bucket_new=bucket(max(sp.max_new_tokens, 1)),
+                   greedy=sp.temperature == 0.0, nucleus=sp.top_p < 1.0)
+    key_s = tuple(statics.values()) + (stop.shape,)
+    if key_s not in self._loops:     # compiled ahead, so the records time decoding only
       while len(self._loops) >= 4:
         self._loops.pop(next(iter(self._loops)))
-      self._loops[statics] = decode.loop.lower(
-          self._prog, *args, steps=statics[0], temperature=statics[1],
-          top_p=statics[2]).compile()
+      self._loops[key_s] = decode.loop.lower(self._prog, *args, **statics).compile()
     t0 = time.perf_counter()
-    self._carry, toks, n, packs = self._loops[statics](*args)
+    self._carry, toks, n, packs = self._loops[key_s](*args)
     toks, n, packs = jax.device_get((toks, n, packs))
     n = int(n)
     wall = (time.perf_counter() - t0) / max(1, n - 1)
     self._unbuilt.extend((packs[i], wall, {}) for i in range(n - 1))
     self.end_index += n - 1
     return [int(x) for x in toks[:n]]
-

@@ -4,7 +4,6 @@
   moejax-generate --model_dir=/path/to/Qwen3-30B-A3B --dtype=bfloat16 \\
       --policy=quality --cache_fraction=0.25 --store=mmap
 
-(`moejax-generate` once installed; `python -m launch.generate` in a source checkout.)
 The text streams to stdout as it is generated when stdout is a terminal (--stream).
 
 Without --policy every expert is resident on the device.  With --policy the
@@ -52,8 +51,8 @@ flags.DEFINE_integer("max_len", None, "Longest sequence (prompt + new tokens). D
 flags.DEFINE_bool("dry_run", False, "Print the model and the memory it needs, then exit.")
 flags.DEFINE_string("policy", None, "Offload policy: a preset (quality, speed, baseline) or a "
                     "miss rule (fetch_all, threshold, first_choice, substitute_all, host), or "
-                    "auto (tuned to --ppl_budget or --tpot_budget_ms on the quality study's "
-                    "streams before generating; moejax.research.autotune). "
+                    "auto (tuned to --ppl_budget or --tpot_budget_ms on the calibration text "
+                    "that ships with moejax, before generating; moejax.research.autotune). "
                     "Unset: every expert resident, no offloading.")
 flags.DEFINE_float("cache_fraction", None, "With --policy: share of each layer's experts "
                    "resident (default 0.25).")
@@ -77,7 +76,7 @@ flags.DEFINE_float("lam", None, "With --policy=cost: milliseconds a token is wor
                    "model's calibration (moejax/cache/cost.py).")
 flags.DEFINE_string("host_ms", None, "With --policy=cost: offer the host option, one expert "
                     "computed on the host CPU in this many ms, measured: a number, or the JSON "
-                    "of python -m launch.bench_host (its host_ms). Without it no host option.")
+                    "of moejax-host-ms (its host_ms). Without it no host option.")
 flags.DEFINE_float("tau_low", None, "With --policy=threshold_low: share at or above which a "
                    "miss below --tau fetches its low-precision copy (default 0.02).")
 flags.DEFINE_enum("low_bits", None, ["8", "4"], "With --policy=fetch_low, threshold_low or cost: "
@@ -97,7 +96,7 @@ flags.DEFINE_enum("eviction", None, ["lru", "lfu", "least_stale"],
 flags.DEFINE_enum("prefetch", None, ["none", "reuse", "quasi", "previous", "hybrid"],
                   "With --policy: speculative prefetch of the next layer's predicted experts "
                   "(previous: the experts that layer chose at the previous token; quasi, "
-                  "hybrid: the files of launch.default_vectors / launch.train_estimators, "
+                  "hybrid: the files of moejax-default-vectors / moejax-train-estimators, "
                   "loaded from <model_dir>-estimators or --estimators).")
 flags.DEFINE_enum("speculative", None, ["off", "predicted_weights", "true_router"],
                   "With --prefetch: run each layer on its predicted experts without refetching "
@@ -383,7 +382,7 @@ def generate_offloaded(cfg, params, store, tok, ids, sp, dtype, seq, policy):
 
 
 def entry():
-  """The console script `moejax-generate` (and `python -m launch.generate` from a checkout)."""
+  """The console script `moejax-generate`."""
   cli.run(main)
 
 

@@ -1,6 +1,6 @@
 """The quality study (experiments a-f and greedy generation) on the exact emulator.
 
-  python -m launch.study --model_dir=ckpts/demo --out=runs/study
+  moejax-study --model_dir=ckpts/demo --out=runs/study
 
 a  policies at 25% resident, and the 0.15 rule against a control that substitutes
    the same share of calls at random, protecting nothing
@@ -11,7 +11,7 @@ d  background admission beta in {0.25, 0.5, 1, 2, off}; loss by tokens since a
    document boundary
 e  cache size 12.5 / 25 / 50 % for baseline, quality, speed
 f  router shape: gate share by rank, the tau sweep as % of calls substituted
-gen greedy 64-token continuations of the HumanEval prompts (launch.study_gen)
+gen greedy 64-token continuations of the HumanEval prompts (study_gen.py)
 
 Each experiment writes OUT/<exp>.json (+ PNG) and is skipped when that file
 exists; each emulation is kept in OUT/runs/, so a killed study resumes.
@@ -353,7 +353,7 @@ def main(argv):
 
 
 def entry():
-  """The console script `moejax-study` (and `python -m launch.study` from a checkout)."""
+  """The console script `moejax-study`."""
   cli.run(main)
 
 

@@ -252,9 +252,10 @@ def main(_):
   plan = memory.plan_memory(cfg, dtype, store=store_kind, offload=FLAGS.policy is not None,
                             cache_fraction=cache_fraction(),
                             cache_bytes=FLAGS.cache_bytes, kv_len=seq, mxfp4=mxfp4)
-  if FLAGS.policy is not None:   # a --link that does not parse fails now, not after loading
+  if FLAGS.policy is not None:   # a bad --link or missing --prefetch files: before loading
     from moejax.offload.link import parse_link
     parse_link(link_spec(), expert_bytes=plan.expert_bytes, layer_compute_s=1e-3)
+    preds = predictors(cfg, folder)
   platform = jax.devices()[0].platform
   print(f"[moejax] {desc}: {cfg.model_type}, {cfg.num_layers} layers, {cfg.num_experts} "
         f"experts top-{cfg.top_k}, {FLAGS.dtype}, on {platform}; memory needed (MB = 10^6 bytes, "
@@ -283,7 +284,7 @@ def main(_):
     union = min(1.0, cache_fraction() * FLAGS.expert_devices)   # the devices' one cache
     policy = (policy_flags.resolve_auto(cfg, params, store, tok, union)
               if FLAGS.policy == "auto" else policy_flags.named_policy())
-    return generate_offloaded(cfg, params, store, tok, ids, sp, dtype, seq, policy)
+    return generate_offloaded(cfg, params, store, tok, ids, sp, dtype, seq, policy, preds)
   from moejax.model.sampler import Sampler
   sampler = Sampler(cfg, params, store.device_experts(dtype), max_len=seq, dtype=dtype)
   print("[moejax] every expert resident (no --policy)", file=sys.stderr)
@@ -340,22 +341,26 @@ def load(cfg, folder, dtype, store_kind):
   return cfg, params, store
 
 
-def generate_offloaded(cfg, params, store, tok, ids, sp, dtype, seq, policy):
-  """The OffloadEngine path under `policy`: generates, then prints the per-token
-  statistics table."""
+def predictors(cfg, folder: str | None) -> dict:
+  """--prefetch's predictors (quasi, hybrid: the files made for the model in `folder`)."""
+  from moejax.prefetch import speculation
+  try:
+    return speculation.load_predictors(FLAGS.prefetch or "none", cfg, folder,
+                                       FLAGS.estimators)
+  except speculation.PrefetchError as e:
+    raise cli.UsageError(str(e)) from None
+
+
+def generate_offloaded(cfg, params, store, tok, ids, sp, dtype, seq, policy, preds):
+  """The OffloadEngine path under `policy` and --prefetch's `preds`: generates, then
+  prints the per-token statistics table."""
   import jax
   from moejax.offload.calibrate import calibrated_link
   from moejax.offload.engine import OffloadEngine
-  from moejax.prefetch import speculation
   from moejax.prefetch import steps as prefetch_lib
   from moejax.offload.stats import format_stats
   link = calibrated_link(link_spec(), cfg, params, store, dtype)   # scaled: measures a layer
-  kind = FLAGS.prefetch or "none"
-  try:
-    preds = speculation.load_predictors(kind, cfg, FLAGS.model_dir, FLAGS.estimators)
-  except speculation.PrefetchError as e:
-    raise cli.UsageError(str(e)) from None
-  prefetch = prefetch_lib.Prefetch(kind, FLAGS.speculative or "off", preds,
+  prefetch = prefetch_lib.Prefetch(FLAGS.prefetch or "none", FLAGS.speculative or "off", preds,
                                    streaming=bool(FLAGS.streaming))
   policy, low = policy_flags.cost_policy(policy, store)
   eng = OffloadEngine(cfg, params, store, policy,

@@ -12,8 +12,8 @@ recorded (its --data_dir; the newest recording is taken) and reports held-out re
   q+prev+cur   both
 
 The estimator's first layer takes the concatenated inputs (`LogitCorrection` infers its
-input width); everything else is `estimators.train.train_pair`.  A research tool: the
-engine's estimators take q or q+prev (`estimators.model`), not layer l's probabilities.
+input width); everything else is `moejax.estimators.train.train_pair`.  A research tool: the
+engine's estimators take q or q+prev (`moejax.estimators.model`), not layer l's probabilities.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ import tempfile
 from absl import flags
 import numpy as np
 
-from estimators import data as est_data
-from estimators.train import EstimatorConfig, train_pair
+from moejax.estimators import data as est_data
+from moejax.estimators.train import EstimatorConfig, train_pair
 from moejax.model.config import ModelConfig
 
 FLAGS = flags.FLAGS

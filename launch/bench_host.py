@@ -11,6 +11,7 @@ reads its weights from memory, as a decode step does); call i uses experts
   moejax         `sources.host_experts`: the engine's HOST branch, jitted on the CPU
                  device, its store as the engine holds it (bf16 as uint16 bits), the
                  token in bf16; on the CPU backend the in-place kernel (`cpu_host`).
+                 Timed by moejax.research.host_time, as `moejax-host-ms` times it.
   moejax_slices  the same with in_place=False: each expert sliced out of the store,
                  then the routed-expert kernel (the HOST branch before the kernel).
   llama.cpp      launch/ggml_expert_timer.cpp against the ggml of bench_peers' llama.cpp
@@ -24,7 +25,8 @@ reads its weights from memory, as a decode step does); call i uses experts
 median of --iters calls. Reported: the median over rounds, the ratio moejax / llama.cpp
 of the medians and the median of the per-round ratios, and whether that is within
 --target (1.5x, issue 37 item 4). `host_ms` (moejax, K = 1) is what `generate
---policy=cost --host_ms=FILE` reads.
+--policy=cost --host_ms=FILE` reads; `moejax-host-ms` (moejax/cli/prepare/host_ms.py)
+measures it alone, without llama.cpp, in an installed moejax.
 """
 
 from __future__ import annotations
@@ -33,19 +35,15 @@ import json
 import os
 import statistics
 import sys
-import time
-import types
 
-from absl import app, flags
-import jax
+from absl import flags
 import jax.numpy as jnp
 import numpy as np
 
 from launch import cli
 from launch import llama_cpp
 from moejax.kernels import cpu_kernel
-from moejax.model.config import ModelConfig
-from moejax.offload import sources
+from moejax.research.host_time import host_fn, make_store, qwen3_like, time_calls
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", "bench_host.json", "JSON results file.")
@@ -59,43 +57,6 @@ flags.DEFINE_integer("threads", 2, "llama.cpp's threads (moejax uses XLA's CPU p
 flags.DEFINE_float("target", 1.5, "Largest moejax / llama.cpp ratio of the target.")
 flags.DEFINE_bool("slices", True, "Also time moejax_slices (the path before the kernel).")
 flags.DEFINE_string("llama_cache", llama_cpp.DEFAULT_CACHE, "Where llama.cpp (ggml) is built.")
-
-
-def qwen3_like(d: int, inter: int, experts: int, k: int) -> ModelConfig:
-  return ModelConfig(model_type="qwen3_moe", vocab_size=256, hidden_size=d, num_layers=1,
-                     num_heads=4, num_kv_heads=2, head_dim=16, num_experts=experts,
-                     top_k=k, moe_intermediate_size=inter, intermediate_size=4 * inter,
-                     sparse_layers=(True,), qk_norm="head").validate()
-
-
-def make_store(d: int, inter: int, experts: int, seed: int = 0) -> dict:
-  """The engine's program store of one layer: bf16 experts as their uint16 bits."""
-  rng = np.random.default_rng(seed)
-  bits = lambda shape: jnp.asarray((rng.standard_normal(shape, np.float32) * 0.02)
-                                   .astype(jnp.bfloat16).view(np.uint16))
-  return {"gate_up": bits((experts, 2 * inter, d)), "down": bits((experts, d, inter))}
-
-
-def host_fn(cfg: ModelConfig, in_place: bool):
-  """The HOST branch's expert call, jitted on the CPU device."""
-  ctx = types.SimpleNamespace(pinned=False, cfg=cfg)
-  dtypes = {"gate_up": jnp.bfloat16, "down": jnp.bfloat16}
-  return jax.jit(lambda store, x, ids, gates: sources.host_experts(
-      ctx, store, dtypes, x, ids, gates, in_place=in_place))
-
-
-def time_moejax(fn, store, x, k: int, experts: int, iters: int) -> float:
-  """Median seconds per call (after a warm-up over every expert)."""
-  ids = [jnp.asarray([(i * k + j) % experts for j in range(k)], jnp.int32)
-         for i in range(experts)]
-  gates = jnp.full((k,), 1.0 / k, jnp.float32)
-  times = []
-  with cpu_kernel.decoding():
-    for i in range(experts + iters):
-      t0 = time.perf_counter()
-      fn(store, x, ids[i % experts], gates).block_until_ready()
-      times.append(time.perf_counter() - t0)
-  return statistics.median(times[experts:])
 
 
 def summarize(rounds: list, engines: list, target: float) -> dict:
@@ -148,7 +109,7 @@ def main(argv):
           row[eng], row["ggml_avx512_bf16"] = res["median_s"], res["ggml_cpu_has_avx512_bf16"]
         else:
           iters = FLAGS.iters if eng == "moejax" else max(5, FLAGS.iters // (2 * k))
-          row[eng] = time_moejax(fns[k][eng], store, x, k, e, iters)
+          row[eng] = time_calls(fns[k][eng], store, x, k, e, iters)
       rounds.append(row)
       print(f"round {r} k={k}: " + ", ".join(f"{eng} {1e3 * row[eng]:.3f} ms" for eng in engines),
             file=sys.stderr)

@@ -1,7 +1,8 @@
 """The package's layers (docs/architecture.md): a module imports only its own package and
 the layers below it; no moejax/ folder holds more than MAX_MODULES modules.
 
-Every module under moejax/, estimators/ and benchmarks/ is parsed with `ast` (imports inside
+Every module under moejax/, benchmarks/ and estimators/ (the checkout's alias) is parsed
+with `ast` (imports inside
 functions count too); nothing is imported.
 """
 
@@ -16,16 +17,18 @@ MAX_MODULES = 12
 # Bottom first.  A module may import its own package and any package of a lower tier;
 # packages of one tier are peers and import none of each other.
 TIERS = (
-    ("moejax", "estimators", "moejax.kernels", "estimators.model"),  # leaves
+    ("moejax.extras", "moejax.interrupts", "moejax.kernels", "moejax.estimators",
+     "moejax.estimators.model"),                                    # leaves
     ("moejax.model",),
     ("moejax.io", "moejax.cache", "moejax.train"),
     ("moejax.prefetch",),
     ("moejax.offload",),
-    ("moejax.research", "estimators.data", "estimators.train"),
-    ("moejax.cli",),
+    ("moejax.research", "moejax.estimators.data", "moejax.estimators.train"),
+    ("moejax.cli", "moejax.api"),     # the programs; the Python API
     ("moejax.serve",),                # the server: runs as a program through moejax.cli.app
+    ("moejax",),                      # the package root: its names load moejax.api lazily
     ("benchmarks",),                  # checkout-only: the logic of launch/bench_*.py
-    ("launch",),
+    ("launch", "estimators"),         # the checkout's entry scripts and estimators alias
 )
 RANK = {pkg: rank for rank, tier in enumerate(TIERS) for pkg in tier}
 PROJECT = ("moejax", "estimators", "benchmarks", "launch")
@@ -124,8 +127,12 @@ def test_peers_and_lower_layers():
   assert not violations(cache, "import jax\nfrom moejax.model import routing\n"
                         "from moejax.cache import resident\nfrom . import resident\n")
   steps = ROOT / "moejax" / "prefetch" / "steps.py"
-  assert not violations(steps, "from estimators.model import estimate\n")
-  assert violations(ROOT / "estimators" / "model.py", "from moejax.model import routing\n")
+  assert not violations(steps, "from moejax.estimators.model import estimate\n")
+  model = ROOT / "moejax" / "estimators" / "model.py"
+  assert violations(model, "from moejax.model import routing\n")
+  # the root's lazy API names may load the API; nothing below may import the root's API
+  assert not violations(ROOT / "moejax" / "__init__.py", "from moejax import api\n")
+  assert violations(ROOT / "moejax" / "cli" / "app.py", "from moejax import api\n")
 
 
 def test_moejax_never_imports_benchmarks_or_launch():

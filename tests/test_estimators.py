@@ -5,9 +5,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from estimators import data as est_data
-from estimators.model import LogitCorrection, estimate, previous_input, takes_previous
-from estimators.train import EstimatorConfig, kl_loss, loss_fn, topk_ce, train_pair
+from moejax.estimators import data as est_data
+from moejax.estimators.model import LogitCorrection, estimate, previous_input, takes_previous
+from moejax.estimators.train import EstimatorConfig, kl_loss, loss_fn, topk_ce, train_pair
 from moejax.model.config import ModelConfig
 
 CFG = ModelConfig(model_type="qwen3_moe", vocab_size=64, hidden_size=16, num_layers=2,

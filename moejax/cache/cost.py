@@ -20,7 +20,7 @@ Per miss of normalised share s (g / sum of the token's selected g) the options a
   drop     0                                         drop_slope x s
 
 The host time is a measurement, never a guess: `measured_host_ms` reads it from a
-number or from `launch.bench_host`'s JSON (generate --policy=cost --host_ms=...);
+number or from `moejax-host-ms`'s JSON (generate --policy=cost --host_ms=...);
 without one the host option is not offered.  The policy takes the option with the
 least time + lam x quality (ties: the order above, so the better-quality option).  A 'sub' for which no unused resident
 expert is left becomes a DROP, as in every substituting rule.  lam is in ms per
@@ -94,7 +94,7 @@ def from_profile(expert_bf16_bytes: int, expert_low_bytes: int, link_Bps: float,
 
 def measured_host_ms(spec) -> float:
   """One expert's time on the host in ms, as measured: a number, or the path of
-  `launch.bench_host`'s JSON (its "host_ms": the engine's HOST call for one expert at
+  `moejax-host-ms`'s JSON (its "host_ms": the engine's HOST call for one expert at
   that run's shape, on that machine). ValueError for anything else, or a time <= 0."""
   try:
     ms = float(spec)
@@ -174,7 +174,7 @@ def fit_slope(mass, dppl) -> float:
 
 
 def fit_slopes(policies: dict, max_dppl: float = 10.0) -> Slopes:
-  """Slopes from an emulation's per-policy metrics (`launch.emulate`'s results.json
+  """Slopes from an emulation's per-policy metrics (`moejax-emulate`'s results.json
   "policies": spec -> {ppl_increase_pct, substituted_mass_per_token,
   dropped_mass_per_token, low_mass_per_token}): sub from the substituting specs
   (threshold:TAU, first_choice; not @drop), drop from the @drop ones, low8 / low4 from

@@ -1,5 +1,5 @@
 """Command-line plumbing of the user-facing programs (moejax.cli.*, run as `moejax-X` when
-installed or `python -m launch.X` from a checkout): errors a user can act on.
+installed, or launch/X.py from a checkout): errors a user can act on.
 
   exit 0  success (also --help)
   exit 2  usage error: the command line is wrong (a flag's value, a flag that does not

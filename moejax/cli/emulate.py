@@ -1,6 +1,6 @@
 """Exact emulation of miss policies on held-out text: perplexity attributed to decisions.
 
-  python -m launch.emulate --model_dir=ckpts/demo --cache_fraction=0.25 --out=runs/emulate
+  moejax-emulate --model_dir=ckpts/demo --cache_fraction=0.25 --out=runs/emulate
 
 Teacher-forced over deterministic streams of held-out stdlib files and HumanEval
 problems (moejax.research.study.streams), every policy on identical tokens with idealised
@@ -219,7 +219,7 @@ def format_table(res: dict) -> str:
 
 
 def entry():
-  """The console script `moejax-emulate` (and `python -m launch.emulate` from a checkout)."""
+  """The console script `moejax-emulate`."""
   cli.run(main)
 
 

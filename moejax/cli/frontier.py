@@ -1,6 +1,6 @@
 """The policies' quality/speed frontier, and the auto-tuned policy for a budget.
 
-  python -m launch.frontier --model_dir=ckpts/demo --out=runs/frontier
+  moejax-frontier --model_dir=ckpts/demo --out=runs/frontier
 
 On the quality study's streams (held-out stdlib + HumanEval; even documents for
 calibration, odd ones held out): a simulator sweep of the policy grid (threshold tau
@@ -205,7 +205,7 @@ def main(_):
 
 
 def entry():
-  """The console script `moejax-frontier` (and `python -m launch.frontier` from a checkout)."""
+  """The console script `moejax-frontier`."""
   cli.run(main)
 
 

@@ -4,7 +4,6 @@
   moejax-generate --model_dir=/path/to/Qwen3-30B-A3B --dtype=bfloat16 \\
       --policy=quality --cache_fraction=0.25 --store=mmap
 
-(`moejax-generate` once installed; `python -m launch.generate` in a source checkout.)
 The text streams to stdout as it is generated when stdout is a terminal (--stream).
 
 Without --policy every expert is resident on the device.  With --policy the
@@ -52,8 +51,8 @@ flags.DEFINE_integer("max_len", None, "Longest sequence (prompt + new tokens). D
 flags.DEFINE_bool("dry_run", False, "Print the model and the memory it needs, then exit.")
 flags.DEFINE_string("policy", None, "Offload policy: a preset (quality, speed, baseline) or a "
                     "miss rule (fetch_all, threshold, first_choice, substitute_all, host), or "
-                    "auto (tuned to --ppl_budget or --tpot_budget_ms on the quality study's "
-                    "streams before generating; moejax.research.autotune). "
+                    "auto (tuned to --ppl_budget or --tpot_budget_ms on the calibration text "
+                    "that ships with moejax, before generating; moejax.research.autotune). "
                     "Unset: every expert resident, no offloading.")
 flags.DEFINE_float("cache_fraction", None, "With --policy: share of each layer's experts "
                    "resident (default 0.25).")
@@ -77,7 +76,7 @@ flags.DEFINE_float("lam", None, "With --policy=cost: milliseconds a token is wor
                    "model's calibration (moejax/cache/cost.py).")
 flags.DEFINE_string("host_ms", None, "With --policy=cost: offer the host option, one expert "
                     "computed on the host CPU in this many ms, measured: a number, or the JSON "
-                    "of python -m launch.bench_host (its host_ms). Without it no host option.")
+                    "of moejax-host-ms (its host_ms). Without it no host option.")
 flags.DEFINE_float("tau_low", None, "With --policy=threshold_low: share at or above which a "
                    "miss below --tau fetches its low-precision copy (default 0.02).")
 flags.DEFINE_enum("low_bits", None, ["8", "4"], "With --policy=fetch_low, threshold_low or cost: "
@@ -97,7 +96,7 @@ flags.DEFINE_enum("eviction", None, ["lru", "lfu", "least_stale"],
 flags.DEFINE_enum("prefetch", None, ["none", "reuse", "quasi", "previous", "hybrid"],
                   "With --policy: speculative prefetch of the next layer's predicted experts "
                   "(previous: the experts that layer chose at the previous token; quasi, "
-                  "hybrid: the files of launch.default_vectors / launch.train_estimators, "
+                  "hybrid: the files of moejax-default-vectors / moejax-train-estimators, "
                   "loaded from <model_dir>-estimators or --estimators).")
 flags.DEFINE_enum("speculative", None, ["off", "predicted_weights", "true_router"],
                   "With --prefetch: run each layer on its predicted experts without refetching "
@@ -253,9 +252,10 @@ def main(_):
   plan = memory.plan_memory(cfg, dtype, store=store_kind, offload=FLAGS.policy is not None,
                             cache_fraction=cache_fraction(),
                             cache_bytes=FLAGS.cache_bytes, kv_len=seq, mxfp4=mxfp4)
-  if FLAGS.policy is not None:   # a --link that does not parse fails now, not after loading
+  if FLAGS.policy is not None:   # a bad --link or missing --prefetch files: before loading
     from moejax.offload.link import parse_link
     parse_link(link_spec(), expert_bytes=plan.expert_bytes, layer_compute_s=1e-3)
+    preds = predictors(cfg, folder)
   platform = jax.devices()[0].platform
   print(f"[moejax] {desc}: {cfg.model_type}, {cfg.num_layers} layers, {cfg.num_experts} "
         f"experts top-{cfg.top_k}, {FLAGS.dtype}, on {platform}; memory needed (MB = 10^6 bytes, "
@@ -284,7 +284,7 @@ def main(_):
     union = min(1.0, cache_fraction() * FLAGS.expert_devices)   # the devices' one cache
     policy = (policy_flags.resolve_auto(cfg, params, store, tok, union)
               if FLAGS.policy == "auto" else policy_flags.named_policy())
-    return generate_offloaded(cfg, params, store, tok, ids, sp, dtype, seq, policy)
+    return generate_offloaded(cfg, params, store, tok, ids, sp, dtype, seq, policy, preds)
   from moejax.model.sampler import Sampler
   sampler = Sampler(cfg, params, store.device_experts(dtype), max_len=seq, dtype=dtype)
   print("[moejax] every expert resident (no --policy)", file=sys.stderr)
@@ -341,22 +341,26 @@ def load(cfg, folder, dtype, store_kind):
   return cfg, params, store
 
 
-def generate_offloaded(cfg, params, store, tok, ids, sp, dtype, seq, policy):
-  """The OffloadEngine path under `policy`: generates, then prints the per-token
-  statistics table."""
+def predictors(cfg, folder: str | None) -> dict:
+  """--prefetch's predictors (quasi, hybrid: the files made for the model in `folder`)."""
+  from moejax.prefetch import speculation
+  try:
+    return speculation.load_predictors(FLAGS.prefetch or "none", cfg, folder,
+                                       FLAGS.estimators)
+  except speculation.PrefetchError as e:
+    raise cli.UsageError(str(e)) from None
+
+
+def generate_offloaded(cfg, params, store, tok, ids, sp, dtype, seq, policy, preds):
+  """The OffloadEngine path under `policy` and --prefetch's `preds`: generates, then
+  prints the per-token statistics table."""
   import jax
   from moejax.offload.calibrate import calibrated_link
   from moejax.offload.engine import OffloadEngine
-  from moejax.prefetch import speculation
   from moejax.prefetch import steps as prefetch_lib
   from moejax.offload.stats import format_stats
   link = calibrated_link(link_spec(), cfg, params, store, dtype)   # scaled: measures a layer
-  kind = FLAGS.prefetch or "none"
-  try:
-    preds = speculation.load_predictors(kind, cfg, FLAGS.model_dir, FLAGS.estimators)
-  except speculation.PrefetchError as e:
-    raise cli.UsageError(str(e)) from None
-  prefetch = prefetch_lib.Prefetch(kind, FLAGS.speculative or "off", preds,
+  prefetch = prefetch_lib.Prefetch(FLAGS.prefetch or "none", FLAGS.speculative or "off", preds,
                                    streaming=bool(FLAGS.streaming))
   policy, low = policy_flags.cost_policy(policy, store)
   eng = OffloadEngine(cfg, params, store, policy,
@@ -383,7 +387,7 @@ def generate_offloaded(cfg, params, store, tok, ids, sp, dtype, seq, policy):
 
 
 def entry():
-  """The console script `moejax-generate` (and `python -m launch.generate` from a checkout)."""
+  """The console script `moejax-generate`."""
   cli.run(main)
 
 

@@ -1,7 +1,7 @@
-"""launch.generate's policy flags: the policy --policy and its knobs name, --policy=auto's
+"""moejax-generate's policy flags: the policy --policy and its knobs name, --policy=auto's
 tuning, and the cost rule's times (--profile's link, --host_ms's measured host expert).
 
-The flags are launch.generate's (moejax.cli.generate defines them on absl's FLAGS); the
+The flags are moejax-generate's (moejax.cli.generate defines them on absl's FLAGS); the
 functions read them and raise `app.UsageError` naming the flag.
 """
 
@@ -20,7 +20,7 @@ def check_auto_flags():
   """--policy=auto: a budget, and no knob that auto-tuning chooses."""
   from moejax.research import autotune
   if FLAGS.random_model:
-    raise cli.UsageError("--policy=auto tunes on the quality study's text: it needs a model "
+    raise cli.UsageError("--policy=auto tunes on moejax's calibration text: it needs a model "
                          "with its tokenizer, not --random_model")
   for n in ("tau", "admission_beta", "eviction"):
     if cli.given(n):
@@ -43,14 +43,14 @@ def check_auto_flags():
 
 
 def resolve_auto(cfg, params, store, tok, cache_fraction: float):
-  """--policy=auto: the policy tuned on the quality study's streams (printing what it
-  chose and why, and the measured points), before the engine is built.  cache_fraction:
+  """--policy=auto: the policy tuned on the calibration text that ships with moejax
+  (printing what it chose and why, and the measured points), before the engine is built.  cache_fraction:
   the union's (expert-parallel: N devices' slots are one cache)."""
   import tempfile
   from moejax.research import autotune, frontier
   budget = check_auto_flags()
-  print(f"[moejax] --policy=auto: tuning for {budget.describe()} on the quality study's "
-        "calibration streams (simulator sweep, emulator checks)...", file=sys.stderr)
+  print(f"[moejax] --policy=auto: tuning for {budget.describe()} on moejax's calibration "
+        "text (a simulator sweep, then emulator checks; minutes on a CPU)...", file=sys.stderr)
   log = lambda line: print(line, file=sys.stderr, flush=True)
   try:
     with tempfile.TemporaryDirectory() as d:
@@ -95,7 +95,7 @@ def cost_policy(policy, store):
                               hw.link_Bps, hw.link_latency_s, cost.DEMO_SLOPES, d.low_bits)
     policy = dataclasses.replace(policy, decision=dataclasses.replace(d, cost=model))
   if d.miss == "cost" and FLAGS.host_ms is not None and FLAGS.policy != "auto":
-    try:                          # the host option's time: measured (launch.bench_host)
+    try:                          # the host option's time: measured (moejax-host-ms)
       host_ms = cost.measured_host_ms(FLAGS.host_ms)
     except ValueError as e:
       raise cli.UsageError(f"--host_ms: {e}") from None

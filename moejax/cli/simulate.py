@@ -1,6 +1,6 @@
 """Replay a router trace under policies, cache sizes and hardware profiles (no model).
 
-  python -m launch.simulate --trace=runs/trace_demo --out=runs/sim_demo \
+  moejax-simulate --trace=runs/trace_demo --out=runs/sim_demo \
       --policies=baseline,quality,speed,host,substitute_all --profiles=rtx3090,h100,gh200 \
       --cache_fractions=0.125,0.25,0.5
 
@@ -37,7 +37,7 @@ from moejax.cli import app as cli
 from moejax import extras
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("trace", None, "Trace folder written by launch.trace.", required=True)
+flags.DEFINE_string("trace", None, "Trace folder written by moejax-trace.", required=True)
 flags.DEFINE_string("out", None, "Output folder (results.json, PNG).", required=True)
 flags.DEFINE_list("policies", ["baseline", "quality", "speed", "host", "substitute_all"],
                   "Presets or miss rules (moejax.cache.policy).")
@@ -247,7 +247,7 @@ def table(results, profs) -> str:
 
 
 def entry():
-  """The console script `moejax-simulate` (and `python -m launch.simulate` from a checkout)."""
+  """The console script `moejax-simulate`."""
   cli.run(main)
 
 

@@ -1,6 +1,6 @@
 """The quality study (experiments a-f and greedy generation) on the exact emulator.
 
-  python -m launch.study --model_dir=ckpts/demo --out=runs/study
+  moejax-study --model_dir=ckpts/demo --out=runs/study
 
 a  policies at 25% resident, and the 0.15 rule against a control that substitutes
    the same share of calls at random, protecting nothing
@@ -353,7 +353,7 @@ def main(argv):
 
 
 def entry():
-  """The console script `moejax-study` (and `python -m launch.study` from a checkout)."""
+  """The console script `moejax-study`."""
   cli.run(main)
 
 

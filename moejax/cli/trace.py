@@ -1,7 +1,7 @@
 """Record a router trace: per token and MoE layer, the model's router output.
 
-  python -m launch.trace --model_dir=ckpts/demo --text=held_out --out=runs/trace_demo
-  python -m launch.trace --model_dir=/path/to/Qwen3-30B-A3B --text=my.txt --out=runs/t30b
+  moejax-trace --model_dir=ckpts/demo --text=held_out --out=runs/trace_demo
+  moejax-trace --model_dir=/path/to/Qwen3-30B-A3B --text=my.txt --out=runs/t30b
 
 --text: `held_out` (the demo corpus's held-out CPython stdlib files), `humaneval`
 (HumanEval prompts + solutions), or a path to a UTF-8 text file.  Documents are
@@ -10,7 +10,7 @@ offsets go into trace.json.  Recording is teacher-forced over non-overlapping
 windows of --seq tokens with every expert resident (any supported family); the
 trace format is described in moejax/io/traces.py and docs/simulator.md.
 
-  python -m launch.trace --synthesize=qwen3-30b-a3b --fit_trace=runs/trace_demo \
+  moejax-trace --synthesize=qwen3-30b-a3b --fit_trace=runs/trace_demo \
       --out=runs/trace_q30b_synth --max_tokens=4096
 
 synthesises a trace shaped like a named model (moejax.offload.hardware.MODELS: expert
@@ -150,7 +150,7 @@ def main(_):
 
 
 def entry():
-  """The console script `moejax-trace` (and `python -m launch.trace` from a checkout)."""
+  """The console script `moejax-trace`."""
   cli.run(main)
 
 

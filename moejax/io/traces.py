@@ -130,7 +130,7 @@ def read_meta(trace_dir: str) -> dict:
   path = os.path.join(trace_dir, META)
   if not os.path.exists(path):
     raise TraceError(f"{path}: no such file (--trace must be a folder written by "
-                     f"launch.trace)")
+                     f"moejax-trace)")
   try:
     with open(path) as f:
       meta = json.load(f)
@@ -210,7 +210,7 @@ def record_router_logits(cfg: ModelConfig, params, store, tokens, *, seq: int = 
   it = range(0, len(windows), batch)
   if progress:
     from tqdm import tqdm
-    it = tqdm(it, desc="recording router logits", unit="batch")
+    it = tqdm(it, desc="recording router logits", unit="batch", disable=None)  # a terminal
   for b in it:
     group = windows[b:b + batch]
     arr = np.zeros((batch, seq), np.int32)          # one shape: one compile

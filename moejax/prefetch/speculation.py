@@ -155,13 +155,13 @@ def load_default_vectors(out: str, cfg) -> list[np.ndarray]:
   from moejax.io.traces import config_hash
   meta_path = os.path.join(out, "meta.json")
   if not os.path.exists(meta_path):
-    raise FileNotFoundError(f"no default vectors in {out}: run `python -m launch.default_vectors "
+    raise FileNotFoundError(f"no default vectors in {out}: run `moejax-default-vectors "
                             f"--model_dir=<the model> --out={out}`")
   meta = json.load(open(meta_path))
   if meta["config_hash"] != config_hash(cfg):
     raise ValueError(f"{meta_path} was made for another model (config hash "
                      f"{meta['config_hash']}, this model {config_hash(cfg)}); rerun "
-                     "launch.default_vectors for this model")
+                     "moejax-default-vectors for this model")
   with ocp.StandardCheckpointer() as ckptr:
     tree = ckptr.restore(os.path.abspath(os.path.join(out, "orbax")))
   return [np.asarray(v) for v in tree["vectors"]]
@@ -180,7 +180,7 @@ HYBRID_SOURCES = ("quasi", "estimator", "previous")   # what the hybrid may use 
 
 
 def hybrid_sources(meta: dict) -> list[str]:
-  """The hybrid's per-pair sources recorded by launch.train_estimators (files made before
+  """The hybrid's per-pair sources recorded by moejax-train-estimators (files made before
   the `previous` source: the estimator where marked, quasi elsewhere)."""
   return [row.get("hybrid_source", "estimator" if row["hybrid_uses_estimator"] else "quasi")
           for row in meta["per_layer"]]
@@ -191,8 +191,8 @@ def load_predictors(kind: str, cfg: ModelConfig, model_dir: str | None = None,
   """{"vectors": [E, D] per MoE layer, "estimators": params or None per layer pair,
   "sources": the predictor of each layer pair (`kind`; for hybrid one of `HYBRID_SOURCES`)}.
 
-  quasi and hybrid need the default vectors (launch.default_vectors), hybrid also the
-  estimators and its per-pair choice (launch.train_estimators), both made for this
+  quasi and hybrid need the default vectors (moejax-default-vectors), hybrid also the
+  estimators and its per-pair choice (moejax-train-estimators), both made for this
   model (config hash); reuse and previous need no files."""
   from moejax.io.traces import config_hash  # pylint: disable=g-import-not-at-top
   n_moe = len(cfg.moe_layers)
@@ -215,40 +215,40 @@ def load_predictors(kind: str, cfg: ModelConfig, model_dir: str | None = None,
   meta_path = os.path.join(d, "estimators.json")
   if not os.path.exists(meta_path):
     raise PrefetchError(f"--prefetch=hybrid: no trained estimators in {d} (no estimators.json): "
-                        f"run `python -m launch.train_estimators --model_dir=<the model> "
+                        f"run `moejax-train-estimators --model_dir=<the model> "
                         f"--out={d}`")
   meta = json.load(open(meta_path))
   if meta.get("config_hash") != config_hash(cfg):
     raise PrefetchError(f"--prefetch=hybrid: {meta_path} was trained for another model "
                         f"(config hash {meta.get('config_hash')}, this model "
-                        f"{config_hash(cfg)}); rerun launch.train_estimators for this model")
+                        f"{config_hash(cfg)}); rerun moejax-train-estimators for this model")
   with ocp.StandardCheckpointer() as ckptr:
     tree = ckptr.restore(os.path.abspath(os.path.join(d, "estimators")))
   pairs = tree["pairs"]
   if len(pairs) != n_pairs or len(meta["per_layer"]) != n_pairs:
     raise PrefetchError(f"{d}: {len(pairs)} estimators for {n_pairs} MoE layer pairs; rerun "
-                        f"launch.train_estimators for this model")
+                        f"moejax-train-estimators for this model")
   out["sources"] = hybrid_sources(meta)
   for j, src in enumerate(out["sources"]):
     if src not in HYBRID_SOURCES:
       raise PrefetchError(f"{meta_path}: pair {j} has hybrid source {src!r}; rerun "
-                          f"launch.train_estimators")
+                          f"moejax-train-estimators")
     if src == "estimator":
       kernel = np.asarray(pairs[j]["params"]["w_out"]["kernel"])
       if kernel.shape[-1] != cfg.num_experts:
         raise PrefetchError(f"{d}: estimator {j} predicts {kernel.shape[-1]} experts, the "
-                            f"model has {cfg.num_experts}; rerun launch.train_estimators")
+                            f"model has {cfg.num_experts}; rerun moejax-train-estimators")
       rows = np.asarray(pairs[j]["params"]["w_in"]["kernel"]).shape[0]
       dim, width = cfg.hidden_size, routing.router_width(cfg)
       if rows not in (dim, dim + width):
         raise PrefetchError(f"{d}: estimator {j} takes {rows} inputs, this model's q has "
                             f"{dim} (and the previous token's router logits {width} more); rerun "
-                            f"launch.train_estimators")
+                            f"moejax-train-estimators")
       out["estimators"][j] = jax.tree_util.tree_map(jnp.asarray, pairs[j])
   widths = {np.shape(e["params"]["w_in"]["kernel"]) for e in out["estimators"] if e is not None}
   if len(widths) > 1:
     raise PrefetchError(f"{d}: the estimators differ in shape ({sorted(widths)}); rerun "
-                        f"launch.train_estimators")
+                        f"moejax-train-estimators")
   return out
 
 
@@ -257,7 +257,7 @@ def _predictors(kind: str, cfg: ModelConfig, predictors: dict | None) -> dict:
   preds = predictors or load_predictors(kind, cfg)
   if kind in ("quasi", "hybrid") and preds["vectors"] is None:
     raise PrefetchError(f"--prefetch={kind} needs default vectors: run "
-                        f"`python -m launch.default_vectors --model_dir=<the model>`")
+                        f"`moejax-default-vectors --model_dir=<the model>`")
   n_pairs = max(0, len(cfg.moe_layers) - 1)
   if kind != "hybrid":
     preds = dict(preds, sources=[kind] * n_pairs)

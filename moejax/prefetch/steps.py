@@ -7,7 +7,7 @@ At MoE layer l, once attention is done (r_l = h), layer l+1's routing is predict
   quasi:    router_{l+1}(Norm_{l+1}(r_l + d_l)),  d_l = sum_k w_k D_l[e_k]
   previous: layer l+1's true router logits at the previous token (no computation: a
             model whose routing has temporal locality repeats its selections)
-  hybrid:   per layer pair the source chosen on held-out data (launch.train_estimators):
+  hybrid:   per layer pair the source chosen on held-out data (moejax-train-estimators):
             quasi, quasi plus the trained estimator's correction, or previous
 
 where e_k, w_k are the experts *executed* at layer l and their weights, and D_l the
@@ -38,7 +38,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from estimators.model import estimate
+from moejax.estimators.model import estimate
 from moejax.model import routing
 from moejax.model.config import ModelConfig
 from moejax.model.model import DecoderLayer
@@ -86,7 +86,7 @@ def predict_logits(mod_next: DecoderLayer, p_next, r_1xD, d_D, estimator, kind: 
                    last=None):
   """Layer l+1's predicted router logits [1, E'] from r_l (and d_l unless `reuse`);
   `last` = (layer l+1's true logits [1, E'] at the previous token, whether there was
-  one), the input of an estimator that takes it (`estimators.model`)."""
+  one), the input of an estimator that takes it (`moejax.estimators.model`)."""
   x = r_1xD if kind == "reuse" else r_1xD + d_D.astype(r_1xD.dtype)[None]
   q, logits = mod_next.apply({"params": p_next}, x, method="route_logits")
   if estimator is not None:

@@ -142,16 +142,17 @@ def _point(policy, m: dict, sw: A.Point, base_m: dict, base_sw: A.Point, heldout
 
 
 def build(cfg, params, store, tok, c: Config, out_dir: str, log=print,
-          progress=None) -> tuple[dict, list]:
+          progress=None, docs=None) -> tuple[dict, list]:
   """The frontier (a JSON-ready dict: sweep, measured points, auto choices; see the module
   docstring) and the chosen PolicyParams, one per budget.  progress(desc, total) -> a
-  callable advancing a bar (or None)."""
+  callable advancing a bar (or None).  docs: the documents to split (default: the quality
+  study's, `streams.documents`, which needs the humaneval extra)."""
   t0 = time.time()
   clock = lambda: f"{time.time() - t0:.0f} s"
   budgets = list(c.budgets) or [A.Budget(ppl_pct=b) for b in c.ppl_budgets]
   if c.tpot_budget_ms is not None and not c.budgets:
     budgets.append(A.Budget(tpot_ms=c.tpot_budget_ms, profile=c.profile))
-  cal_docs, held_docs = split_documents(S.documents(tok))
+  cal_docs, held_docs = split_documents(S.documents(tok) if docs is None else docs)
   cal = make_streams(cal_docs, c)
   shape = hardware.model_shape(c.shape) if isinstance(c.shape, str) else c.shape
   profiles = sorted({SPEEDUP_PROFILE} | {b.profile for b in budgets if b.profile})
@@ -308,8 +309,10 @@ AUTO = Config(streams=8, max_tokens=2048, taus=(0.05, 0.15), presets=(), heldout
 def auto_policy(cfg, params, store, tok, budget: A.Budget, out_dir: str, *,
                 cache_fraction: float = 0.25, c: Config = AUTO, log=print, progress=None):
   """`--policy=auto`: the policy `autotune.tune` picks for `budget` on the calibration
-  streams (no held-out run), projected times on the model's own shape; (policy, res)."""
+  streams of the text that ships with moejax (`streams.calibration_documents`; no held-out
+  run), projected times on the model's own shape; (policy, res)."""
   c = dataclasses.replace(c, cache_fraction=cache_fraction, budgets=(budget,),
                           shape=own_shape(cfg))
-  res, chosen = build(cfg, params, store, tok, c, out_dir, log=log, progress=progress)
+  res, chosen = build(cfg, params, store, tok, c, out_dir, log=log, progress=progress,
+                      docs=S.calibration_documents(tok))
   return chosen[0], res

@@ -213,7 +213,7 @@ def profile_initial(logits_TxLxR, cfg: ModelConfig, slots: int) -> np.ndarray:
 def _layer_slices(nl: int):
   """(device, (first layer, end)) per slice: the layers split evenly over the local CPU
   devices (one slice elsewhere).  A process sees several CPU devices with
-  XLA_FLAGS=--xla_force_host_platform_device_count=N (`launch.bench_simulator` sets it to
+  XLA_FLAGS=--xla_force_host_platform_device_count=N (the checkout's bench_simulator sets it to
   the core count); each device runs its slice's scan on its own thread."""
   devs = jax.local_devices()
   if devs[0].platform != "cpu":

@@ -103,7 +103,9 @@ class Runner:
                 stacked=self.stacked, **make_kw)
     s = self.streams
     t = s.tokens.shape[1]
-    with tqdm(total=s.tokens.shape[0] * (t - 1), desc=key, unit="tok", leave=False) as bar:
+    # disable=None: no bar where stderr is not a terminal (a log gets no bar text)
+    with tqdm(total=s.tokens.shape[0] * (t - 1), desc=key, unit="tok", leave=False,
+              disable=None) as bar:
       out = E.run_streams(em, s.tokens, s.pos, s.targets, chunk=min(self.chunk, t - 1),
                           on_chunk=bar.update)
     summ = metrics_lib.summarize_run(out, s, len(self.cfg.moe_layers))

@@ -53,6 +53,31 @@ def documents(tok, humaneval: bool = True, stdlib: bool = True) -> list[tuple[st
   return out
 
 
+CALIBRATION = os.path.join(os.path.dirname(os.path.abspath(__file__)), "calibration.txt")
+DOC_MARK = "### doc: "
+
+
+def calibration_texts(path: str = CALIBRATION) -> list[tuple[str, str]]:
+  """(name, text) of each document of the calibration file that ships with moejax (Python
+  modules and English prose, written for it; a line `### doc: NAME` starts each)."""
+  out = []
+  with open(path, encoding="utf-8") as f:
+    for line in f:
+      if line.startswith(DOC_MARK):
+        out.append((line[len(DOC_MARK):].strip(), []))
+      elif out:
+        out[-1][1].append(line)
+  return [(name, "".join(lines)) for name, lines in out]
+
+
+def calibration_documents(tok, path: str = CALIBRATION) -> list[tuple[str, str, list]]:
+  """(source, name, token ids + EOT where the tokenizer has one) of the shipped
+  calibration text: what --policy=auto tunes on, whatever the model (no extra needed)."""
+  eot = tok.token_id(data.EOT)
+  return [("calibration", name, tok.encode(text) + ([eot] if eot is not None else []))
+          for name, text in calibration_texts(path)]
+
+
 def build(docs, num_streams: int, max_tokens: int, window: int, seed: int = 0,
           max_doc_tokens: int = 0, round_to: int = 1) -> Streams:
   """B streams of equal length T <= max_tokens / B (documents cut at max_doc_tokens,

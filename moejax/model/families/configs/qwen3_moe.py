@@ -9,7 +9,7 @@ class Qwen3MoeSpec(ConfigSpec):
   model_types = ("qwen3_moe",)
 
   def to_hf_dict(self, cfg):
-    """The hub config.json of `cfg` (``launch.train_demo`` exports the demo model with it)."""
+    """The hub config.json of `cfg` (the demo model's training exports it with it)."""
     return {
         "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,

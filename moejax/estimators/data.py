@@ -15,7 +15,7 @@ import os
 import jax.numpy as jnp
 import numpy as np
 
-from estimators import model
+from moejax.estimators import model
 from moejax.train import corpus
 from moejax.prefetch import speculation
 from moejax.train import data as corpus_data
@@ -24,9 +24,9 @@ from moejax.io.tokenizer import Tokenizer
 
 def train_stream(model_dir: str, tokens_file: str = "",
                  domains: tuple[str, ...] = corpus.DOMAINS) -> np.ndarray:
-  """The training token stream: `tokens_file` (an encoded .npy, e.g. launch.train_demo's
-  <data_dir>/train_tokens.npy: every domain), else the corpus' train split of `domains`
-  encoded."""
+  """The training token stream: `tokens_file` (an encoded .npy, e.g. the demo model
+  training's <data_dir>/train_tokens.npy: every domain), else the corpus' train split of
+  `domains` encoded."""
   if tokens_file:
     if tuple(domains) != corpus.DOMAINS:
       raise ValueError(f"--tokens_file holds every corpus domain; it cannot be restricted "
@@ -44,6 +44,18 @@ def heldout_python(model_dir: str, tokens_file: str = "") -> np.ndarray:
     return np.load(path)
   tok = Tokenizer(model_dir)
   return corpus_data.encode_stream(tok._tok, corpus.build(domains=("python",))[0]["python"][1])
+
+
+def windows(stream: np.ndarray, n: int, seq: int, seed: int = 0,
+            shuffle: bool = True) -> np.ndarray:
+  """[min(n, available), seq] int32: non-overlapping windows of `stream`, in a seeded
+  random order (`shuffle`) or from its start.  ValueError when the stream holds no window."""
+  if (stream.size - 1) // seq < 1:
+    raise ValueError(f"the token stream holds {stream.size} tokens, fewer than one window of "
+                     f"{seq} + 1")
+  order = (corpus_data.window_order(stream.size, seq, seed, epochs=1) if shuffle
+           else np.arange((stream.size - 1) // seq))[:n]
+  return np.stack([stream[i * seq:(i + 1) * seq] for i in order]).astype(np.int32)
 
 
 def record(cfg, params, experts, vecs, wins_NxT: np.ndarray, out_dir: str, batch: int = 8,
@@ -75,7 +87,7 @@ def record(cfg, params, experts, vecs, wins_NxT: np.ndarray, out_dir: str, batch
 
 def previous_probs(true_NxE, seq: int) -> np.ndarray:
   """[N, E] float32: each row's previous row's router probabilities at the same layer
-  (`estimators.model.previous_input` of its true logits), zeros for a window's first
+  (`moejax.estimators.model.previous_input` of its true logits), zeros for a window's first
   token (windows of `seq` consecutive rows, as recorded): the estimator's extra input, as
   the engine forms it from the previous token's true routing."""
   true = np.asarray(true_NxE, np.float32)

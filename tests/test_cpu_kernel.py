@@ -166,23 +166,6 @@ def test_spinning_helpers_and_pool_tasks_give_the_same_bits():
                               rtol=1e-4, atol=1e-3)
 
 
-@pytest.mark.parametrize("n", [1, 40])     # a decode call (finer items) and a prompt call
-def test_serial_calls_give_the_same_bits_on_one_thread(n):
-  """serial=True (expert parallelism's host devices) runs the routed experts through the
-  serial target, on the calling thread alone: the same bits as the default."""
-  rng = np.random.default_rng(7)
-  w = {"gate_up": jnp.asarray(rng.normal(size=(16, 64, 96)), jnp.float32),
-       "down": jnp.asarray(rng.normal(size=(16, 96, 32)), jnp.float32)}
-  x = jnp.asarray(rng.normal(size=(n, 96)), jnp.float32)
-  ids = jnp.asarray(rng.integers(0, 16, (n, 4)), jnp.int32)
-  g = jnp.asarray(rng.random((n, 4)), jnp.float32)
-  fns = [jax.jit(lambda x, ids, g, s=s: experts_lib.apply_experts(x, ids, g, w, serial=s))
-         for s in (False, True)]
-  texts = [f.lower(x, ids, g).as_text() for f in fns]
-  assert cpu_kernel.SERIAL_TARGET not in texts[0] and cpu_kernel.SERIAL_TARGET in texts[1]
-  chex.assert_trees_all_equal(fns[1](x, ids, g), fns[0](x, ids, g))
-
-
 def test_decode_calls_in_finer_items_give_the_same_bits_as_prompt_calls():
   """Up to 16 tokens run in finer items (gate/up rows, then down rows); more run one item
   per expert block. Each row's dot is the same either way, so the first 16 tokens of a

@@ -61,7 +61,6 @@ struct Problem {
   const void* gate_up;
   const void* down;
   bool w_bf16;
-  bool serial = false;   // on the calling thread alone (parallel_for's `serial`)
   std::vector<int64_t> order;  // pair indices (n * k + j) sorted by expert
   std::vector<Item> items;
   std::vector<float> pair_out;  // [n * k, d], gate applied
@@ -125,7 +124,7 @@ void decode_phases(ffi::ThreadPool& pool, Problem& p) {
     for (int64_t t = 0; t < nt; ++t)
       for (int64_t j = 0; j < nj; ++j)
         a[(it.begin + t) * inter + j0 + j] = silu_mul(g[t * nj + j], u[t * nj + j]);
-  }, true, p.serial);
+  }, true);
   parallel_for(pool, items * c2, [&](int64_t q) {
     const Item& it = p.items[q / c2];
     const int64_t nt = it.end - it.begin, r0 = (q % c2) * kDownChunk;
@@ -138,7 +137,7 @@ void decode_phases(ffi::ThreadPool& pool, Problem& p) {
       const float gate = p.gates[pair];
       for (int64_t j = 0; j < nr; ++j) p.pair_out[pair * d + r0 + j] = gate * y[t * nr + j];
     }
-  }, true, p.serial);
+  }, true);
 }
 
 
@@ -158,9 +157,9 @@ bool supported(ffi::DataType t) { return t == ffi::DataType::F32 || t == ffi::Da
 bool weights_bf16(ffi::DataType t) { return t == ffi::DataType::BF16 || t == ffi::DataType::U16; }
 bool weights_ok(ffi::DataType t) { return supported(t) || t == ffi::DataType::U16; }
 
-ffi::Error ExpertFfn(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> ids,
-                     ffi::Buffer<ffi::F32> gates, ffi::AnyBuffer gate_up, ffi::AnyBuffer down,
-                     ffi::Result<ffi::AnyBuffer> y, bool serial) {
+ffi::Error ExpertFfnImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> ids,
+                         ffi::Buffer<ffi::F32> gates, ffi::AnyBuffer gate_up,
+                         ffi::AnyBuffer down, ffi::Result<ffi::AnyBuffer> y) {
   auto xd = x.dimensions(), idd = ids.dimensions(), gud = gate_up.dimensions(),
        dnd = down.dimensions();
   if (xd.size() != 2 || idd.size() != 2 || gud.size() != 3 || dnd.size() != 3)
@@ -185,7 +184,6 @@ ffi::Error ExpertFfn(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S3
   p->gate_up = gate_up.untyped_data();
   p->down = down.untyped_data();
   p->w_bf16 = weights_bf16(gate_up.element_type());
-  p->serial = serial;
 
   // counting sort of the pairs by expert (ids clamped like XLA's dynamic indexing)
   const int64_t pairs = p->n * p->k, ne = p->num_experts;
@@ -212,7 +210,7 @@ ffi::Error ExpertFfn(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S3
     parallel_for(pool, static_cast<int64_t>(p->items.size()), [&prob](int64_t i) {
       if (prob.w_bf16) run_item<uint16_t>(prob, prob.items[i]);
       else run_item<float>(prob, prob.items[i]);
-    }, false, serial);
+    }, false);
   }
 
   const int64_t n = p->n, k = p->k, d = p->d;
@@ -227,14 +225,6 @@ ffi::Error ExpertFfn(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S3
                                         t * d * (p->x_bf16 ? 2 : 4));
   }
   return ffi::Error::Success();
-}
-
-// kSerial: the moejax_expert_ffn_serial target (on the calling thread alone)
-template <bool kSerial>
-ffi::Error ExpertFfnImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> ids,
-                         ffi::Buffer<ffi::F32> gates, ffi::AnyBuffer gate_up,
-                         ffi::AnyBuffer down, ffi::Result<ffi::AnyBuffer> y) {
-  return ExpertFfn(pool, x, ids, gates, gate_up, down, y, kSerial);
 }
 
 constexpr int64_t kLinearRows = 64;  // output rows per work item
@@ -315,7 +305,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoejaxLinear, LinearImpl,
                                   .RemainingArgs()
                                   .RemainingRets());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MoejaxExpertFfn, ExpertFfnImpl<false>,
-                              moejax::experts_binding());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MoejaxExpertFfnSerial, ExpertFfnImpl<true>,
-                              moejax::experts_binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoejaxExpertFfn, ExpertFfnImpl, moejax::experts_binding());

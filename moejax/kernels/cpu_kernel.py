@@ -46,7 +46,6 @@ import jax
 import jax.numpy as jnp
 
 TARGET = "moejax_expert_ffn"
-SERIAL_TARGET = "moejax_expert_ffn_serial"   # the same on the calling thread alone
 LINEAR_TARGET = "moejax_linear"
 LINEAR_MAX_TOKENS = 16   # up to this many rows of x: the kernel (decode); more: XLA's GEMM
 # f32 projections with fewer weight bytes stay with XLA: its dot is as fast there, and the
@@ -56,7 +55,7 @@ LINEAR_MAX_TOKENS = 16   # up to this many rows of x: the kernel (decode); more:
 LINEAR_MIN_F32_BYTES = 1 << 20
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _SRCS = [os.path.join(_HERE, f) for f in ("cpu_kernel.cc", "cpu_attention.cc", "cpu_rows.cc",
-                                           "cpu_host.cc", "cpu_collective.cc")]
+                                           "cpu_host.cc")]
 _HEADERS = [os.path.join(_HERE, h)   # part of the build key
             for h in ("cpu_bf16.h", "cpu_dot.h", "cpu_threads.h")]
 ATTENTION_TARGET = "moejax_decode_attention"     # cpu_attention.cc, wrapped by cpu_attention.py
@@ -66,7 +65,6 @@ TAKE_ROWS_TARGET = "moejax_take_rows"            # cpu_rows.cc, wrapped by cpu_r
 TOP_K_TARGET = "moejax_top_k"                    # cpu_rows.cc, wrapped by cpu_rows.py
 BIN_SUM_TARGET = "moejax_bin_sum"                # cpu_rows.cc, wrapped by cpu_rows.py
 HOST_EXPERTS_TARGET = "moejax_host_experts"      # cpu_host.cc, wrapped by cpu_host.py
-ALL_REDUCE_TARGET = "moejax_host_all_reduce"     # cpu_collective.cc, by cpu_collective.py
 _MARCH = "-march=native"
 _FLAGS = ["-O3", _MARCH, "-std=c++17", "-shared", "-fPIC"]
 _OFF = ("0", "off", "false", "no")   # MOEJAX_CPU_KERNEL values that switch the kernels off
@@ -195,7 +193,6 @@ def _load() -> bool:
   try:
     lib = ctypes.cdll.LoadLibrary(build())
     for target, symbol in ((TARGET, lib.MoejaxExpertFfn),
-                           (SERIAL_TARGET, lib.MoejaxExpertFfnSerial),
                            (LINEAR_TARGET, lib.MoejaxLinear),
                            (ATTENTION_TARGET, lib.MoejaxDecodeAttention),
                            (RMS_NORM_TARGET, lib.MoejaxRmsNorm),
@@ -203,8 +200,7 @@ def _load() -> bool:
                            (TAKE_ROWS_TARGET, lib.MoejaxTakeRows),
                            (TOP_K_TARGET, lib.MoejaxTopK),
                            (BIN_SUM_TARGET, lib.MoejaxBinSum),
-                           (HOST_EXPERTS_TARGET, lib.MoejaxHostExperts),
-                           (ALL_REDUCE_TARGET, lib.MoejaxHostAllReduce)):
+                           (HOST_EXPERTS_TARGET, lib.MoejaxHostExperts)):
       jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(symbol), platform="cpu")
     lib.moejax_set_spin_us.argtypes = [ctypes.c_int64]
     lib.moejax_set_decoding.argtypes = [ctypes.c_int]
@@ -322,38 +318,34 @@ def rows_vmap(fn, n_rows_args: int):
   return f
 
 
-def _expert_call(x_NxD, ids_NxK, gates_NxK, gate_up_Ex2IxD, down_ExDxI, *, target=TARGET):
-  return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(x_NxD.shape, x_NxD.dtype))(
+def _expert_call(x_NxD, ids_NxK, gates_NxK, gate_up_Ex2IxD, down_ExDxI):
+  return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(x_NxD.shape, x_NxD.dtype))(
       x_NxD, ids_NxK.astype(jnp.int32), gates_NxK.astype(jnp.float32), gate_up_Ex2IxD,
       down_ExDxI)
 
 
-_CALLS = {False: rows_vmap(_expert_call, 3),
-          True: rows_vmap(functools.partial(_expert_call, target=SERIAL_TARGET), 3)}
+_call = rows_vmap(_expert_call, 3)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def expert_ffn(x_NxD, ids_NxK, gates_NxK, w: dict, xla_fn, serial: bool = False):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def expert_ffn(x_NxD, ids_NxK, gates_NxK, w: dict, xla_fn):
   """sum_k gates[n,k] * expert_{ids[n,k]}(x[n]) on CPU: the kernel; elsewhere `xla_fn`.
 
   `xla_fn(x, ids, gates, w)` is the XLA dispatch: other platforms run it, and the
-  backward pass differentiates it. serial=True: the kernel on the calling thread alone,
-  without helper threads (the same bits): expert parallelism's host devices, each a
-  thread with a core of its own, where helpers would take the core another device needs.
+  backward pass differentiates it.
   """
   return jax.lax.platform_dependent(
       x_NxD, ids_NxK, gates_NxK, w["gate_up"], w["down"],
-      cpu=_CALLS[bool(serial)],
+      cpu=_call,
       default=lambda x, i, g, gu, dn: xla_fn(x, i, g, {"gate_up": _bits_as_bf16(gu),
                                                        "down": _bits_as_bf16(dn)}))
 
 
-def _fwd(x_NxD, ids_NxK, gates_NxK, w, xla_fn, serial=False):
-  return (expert_ffn(x_NxD, ids_NxK, gates_NxK, w, xla_fn, serial),
-          (x_NxD, ids_NxK, gates_NxK, w))
+def _fwd(x_NxD, ids_NxK, gates_NxK, w, xla_fn):
+  return expert_ffn(x_NxD, ids_NxK, gates_NxK, w, xla_fn), (x_NxD, ids_NxK, gates_NxK, w)
 
 
-def _bwd(xla_fn, serial, res, g_NxD):
+def _bwd(xla_fn, res, g_NxD):
   x_NxD, ids_NxK, gates_NxK, w = res
   _, vjp = jax.vjp(lambda x, g, ww: xla_fn(x, ids_NxK, g, ww), x_NxD, gates_NxK, w)
   dx, dg, dw = vjp(g_NxD)

@@ -105,14 +105,8 @@ class Spinners {
 // call (a few rows) while g_spin_us > 0, else tasks on XLA's intra-op pool (a prompt's
 // calls are long enough that a late start costs little, and a spinner would compete with
 // XLA's own multithreaded GEMMs between them).
-// serial: on the calling thread alone (expert parallelism's host devices: one thread each,
-// a core each; helpers would take the core another device needs).
 inline void parallel_for(ffi::ThreadPool& pool, int64_t total, std::function<void(int64_t)> fn,
-                  bool decode, bool serial = false) {
-  if (serial) {
-    for (int64_t i = 0; i < total; ++i) fn(i);
-    return;
-  }
+                  bool decode) {
   auto s = std::make_shared<PforState>();
   s->fn = std::move(fn);
   s->total = total;

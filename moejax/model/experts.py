@@ -110,17 +110,15 @@ def experts_grouped(x_NxD, ids_NxK, gates_NxK, w: ExpertWeights, block: int | No
   return jnp.einsum("nkd,nk->nd", y, gates_NxK.astype(y.dtype))
 
 
-def apply_experts(x_NxD, ids_NxK, gates_NxK, w: ExpertWeights, swiglu=SWIGLU,
-                  serial: bool = False):
+def apply_experts(x_NxD, ids_NxK, gates_NxK, w: ExpertWeights, swiglu=SWIGLU):
   """Exact weighted sum of the selected experts' outputs, [N, D].
 
   ``swiglu`` = (alpha, limit) passed to a family's ``expert_ffn`` (gpt_oss's clamped
-  SwiGLU; unused by plain SwiGLU experts). ``serial``: the CPU kernel without helper
-  threads (`cpu_kernel.expert_ffn`).
+  SwiGLU; unused by plain SwiGLU experts).
   """
   # plain SwiGLU experts only: cpu_kernel.supports checks for exactly {"gate_up", "down"}
   if cpu_kernel.supports(x_NxD, w) and cpu_kernel.available():
-    return cpu_kernel.expert_ffn(x_NxD, ids_NxK, gates_NxK, w, xla_experts, serial)
+    return cpu_kernel.expert_ffn(x_NxD, ids_NxK, gates_NxK, w, xla_experts)
   return xla_experts(x_NxD, ids_NxK, gates_NxK, w, swiglu=swiglu)
 
 

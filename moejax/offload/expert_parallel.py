@@ -9,8 +9,8 @@ one after another spread over the devices).  Any device may hold any expert, so 
 host store is replicated per device.  Slot buffers [N * (S_d + 1), ...] are sharded on
 "expert" (each device: its slots and a scratch row); copies and routed experts run in
 `jax.shard_map`, each device on its own slots, and a `psum` adds the partial outputs
-(batch 1; host devices of one process: `cpu_collective`); everything else is
-replicated.  Why, and what it measured: docs/expert_parallel.md.
+(batch 1); everything else is replicated.  Why, and what it measured:
+docs/expert_parallel.md.
 """
 
 from __future__ import annotations
@@ -22,8 +22,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-
-from moejax.kernels import cpu_collective
 
 AXIS = "expert"
 
@@ -38,7 +36,6 @@ class Plan:
   the decode program's static context)."""
   mesh: Mesh
   slots: int             # S_d: slots per device and MoE layer
-  clique: int = 0        # > 0: host devices that add through `cpu_collective` (else psum)
 
   @property
   def devices(self) -> int:
@@ -74,8 +71,7 @@ def make_plan(n: int, slots_per_device: int, devices=None) -> Plan:
         f"available (on a CPU-only machine launch.generate provides them itself; in your "
         f"own program call moejax.offload.expert_parallel.provide_cpu_devices({n}) or set "
         f"XLA_FLAGS=--xla_force_host_platform_device_count={n} before JAX starts)")
-  clique = cpu_collective.new_clique() if cpu_collective.usable(devices[:n]) else 0
-  return Plan(Mesh(np.asarray(devices[:n]), (AXIS,)), int(slots_per_device), clique)
+  return Plan(Mesh(np.asarray(devices[:n]), (AXIS,)), int(slots_per_device))
 
 
 def _global(x, sharding: NamedSharding):
@@ -142,8 +138,7 @@ def routed_experts(plan: Plan, experts_fn, x_TxD, rows_TxK, weights_TxK, buffers
     mine = device_rows(plan, rows)
     bufs = bufs if local is None else local(bufs)
     y = experts_fn(x, jnp.maximum(mine, 0), jnp.where(mine >= 0, w, 0.0), bufs)
-    return (cpu_collective.all_reduce(y, AXIS, plan.devices, plan.clique) if plan.clique
-            else jax.lax.psum(y, AXIS))
+    return jax.lax.psum(y, AXIS)
   bufs_spec = P() if local is not None else P(AXIS)    # a replicated store, or the slots
   return jax.shard_map(fn, mesh=plan.mesh, in_specs=(P(), P(), P(), bufs_spec),
                        out_specs=P(), check_vma=False)(x_TxD, rows_TxK, weights_TxK, buffers)

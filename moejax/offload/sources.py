@@ -120,7 +120,7 @@ def parallel_experts(ctx, x_TxD, rows_TxK, w_TxK, bufs: dict, dtypes: dict | Non
   the slot buffers' dtypes) expert ids in the layer's store `bufs`, each device computing
   the experts d, d + N, ... from its replica (the prompt pass)."""
   n, num_e = ctx.ep.devices, ctx.cfg.num_experts
-  swiglu, serial = families.of(ctx.cfg).swiglu(ctx.cfg), bool(ctx.ep.clique)  # host devices
+  swiglu = families.of(ctx.cfg).swiglu(ctx.cfg)
 
   def local(store):
     ids = jnp.minimum(jax.lax.axis_index(expert_parallel.AXIS) + n * jnp.arange(-(-num_e // n)),
@@ -128,7 +128,7 @@ def parallel_experts(ctx, x_TxD, rows_TxK, w_TxK, bufs: dict, dtypes: dict | Non
     return {k: as_dtype(jnp.take(to_device(v, "local" if ctx.pinned else False), ids, axis=0),
                         dtypes[k]) for k, v in store.items()}
   return expert_parallel.routed_experts(
-      ctx.ep, lambda *a: experts_lib.apply_experts(*a, swiglu=swiglu, serial=serial),
+      ctx.ep, lambda *a: experts_lib.apply_experts(*a, swiglu=swiglu),
       x_TxD, rows_TxK, w_TxK, bufs, None if dtypes is None else local)
 
 

@@ -36,8 +36,8 @@ from moejax.io import loader
 from moejax.model.config import ModelConfig
 from moejax.model.model import Transformer
 from moejax.io import store as host_store
-from moejax.offload import decode, transfer
-from moejax.offload.engine import OffloadEngine
+from moejax.offload import decode, sources
+from moejax.offload.engine import EngineConfig, OffloadEngine
 from moejax.model.sampler import Sampler, SamplingParams
 from moejax.io.store import ExpertStore
 
@@ -102,7 +102,8 @@ def exactness(res):
     ref.append(np.asarray(l2[0]))
   out = {}
   for pol in ("baseline", "quality"):
-    with OffloadEngine(cfg, params, pinned, pol, cache_fraction=0.25, max_len=64) as eng:
+    with OffloadEngine(cfg, params, pinned,
+                       EngineConfig.make(pol, cache_fraction=0.25, max_len=64)) as eng:
       got = [eng.prefill(toks[:8])] + [eng.decode_step(t) for t in toks[8:]]
       recs = eng.records
     if pol == "baseline":
@@ -112,7 +113,8 @@ def exactness(res):
     else:
       em = emulator.make(cfg, params, store, pol, cache_fraction=0.25, max_len=64, detail=True)
       # the emulator's stream is teacher-forced from one first token: prompt of 1 token
-      with OffloadEngine(cfg, params, pinned, pol, cache_fraction=0.25, max_len=64) as eng:
+      with OffloadEngine(cfg, params, pinned,
+                         EngineConfig.make(pol, cache_fraction=0.25, max_len=64)) as eng:
         eng.prefill(toks[:1])
         for t in toks[1:]:
           eng.decode_step(t)
@@ -132,7 +134,7 @@ def copy_ms(store_l, eng_states, n=50):
   """One expert's in-program copy: a dynamic slice of the pinned store moved into a slot
   (8 per call, the call's time / 8)."""
   dev = jax.devices()[0]
-  arrs, pinned = transfer.program_store(store_l, dev)
+  arrs, pinned = sources.program_store(store_l, dev)
   layer = arrs[next(iter(arrs))]
   buf = {k: jnp.zeros((8,) + v.shape[1:], v.dtype) for k, v in layer.items()}
 
@@ -193,8 +195,8 @@ def qwen_shape(res, quick=False, presets_only=False):
     if time.perf_counter() - _T0[0] > (300 if presets_only else 420):
       presets[name] = "skipped: out of time"
       continue
-    with OffloadEngine(cfg, params, pinned, pol, cache_fraction=frac, max_len=256,
-                       dtype=dt) as eng:
+    with OffloadEngine(cfg, params, pinned, EngineConfig.make(pol, cache_fraction=frac, max_len=256,
+                                                              dtype=dt)) as eng:
       if loops:   # an A/B of the copy mechanism: the CPU backend's conds + while loops
         eng._prog = dataclasses.replace(eng._prog, ctx=dataclasses.replace(eng._prog.ctx,
                                                                           skip_empty=True))
@@ -233,7 +235,8 @@ def demo_loops(res):
   out["sampler_per_token_tok_s"] = n / dt_a
   out["sampler_loop_tok_s"] = n / dt_b
   out["sampler_loop_same_tokens"] = toks_a == toks_b
-  with OffloadEngine(cfg, params, store, "baseline", cache_fraction=1.0, max_len=512) as eng:
+  with OffloadEngine(cfg, params, store, EngineConfig.make("baseline", cache_fraction=1.0,
+                                                           max_len=512)) as eng:
     eng.warmup()
     eng.generate(prompt, sp)
     t = time.perf_counter(); toks_c = eng.generate(prompt, sp); dt_c = time.perf_counter() - t
@@ -241,7 +244,8 @@ def demo_loops(res):
     out["engine_loop_same_tokens"] = toks_c == toks_a
     t = time.perf_counter(); eng.generate(prompt, sp, on_token=lambda x: None)
     out["engine_per_token_tok_s"] = n / (time.perf_counter() - t)
-  with OffloadEngine(cfg, params, store, "quality", cache_fraction=0.25, max_len=512) as eng:
+  with OffloadEngine(cfg, params, store, EngineConfig.make("quality", cache_fraction=0.25,
+                                                           max_len=512)) as eng:
     eng.warmup()
     eng.generate(prompt, sp)
     t = time.perf_counter(); eng.generate(prompt, sp); dt_d = time.perf_counter() - t

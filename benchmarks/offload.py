@@ -62,7 +62,7 @@ from benchmarks.transfer import expert_copy_seconds
 from moejax.model.config import ModelConfig
 from moejax.io.loader import init_random, load_model
 from moejax.offload import calibrate
-from moejax.offload.engine import OffloadEngine
+from moejax.offload.engine import EngineConfig, OffloadEngine
 from moejax.io.store import BACKENDS, StoreBackendError, make_store
 from moejax.offload.link import parse_link
 from moejax.model.sampler import Sampler, SamplingParams
@@ -186,9 +186,12 @@ class SamplerRun:
 def make_engine(stack, cfg, params, store, policy, link, stream, counts, dtype, fraction):
   """An engine entered into `stack` (closed however the run ends), warmed up and prefilled;
   its cache starts from `counts`' most used experts ("auto": all, at fraction 1)."""
-  eng = stack.enter_context(OffloadEngine(cfg, params, store, policy, cache_fraction=fraction,
-                                          link=link, max_len=len(stream) + 8, dtype=dtype,
-                                          initial=counts if fraction < 1 else "auto"))
+  profiled = fraction < 1
+  config = EngineConfig.make(policy, cache_fraction=fraction, link=link,
+                             max_len=len(stream) + 8, dtype=dtype,
+                             initial="profile" if profiled else "auto")
+  eng = stack.enter_context(OffloadEngine(cfg, params, store, config,
+                                          counts=counts if profiled else None))
   t0 = time.perf_counter()
   eng.warmup()
   eng.compile_s = time.perf_counter() - t0
@@ -270,8 +273,9 @@ def run(stack: contextlib.ExitStack, watch):
   layer_s = calibrate.layer_compute_seconds(cfg, params, store, dtype) if scaled else None
   model_layer_s = layer_s
   if FLAGS.scaled_compute == "engine" and scaled:
-    with OffloadEngine(cfg, params, store, "baseline", cache_fraction=1.0,
-                       max_len=len(prof_stream) + 8, dtype=dtype) as e:
+    with OffloadEngine(cfg, params, store, EngineConfig.make("baseline", cache_fraction=1.0,
+                                                             max_len=len(prof_stream) + 8,
+                                                             dtype=dtype)) as e:
       e.warmup()
       e.prefill(prof_stream[:FLAGS.prompt_len])
       for t in prof_stream[FLAGS.prompt_len:FLAGS.prompt_len + 48]:

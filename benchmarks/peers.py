@@ -43,7 +43,7 @@ from tqdm import tqdm
 from benchmarks import models as bench_models
 from benchmarks import llama_cpp
 from moejax.kernels import cpu_kernel
-from moejax.offload.engine import OffloadEngine
+from moejax.offload.engine import EngineConfig, OffloadEngine
 from moejax.model.sampler import Sampler, SamplingParams, next_token
 from moejax.io.tokenizer import Tokenizer
 
@@ -118,8 +118,8 @@ class EngineRunner:
 
   def __init__(self, cfg, params, store, dtype, max_len):
     self.build_ms = []     # per round: building the records, ms per token
-    self.eng = OffloadEngine(cfg, params, store, "baseline", cache_fraction=1.0,
-                             max_len=max_len, dtype=dtype)
+    self.eng = OffloadEngine(cfg, params, store, EngineConfig.make("baseline", cache_fraction=1.0,
+                                                                   max_len=max_len, dtype=dtype))
     self.eng.warmup()
 
   def decode(self, prompt: np.ndarray) -> float:

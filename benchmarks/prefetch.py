@@ -39,7 +39,7 @@ from moejax.offload import calibrate
 from moejax.prefetch import speculation
 from moejax.cache import policy as P
 from moejax.prefetch import steps as prefetch_lib
-from moejax.offload.engine import OffloadEngine
+from moejax.offload.engine import EngineConfig, OffloadEngine
 from moejax.research.study import metrics as M
 from moejax.research.study import runner as R
 from moejax.research.study import streams as S
@@ -122,8 +122,9 @@ def link_busy_seconds(records, link, expert_bytes: int) -> float | None:
 def time_mode(cfg, params, store, link, mode: dict, preds: dict, tokens: np.ndarray) -> dict:
   """Teacher-forced engine run: time per token, stalls, link time and bytes per token."""
   p, n = FLAGS.prompt_tokens, FLAGS.decode_tokens
-  with OffloadEngine(cfg, params, store, mode["policy"], link=link, max_len=p + n + 1,
-                     **engine_kw(mode, preds)) as eng:
+  with OffloadEngine(cfg, params, store, EngineConfig.make(mode["policy"], link=link,
+                                                           max_len=p + n + 1,
+                                                           **engine_kw(mode, preds))) as eng:
     eng.warmup()
     eng.prefill([int(t) for t in tokens[:p]])
     for t in tokens[p:p + n]:

@@ -86,7 +86,7 @@ def child_moejax() -> dict:
   from moejax.io.loader import load_model
   from moejax.kernels import cpu_kernel
   from moejax.offload import memory as mem
-  from moejax.offload.engine import OffloadEngine
+  from moejax.offload.engine import EngineConfig, OffloadEngine
   from moejax.offload.memory import plan_memory
   out = {"policy": FLAGS.policy, "model_dir": FLAGS.model_dir}
   with mem.AnonWatch(interval_s=0.01) as whole:
@@ -98,8 +98,10 @@ def child_moejax() -> dict:
     out["plan"] = plan_memory(cfg, jnp.bfloat16, store="mmap", cache_fraction=FLAGS.cache_fraction,
                               kv_len=FLAGS.max_len).as_dict()
     r0, t0 = mem.read_bytes(), time.perf_counter()
-    eng = OffloadEngine(cfg, params, store, FLAGS.policy, cache_fraction=FLAGS.cache_fraction,
-                        link="native", max_len=FLAGS.max_len, dtype=jnp.bfloat16)
+    eng = OffloadEngine(cfg, params, store, EngineConfig.make(FLAGS.policy,
+                                                              cache_fraction=FLAGS.cache_fraction,
+                                                              link="native", max_len=FLAGS.max_len,
+                                                              dtype=jnp.bfloat16))
     out["engine_s"] = time.perf_counter() - t0
     out["engine_read_bytes"] = mem.read_bytes() - r0
     out["anon_after_load_bytes"] = mem.status()["rss_anon"]

@@ -127,7 +127,7 @@ def main(_):
   from moejax.io.tokenizer import Tokenizer
   from moejax.model.sampler import SamplingParams, bucket
   from moejax.offload.calibrate import calibrated_link
-  from moejax.offload.engine import OffloadEngine
+  from moejax.offload.engine import EngineConfig, OffloadEngine
   model_dir = FLAGS.model_dir or cli.demo_model_dir()
   tok = Tokenizer(model_dir)
   ids = tok.encode(FLAGS.prompt)
@@ -142,8 +142,9 @@ def main(_):
     seq = min(cfg.max_position_embeddings, max(need, bucket(need, minimum=64)))
     sp = SamplingParams(0.0, 1.0, FLAGS.max_new_tokens, tuple(cfg.eos_token_ids))
     model_id = os.path.basename(os.path.normpath(model_dir))
-    with OffloadEngine(cfg, params, store, make_policy(FLAGS.policy), cache_fraction=0.25,
-                       link=link, max_len=seq, dtype=jnp.float32) as eng:
+    config = EngineConfig.make(make_policy(FLAGS.policy), cache_fraction=0.25, link=link,
+                               max_len=seq, dtype=jnp.float32)
+    with OffloadEngine(cfg, params, store, config) as eng:
       eng.warmup()
       via_generate(eng, ids, sp)                  # the prompt pass compiles
       import http.client

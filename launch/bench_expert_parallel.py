@@ -59,11 +59,13 @@ def _tokens(tok):
 
 def sweep_run(model, link, n: int, tokens) -> dict:
   """One teacher-forced run on n devices at the per-device budget."""
-  from moejax.offload.engine import OffloadEngine
+  from moejax.offload.engine import EngineConfig, OffloadEngine
   cfg, params, store = model
   p, m = FLAGS.prompt_tokens, FLAGS.decode_tokens
-  with OffloadEngine(cfg, params, store, FLAGS.policy, cache_fraction=FLAGS.cache_fraction,
-                     link=link, max_len=p + m + 1, expert_devices=n) as eng:
+  with OffloadEngine(cfg, params, store, EngineConfig.make(FLAGS.policy,
+                                                           cache_fraction=FLAGS.cache_fraction,
+                                                           link=link, max_len=p + m + 1,
+                                                           expert_devices=n)) as eng:
     eng.warmup()
     eng.prefill([int(t) for t in tokens[:p]])
     for t in tokens[p:p + m]:
@@ -102,13 +104,15 @@ def overhead_model(name: str):
 def overhead_run(model, n: int, prompt) -> dict:
   """Greedy tokens in the on-device loop, every expert resident in the union of n."""
   from moejax.model.sampler import SamplingParams
-  from moejax.offload.engine import OffloadEngine
+  from moejax.offload.engine import EngineConfig, OffloadEngine
   import jax
   cfg, params, store = model
   m = FLAGS.overhead_tokens
   dtype = jax.tree_util.tree_leaves(params)[0].dtype
-  with OffloadEngine(cfg, params, store, "baseline", cache_fraction=1.0 / n, link="native",
-                     max_len=len(prompt) + m + 1, expert_devices=n, dtype=dtype) as eng:
+  with OffloadEngine(cfg, params, store, EngineConfig.make("baseline", cache_fraction=1.0 / n,
+                                                           link="native",
+                                                           max_len=len(prompt) + m + 1,
+                                                           expert_devices=n, dtype=dtype)) as eng:
     eng.warmup()
     sp = SamplingParams(0.0, 1.0, m, ())
     eng.generate(prompt, sp)          # compiles the loop (and the prefill bucket)

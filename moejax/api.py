@@ -60,7 +60,7 @@ class OffloadEngine(engine.OffloadEngine):
   <model_dir>-estimators, or `estimators`: moejax-default-vectors and
   moejax-train-estimators make them).  max_len: the longest prompt + new tokens
   (default: 512 within the model's limit).  Other keywords go to the engine as they are
-  (cache_bytes, initial, low_store, expert_devices, ...).
+  (cache_bytes, initial, expert_devices, ...: `EngineConfig`; low_store, counts).
   """
 
   def __init__(self, model: Model, policy="baseline", *, cache_fraction: float = 0.25,
@@ -73,10 +73,12 @@ class OffloadEngine(engine.OffloadEngine):
                                streaming=bool(kw.pop("streaming", False)))
     if kw.get("cache_bytes"):
       cache_fraction = None
-    super().__init__(model.cfg, model.params, model.store, policy,
-                     cache_fraction=cache_fraction, link=link,
-                     max_len=max_len or min(512, model.cfg.max_position_embeddings),
-                     dtype=model.dtype, prefetch=pf, **kw)
+    data = {k: kw.pop(k) for k in ("low_store", "counts") if k in kw}
+    config = engine.EngineConfig.make(
+        policy, cache_fraction=cache_fraction, link=link,
+        max_len=max_len or min(512, model.cfg.max_position_embeddings), dtype=model.dtype,
+        prefetch=pf, **kw)
+    super().__init__(model.cfg, model.params, model.store, config, **data)
     self.model = model
 
 

@@ -16,15 +16,16 @@ from moejax.offload.memory import AnonWatch, status
 def main(model_dir: str, store: str, fraction: float, tokens: int):
   import jax.numpy as jnp
   from moejax.io.loader import load_model
-  from moejax.offload.engine import OffloadEngine
+  from moejax.offload.engine import EngineConfig, OffloadEngine
   from moejax.offload.memory import plan_memory
   jnp.zeros(3).block_until_ready()                  # the runtime, before anything of ours
   start = status()["rss_anon"]
   with AnonWatch() as w:
     cfg, params, st = load_model(model_dir, dtype=jnp.bfloat16, mmap=store == "mmap",
                                  progress=False)
-    with OffloadEngine(cfg, params, st, "quality", cache_fraction=fraction, max_len=64,
-                       dtype=jnp.bfloat16, link="native") as eng:
+    with OffloadEngine(cfg, params, st, EngineConfig.make("quality", cache_fraction=fraction,
+                                                          max_len=64, dtype=jnp.bfloat16,
+                                                          link="native")) as eng:
       eng.warmup()
       logits = eng.prefill(list(range(1, 9)))
       for _ in range(tokens):

@@ -24,10 +24,10 @@ STREAM = [int(t) for t in np.random.default_rng(5).integers(1, 8000, 16)]
 
 def decode(model, policy, frac, devices, stream=STREAM):
   """Teacher-forced logits, records and resident sets of one engine."""
-  from moejax.offload.engine import OffloadEngine
+  from moejax.offload.engine import EngineConfig, OffloadEngine
   cfg, params, store = model
-  with OffloadEngine(cfg, params, store, policy, cache_fraction=frac, max_len=64,
-                     expert_devices=devices) as eng:
+  with OffloadEngine(cfg, params, store, EngineConfig.make(policy, cache_fraction=frac, max_len=64,
+                                                           expert_devices=devices)) as eng:
     logits = [eng.prefill(PROMPT)] + [eng.decode_step(t) for t in stream]
     return np.stack(logits), eng.records, eng.resident_sets(), eng.stats()
 

@@ -12,7 +12,7 @@ from moejax.model.config import ModelConfig
 from moejax.io.loader import expert_shapes, load_model
 from moejax.model.model import Transformer
 from moejax.cache import policy as P
-from moejax.offload.engine import OffloadEngine
+from moejax.offload.engine import EngineConfig, OffloadEngine
 from moejax.prefetch.steps import Prefetch
 from moejax.io.store import ExpertStore
 
@@ -39,7 +39,8 @@ def engine_run(cfg, params, store, policy, tokens, **kw):
   if pf:
     kw["prefetch"] = Prefetch(pf.get("prefetch", "none"), pf.get("speculative", "off"),
                               pf.get("predictors"), pf.get("streaming", False))
-  with OffloadEngine(cfg, params, store, policy, max_len=len(tokens) + 1, **kw) as eng:
+  config = EngineConfig.make(policy, max_len=len(tokens) + 1, **kw)
+  with OffloadEngine(cfg, params, store, config) as eng:
     out = [eng.prefill(tokens[:1])] + [eng.decode_step(t) for t in tokens[1:]]
     final = eng.resident_sets()
   return np.stack(out), eng.records, final

@@ -23,8 +23,8 @@ from moejax.cache import policy as P
 from moejax.cache import resident as R
 from moejax.offload import stats as stats_lib
 from moejax.offload import token as token_lib
-from moejax.offload.engine import OffloadEngine
-from moejax.offload.transfer import TransferError, TransferTimeout
+from moejax.offload.engine import EngineConfig, OffloadEngine
+from moejax.offload.sources import TransferError, TransferTimeout
 from moejax.model.sampler import SamplingParams
 from moejax.io.store import ExpertStore
 from tests import hf_models
@@ -64,7 +64,9 @@ def model():
 def run(model, policy, check=None, tokens=STREAM, **kw):
   cfg, params, store, _ = model
   kw.setdefault("cache_fraction", 0.25)
-  with OffloadEngine(cfg, params, store, policy, max_len=MAX_LEN, **kw) as eng:
+  low = kw.pop("low_store", None)
+  config = EngineConfig.make(policy, max_len=MAX_LEN, **kw)
+  with OffloadEngine(cfg, params, store, config, low_store=low) as eng:
     eng.warmup()                                   # compiles on throwaway state only
     out = [eng.prefill(PROMPT)]
     for tok in tokens:
@@ -143,8 +145,8 @@ def test_host_policy_computes_misses_exactly_inside_the_program(model):
 
 def test_full_budget_fetches_nothing_after_warm_up(model):
   cfg, params, store, ref = model
-  with OffloadEngine(cfg, params, store, "baseline", cache_fraction=1.0, initial="empty",
-                     max_len=MAX_LEN) as eng:
+  config = EngineConfig.make("baseline", cache_fraction=1.0, initial="empty", max_len=MAX_LEN)
+  with OffloadEngine(cfg, params, store, config) as eng:
     out = [eng.prefill(PROMPT)] + [eng.decode_step(t) for t in STREAM]
     np.testing.assert_allclose(np.stack(out), ref, atol=1e-6, rtol=0)
     fetched = eng.prefill_record["fetches"] + sum(r["fetches"] for r in eng.records)
@@ -182,8 +184,8 @@ def test_admissions_are_in_the_cache_at_the_end_of_their_token(model):
   """An admission requested at token t (its record's `admissions`) is resident right after
   t (`resident_sets`), and recorded as admitted at token t + 1 at the same layer."""
   cfg, params, store, _ = model
-  with OffloadEngine(cfg, params, store, ADMITTING, cache_fraction=0.25,
-                     max_len=MAX_LEN) as eng:
+  with OffloadEngine(cfg, params, store, EngineConfig.make(ADMITTING, cache_fraction=0.25,
+                                                           max_len=MAX_LEN)) as eng:
     eng.prefill(PROMPT)
     requested = []
     for tok in STREAM:
@@ -201,8 +203,9 @@ def test_admissions_are_in_the_cache_at_the_end_of_their_token(model):
 def test_profile_initial_contents(model):
   cfg, params, store, _ = model
   counts_ = calibrate.profile_counts(cfg, params, store, PROMPT + STREAM)
-  with OffloadEngine(cfg, params, store, ADMITTING, cache_fraction=0.25, max_len=MAX_LEN,
-                     initial=counts_) as eng:
+  config = EngineConfig.make(ADMITTING, cache_fraction=0.25, max_len=MAX_LEN,
+                             initial="profile")
+  with OffloadEngine(cfg, params, store, config, counts=counts_) as eng:
     assert eng.initial == "profile"
     for layer, experts in eng.resident_sets().items():
       top = R.profile_order(counts_[layer])[:eng.budget.slots]
@@ -255,8 +258,8 @@ def test_the_prompts_copies_are_charged_to_an_emulated_link(model):
   cfg, params, store, _ = model
   link = link_lib.parse_link("1MB/s,100us")
   per = link.transfer_time(store.expert_nbytes()) - link.latency_s
-  with OffloadEngine(cfg, params, store, "baseline", cache_fraction=0.25, max_len=MAX_LEN,
-                     link=link) as eng:
+  with OffloadEngine(cfg, params, store, EngineConfig.make("baseline", cache_fraction=0.25,
+                                                           max_len=MAX_LEN, link=link)) as eng:
     eng.warmup([len(PROMPT)])
     t0 = time.perf_counter()
     eng.prefill(PROMPT)
@@ -275,8 +278,9 @@ def test_a_hung_copy_surfaces_once_after_the_timeout(model):
   the earlier failure; close() returns at once."""
   cfg, params, store, _ = model
   timeout = 0.5
-  with OffloadEngine(cfg, params, store, "baseline", cache_fraction=0.25, max_len=MAX_LEN,
-                     link="1KB/s,0us", transfer_timeout_s=timeout) as eng:   # 6 s an expert
+  config = EngineConfig.make("baseline", cache_fraction=0.25, max_len=MAX_LEN,
+                             link="1KB/s,0us", transfer_timeout_s=timeout)   # 6 s an expert
+  with OffloadEngine(cfg, params, store, config) as eng:
     eng.warmup()
     with pytest.raises(TransferTimeout, match="transfer_timeout_s=0.5") as first:
       t0 = time.perf_counter()
@@ -304,12 +308,12 @@ def test_a_hung_copy_surfaces_once_after_the_timeout(model):
 def test_bad_inputs_name_the_flag(model):
   cfg, params, store, _ = model
   with pytest.raises(P.PolicyError, match="--policy"):
-    OffloadEngine(cfg, params, store, "turbo")
+    OffloadEngine(cfg, params, store, EngineConfig.make("turbo"))
   with pytest.raises(R.BudgetError, match="--cache_fraction"):
-    OffloadEngine(cfg, params, store, "baseline", cache_fraction=0.01)
+    OffloadEngine(cfg, params, store, EngineConfig.make("baseline", cache_fraction=0.01))
   with pytest.raises(link_lib.LinkSpecError, match="--link"):
-    OffloadEngine(cfg, params, store, "baseline", link="fast please")
-  with OffloadEngine(cfg, params, store, "baseline", max_len=MAX_LEN) as eng:
+    OffloadEngine(cfg, params, store, EngineConfig.make("baseline", link="fast please"))
+  with OffloadEngine(cfg, params, store, EngineConfig.make("baseline", max_len=MAX_LEN)) as eng:
     with pytest.raises(ValueError, match="before prefill"):
       eng.decode_step(1)
     with pytest.raises(ValueError, match="max_len"):
@@ -345,7 +349,7 @@ class BrokenStore:
 def test_an_unreadable_store_is_a_clear_error_naming_layer_and_tensor(model):
   cfg, params, store, _ = model
   with pytest.raises(TransferError, match=r"'down' of MoE layer 2.*OSError: truncated file"):
-    OffloadEngine(cfg, params, BrokenStore(store), "baseline", max_len=MAX_LEN)
+    OffloadEngine(cfg, params, BrokenStore(store), EngineConfig.make("baseline", max_len=MAX_LEN))
 
 
 def test_calibration_keeps_no_device_copy_of_the_experts(model):
@@ -362,7 +366,7 @@ def test_calibration_keeps_no_device_copy_of_the_experts(model):
   one_layer = cfg.num_experts * store.expert_nbytes()
   assert live() - before < one_layer                 # nothing of it is kept alive
   with pytest.raises(link_lib.LinkSpecError, match="calibrated_link"):
-    OffloadEngine(cfg, params, store, "baseline", link="scaled")   # no hidden benchmark
+    EngineConfig.make("baseline", link="scaled")   # no hidden benchmark
 
 
 # ------------------------------------------------------------------ compiles
@@ -389,7 +393,8 @@ def test_one_trace_per_program_and_identical_statistics_across_engines(model, mo
   policy = P.make_policy("substitute_all", admission_beta=0.3, lfu_decay=0.5)
   stats, records = [], []
   for lazy in (False, True):     # the second engine: lazy steps, the token on the device
-    with OffloadEngine(cfg, params, store, policy, cache_fraction=0.25, max_len=MAX_LEN) as eng:
+    with OffloadEngine(cfg, params, store, EngineConfig.make(policy, cache_fraction=0.25,
+                                                             max_len=MAX_LEN)) as eng:
       eng.warmup()
       for prompt in (PROMPT, PROMPT[:3]):             # one prompt bucket
         eng.prefill(prompt)
@@ -420,8 +425,8 @@ def test_lazy_steps_equal_plain_steps(model):
   n = 80
   outs = {}
   for lazy in (False, True):
-    with OffloadEngine(cfg, params, store, ADMITTING, cache_fraction=0.25,
-                       max_len=MAX_LEN) as eng:
+    with OffloadEngine(cfg, params, store, EngineConfig.make(ADMITTING, cache_fraction=0.25,
+                                                             max_len=MAX_LEN)) as eng:
       logits = eng.prefill(PROMPT)
       got = []
       for _ in range(n):
@@ -447,8 +452,8 @@ def test_lazy_steps_equal_plain_steps(model):
 
 def _generate(model, sp, loop):
   cfg, params, store, _ = model
-  with OffloadEngine(cfg, params, store, ADMITTING, cache_fraction=0.25,
-                     max_len=MAX_LEN) as eng:
+  with OffloadEngine(cfg, params, store, EngineConfig.make(ADMITTING, cache_fraction=0.25,
+                                                           max_len=MAX_LEN)) as eng:
     seen = []
     toks = eng.generate(PROMPT, sp, seed=3, on_token=None if loop else seen.append)
     assert loop or seen == toks

@@ -10,7 +10,7 @@ import pytest
 from moejax.io.loader import load_model
 from moejax.offload import link as link_lib
 from moejax.cache import policy as policy_lib
-from moejax.offload.engine import OffloadEngine
+from moejax.offload.engine import EngineConfig, OffloadEngine
 from moejax.model.sampler import SamplingParams
 
 DEMO = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ckpts", "demo")
@@ -35,8 +35,9 @@ def test_budget_below_top_k_is_really_that_small(demo, slots, policy):
   included (they are inserted before the trim: cache_fraction=0.0625 is S = 4)."""
   cfg, params, store = demo
   assert slots < cfg.top_k
-  with OffloadEngine(cfg, params, store, policy, cache_fraction=slots / cfg.num_experts,
-                     max_len=64) as eng:
+  with OffloadEngine(cfg, params, store, EngineConfig.make(policy,
+                                                           cache_fraction=slots / cfg.num_experts,
+                                                           max_len=64)) as eng:
     assert (eng.budget.slots, eng.budget.staging) == (slots, cfg.top_k - slots)
     eng.prefill(PROMPT)
     assert all(len(s) <= slots for s in eng.resident_sets().values())
@@ -57,8 +58,8 @@ def test_budget_below_top_k_is_really_that_small(demo, slots, policy):
 
 def run(demo, link, tokens):
   cfg, params, store = demo
-  with OffloadEngine(cfg, params, store, ADMITTING, cache_fraction=0.25, link=link,
-                     max_len=MAX_LEN) as eng:
+  with OffloadEngine(cfg, params, store, EngineConfig.make(ADMITTING, cache_fraction=0.25,
+                                                           link=link, max_len=MAX_LEN)) as eng:
     out = [eng.prefill(PROMPT)] + [eng.decode_step(t) for t in tokens]
     return eng.records, eng.resident_sets(), np.stack(out)
 
@@ -93,8 +94,8 @@ def test_memory_stays_flat_over_thousands_of_sampled_tokens(demo):
   cfg, params, store = demo
   sp = SamplingParams(temperature=1.0, max_new_tokens=N)
   per_token = dict(on_token=lambda t: None)
-  with OffloadEngine(cfg, params, store, ADMITTING, cache_fraction=0.25,
-                     max_len=MAX_LEN) as eng:
+  with OffloadEngine(cfg, params, store, EngineConfig.make(ADMITTING, cache_fraction=0.25,
+                                                           max_len=MAX_LEN)) as eng:
     # warm-up: the prompt, the decode step (20 tokens) and the loop (which stops at once
     # at the first token: the stop id it samples first, same shape as no stop id)
     first = eng.generate(PROMPT, dataclasses.replace(sp, max_new_tokens=20), seed=1,

@@ -91,7 +91,7 @@ def _free_port() -> int:
 @needs_demo
 def test_two_processes_through_jax_distributed(tmp_path):
   from moejax.io.loader import load_model
-  from moejax.offload.engine import OffloadEngine
+  from moejax.offload.engine import EngineConfig, OffloadEngine
   sys.path.insert(0, os.path.join(ROOT, "tests"))
   import expert_parallel_child as child   # pylint: disable=import-outside-toplevel
   port = _free_port()
@@ -106,7 +106,8 @@ def test_two_processes_through_jax_distributed(tmp_path):
   assert all(g["devices"] == 4 and g["local_devices"] == 2 for g in got)
   # one device holding the union of the 4 devices' slots (4 x 12.5%)
   cfg, params, store = load_model(DEMO)
-  with OffloadEngine(cfg, params, store, "quality", cache_fraction=0.5, max_len=64) as eng:
+  config = EngineConfig.make("quality", cache_fraction=0.5, max_len=64)
+  with OffloadEngine(cfg, params, store, config) as eng:
     ref = np.stack([eng.prefill(child.PROMPT)] + [eng.decode_step(t) for t in child.STREAM])
     ref_dec = child.decisions(eng.records)
   for g in got:

@@ -245,13 +245,14 @@ def test_threshold_compares_the_normalised_share_of_sigmoid_gates():
 def test_engine_fetch_all_equals_resident_model(reference):
   """The offload engine at a 25% budget with fetch_all gives the resident model's logits."""
   _only(reference, "deepseek_v3")   # MLA latent cache, group-limited routing, shared experts
-  from moejax.offload.engine import OffloadEngine
+  from moejax.offload.engine import EngineConfig, OffloadEngine
   cfg, params, store = load_model(reference["dirs"]["fused"])
   toks, gen = reference["tokens"], reference["gen"][:6]
   full, _, _ = _forward(cfg, params, store.to_device(), [toks + gen])
   full = np.asarray(full[0])
   t = len(toks)
-  with OffloadEngine(cfg, params, store, "fetch_all", cache_fraction=0.25, max_len=32) as eng:
+  with OffloadEngine(cfg, params, store, EngineConfig.make("fetch_all", cache_fraction=0.25,
+                                                           max_len=32)) as eng:
     np.testing.assert_allclose(eng.prefill(toks), full[t - 1], atol=1e-5, rtol=0)
     for i, tok in enumerate(gen):
       np.testing.assert_allclose(eng.decode_step(tok), full[t + i], atol=1e-5, rtol=0)

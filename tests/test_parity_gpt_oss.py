@@ -408,12 +408,13 @@ def test_host_policy_on_float_experts_equals_the_resident_model(reference):
   """The `host` policy computes every miss inside the decode program from the store (here
   float experts with gpt_oss's biases and clamped SwiGLU): at a 25% budget the engine gives
   the fully resident model's logits, teacher-forced on the prompt and transformers' tokens."""
-  from moejax.offload.engine import OffloadEngine
+  from moejax.offload.engine import EngineConfig, OffloadEngine
   cfg, params, store = _load(reference, "fused")
   toks, gen = reference["tokens"], reference["gen"][:8]
   full, _, _ = _forward(cfg, params, jnp.array([toks + gen]), store.to_device())
   full, t = np.asarray(full[0]), len(toks)
-  with OffloadEngine(cfg, params, store, "host", cache_fraction=0.25, max_len=32) as eng:
+  config = EngineConfig.make("host", cache_fraction=0.25, max_len=32)
+  with OffloadEngine(cfg, params, store, config) as eng:
     out = [eng.prefill(toks)] + [eng.decode_step(tok) for tok in gen]
     np.testing.assert_allclose(np.stack(out), full[t - 1:], atol=1e-5, rtol=0)
     st = eng.stats()
@@ -426,10 +427,10 @@ def test_offload_engine_matches_transformers(reference, policy):
   """At a 25% budget the engine reproduces transformers on the MXFP4 checkpoint: fetch_all
   moves the 4-bit bytes (blocks + scales + biases) and the device dequantises them; `host`
   computes the missed experts on the host from the same bytes."""
-  from moejax.offload.engine import OffloadEngine
+  from moejax.offload.engine import EngineConfig, OffloadEngine
   cfg, params, store = _load(reference, "mxfp4")
   toks, gen = reference["tokens"], reference["gen"][:8]
-  with OffloadEngine(cfg, params, store, policy, cache_fraction=0.25, max_len=32) as eng:
+  with OffloadEngine(cfg, params, store, EngineConfig.make(policy, cache_fraction=0.25, max_len=32)) as eng:
     np.testing.assert_allclose(eng.prefill(toks), reference["pre"][-1], atol=1e-4, rtol=0)
     for i, tok in enumerate(gen):
       np.testing.assert_allclose(eng.decode_step(tok), reference["dec"][i], atol=1e-4, rtol=0)

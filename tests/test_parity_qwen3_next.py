@@ -253,11 +253,12 @@ def test_config_errors_name_the_field():
 def test_offload_engine_fetch_all_equals_resident_model(reference):
   """The engine with 2 of 8 experts resident per layer, fetching every miss, gives the
   resident model's (and transformers') logits; the shared expert stays a dense parameter."""
-  from moejax.offload.engine import OffloadEngine
+  from moejax.offload.engine import EngineConfig, OffloadEngine
   cfg, params, store = load_model(reference["dirs"]["per_expert"])
   toks, gen = reference["tokens"], reference["gen"]
   steps = 8
-  with OffloadEngine(cfg, params, store, "baseline", cache_fraction=0.25, max_len=32) as eng:
+  with OffloadEngine(cfg, params, store, EngineConfig.make("baseline", cache_fraction=0.25,
+                                                           max_len=32)) as eng:
     assert eng.budget.slots == 2 and set(eng.states) == {0, 2, 3}
     out = [eng.prefill(toks)] + [eng.decode_step(t) for t in gen[:steps]]
     st = eng.stats()

@@ -16,7 +16,7 @@ from moejax.io.loader import expert_shapes
 from moejax.model.model import Transformer
 from moejax.cache import policy as P
 from moejax.prefetch import steps as prefetch_lib
-from moejax.offload.engine import OffloadEngine
+from moejax.offload.engine import EngineConfig, OffloadEngine
 from moejax.prefetch.steps import Prefetch
 from moejax.io.store import ExpertStore
 from moejax.io.traces import config_hash
@@ -59,8 +59,8 @@ def _run(cfg, params, store, prompt, stream, prefetch="none", speculative="off",
   logits [1 + len(stream), V], the final resident sets)."""
   kw.setdefault("cache_fraction", 0.25)
   pf = Prefetch(prefetch, speculative, predictors, streaming)
-  with OffloadEngine(cfg, params, store, kw.pop("policy", "baseline"), max_len=32, prefetch=pf,
-                     **kw) as eng:
+  config = EngineConfig.make(kw.pop("policy", "baseline"), max_len=32, prefetch=pf, **kw)
+  with OffloadEngine(cfg, params, store, config) as eng:
     eng.warmup()
     out = [eng.prefill(prompt)] + [eng.decode_step(t) for t in stream]
     sets = eng.resident_sets()
@@ -175,8 +175,9 @@ def test_previous_predicts_the_layers_selection_at_the_previous_token(model):
       assert r.layers[l].predicted == prev.layers[l].true_ids
       assert set(r.layers[l].fetched) == set(r.layers[l].ids) - set(r.layers[l].predicted)
   # a new prompt forgets the previous sequence's last token
-  with OffloadEngine(cfg, params, store, "baseline", max_len=32,
-                     prefetch=Prefetch("previous", streaming=True)) as eng2:
+  config = EngineConfig.make("baseline", max_len=32,
+                             prefetch=Prefetch("previous", streaming=True))
+  with OffloadEngine(cfg, params, store, config) as eng2:
     eng2.prefill(PROMPT)
     eng2.decode_step(STREAM[0])
     eng2.prefill(PROMPT)
@@ -304,7 +305,7 @@ def test_missing_or_foreign_predictor_files_are_refused(model, tmp_path):
     ck.save(str(d / "estimators"), {"pairs": prev}, force=True)
   assert speculation.load_predictors("hybrid", cfg, str(m))["estimators"][1] is not None
   with pytest.raises(ValueError, match="--speculative"):
-    OffloadEngine(cfg, model[1], model[2], prefetch=Prefetch(speculative="true_router"))
+    EngineConfig.make(prefetch=Prefetch(speculative="true_router"))
   with pytest.raises(ValueError, match="--prefetch must be"):
     prefetch_lib.Mode("sometimes")
 

@@ -20,14 +20,14 @@ def worker():
   import jax.numpy as jnp
   from moejax.io.loader import load_model
   from moejax.io.tokenizer import Tokenizer
-  from moejax.offload.engine import OffloadEngine
+  from moejax.offload.engine import EngineConfig, OffloadEngine
   from moejax.serve import metrics
   from moejax.serve.worker import Loaded, Worker
 
   def load():
     cfg, params, store = load_model(DEMO, dtype=jnp.float32)
-    eng = OffloadEngine(cfg, params, store, "quality", cache_fraction=0.25, link="native",
-                        max_len=64)
+    eng = OffloadEngine(cfg, params, store, EngineConfig.make("quality", cache_fraction=0.25,
+                                                              link="native", max_len=64))
     eng.warmup(prompt_lengths=(16,))         # as the server's start-up
     return Loaded(eng, Tokenizer(DEMO), cfg, None)
 

@@ -153,9 +153,9 @@ def demo():
 
 
 def engine_records(cfg, params, store, policy, tokens, prompt):
-  from moejax.offload.engine import OffloadEngine
-  with OffloadEngine(cfg, params, store, policy, cache_fraction=0.25,
-                     max_len=len(tokens) + 8) as eng:
+  from moejax.offload.engine import EngineConfig, OffloadEngine
+  with OffloadEngine(cfg, params, store, EngineConfig.make(policy, cache_fraction=0.25,
+                                                           max_len=len(tokens) + 8)) as eng:
     eng.prefill(tokens[:prompt])
     for t in tokens[prompt:]:
       eng.decode_step(t)

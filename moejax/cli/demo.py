@@ -82,14 +82,15 @@ def progress(total: int, desc: str):
 # ------------------------------------------------------------------ decoding
 def make_engines(cfg, params, store, link, dtype, max_len: int) -> dict:
   """One warmed-up OffloadEngine per preset, all on the same link object."""
-  from moejax.offload.engine import OffloadEngine
+  from moejax.offload.engine import EngineConfig, OffloadEngine
   from moejax.cache.policy import make_policy
   engines = {}
   bar = progress(len(FLAGS.presets), "compile (one per preset)")
   for name in FLAGS.presets:
-    eng = OffloadEngine(cfg, params, store, make_policy(name),
-                        cache_fraction=FLAGS.cache_fraction, link=link, max_len=max_len,
-                        dtype=dtype)
+    eng = OffloadEngine(cfg, params, store, EngineConfig.make(make_policy(name),
+                                                              cache_fraction=FLAGS.cache_fraction,
+                                                              link=link, max_len=max_len,
+                                                              dtype=dtype))
     eng.warmup()
     engines[name] = eng
     bar.update()

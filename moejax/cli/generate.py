@@ -356,17 +356,18 @@ def generate_offloaded(cfg, params, store, tok, ids, sp, dtype, seq, policy, pre
   prints the per-token statistics table."""
   import jax
   from moejax.offload.calibrate import calibrated_link
-  from moejax.offload.engine import OffloadEngine
+  from moejax.offload.engine import EngineConfig, OffloadEngine
   from moejax.prefetch import steps as prefetch_lib
   from moejax.offload.stats import format_stats
   link = calibrated_link(link_spec(), cfg, params, store, dtype)   # scaled: measures a layer
   prefetch = prefetch_lib.Prefetch(FLAGS.prefetch or "none", FLAGS.speculative or "off", preds,
                                    streaming=bool(FLAGS.streaming))
   policy, low = policy_flags.cost_policy(policy, store)
-  eng = OffloadEngine(cfg, params, store, policy,
-                      cache_fraction=None if FLAGS.cache_bytes else cache_fraction(),
-                      cache_bytes=FLAGS.cache_bytes, link=link, max_len=seq, dtype=dtype,
-                      prefetch=prefetch, low_store=low, expert_devices=FLAGS.expert_devices)
+  config = EngineConfig.make(policy, cache_fraction=None if FLAGS.cache_bytes else
+                             cache_fraction(), cache_bytes=FLAGS.cache_bytes, link=link,
+                             max_len=seq, dtype=dtype, prefetch=prefetch,
+                             expert_devices=FLAGS.expert_devices)
+  eng = OffloadEngine(cfg, params, store, config, low_store=low)
   with eng:
     print(f"[moejax] {eng.describe()}", file=sys.stderr)
     if not link.emulated and jax.devices()[0].platform == "cpu":

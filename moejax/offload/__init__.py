@@ -5,12 +5,13 @@ prefetch in moejax.prefetch; this package runs them against a host store.
 
   layer.py      the per-layer sequence, written once (emulator, simulator and engine)
   token.py      a token or a prompt through every layer, on one expert source
+  sources.py    where a layer reads its experts; the store as the program reads it; errors
   decode.py     the engine's jitted programs (a step, an on-device loop, a prompt)
   engine.py     OffloadEngine (docs/engine.md)
+  config.py     EngineConfig: how an engine runs, validated once (constructor and set_policy)
   stats.py      per-token records, their summary and table
-  link.py       the host->device link (native, emulated, scaled) and its clock
+  link.py       the host->device link (native, emulated, scaled), its clock and waits
   hardware.py   the one table of hardware profiles and model shapes (scaled link, time model)
-  transfer.py   the store as the decode program reads it; transfer errors
   memory.py     host RAM and device memory a model needs, from its config alone
   calibrate.py  measurements before an engine is built (a scaled link times a layer)
 """

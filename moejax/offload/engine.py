@@ -1,6 +1,6 @@
 """OffloadEngine: real decoding with a budgeted device-resident expert cache.
 
-  eng = OffloadEngine(cfg, params, store, "quality", cache_fraction=.25, link="native")
+  eng = OffloadEngine(cfg, params, store, EngineConfig.make("quality", cache_fraction=.25))
   with eng:                      close() on exit (a context manager)
     eng.warmup()                 compiles the decode step (throwaway state)
     logits = eng.prefill(prompt_ids)       # [V]; exact for every policy
@@ -41,8 +41,8 @@ from moejax.cache import policy as policy_lib
 from moejax.prefetch import steps as pf_steps
 from moejax.cache import resident as resident_lib
 from moejax.offload import token as token_lib
-from moejax.offload import transfer
-from moejax.prefetch.steps import Prefetch
+from moejax.offload import sources
+from moejax.offload.config import EngineConfig, check_policy
 from moejax.offload.stats import (TokenRecord, build_record, link_counts, prefill_record,
                                   summarize)
 from moejax.model.sampler import SamplingParams, bucket, token_loop
@@ -51,61 +51,43 @@ from moejax.model.sampler import SamplingParams, bucket, token_loop
 class OffloadEngine:
   """Decoding under an expert budget with a policy; in-program copies from the host store."""
 
-  def __init__(self, cfg: ModelConfig, params, store,
-               policy: policy_lib.PolicyParams | str = "baseline", *,
-               cache_fraction: float | None = 0.25, cache_bytes: int | None = None,
-               link="native", max_len: int = 512, dtype=jnp.float32, initial="auto",
-               prefetch: Prefetch | None = None, transfer_timeout_s: float = 120.0,
-               low_store=None, expert_devices: int = 1):
-    """policy: a PolicyParams or a preset/miss-rule name.  link: a `Link` or a spec
-    ("native", "16GB/s,10us"; a scaled link comes from `calibrate.calibrated_link`).
-    initial: "auto", "empty", "all", or {MoE layer: routing counts} (the most used
-    experts first, `calibrate.profile_counts`).  prefetch: speculative prefetch
-    (`prefetch.Prefetch`; its `streaming` keeps no expert across tokens).  low_store: the
-    low-precision copies a policy that fetches them reads (`io.quant.load_or_build`;
-    default: quantised now, in memory).  expert_devices > 1: the slots of every MoE layer
-    spread over that many devices, the budget per device (`expert_parallel`)."""
-    if isinstance(policy, str):
-      policy = policy_lib.make_policy(policy)
-    if isinstance(link, str) and link.strip().lower().startswith("scaled"):
-      raise link_lib.LinkSpecError(
-          f"link={link!r}: a scaled link needs this machine's layer compute time; build it "
-          f"with moejax.offload.calibrate.calibrated_link(spec, cfg, params, store, dtype) "
-          f"and pass the Link")
+  def __init__(self, cfg: ModelConfig, params, store, config: EngineConfig = EngineConfig(),
+               *, low_store=None, counts: dict | None = None):
+    """config: `EngineConfig` (`EngineConfig.make("quality", cache_fraction=0.25)`).
+    low_store: the low-precision copies a policy that fetches them reads
+    (`io.quant.load_or_build`; default: quantised now, in memory).  counts: {MoE layer:
+    routing counts} for initial="profile" (`calibrate.profile_counts`)."""
+    if not isinstance(config, EngineConfig):
+      raise TypeError(f"OffloadEngine takes an EngineConfig, got {type(config).__name__} "
+                      f"(EngineConfig.make({config!r}, ...) builds one from a policy name)")
+    if (config.initial == "profile") != (counts is not None):
+      raise ValueError("initial='profile' needs the routing counts (counts=...), and "
+                       "counts need initial='profile'")
+    self.config = config
+    policy, link, pf = config.policy, config.link, config.prefetch
+    max_len, dtype, expert_devices = config.max_len, config.dtype, config.expert_devices
     self.device = jax.local_devices()[0]
     self.cfg, self.store, self.policy = cfg, store, policy
     self.dtype, self.max_len = dtype, max_len
-    self.transfer_timeout_s = float(transfer_timeout_s)
+    self.transfer_timeout_s = float(config.transfer_timeout_s)
     self.moe_layers = tuple(cfg.moe_layers)
-    pf = prefetch or Prefetch()
     self.prefetch = pf
     self.mode = pf_steps.Mode(pf.kind, pf.speculative, keep=not pf.streaming)
     nbytes = store.expert_nbytes()
-    if expert_devices > 1 and pf.kind != "none":
-      raise expert_parallel.ExpertParallelError(
-          f"--expert_devices={expert_devices} with --prefetch={pf.kind}: speculative prefetch "
-          f"is not expert-parallel yet (its prefetch rows live on one device)")
     self.budget = resident_lib.make_budget(cfg.num_experts, cfg.top_k, nbytes,
-                                           len(self.moe_layers), fraction=cache_fraction,
-                                           nbytes=cache_bytes, streaming=pf.streaming,
+                                           len(self.moe_layers), fraction=config.cache_fraction,
+                                           nbytes=config.cache_bytes, streaming=pf.streaming,
                                            devices=expert_devices)
     self.plan = (expert_parallel.make_plan(expert_devices, self.budget.slots_per_device)
                  if expert_devices > 1 else None)
-    self.link = link if isinstance(link, link_lib.Link) else link_lib.parse_link(
-        link, expert_bytes=nbytes)
-    if policy.decision.host and self.device.platform != "cpu":
-      raise policy_lib.PolicyError(
-          "--policy=host computes misses on the host CPU, inside the decode program where "
-          "the store lives: that needs the CPU backend (on an accelerator, use the "
-          "simulator's host time model)")
-    host, pinned = transfer.program_store(store, self.device)
+    self.link = link
     self.low_store = None
     if policy.decision.low:
       self.low_store = low_store or quant.build(store, policy.decision.low_bits)
-      if self.low_store.bits != policy.decision.low_bits:
-        raise policy_lib.PolicyError(f"--low_bits={policy.decision.low_bits}: the low-precision "
-                                     f"store holds int{self.low_store.bits} copies")
-      low = transfer.program_store(self.low_store, self.device)[0]
+    check_policy(policy, self.device.platform, self.low_store)
+    host, pinned = sources.program_store(store, self.device)
+    if self.low_store is not None:
+      low = sources.program_store(self.low_store, self.device)[0]
       host = {l: dict(store=v, low=low[l]) for l, v in host.items()}
     trim_to = self.budget.slots if self.budget.staging else None
     ctx = layer_lib.Ctx(cfg, policy, trim_to, pf.kind, pf.speculative, not pf.streaming,
@@ -129,10 +111,8 @@ class OffloadEngine:
     states = {l: jax.device_put(resident_lib.init_state(    # filled on one device first
         cfg.num_experts, self.budget.physical, spec, extra_rows=rows), self.device)
               for l in self.moe_layers}
-    counts = initial if isinstance(initial, dict) else None
     self._states, self.initial = resident_lib.fill_initial(
-        states, "profile" if counts is not None else initial, self.budget, store,
-        policy.cache, cfg, counts)
+        states, config.initial, self.budget, store, policy.cache, cfg, counts)
     if self.plan is not None:
       self._states = {l: expert_parallel.shard_state(self.plan, st)
                       for l, st in self._states.items()}
@@ -173,7 +153,7 @@ class OffloadEngine:
   def states(self) -> dict:
     """The per-MoE-layer ResidentStates (read-only)."""
     if self._srcs is None:
-      raise transfer.TransferError("the engine is closed")
+      raise sources.TransferError("the engine is closed")
     return self._carry[1] if self._carry is not None else self._states
 
   def resident_sets(self) -> dict[int, list[int]]:
@@ -194,10 +174,10 @@ class OffloadEngine:
 
   def _check(self):
     if self._failed is not None:
-      raise transfer.TransferError(f"the engine stopped after an earlier failure: "
+      raise sources.TransferError(f"the engine stopped after an earlier failure: "
                                    f"{self._failed}") from self._failed
     if self._srcs is None:
-      raise transfer.TransferError("the engine is closed")
+      raise sources.TransferError("the engine is closed")
 
   # -------------------------------------------------------------- programs
   def warmup(self, prompt_lengths=()):
@@ -225,11 +205,10 @@ class OffloadEngine:
       policy = policy_lib.make_policy(policy)
     if policy == self.policy:
       return
-    if policy.miss == "host" and self.device.platform != "cpu":
-      raise policy_lib.PolicyError("the host miss rule needs the CPU backend")
-    if getattr(policy.decision, "low", False) and getattr(self, "low_store", None) is None:
+    if policy.decision.low and self.low_store is None:
       raise policy_lib.PolicyError(f"{policy.describe()} fetches low-precision copies, which "
                                    "this engine was not built with: build it with that policy")
+    check_policy(policy, self.device.platform, self.low_store if policy.decision.low else None)
     self._read_deferred()
     self.policy = policy
     self._prog = dataclasses.replace(self._prog, ctx=dataclasses.replace(self._prog.ctx,
@@ -296,12 +275,12 @@ class OffloadEngine:
     compute = time.perf_counter() - t0
     emulated, waits = self._clock.token(compute, fetches, admissions, prefetches)
     if emulated - compute > self.transfer_timeout_s:
-      transfer.sleep_until(t0 + compute + self.transfer_timeout_s)
-      self._failed = transfer.TransferTimeout(
+      link_lib.sleep_until(t0 + compute + self.transfer_timeout_s)
+      self._failed = sources.TransferTimeout(
           f"the emulated link needs {emulated - compute:.3g} s for the copies of {what}, "
           f"beyond transfer_timeout_s={self.transfer_timeout_s:g}")
       raise self._failed
-    transfer.sleep_until(t0 + emulated)
+    link_lib.sleep_until(t0 + emulated)
     return waits
 
   def decode_step(self, token, lazy: bool = False):

@@ -3,7 +3,7 @@
 On a machine without an accelerator a `jax.device_put` is a memcpy and costs
 almost nothing, so offloading would look free.  An *emulated* link makes a
 transfer of n bytes complete no earlier than ``n / bandwidth + latency`` after
-it starts (see moejax.offload.transfer), while compute runs for real.
+it starts (`sleep_until`), while compute runs for real.
 
 The bandwidth can be given in absolute terms (``--link=16GB/s,10us``) or
 *scaled* to a hardware profile (``--link=scaled:qwen3-30b-a3b@rtx3090``): what
@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import time
 
 import numpy as np
 
@@ -267,3 +268,10 @@ class LinkClock:
     self._admit = {l: np.maximum(0.0, admit.get(l, none) - t) for l in self.moe_layers}
     self._free = np.maximum(0.0, free - t)
     return t, waits
+
+
+def sleep_until(deadline: float, spin_s: float = 2e-4):
+  """Sleeps until perf_counter() >= deadline; the last `spin_s` yields in a loop
+  (a plain sleep on a loaded machine overshoots by milliseconds)."""
+  while (left := deadline - time.perf_counter()) > 0:
+    time.sleep(left - spin_s if left > 2 * spin_s else 0)

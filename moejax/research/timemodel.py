@@ -164,11 +164,12 @@ def run_engine(cfg, params, store, policy, tokens, prompt: int, link, *, fractio
   fastest of `repeats` runs (a shared machine only slows a run down; decisions are
   the same in every run)."""
   from moejax.kernels import cpu_kernel
-  from moejax.offload.engine import OffloadEngine    # the engine only when timing it
+  from moejax.offload.engine import EngineConfig, OffloadEngine    # the engine only when timing it
   best = None
   for _ in range(max(1, repeats)):
-    with OffloadEngine(cfg, params, store, policy, cache_fraction=fraction, link=link,
-                       max_len=len(tokens) + 8, dtype=dtype) as eng:
+    with OffloadEngine(cfg, params, store, EngineConfig.make(policy, cache_fraction=fraction,
+                                                             link=link, max_len=len(tokens) + 8,
+                                                             dtype=dtype)) as eng:
       eng.warmup()
       eng.prefill(tokens[:prompt])
       with cpu_kernel.decoding():

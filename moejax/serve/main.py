@@ -119,7 +119,7 @@ def loader(folder, tok, template, max_len, warm, policy):
     from moejax.io.loader import load_model
     from moejax.io.store import make_store
     from moejax.offload.calibrate import calibrated_link
-    from moejax.offload.engine import OffloadEngine
+    from moejax.offload.engine import EngineConfig, OffloadEngine
     from moejax.serve.worker import Loaded
     import jax
     t0 = time.time()
@@ -129,11 +129,11 @@ def loader(folder, tok, template, max_len, warm, policy):
     from moejax.offload.link import default_spec
     spec = FLAGS.link or default_spec(jax.devices()[0].platform)
     link = calibrated_link(spec, cfg, params, store, dtype)
-    eng = OffloadEngine(cfg, params, store, policy,
-                        cache_fraction=None if FLAGS.cache_bytes else
-                        (0.25 if FLAGS.cache_fraction is None else FLAGS.cache_fraction),
-                        cache_bytes=FLAGS.cache_bytes, link=link, max_len=max_len,
-                        dtype=dtype)
+    fraction = 0.25 if FLAGS.cache_fraction is None else FLAGS.cache_fraction
+    config = EngineConfig.make(policy, cache_fraction=None if FLAGS.cache_bytes else fraction,
+                               cache_bytes=FLAGS.cache_bytes, link=link, max_len=max_len,
+                               dtype=dtype)
+    eng = OffloadEngine(cfg, params, store, config)
     print(f"[moejax] {eng.describe()}; KV cache {max_len} positions", file=sys.stderr)
     eng.warmup(prompt_lengths=warm)
     print(f"[moejax] ready: loaded and compiled in {time.time() - t0:.1f} s", file=sys.stderr,

@@ -17,7 +17,7 @@ g = {}
 exec(compile(src, "gpu_check", "exec"), g)
 from moejax.io import store as host_store
 from moejax.offload import decode, layer as L
-from moejax.offload.engine import OffloadEngine
+from moejax.offload.engine import EngineConfig, OffloadEngine
 OUT, QUICK = g["OUT"], g["QUICK"]
 cfg = (g["cfg_of"](4, 256, 4, 2, 64, 32, 8, 128, 1024) if QUICK
        else g["cfg_of"](4, 2048, 32, 4, 128, 128, 8, 768, 151936))
@@ -32,8 +32,9 @@ for variant, pol in (("gpu_default", "substitute_all"), ("loops", "substitute_al
     break
   if True:
     L.copy_rows = (lambda b, *a, **k: b) if variant == "none" else orig
-    with OffloadEngine(cfg, params, pinned, pol, cache_fraction=0.25, max_len=128 + (variant == "none"),
-                       dtype=jnp.bfloat16) as eng:
+    with OffloadEngine(cfg, params, pinned, EngineConfig.make(pol, cache_fraction=0.25,
+                                                              max_len=128 + (variant == "none"),
+                                                              dtype=jnp.bfloat16)) as eng:
       eng._prog = dataclasses.replace(eng._prog, ctx=dataclasses.replace(
           eng._prog.ctx, skip_empty=variant == "loops"))
       eng._step = decode.step_fn(eng._prog)

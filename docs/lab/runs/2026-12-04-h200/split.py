@@ -2,7 +2,7 @@
 import json, os, sys, time, numpy as np, jax, jax.numpy as jnp
 sys.path.insert(0, os.getcwd())
 from benchmarks import models as bench_models
-from moejax.offload.engine import OffloadEngine
+from moejax.offload.engine import EngineConfig, OffloadEngine
 from moejax.offload import runs as runs_lib
 from moejax.model.sampler import Sampler, SamplingParams, next_token
 res = {"device": str(jax.devices()[0]), "jax": jax.__version__}
@@ -10,7 +10,8 @@ N = 256
 for name in sys.argv[1].split(","):
   cfg, params, store, _, _ = bench_models.load(name)
   dtype = bench_models.split_name(name)[1]
-  eng = OffloadEngine(cfg, params, store, "baseline", cache_fraction=1.0, max_len=1024, dtype=dtype)
+  eng = OffloadEngine(cfg, params, store, EngineConfig.make("baseline", cache_fraction=1.0,
+                                                            max_len=1024, dtype=dtype))
   eng.warmup()
   s = Sampler(cfg, params, store.to_device(), max_len=1024, dtype=dtype)
   key = jax.random.PRNGKey(0); sp = SamplingParams()

@@ -1,6 +1,6 @@
 """A HOST miss's expert compute: moejax's beside llama.cpp's (ggml) on the same cores.
 
-  python -m launch.bench_host --out=docs/runs/2026-12-04-host/bench_host.json
+  python -m launch.bench_host --out=docs/lab/runs/2026-12-04-host/bench_host.json
 
 Not part of the tests. One SwiGLU expert of the Qwen3-30B-A3B shape (hidden 2048,
 intermediate 768, bf16 weights, one token) and K of them (--ks, default 1 and 8), a
@@ -14,7 +14,7 @@ reads its weights from memory, as a decode step does); call i uses experts
                  Timed by moejax.research.host_time, as `moejax-host-ms` times it.
   moejax_slices  the same with in_place=False: each expert sliced out of the store,
                  then the routed-expert kernel (the HOST branch before the kernel).
-  llama.cpp      launch/ggml_expert_timer.cpp against the ggml of bench_peers' llama.cpp
+  llama.cpp      benchmarks/ggml_expert_timer.cpp against the ggml of bench_peers' llama.cpp
                  build (K = 1: mul_mat gate/up, swiglu, mul_mat down; K > 1: mul_mat_id as
                  llama.cpp's MoE FFN), --threads threads on one threadpool; llama.cpp_1t:
                  one thread. As in bench_peers, llama.cpp's figure is the faster of the
@@ -40,8 +40,7 @@ from absl import flags
 import jax.numpy as jnp
 import numpy as np
 
-from launch import cli
-from launch import llama_cpp
+from benchmarks import llama_cpp
 from moejax.kernels import cpu_kernel
 from moejax.research.host_time import host_fn, make_store, qwen3_like, time_calls
 
@@ -138,6 +137,3 @@ def main(argv):
   print(f"[bench_host] wrote {FLAGS.out}; load average {load0[0]:.2f} -> "
         f"{os.getloadavg()[0]:.2f}", file=sys.stderr)
 
-
-if __name__ == "__main__":
-  cli.run(main)

@@ -12,7 +12,7 @@ Overhead (native link, the on-device loop of `generate`): every expert resident 
 device against the same experts spread over 2 and 4 devices (each holding 1/N of them),
 greedy, the same tokens; the ratio of times per token is what expert parallelism itself
 costs (the shard_map, the psum of each MoE layer).  Per `--overhead_models`: the demo
-model, the bench shape (launch/bench_models.py), and `qwen3_layers`: 4 layers of
+model, the bench shape (benchmarks/models.py), and `qwen3_layers`: 4 layers of
 Qwen3-30B-A3B's shape (hidden 2048, 32/4 heads x 128, top-8 of 768-wide experts; 32
 experts a layer instead of 128, which changes what a token reads by nothing but the
 router), random bf16 weights.
@@ -30,7 +30,6 @@ from absl import app, flags
 import numpy as np
 from tqdm import tqdm
 
-from launch import cli
 from moejax.offload import expert_parallel
 
 FLAGS = flags.FLAGS
@@ -81,7 +80,7 @@ def sweep_run(model, link, n: int, tokens) -> dict:
 def overhead_model(name: str):
   """(cfg, params, store) of an --overhead_models entry."""
   import jax.numpy as jnp
-  from launch import bench_models
+  from benchmarks import models as bench_models
   from moejax.io.loader import init_random, load_model
   from moejax.io.store import ExpertStore
   from moejax.model.config import ModelConfig
@@ -224,6 +223,3 @@ def plot(res: dict, path: str):
   fig.savefig(path, dpi=110)
   plt.close(fig)
 
-
-if __name__ == "__main__":
-  cli.run(main)

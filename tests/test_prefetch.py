@@ -215,7 +215,7 @@ def test_estimator_takes_the_previous_tokens_routing(model):
 
 
 def test_hybrid_sources_and_previous_agreement_hand_checked():
-  from launch.train_estimators import choose_source
+  from moejax.cli.prepare.train_estimators import choose_source
   from moejax.prefetch.speculation import previous_token_agreement
   rec = {"quasi": 0.5, "estimator": 0.7, "previous": 0.9}
   assert choose_source(0.3, 0.0, rec) == "previous"

@@ -303,13 +303,40 @@ def interrupted_exit():
   os._exit(EXIT_INTERRUPT)
 
 
+def compile_cache_dir() -> str | None:
+  """Where the programs keep XLA's compiled executables between runs, so that a second
+  start with the same model, policy and shapes loads its decode step instead of compiling
+  it: $JAX_COMPILATION_CACHE_DIR when set (jax reads it itself), else <cache>/xla under
+  $MOEJAX_CACHE_DIR or ~/.cache/moejax; None with MOEJAX_COMPILE_CACHE=0."""
+  if os.environ.get("MOEJAX_COMPILE_CACHE", "1").strip() == "0":
+    return None
+  if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+    return os.environ["JAX_COMPILATION_CACHE_DIR"]
+  from moejax.io.repack import cache_root
+  return os.path.join(cache_root(), "xla")
+
+
+def enable_compile_cache():
+  """jax's persistent compilation cache at `compile_cache_dir()` (programs that compile
+  in under a second are not kept)."""
+  d = compile_cache_dir()
+  if d is None or "JAX_COMPILATION_CACHE_DIR" in os.environ:
+    return
+  import jax
+  jax.config.update("jax_compilation_cache_dir", d)
+  if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+
+
 def run(main):
-  """app.run(main) with the exit codes and one-line errors of the module docstring."""
+  """app.run(main) with the exit codes and one-line errors of the module docstring, and
+  the persistent compilation cache (`enable_compile_cache`)."""
   _program["module"] = main.__module__
   install_interrupt_handler()
 
   def wrapped(argv):
     try:
+      enable_compile_cache()
       return main(argv)
     except (UsageError, app.UsageError) as e:
       usage_exit(str(e))

@@ -60,13 +60,17 @@ def refused(status: int) -> str:
 class Completions:
   """The ASGI application: the two completion routes here, the rest to `fallback`."""
 
-  def __init__(self, worker, limits: protocol.Limits, tok, template, fallback):
+  def __init__(self, worker, limits: protocol.Limits, tok, template, fallback, guard=None):
+    """guard: an auth.Guard (the API key), or None: every route is open."""
     self.worker, self.limits, self.tok, self.template = worker, limits, tok, template
-    self.fallback = fallback
+    self.fallback, self.guard = fallback, guard
 
   async def __call__(self, scope, receive, send):
     if scope["type"] == "http":
       send = self.counting(send)
+      denied = self.guard.check(scope) if self.guard is not None else None
+      if denied is not None:
+        return await send_json(send, 401, denied.body(), [(b"www-authenticate", b"Bearer")])
     chat = ROUTES.get(scope.get("path")) if scope["type"] == "http" else None
     if chat is None or scope["method"] != "POST":
       return await self.fallback(scope, receive, send)
@@ -161,7 +165,7 @@ class Completions:
       if req.stream:
         await self.stream(events, job, resp, req, send)
       else:
-        await self.whole(events, job, resp, send)
+        await self.whole(events, job, resp, req, send)
     finally:
       job.cancel.set()       # the engine stops at its next token (a no-op once it is done)
       if job.first_sent is not None:
@@ -188,7 +192,8 @@ class Completions:
       if kind == "error":
         out = sse(value.body())
       else:
-        use = protocol.usage(value.prompt_tokens, len(value.text_tokens), value.offload)
+        use = protocol.usage(value.prompt_tokens, len(value.text_tokens), value.offload,
+                             req.ignored)
         out = sse(resp.chunk(None, value.finish_reason, None if req.include_usage else use,
                              first=head))
         if req.include_usage:
@@ -196,7 +201,7 @@ class Completions:
       await send({"type": "http.response.body", "body": out + b"data: [DONE]\n\n"})
       return
 
-  async def whole(self, events, job, resp, send):
+  async def whole(self, events, job, resp, req, send):
     parts = []
     while True:
       kind, value = await events.get()
@@ -207,5 +212,6 @@ class Completions:
         continue
       if kind == "error":
         return await send_json(send, value.status, value.body())
-      use = protocol.usage(value.prompt_tokens, len(value.text_tokens), value.offload)
+      use = protocol.usage(value.prompt_tokens, len(value.text_tokens), value.offload,
+                           req.ignored)
       return await send_json(send, 200, resp.full("".join(parts), value.finish_reason, use))

@@ -13,6 +13,8 @@ The extension object `moejax` (send it with the openai client as
   admission_beta  background admission threshold (> 0), or 0 / false: admission off
   eviction        lru, lfu, least_stale
   timeout_s       this request's timeout (at most the server's --request_timeout_s)
+With --norequest_policies the first four are ignored (the launch policy runs) and
+`usage.moejax.ignored` lists the ones a request sent.
 The expert cache is shared by every request and persists across them; its budget
 (--cache_fraction) is a launch setting.  Each response's `usage.moejax` holds the
 request's offload statistics (`offload_usage`).
@@ -51,6 +53,7 @@ class Limits:
   timeout_s: float             # --request_timeout_s
   policy: Any                  # the launch PolicyParams
   eos_ids: tuple[int, ...]
+  request_policies: bool = True   # False: the policy fields of `moejax` are ignored
 
 
 @dataclasses.dataclass
@@ -65,6 +68,7 @@ class Request:
   include_usage: bool
   policy: Any
   timeout_s: float
+  ignored: list[str] = dataclasses.field(default_factory=list)   # fields not honoured
 
 
 def _number(body, name, default, lo=None, hi=None, lo_open=False, integer=False):
@@ -125,20 +129,24 @@ def parse(body: Any, limits: Limits, prompt_ids: list[int], max_tokens_field: st
   opts = body.get("stream_options") or {}
   if not isinstance(opts, dict):
     raise bad("'stream_options' must be an object", "stream_options")
-  policy, timeout_s = extension(body.get("moejax"), limits)
+  policy, timeout_s, ignored = extension(body.get("moejax"), limits)
   return Request(list(prompt_ids), max_tokens, float(temperature), float(top_p),
                  int(seed) % (2 ** 32), stops, stream, bool(opts.get("include_usage")),
-                 policy, timeout_s)
+                 policy, timeout_s, ignored)
+
+
+POLICY_FIELDS = ("policy", "tau", "admission_beta", "eviction")
 
 
 def extension(ext: Any, limits: Limits):
-  """The `moejax` object -> (PolicyParams, timeout_s)."""
+  """The `moejax` object -> (PolicyParams, timeout_s, the fields ignored: with
+  limits.request_policies False, the policy fields are not read, the launch policy runs)."""
   from moejax.cache import policy as policy_lib
   if ext is None:
-    return limits.policy, limits.timeout_s
+    return limits.policy, limits.timeout_s, []
   if not isinstance(ext, dict):
     raise bad("'moejax' must be an object, e.g. {\"policy\": \"speed\"}", "moejax")
-  known = ("policy", "tau", "admission_beta", "eviction", "timeout_s")
+  known = POLICY_FIELDS + ("timeout_s",)
   for k in ext:
     if k in ("cache_fraction", "cache_bytes"):
       raise bad(f"'moejax.{k}': the expert budget is a launch setting of the shared cache "
@@ -148,8 +156,11 @@ def extension(ext: Any, limits: Limits):
                 f"moejax.{k}")
   timeout_s = _number(ext, "timeout_s", limits.timeout_s, lo=0, hi=limits.timeout_s,
                       lo_open=True)
-  if not any(k in ext for k in ("policy", "tau", "admission_beta", "eviction")):
-    return limits.policy, float(timeout_s)
+  given = [k for k in POLICY_FIELDS if k in ext]
+  if not given:
+    return limits.policy, float(timeout_s), []
+  if not limits.request_policies:     # --norequest_policies: one fixed policy
+    return limits.policy, float(timeout_s), ["moejax." + k for k in given]
   name = ext.get("policy", limits.policy.name or limits.policy.miss)
   if not isinstance(name, str):
     raise bad(f"'moejax.policy' must be a string, got {name!r}", "moejax.policy")
@@ -173,7 +184,7 @@ def extension(ext: Any, limits: Limits):
   if tau is not None and pol.miss != "threshold":
     raise bad(f"'moejax.tau' applies to the threshold rule (policy threshold or quality); "
               f"{pol.describe()} ignores it", "moejax.tau", "invalid_policy")
-  return pol, float(timeout_s)
+  return pol, float(timeout_s), []
 
 
 def completion_prompt(body: Any, tok) -> list[int]:
@@ -214,7 +225,10 @@ def offload_usage(stats: dict, eng, policy, ttft_s, tps, queue_s, compile_s=0.0)
   }
 
 
-def usage(prompt_tokens: int, completion_tokens: int, offload: dict) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, offload: dict, ignored=()) -> dict:
+  """ignored: request fields not honoured (`Request.ignored`), listed in usage.moejax."""
+  if ignored:
+    offload = dict(offload, ignored=list(ignored))
   return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
           "total_tokens": prompt_tokens + completion_tokens, "moejax": offload}
 

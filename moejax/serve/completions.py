@@ -128,7 +128,12 @@ class Completions:
                          "model_not_found")
     if not chat:
       ids = protocol.completion_prompt(body, self.tok)
-      return protocol.parse(body, self.limits, ids, "max_tokens")
+      req = protocol.parse(body, self.limits, ids, "max_tokens")
+      if req.echo:
+        p = body.get("prompt")
+        p = p[0] if isinstance(p, list) and len(p) == 1 else p
+        req.prompt_text = p if isinstance(p, str) else self.tok.decode(ids)
+      return req
     if self.template is None:
       raise protocol.APIError(
           400, f"{self.limits.model_id!r} has no chat template (no chat_template in its "
@@ -143,7 +148,9 @@ class Completions:
     sink = lambda kind, value: loop.call_soon_threadsafe(events.put_nowait, (kind, value))
     sp = SamplingParams(req.temperature, req.top_p, req.max_tokens, self.limits.eos_ids)
     job = Job(req.prompt_ids, sp, req.seed, req.policy, req.stops, req.timeout_s, sink,
-              first_sent=threading.Event() if req.stream else None)
+              first_sent=threading.Event() if req.stream else None, logprobs=req.logprobs,
+              score_prompt=req.echo and req.logprobs is not None, presence=req.presence,
+              frequency=req.frequency)
     try:
       self.worker.submit(job)
     except QueueFull as e:
@@ -214,4 +221,18 @@ class Completions:
         return await send_json(send, value.status, value.body())
       use = protocol.usage(value.prompt_tokens, len(value.text_tokens), value.offload,
                            req.ignored)
-      return await send_json(send, 200, resp.full("".join(parts), value.finish_reason, use))
+      text = (req.prompt_text if req.echo else "") + "".join(parts)
+      return await send_json(send, 200, resp.full(text, value.finish_reason, use,
+                                                  self.logprobs(req, resp.chat, value)))
+
+  def logprobs(self, req: protocol.Request, chat: bool, result) -> dict | None:
+    """The choice's `logprobs` in the route's format (None when not asked for)."""
+    from moejax.serve import logprobs as logprobs_lib
+    if req.logprobs is None:
+      return None
+    if chat:
+      return logprobs_lib.chat_logprobs(self.tok, result.text_tokens, result.logprobs)
+    ids, entries = list(result.text_tokens), list(result.logprobs)
+    if req.echo:
+      ids, entries = req.prompt_ids + ids, result.prompt_logprobs + entries
+    return logprobs_lib.completion_logprobs(self.tok, ids, entries)

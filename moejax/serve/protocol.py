@@ -2,9 +2,11 @@
 
 Served fields: prompt (one string or one list of token ids) or messages, max_tokens
 (max_completion_tokens for chat), temperature, top_p, seed, stop, stream,
-stream_options.include_usage.  Fields that would change the answer and that this server
-cannot honour (n > 1, logprobs, echo, suffix, penalties, logit_bias, best_of > 1) are
-refused with a 400 naming them, never silently ignored.
+stream_options.include_usage, presence_penalty and frequency_penalty (-2..2), logprobs
+(completions: 0-5 alternatives; chat: true, with top_logprobs 0-5) and echo (completions;
+with echo, max_tokens may be 0) without stream.  Fields that would change the answer and
+that this server cannot honour (n > 1, suffix, logit_bias, best_of > 1, tools,
+response_format) are refused with a 400 naming them, never silently ignored.
 
 The extension object `moejax` (send it with the openai client as
 `extra_body={"moejax": {...}}`):
@@ -68,6 +70,11 @@ class Request:
   include_usage: bool
   policy: Any
   timeout_s: float
+  logprobs: int | None = None       # top alternatives per token (0-5); None: no log-probs
+  echo: bool = False                # completions: the prompt before the completion
+  presence: float = 0.0             # presence_penalty
+  frequency: float = 0.0            # frequency_penalty
+  prompt_text: str = ""             # echo: the text echoed before the completion
   ignored: list[str] = dataclasses.field(default_factory=list)   # fields not honoured
 
 
@@ -86,10 +93,33 @@ def _number(body, name, default, lo=None, hi=None, lo_open=False, integer=False)
   return v
 
 
-UNSUPPORTED = (("n", 1), ("best_of", 1), ("echo", False), ("logprobs", None),
-               ("top_logprobs", None), ("suffix", None), ("presence_penalty", 0),
-               ("frequency_penalty", 0), ("logit_bias", None), ("tools", None),
-               ("response_format", None))
+UNSUPPORTED = (("n", 1), ("best_of", 1), ("suffix", None), ("logit_bias", None),
+               ("tools", None), ("response_format", None))
+MAX_TOP_LOGPROBS = 5       # logprobs (completions), top_logprobs (chat): at most
+
+
+def log_probs(body, chat: bool):
+  """-> (top: None (no log-probs) or 0-5 alternatives per token, echo)."""
+  if chat:
+    if body.get("echo") not in (None, False):
+      raise bad("'echo' is a /v1/completions field; chat does not echo", "echo",
+                "unsupported_parameter")
+    on = body.get("logprobs")
+    if on is not None and not isinstance(on, bool):
+      raise bad(f"'logprobs' must be true or false, got {on!r}", "logprobs")
+    top = _number(body, "top_logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS, integer=True)
+    if top is not None and not on:
+      raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    return (top or 0) if on else None, False
+  if body.get("top_logprobs") is not None:
+    raise bad("'top_logprobs' is a chat field; /v1/completions takes 'logprobs': N "
+              f"(0-{MAX_TOP_LOGPROBS} alternatives)", "top_logprobs")
+  top = None if body.get("logprobs") is False else _number(
+      body, "logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS, integer=True)
+  echo = body.get("echo") or False
+  if not isinstance(echo, bool):
+    raise bad(f"'echo' must be true or false, got {echo!r}", "echo")
+  return top, echo
 
 
 def parse(body: Any, limits: Limits, prompt_ids: list[int], max_tokens_field: str,
@@ -99,8 +129,11 @@ def parse(body: Any, limits: Limits, prompt_ids: list[int], max_tokens_field: st
     v = body.get(name)
     if v is not None and v != ok and v != {}:
       raise bad(f"'{name}'={v!r} is not supported by this server (one sequence, batch 1, "
-                f"no logprobs or penalties); leave it out", name, "unsupported_parameter")
-  max_tokens = _number(body, max_tokens_field, None, lo=1, integer=True)
+                f"one choice); leave it out", name, "unsupported_parameter")
+  chat = max_tokens_field != "max_tokens"
+  top, echo = log_probs(body, chat)
+  # echo with max_tokens 0 scores the prompt alone (lm-evaluation-harness's log-likelihood)
+  max_tokens = _number(body, max_tokens_field, None, lo=0 if echo else 1, integer=True)
   if max_tokens is None and max_tokens_field == "max_completion_tokens":
     max_tokens = _number(body, "max_tokens", None, lo=1, integer=True)
   room = limits.max_len - len(prompt_ids)
@@ -108,7 +141,7 @@ def parse(body: Any, limits: Limits, prompt_ids: list[int], max_tokens_field: st
     max_tokens = min(16 if max_tokens_field == "max_tokens" else room, room)
   if not prompt_ids:
     raise bad("the prompt encodes to no tokens", "prompt")
-  if len(prompt_ids) + max_tokens > limits.max_len:
+  if len(prompt_ids) + max(max_tokens, 1) > limits.max_len:   # the prompt pass needs room
     raise bad(f"This model's maximum context length is {limits.max_len} tokens (the "
               f"server's --max_len). However, you requested {len(prompt_ids) + max_tokens} "
               f"tokens ({len(prompt_ids)} in the prompt, {max_tokens} for the completion). "
@@ -129,10 +162,15 @@ def parse(body: Any, limits: Limits, prompt_ids: list[int], max_tokens_field: st
   opts = body.get("stream_options") or {}
   if not isinstance(opts, dict):
     raise bad("'stream_options' must be an object", "stream_options")
+  if stream and (top is not None or echo):
+    raise bad("'logprobs' and 'echo' are answered in a whole response: send them without "
+              "'stream'", "logprobs" if top is not None else "echo", "unsupported_parameter")
+  presence = _number(body, "presence_penalty", 0.0, lo=-2, hi=2)
+  frequency = _number(body, "frequency_penalty", 0.0, lo=-2, hi=2)
   policy, timeout_s, ignored = extension(body.get("moejax"), limits)
   return Request(list(prompt_ids), max_tokens, float(temperature), float(top_p),
                  int(seed) % (2 ** 32), stops, stream, bool(opts.get("include_usage")),
-                 policy, timeout_s, ignored)
+                 policy, timeout_s, top, echo, float(presence), float(frequency), ignored)
 
 
 POLICY_FIELDS = ("policy", "tau", "admission_beta", "eviction")
@@ -245,12 +283,12 @@ class Response:
   def _head(self, obj: str) -> dict:
     return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-  def full(self, text: str, finish: str, use: dict) -> dict:
+  def full(self, text: str, finish: str, use: dict, logprobs: dict | None = None) -> dict:
     if self.chat:
       choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                "logprobs": None, "finish_reason": finish}
+                "logprobs": logprobs, "finish_reason": finish}
     else:
-      choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+      choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
     return dict(self._head(self.object), choices=[choice], usage=use)
 
   def chunk(self, text: str | None, finish: str | None = None, use: dict | None = None,

@@ -28,6 +28,7 @@ TEMPLATE = ("{% for m in messages %}# {{ m['role'] }}: {{ m['content'] }}\n{% en
 
 def _env(tmp):
   env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu", TOKENIZERS_PARALLELISM="false")
+  env.pop("MOEJAX_API_KEY", None)         # no key unless a test sets one
   # one XLA compilation cache for the server and the launch.generate runs (test.sh's, if set)
   env.setdefault("JAX_COMPILATION_CACHE_DIR", str(tmp / "xla-cache"))
   env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.3")
@@ -42,18 +43,21 @@ def _generate(env, policy):
 
 
 class Server:
+  """A server on 127.0.0.1; args: more flags; env: more environment; key: the client's
+  API key."""
 
-  def __init__(self, tmp):
+  def __init__(self, tmp, args=(), env=None, key="none"):
+    self.key = key
     model = tmp / "demo"
     model.mkdir()
     for name in os.listdir(DEMO):
       os.symlink(os.path.join(DEMO, name), model / name)
     (model / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE}))
-    self.env = _env(tmp)
+    self.env = dict(_env(tmp), **(env or {}))
     self.proc = subprocess.Popen(
         [sys.executable, "-m", "launch.serve", f"--model_dir={model}", "--port=0",
          f"--max_len={MAX_LEN}", "--warm_prompt_tokens=16", "--max_queue=4",
-         "--request_timeout_s=120"], cwd=REPO, env=self.env, stderr=subprocess.PIPE,
+         "--request_timeout_s=120", *args], cwd=REPO, env=self.env, stderr=subprocess.PIPE,
         text=True)
     self.log, self.url = [], None
     found = threading.Event()
@@ -81,7 +85,7 @@ class Server:
       raise
 
   def client(self, **kw):
-    return openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, **kw)
+    return openai.OpenAI(base_url=self.url + "/v1", api_key=self.key, max_retries=0, **kw)
 
   def rss_mb(self) -> float:
     with open(f"/proc/{self.proc.pid}/status") as f:

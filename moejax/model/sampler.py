@@ -73,6 +73,19 @@ def next_token(logits_V, key, temperature: float, top_p: float):
   return sample_token(jnp.asarray(logits_V)[None], key, temperature, top_p)[0]
 
 
+@functools.partial(jax.jit, static_argnums=(5, 6))
+def next_token_penalized(logits_V, counts_V, key, presence, frequency, temperature: float,
+                         top_p: float):
+  """`next_token` after OpenAI's penalties over `counts_V` (int32 [V], how often each
+  token was generated so far): logits - presence * (count > 0) - frequency * count.
+  -> (the token, counts_V with it counted), both on the device."""
+  counts = counts_V.astype(jnp.float32)
+  logits = (jnp.asarray(logits_V).astype(jnp.float32) - presence * (counts > 0)
+            - frequency * counts)
+  tok = sample_token(logits[None], key, temperature, top_p)[0]
+  return tok, counts_V.at[tok].add(1)
+
+
 def bucket(n: int, minimum: int = 16) -> int:
   b = minimum
   while b < n:

@@ -1,7 +1,8 @@
 """The ASGI application: OpenAI's /v1/completions and /v1/chat/completions
 (`completions.Completions`, a plain ASGI handler in front), and a FastAPI application
 for /v1/models, /health (200 once the model is loaded and compiled, 503 before) and
-Prometheus /metrics.  Every error is OpenAI's {"error": {message, type, param, code}}
+Prometheus /metrics.  With an API key (`auth.Guard`) every route but /health needs it
+(401 otherwise).  Every error is OpenAI's {"error": {message, type, param, code}}
 JSON.
 """
 
@@ -19,8 +20,10 @@ def error_response(e: protocol.APIError, headers=None) -> JSONResponse:
   return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
 
-def create_app(worker, limits: protocol.Limits, metrics, tok, template) -> Completions:
-  """tok: the tokenizer; template: a chat.Template or None (chat not served)."""
+def create_app(worker, limits: protocol.Limits, metrics, tok, template,
+               guard=None) -> Completions:
+  """tok: the tokenizer; template: a chat.Template or None (chat not served); guard: an
+  auth.Guard (every route but /health needs its key), or None."""
   app = FastAPI(title="moejax", docs_url=None, redoc_url=None, openapi_url=None)
 
   @app.exception_handler(StarletteHTTPException)
@@ -47,4 +50,4 @@ def create_app(worker, limits: protocol.Limits, metrics, tok, template) -> Compl
     return {"object": "list", "data": [{"id": limits.model_id, "object": "model",
                                         "created": 0, "owned_by": "moejax"}]}
 
-  return Completions(worker, limits, tok, template, fallback=app)
+  return Completions(worker, limits, tok, template, fallback=app, guard=guard)

@@ -60,13 +60,17 @@ def refused(status: int) -> str:
 class Completions:
   """The ASGI application: the two completion routes here, the rest to `fallback`."""
 
-  def __init__(self, worker, limits: protocol.Limits, tok, template, fallback):
+  def __init__(self, worker, limits: protocol.Limits, tok, template, fallback, guard=None):
+    """guard: an auth.Guard (the API key), or None: every route is open."""
     self.worker, self.limits, self.tok, self.template = worker, limits, tok, template
-    self.fallback = fallback
+    self.fallback, self.guard = fallback, guard
 
   async def __call__(self, scope, receive, send):
     if scope["type"] == "http":
       send = self.counting(send)
+      denied = self.guard.check(scope) if self.guard is not None else None
+      if denied is not None:
+        return await send_json(send, 401, denied.body(), [(b"www-authenticate", b"Bearer")])
     chat = ROUTES.get(scope.get("path")) if scope["type"] == "http" else None
     if chat is None or scope["method"] != "POST":
       return await self.fallback(scope, receive, send)
@@ -124,7 +128,12 @@ class Completions:
                          "model_not_found")
     if not chat:
       ids = protocol.completion_prompt(body, self.tok)
-      return protocol.parse(body, self.limits, ids, "max_tokens")
+      req = protocol.parse(body, self.limits, ids, "max_tokens")
+      if req.echo:
+        p = body.get("prompt")
+        p = p[0] if isinstance(p, list) and len(p) == 1 else p
+        req.prompt_text = p if isinstance(p, str) else self.tok.decode(ids)
+      return req
     if self.template is None:
       raise protocol.APIError(
           400, f"{self.limits.model_id!r} has no chat template (no chat_template in its "
@@ -139,7 +148,9 @@ class Completions:
     sink = lambda kind, value: loop.call_soon_threadsafe(events.put_nowait, (kind, value))
     sp = SamplingParams(req.temperature, req.top_p, req.max_tokens, self.limits.eos_ids)
     job = Job(req.prompt_ids, sp, req.seed, req.policy, req.stops, req.timeout_s, sink,
-              first_sent=threading.Event() if req.stream else None)
+              first_sent=threading.Event() if req.stream else None, logprobs=req.logprobs,
+              score_prompt=req.echo and req.logprobs is not None, presence=req.presence,
+              frequency=req.frequency)
     try:
       self.worker.submit(job)
     except QueueFull as e:
@@ -161,7 +172,7 @@ class Completions:
       if req.stream:
         await self.stream(events, job, resp, req, send)
       else:
-        await self.whole(events, job, resp, send)
+        await self.whole(events, job, resp, req, send)
     finally:
       job.cancel.set()       # the engine stops at its next token (a no-op once it is done)
       if job.first_sent is not None:
@@ -188,7 +199,8 @@ class Completions:
       if kind == "error":
         out = sse(value.body())
       else:
-        use = protocol.usage(value.prompt_tokens, len(value.text_tokens), value.offload)
+        use = protocol.usage(value.prompt_tokens, len(value.text_tokens), value.offload,
+                             req.ignored)
         out = sse(resp.chunk(None, value.finish_reason, None if req.include_usage else use,
                              first=head))
         if req.include_usage:
@@ -196,7 +208,7 @@ class Completions:
       await send({"type": "http.response.body", "body": out + b"data: [DONE]\n\n"})
       return
 
-  async def whole(self, events, job, resp, send):
+  async def whole(self, events, job, resp, req, send):
     parts = []
     while True:
       kind, value = await events.get()
@@ -207,5 +219,20 @@ class Completions:
         continue
       if kind == "error":
         return await send_json(send, value.status, value.body())
-      use = protocol.usage(value.prompt_tokens, len(value.text_tokens), value.offload)
-      return await send_json(send, 200, resp.full("".join(parts), value.finish_reason, use))
+      use = protocol.usage(value.prompt_tokens, len(value.text_tokens), value.offload,
+                           req.ignored)
+      text = (req.prompt_text if req.echo else "") + "".join(parts)
+      return await send_json(send, 200, resp.full(text, value.finish_reason, use,
+                                                  self.logprobs(req, resp.chat, value)))
+
+  def logprobs(self, req: protocol.Request, chat: bool, result) -> dict | None:
+    """The choice's `logprobs` in the route's format (None when not asked for)."""
+    from moejax.serve import logprobs as logprobs_lib
+    if req.logprobs is None:
+      return None
+    if chat:
+      return logprobs_lib.chat_logprobs(self.tok, result.text_tokens, result.logprobs)
+    ids, entries = list(result.text_tokens), list(result.logprobs)
+    if req.echo:
+      ids, entries = req.prompt_ids + ids, result.prompt_logprobs + entries
+    return logprobs_lib.completion_logprobs(self.tok, ids, entries)

@@ -12,7 +12,9 @@ One engine decodes one request at a time (batch 1); the others wait in a FIFO qu
 of --max_queue (429 with Retry-After when full).  The expert cache (--cache_fraction
 or --cache_bytes) is shared by every request and persists across them; a request may
 choose its own miss policy, tau, admission and eviction in the extension object
-{"moejax": {"policy": "speed"}} (docs/serve.md); each policy compiles once.
+{"moejax": {"policy": "speed"}} (docs/serve.md); each policy compiles once
+(--norequest_policies: one fixed policy, those fields ignored).  --api_key (or
+$MOEJAX_API_KEY) requires 'Authorization: Bearer <key>' on every route but /health.
 
 Exit codes: 0 after a clean shutdown (SIGTERM); 130 Ctrl-C; 2 usage error (one line
 naming the flag, e.g. a --port in use); 1 the model failed to load.
@@ -64,6 +66,11 @@ flags.DEFINE_float("request_timeout_s", 600.0, "A request's longest time, queue 
 flags.DEFINE_list("warm_prompt_tokens", ["16", "32", "64", "128"], "Prompt lengths whose "
                   "prompt pass is compiled before /health answers 200 (one compile per "
                   "bucket; other lengths compile on first use).")
+flags.DEFINE_string("api_key", None, "Every route but /health then needs 'Authorization: "
+                    "Bearer <key>' (401 otherwise). Default: $MOEJAX_API_KEY, else no key.")
+flags.DEFINE_boolean("request_policies", True, "Whether a request may choose its offload "
+                     "policy (moejax.policy, tau, admission_beta, eviction); false: those "
+                     "fields are ignored and every request runs under --policy.")
 flags.adopt_module_key_flags(cli)
 
 
@@ -150,6 +157,7 @@ def main(_):
   from moejax.io.tokenizer import Tokenizer
   from moejax.model.config import ModelConfig
   from moejax.serve import app as app_lib
+  from moejax.serve import auth
   from moejax.serve import chat, metrics as metrics_lib, protocol
   from moejax.serve.worker import Worker
   cfg = ModelConfig.from_json_file(folder)
@@ -163,7 +171,8 @@ def main(_):
     raise cli.UsageError(str(e)) from None
   model_id = FLAGS.model_name or os.path.basename(os.path.normpath(folder))
   limits = protocol.Limits(model_id, max_len, FLAGS.request_timeout_s, policy,
-                           tuple(cfg.eos_token_ids))
+                           tuple(cfg.eos_token_ids), request_policies=FLAGS.request_policies)
+  key = auth.resolve_key(FLAGS.api_key)
   sock = listen()
   metrics = metrics_lib.Metrics()
   config = uvicorn.Config(None, log_level="warning", timeout_graceful_shutdown=5)
@@ -175,7 +184,7 @@ def main(_):
 
   worker = Worker(loader(folder, tok, template, max_len, warm, policy), metrics,
                   max_queue=FLAGS.max_queue, max_policies=FLAGS.max_policies, on_fail=on_fail)
-  config.app = app_lib.create_app(worker, limits, metrics, tok, template)
+  config.app = app_lib.create_app(worker, limits, metrics, tok, template, auth.Guard(key))
   host, port = sock.getsockname()[:2]
   # uvicorn's "auto" takes uvloop and httptools when installed (the serve extra): without
   # them the first token comes ~0.7 ms later (docs/serve.md), so say which run
@@ -185,6 +194,9 @@ def main(_):
   print(f"[moejax] serving {model_id!r} on http://{host}:{port} (chat: "
         f"{'yes' if template else 'no, no chat template'}; {stack}); loading ...",
         file=sys.stderr, flush=True)
+  warning = auth.exposure_warning(FLAGS.host, key)
+  if warning:
+    print(warning, file=sys.stderr, flush=True)
   worker.start()
   try:
     server.run(sockets=[sock])

@@ -2,9 +2,11 @@
 
 Served fields: prompt (one string or one list of token ids) or messages, max_tokens
 (max_completion_tokens for chat), temperature, top_p, seed, stop, stream,
-stream_options.include_usage.  Fields that would change the answer and that this server
-cannot honour (n > 1, logprobs, echo, suffix, penalties, logit_bias, best_of > 1) are
-refused with a 400 naming them, never silently ignored.
+stream_options.include_usage, presence_penalty and frequency_penalty (-2..2), logprobs
+(completions: 0-5 alternatives; chat: true, with top_logprobs 0-5) and echo (completions;
+with echo, max_tokens may be 0) without stream.  Fields that would change the answer and
+that this server cannot honour (n > 1, suffix, logit_bias, best_of > 1, tools,
+response_format) are refused with a 400 naming them, never silently ignored.
 
 The extension object `moejax` (send it with the openai client as
 `extra_body={"moejax": {...}}`):
@@ -13,6 +15,8 @@ The extension object `moejax` (send it with the openai client as
   admission_beta  background admission threshold (> 0), or 0 / false: admission off
   eviction        lru, lfu, least_stale
   timeout_s       this request's timeout (at most the server's --request_timeout_s)
+With --norequest_policies the first four are ignored (the launch policy runs) and
+`usage.moejax.ignored` lists the ones a request sent.
 The expert cache is shared by every request and persists across them; its budget
 (--cache_fraction) is a launch setting.  Each response's `usage.moejax` holds the
 request's offload statistics (`offload_usage`).
@@ -51,6 +55,7 @@ class Limits:
   timeout_s: float             # --request_timeout_s
   policy: Any                  # the launch PolicyParams
   eos_ids: tuple[int, ...]
+  request_policies: bool = True   # False: the policy fields of `moejax` are ignored
 
 
 @dataclasses.dataclass
@@ -65,6 +70,12 @@ class Request:
   include_usage: bool
   policy: Any
   timeout_s: float
+  logprobs: int | None = None       # top alternatives per token (0-5); None: no log-probs
+  echo: bool = False                # completions: the prompt before the completion
+  presence: float = 0.0             # presence_penalty
+  frequency: float = 0.0            # frequency_penalty
+  prompt_text: str = ""             # echo: the text echoed before the completion
+  ignored: list[str] = dataclasses.field(default_factory=list)   # fields not honoured
 
 
 def _number(body, name, default, lo=None, hi=None, lo_open=False, integer=False):
@@ -82,10 +93,33 @@ def _number(body, name, default, lo=None, hi=None, lo_open=False, integer=False)
   return v
 
 
-UNSUPPORTED = (("n", 1), ("best_of", 1), ("echo", False), ("logprobs", None),
-               ("top_logprobs", None), ("suffix", None), ("presence_penalty", 0),
-               ("frequency_penalty", 0), ("logit_bias", None), ("tools", None),
-               ("response_format", None))
+UNSUPPORTED = (("n", 1), ("best_of", 1), ("suffix", None), ("logit_bias", None),
+               ("tools", None), ("response_format", None))
+MAX_TOP_LOGPROBS = 5       # logprobs (completions), top_logprobs (chat): at most
+
+
+def log_probs(body, chat: bool):
+  """-> (top: None (no log-probs) or 0-5 alternatives per token, echo)."""
+  if chat:
+    if body.get("echo") not in (None, False):
+      raise bad("'echo' is a /v1/completions field; chat does not echo", "echo",
+                "unsupported_parameter")
+    on = body.get("logprobs")
+    if on is not None and not isinstance(on, bool):
+      raise bad(f"'logprobs' must be true or false, got {on!r}", "logprobs")
+    top = _number(body, "top_logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS, integer=True)
+    if top is not None and not on:
+      raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    return (top or 0) if on else None, False
+  if body.get("top_logprobs") is not None:
+    raise bad("'top_logprobs' is a chat field; /v1/completions takes 'logprobs': N "
+              f"(0-{MAX_TOP_LOGPROBS} alternatives)", "top_logprobs")
+  top = None if body.get("logprobs") is False else _number(
+      body, "logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS, integer=True)
+  echo = body.get("echo") or False
+  if not isinstance(echo, bool):
+    raise bad(f"'echo' must be true or false, got {echo!r}", "echo")
+  return top, echo
 
 
 def parse(body: Any, limits: Limits, prompt_ids: list[int], max_tokens_field: str,
@@ -95,8 +129,11 @@ def parse(body: Any, limits: Limits, prompt_ids: list[int], max_tokens_field: st
     v = body.get(name)
     if v is not None and v != ok and v != {}:
       raise bad(f"'{name}'={v!r} is not supported by this server (one sequence, batch 1, "
-                f"no logprobs or penalties); leave it out", name, "unsupported_parameter")
-  max_tokens = _number(body, max_tokens_field, None, lo=1, integer=True)
+                f"one choice); leave it out", name, "unsupported_parameter")
+  chat = max_tokens_field != "max_tokens"
+  top, echo = log_probs(body, chat)
+  # echo with max_tokens 0 scores the prompt alone (lm-evaluation-harness's log-likelihood)
+  max_tokens = _number(body, max_tokens_field, None, lo=0 if echo else 1, integer=True)
   if max_tokens is None and max_tokens_field == "max_completion_tokens":
     max_tokens = _number(body, "max_tokens", None, lo=1, integer=True)
   room = limits.max_len - len(prompt_ids)
@@ -104,7 +141,7 @@ def parse(body: Any, limits: Limits, prompt_ids: list[int], max_tokens_field: st
     max_tokens = min(16 if max_tokens_field == "max_tokens" else room, room)
   if not prompt_ids:
     raise bad("the prompt encodes to no tokens", "prompt")
-  if len(prompt_ids) + max_tokens > limits.max_len:
+  if len(prompt_ids) + max(max_tokens, 1) > limits.max_len:   # the prompt pass needs room
     raise bad(f"This model's maximum context length is {limits.max_len} tokens (the "
               f"server's --max_len). However, you requested {len(prompt_ids) + max_tokens} "
               f"tokens ({len(prompt_ids)} in the prompt, {max_tokens} for the completion). "
@@ -125,20 +162,29 @@ def parse(body: Any, limits: Limits, prompt_ids: list[int], max_tokens_field: st
   opts = body.get("stream_options") or {}
   if not isinstance(opts, dict):
     raise bad("'stream_options' must be an object", "stream_options")
-  policy, timeout_s = extension(body.get("moejax"), limits)
+  if stream and (top is not None or echo):
+    raise bad("'logprobs' and 'echo' are answered in a whole response: send them without "
+              "'stream'", "logprobs" if top is not None else "echo", "unsupported_parameter")
+  presence = _number(body, "presence_penalty", 0.0, lo=-2, hi=2)
+  frequency = _number(body, "frequency_penalty", 0.0, lo=-2, hi=2)
+  policy, timeout_s, ignored = extension(body.get("moejax"), limits)
   return Request(list(prompt_ids), max_tokens, float(temperature), float(top_p),
                  int(seed) % (2 ** 32), stops, stream, bool(opts.get("include_usage")),
-                 policy, timeout_s)
+                 policy, timeout_s, top, echo, float(presence), float(frequency), ignored)
+
+
+POLICY_FIELDS = ("policy", "tau", "admission_beta", "eviction")
 
 
 def extension(ext: Any, limits: Limits):
-  """The `moejax` object -> (PolicyParams, timeout_s)."""
+  """The `moejax` object -> (PolicyParams, timeout_s, the fields ignored: with
+  limits.request_policies False, the policy fields are not read, the launch policy runs)."""
   from moejax.cache import policy as policy_lib
   if ext is None:
-    return limits.policy, limits.timeout_s
+    return limits.policy, limits.timeout_s, []
   if not isinstance(ext, dict):
     raise bad("'moejax' must be an object, e.g. {\"policy\": \"speed\"}", "moejax")
-  known = ("policy", "tau", "admission_beta", "eviction", "timeout_s")
+  known = POLICY_FIELDS + ("timeout_s",)
   for k in ext:
     if k in ("cache_fraction", "cache_bytes"):
       raise bad(f"'moejax.{k}': the expert budget is a launch setting of the shared cache "
@@ -148,8 +194,11 @@ def extension(ext: Any, limits: Limits):
                 f"moejax.{k}")
   timeout_s = _number(ext, "timeout_s", limits.timeout_s, lo=0, hi=limits.timeout_s,
                       lo_open=True)
-  if not any(k in ext for k in ("policy", "tau", "admission_beta", "eviction")):
-    return limits.policy, float(timeout_s)
+  given = [k for k in POLICY_FIELDS if k in ext]
+  if not given:
+    return limits.policy, float(timeout_s), []
+  if not limits.request_policies:     # --norequest_policies: one fixed policy
+    return limits.policy, float(timeout_s), ["moejax." + k for k in given]
   name = ext.get("policy", limits.policy.name or limits.policy.miss)
   if not isinstance(name, str):
     raise bad(f"'moejax.policy' must be a string, got {name!r}", "moejax.policy")
@@ -173,7 +222,7 @@ def extension(ext: Any, limits: Limits):
   if tau is not None and pol.miss != "threshold":
     raise bad(f"'moejax.tau' applies to the threshold rule (policy threshold or quality); "
               f"{pol.describe()} ignores it", "moejax.tau", "invalid_policy")
-  return pol, float(timeout_s)
+  return pol, float(timeout_s), []
 
 
 def completion_prompt(body: Any, tok) -> list[int]:
@@ -214,7 +263,10 @@ def offload_usage(stats: dict, eng, policy, ttft_s, tps, queue_s, compile_s=0.0)
   }
 
 
-def usage(prompt_tokens: int, completion_tokens: int, offload: dict) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, offload: dict, ignored=()) -> dict:
+  """ignored: request fields not honoured (`Request.ignored`), listed in usage.moejax."""
+  if ignored:
+    offload = dict(offload, ignored=list(ignored))
   return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
           "total_tokens": prompt_tokens + completion_tokens, "moejax": offload}
 
@@ -231,12 +283,12 @@ class Response:
   def _head(self, obj: str) -> dict:
     return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-  def full(self, text: str, finish: str, use: dict) -> dict:
+  def full(self, text: str, finish: str, use: dict, logprobs: dict | None = None) -> dict:
     if self.chat:
       choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                "logprobs": None, "finish_reason": finish}
+                "logprobs": logprobs, "finish_reason": finish}
     else:
-      choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+      choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
     return dict(self._head(self.object), choices=[choice], usage=use)
 
   def chunk(self, text: str | None, finish: str | None = None, use: dict | None = None,

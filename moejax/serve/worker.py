@@ -7,7 +7,8 @@
     job.cancel.set()                          # the engine stops at its next token
     job.first_sent = threading.Event()        # a stream: set once its first text is written
 
-Each job runs `OffloadEngine.generate` under its own policy (`set_policy`: the resident
+Each job runs `OffloadEngine.generate` (`decoding.generate`: with log-probs or penalties,
+the same loop with them) under its own policy (`set_policy`: the resident
 experts, budget and link stay).  A policy's first use compiles its programs (the decode
 step, the prompt pass of the job's bucket) before the job's clock starts, so its
 tpot_ms and ttft_ms compare with later jobs'; the time is reported apart (compile_ms).  `sink`
@@ -62,6 +63,8 @@ class Result:
   finish_reason: str         # stop, length
   prompt_tokens: int
   offload: dict              # usage.moejax
+  logprobs: list | None = None         # per generated token: (lp, [(id, lp)]) (Job.logprobs)
+  prompt_logprobs: list | None = None  # per prompt token: None, then (lp, [(id, lp)])
 
 
 @dataclasses.dataclass
@@ -76,6 +79,10 @@ class Job:
   created: float = dataclasses.field(default_factory=time.perf_counter)
   cancel: threading.Event = dataclasses.field(default_factory=threading.Event)
   first_sent: threading.Event | None = None   # a stream: see FIRST_SENT_WAIT_S
+  logprobs: int | None = None     # the top log-probs per token (0-5); None: none
+  score_prompt: bool = False      # the prompt's log-probs too (echo), exact
+  presence: float = 0.0           # OpenAI's penalties
+  frequency: float = 0.0
 
   @property
   def deadline(self) -> float:
@@ -97,6 +104,7 @@ class Worker:
     self.failed: BaseException | None = None
     self.ready = threading.Event()
     self.policies: list = []             # policies compiled, oldest first
+    self._scorer = None                  # logprobs.PromptScorer, on first use
     self._on_fail = on_fail
     self._mean_s = 1.0                   # recent request time, for Retry-After
     self._thread = threading.Thread(target=self._main, daemon=True, name="moejax-engine")
@@ -190,6 +198,8 @@ class Worker:
 
   def _generate(self, job: Job, start: float) -> Result:
     from moejax.offload.stats import summarize
+    from moejax.serve import decoding
+    from moejax.serve.logprobs import PromptScorer
     eng, tok = self.loaded.engine, self.loaded.tok
     eng.set_policy(job.policy)
     compile_s = 0.0
@@ -225,8 +235,10 @@ class Worker:
         raise _Timeout
 
     t0 = time.perf_counter()
+    lps = [] if job.logprobs is not None else None
     try:
-      eng.generate(job.prompt_ids, job.sp, seed=job.seed, on_token=on_token)
+      decoding.generate(eng, job.prompt_ids, job.sp, job.seed, on_token, top=job.logprobs,
+                        logprobs=lps, presence=job.presence, frequency=job.frequency)
     except _Stop:
       pass
     finally:
@@ -243,7 +255,13 @@ class Worker:
     self.metrics.finished(len(out), ttft, tps, records)
     offload = protocol.offload_usage(stats, eng, job.policy, ttft, tps,
                                      t0 - job.created - compile_s, compile_s)
-    return Result(out, state["end"], len(job.prompt_ids), offload)
+    prompt_lps = None
+    if job.score_prompt:              # after the timed part: ttft and tpot stay comparable
+      if self._scorer is None:
+        self._scorer = PromptScorer(self.loaded.cfg, eng.params, eng.store, eng.dtype)
+      prompt_lps = self._scorer(job.prompt_ids, job.logprobs or 0)
+    return Result(out, state["end"], len(job.prompt_ids), offload,
+                  None if lps is None else lps[:len(out)], prompt_lps)
 
 
 class _Cancelled(Exception):

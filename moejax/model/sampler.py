@@ -151,16 +151,19 @@ def sample_loop(step, carry, logits_V, start, key, n_new, stop_ids, temperature,
   return carry, toks, jnp.minimum(i, n_new), recs
 
 
-def token_loop(logits_V, decode, sp: SamplingParams, key, on_token=None) -> list[int]:
-  """The one per-token generation loop (the Sampler's and the engine's, for callers that
-  take each token as it comes): token i is sampled from the last logits with the next
-  split of `key` (as `sample_loop`), then `decode(token, i)` gives the next logits.
-  Runs inside `cpu_kernel.decoding()`."""
+def token_loop(logits_V, decode, sp: SamplingParams, key, on_token=None, pick=None) -> list[int]:
+  """The one per-token generation loop (the Sampler's, the engine's and the server's, for
+  callers that take each token as it comes): token i is sampled from the last logits with
+  the next split of `key` (as `sample_loop`), then `decode(token, i)` gives the next
+  logits.  pick(logits, key) -> token id replaces `next_token` (the server's penalties and
+  log-probabilities).  Runs inside `cpu_kernel.decoding()`."""
+  if pick is None:
+    pick = lambda lg, k: int(next_token(lg, k, float(sp.temperature), float(sp.top_p)))
   out = []
   with cpu_kernel.decoding():
     for i in range(sp.max_new_tokens):
       key, sub = jax.random.split(key)
-      tid = int(next_token(logits_V, sub, float(sp.temperature), float(sp.top_p)))
+      tid = pick(logits_V, sub)
       out.append(tid)
       if on_token:
         on_token(tid)

@@ -196,12 +196,22 @@ class Attention(nn.Module):
   @nn.compact
   def __call__(self, x_BxTxD, positions_BxT, cache, end_index):
     c = self.cfg
-    q, k, v = project_qkv(c, x_BxTxD, self.dtype)
     cos, sin = rope_cos_sin(positions_BxT, c.head_dim, c.rope_theta)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    o, cache = cached_attention(q, k, v, positions_BxT, cache, end_index)
-    return Linear(c.hidden_size, use_bias=c.attention_bias, dtype=self.dtype,
-                  name="o_proj")(o), cache
+    return rope_attention(c, x_BxTxD, positions_BxT, cache, end_index, self.dtype,
+                          lambda a: apply_rope(a, cos, sin), o_bias=c.attention_bias)
+
+
+def rope_attention(c, x_BxTxD, positions_BxT, cache, end_index, dtype, rope, o_bias: bool,
+                   **attend):
+  """The GQA attention block of every family: q/k/v (`project_qkv`), `rope` applied to
+  q and k, `cached_attention` (`attend`: its window, sinks_H), then ``o_proj`` (with a
+  bias when `o_bias`) -> (out, new cache).
+
+  Call it inside an ``@nn.compact`` method: the submodules belong to the caller.
+  """
+  q, k, v = project_qkv(c, x_BxTxD, dtype)
+  o, cache = cached_attention(rope(q), rope(k), v, positions_BxT, cache, end_index, **attend)
+  return Linear(c.hidden_size, use_bias=o_bias, dtype=dtype, name="o_proj")(o), cache
 
 
 class Router(nn.Module):

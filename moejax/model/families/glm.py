@@ -37,8 +37,7 @@ import jax.numpy as jnp
 from moejax.model.families.base import Family
 from moejax.model.families.configs.glm import MLA_TYPES, MODEL_TYPES
 from moejax.model.layers import (Linear, RMSNorm, SwiGLU, apply_rope, cache_positions,
-                                 cached_attention, gqa_attention, project_qkv, rope_cos_sin,
-                                 write_cache)
+                                 gqa_attention, rope_attention, rope_cos_sin, write_cache)
 
 
 def rotary_dim(cfg: Any) -> int:
@@ -118,13 +117,11 @@ class Glm4MoeAttention(nn.Module):
   @nn.compact
   def __call__(self, x_BxTxD, positions_BxT, cache, end_index):
     c = self.cfg
-    q, k, v = project_qkv(c, x_BxTxD, self.dtype)
     rd = rotary_dim(c)
     cos, sin = rope_cos_sin(positions_BxT, rd, c.rope_theta)
-    q = jnp.concatenate([apply_rope(q[..., :rd], cos, sin), q[..., rd:]], axis=-1)
-    k = jnp.concatenate([apply_rope(k[..., :rd], cos, sin), k[..., rd:]], axis=-1)
-    o, cache = cached_attention(q, k, v, positions_BxT, cache, end_index)
-    return Linear(c.hidden_size, dtype=self.dtype, name="o_proj")(o), cache
+    rope = lambda a: jnp.concatenate([apply_rope(a[..., :rd], cos, sin), a[..., rd:]], axis=-1)
+    return rope_attention(c, x_BxTxD, positions_BxT, cache, end_index, self.dtype, rope,
+                          o_bias=False)
 
 
 def _mla_rope(c: Any, positions_BxT):

@@ -189,16 +189,29 @@ def apply_rope(x_BxTxHxK: jax.Array, cos_BxTxK: jax.Array, sin_BxTxK: jax.Array)
 
 
 class Attention(nn.Module):
-  """GQA with RoPE over the whole head (qk norm / clipping per the config); {"k", "v"} cache."""
+  """GQA with RoPE on the first ``partial_rotary_factor * head_dim`` dims (the whole head
+  unless the config says less: glm4_moe's half), qk norm / clipping per the config; an
+  o_proj bias per ``o_bias`` (None: ``c.attention_bias``); {"k", "v"} cache."""
   cfg: Any
   dtype: Any = jnp.float32
+  o_bias: bool | None = None
 
   @nn.compact
   def __call__(self, x_BxTxD, positions_BxT, cache, end_index):
     c = self.cfg
-    cos, sin = rope_cos_sin(positions_BxT, c.head_dim, c.rope_theta)
+    rd = int(c.head_dim * c.partial_rotary_factor)
+    cos, sin = rope_cos_sin(positions_BxT, rd, c.rope_theta)
     return rope_attention(c, x_BxTxD, positions_BxT, cache, end_index, self.dtype,
-                          lambda a: apply_rope(a, cos, sin), o_bias=c.attention_bias)
+                          lambda a: partial_rope(a, cos, sin, rd),
+                          o_bias=c.attention_bias if self.o_bias is None else self.o_bias)
+
+
+def partial_rope(x_BxTxHxK: jax.Array, cos_BxTxR, sin_BxTxR, rd: int) -> jax.Array:
+  """`apply_rope` on the first `rd` dims of each head; the rest pass through."""
+  if rd == x_BxTxHxK.shape[-1]:
+    return apply_rope(x_BxTxHxK, cos_BxTxR, sin_BxTxR)
+  return jnp.concatenate([apply_rope(x_BxTxHxK[..., :rd], cos_BxTxR, sin_BxTxR),
+                          x_BxTxHxK[..., rd:]], axis=-1)
 
 
 def rope_attention(c, x_BxTxD, positions_BxT, cache, end_index, dtype, rope, o_bias: bool,

@@ -5,7 +5,7 @@ What these families share:
     (the rule itself lives in ``moejax.model.routing``, kind ``"sigmoid_group"``);
   * ungated shared experts added to the routed output;
   * the first layers dense (``first_k_dense_replace``, or ``mlp_layer_types``).
-glm4_moe uses grouped-query attention with partial rotary embeddings
+glm4_moe uses grouped-query attention (`layers.Attention`) with partial rotary embeddings
 (``rotate_half`` on the first ``partial_rotary_factor * head_dim`` dims) and
 biases on q/k/v only; glm4_moe_lite and deepseek_v3 use multi-head latent
 attention (MLA), whose KV cache holds the compressed latent (kv_lora_rank) and
@@ -36,12 +36,8 @@ import jax.numpy as jnp
 
 from moejax.model.families.base import Family
 from moejax.model.families.configs.glm import MLA_TYPES, MODEL_TYPES
-from moejax.model.layers import (Linear, RMSNorm, SwiGLU, apply_rope, cache_positions,
-                                 gqa_attention, rope_attention, rope_cos_sin, write_cache)
-
-
-def rotary_dim(cfg: Any) -> int:
-  return int(cfg.head_dim * cfg.partial_rotary_factor)
+from moejax.model.layers import (Attention, Linear, RMSNorm, SwiGLU, apply_rope,
+                                 cache_positions, gqa_attention, rope_cos_sin, write_cache)
 
 
 # ------------------------------------------------------------------ router rule
@@ -109,21 +105,6 @@ def init_cache(cfg: Any, batch: int, max_len: int, dtype=jnp.float32) -> list:
 
 
 # ------------------------------------------------------------------ attention
-class Glm4MoeAttention(nn.Module):
-  """GQA with partial RoPE (rotate_half on the first rotary_dim dims), q/k/v biases, no o bias."""
-  cfg: Any
-  dtype: Any = jnp.float32
-
-  @nn.compact
-  def __call__(self, x_BxTxD, positions_BxT, cache, end_index):
-    c = self.cfg
-    rd = rotary_dim(c)
-    cos, sin = rope_cos_sin(positions_BxT, rd, c.rope_theta)
-    rope = lambda a: jnp.concatenate([apply_rope(a[..., :rd], cos, sin), a[..., rd:]], axis=-1)
-    return rope_attention(c, x_BxTxD, positions_BxT, cache, end_index, self.dtype, rope,
-                          o_bias=False)
-
-
 def _mla_rope(c: Any, positions_BxT):
   """cos/sin [B,T,qk_rope_head_dim] and the softmax scale of MLA (default RoPE or YaRN).
 
@@ -248,7 +229,7 @@ def attention(cfg: Any, dtype):
   """The attention module of a layer of this family (named ``self_attn`` by the caller)."""
   if cfg.model_type in MLA_TYPES:
     return MLAttention(cfg, dtype)
-  return Glm4MoeAttention(cfg, dtype)
+  return Attention(cfg, dtype, o_bias=False)   # q/k/v biases only; partial RoPE
 
 
 # ------------------------------------------------------------------ MoE block

@@ -109,6 +109,16 @@ def cache_positions(keys_BxSx_, batch: int):
   return jnp.broadcast_to(jnp.arange(keys_BxSx_.shape[1]), (batch, keys_BxSx_.shape[1]))
 
 
+def read_cache(cache, new: dict, positions_BxT, end_index):
+  """What attention reads: without a cache, the new keys (and values) `new` {name: [B, T,
+  ...]} at their positions; else each written into the cache's array of that name at
+  end_index -> (arrays by name, their positions [B, S], the new cache or None)."""
+  if cache is None:
+    return new, positions_BxT, None
+  cache = {n: write_cache(cache[n], a, end_index) for n, a in new.items()}
+  return cache, cache_positions(next(iter(cache.values())), positions_BxT.shape[0]), cache
+
+
 def gqa_attention(q_BxTxHxK, k_BxSxGxK, v_BxSxGxV, q_pos_BxT, k_pos_BxS, scale: float,
                   window: int | None = None, sinks_H=None):
   """Causal softmax attention, f32 scores, query heads grouped over key heads.
@@ -143,13 +153,10 @@ def cached_attention(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, positions_BxT, cache, end_
   query's position are masked.
   """
   scale = q_BxTxHxK.shape[-1] ** -0.5 if scale is None else scale
-  if cache is None:
-    keys, values, k_pos = k_BxTxGxK, v_BxTxGxK, positions_BxT
-  else:
-    keys = write_cache(cache["k"], k_BxTxGxK, end_index)
-    values = write_cache(cache["v"], v_BxTxGxK, end_index)
-    cache = {"k": keys, "v": values}
-    k_pos = cache_positions(keys, positions_BxT.shape[0])
+  kv, k_pos, cache = read_cache(cache, {"k": k_BxTxGxK, "v": v_BxTxGxK}, positions_BxT,
+                                end_index)
+  keys, values = kv["k"], kv["v"]
+  if cache is not None:
     if cpu_attention.supports(q_BxTxHxK, keys, values):   # decode on CPU: the kernel
       o = cpu_attention.decode_attention(
           q_BxTxHxK, keys, values, positions_BxT, scale, window, sinks_H,

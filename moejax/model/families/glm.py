@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from moejax.model.families.base import Family
 from moejax.model.families.configs.glm import MLA_TYPES, MODEL_TYPES
 from moejax.model.layers import (Attention, Linear, RMSNorm, SwiGLU, apply_rope,
-                                 cache_positions, gqa_attention, rope_cos_sin, write_cache)
+                                 gqa_attention, read_cache, rope_cos_sin)
 
 
 # ------------------------------------------------------------------ router rule
@@ -168,13 +168,8 @@ class MLAttention(nn.Module):
     cos, sin, scale = _mla_rope(c, positions_BxT)
     rope = _rope_interleaved if fc.rope_interleave else apply_rope
     q_rot, k_rot = rope(q_rot, cos, sin), rope(k_rot, cos, sin)[:, :, 0]
-    if cache is None:
-      kv_all, krot_all, k_pos = kv, k_rot, positions_BxT
-    else:
-      kv_all = write_cache(cache["kv"], kv, end_index)
-      krot_all = write_cache(cache["k_rot"], k_rot, end_index)
-      cache = {"kv": kv_all, "k_rot": krot_all}
-      k_pos = cache_positions(kv_all, positions_BxT.shape[0])
+    lat, k_pos, cache = read_cache(cache, {"kv": kv, "k_rot": k_rot}, positions_BxT, end_index)
+    kv_all, krot_all = lat["kv"], lat["k_rot"]
     s = kv_all.shape[1]
     w_kvb = _Weight(h * (dn + dv), r, self.dtype, name="kv_b_proj")()    # [H*(dn+dv), R]
     if 2 * t < dn + dv:   # decode: absorb kv_b into q and o (never expands the cache)

@@ -12,7 +12,7 @@ import pytest
 
 from moejax.io.loader import init_random
 from moejax.io.store import ExpertStore
-from moejax.kernels import cpu_kernel, cpu_rows
+from moejax.kernels import cpu_build, cpu_kernel, cpu_rows
 from moejax.model import experts as experts_lib
 from moejax.model import sampler as sampler_lib
 from moejax.model.config import ModelConfig
@@ -39,16 +39,16 @@ def fresh(monkeypatch):
 
 
 def test_the_driver_output_gives_the_target_isa():
-  assert cpu_kernel.isa_of_driver_output(GCC) == (
+  assert cpu_build.isa_of_driver_output(GCC) == (
       "-march=znver3 -mmmx -mavx2 -mno-avx512er -mtune=znver3")
-  assert cpu_kernel.isa_of_driver_output(CLANG) == (
+  assert cpu_build.isa_of_driver_output(CLANG) == (
       "-target-cpu skylake -target-feature +avx2 -target-feature -avx512f -tune-cpu generic")
-  assert cpu_kernel.isa_of_driver_output("COLLECT_GCC_OPTIONS='-march=native'\n") == ""
+  assert cpu_build.isa_of_driver_output("COLLECT_GCC_OPTIONS='-march=native'\n") == ""
 
 
 def test_the_cache_path_is_keyed_by_the_isa(monkeypatch, tmp_path):
   monkeypatch.setenv("MOEJAX_CACHE", str(tmp_path))
-  path = lambda src, isa: cpu_kernel.cache_path(src, ["c++"], "c++ 12.2", isa)
+  path = lambda src, isa: cpu_build.cache_path(src, ["c++"], "c++ 12.2", isa)
   a = path(b"src", "-march=znver3 -mavx512f")
   assert a == path(b"src", "-march=znver3 -mavx512f")
   assert a != path(b"src", "-march=haswell -mno-avx512f")
@@ -58,9 +58,9 @@ def test_the_cache_path_is_keyed_by_the_isa(monkeypatch, tmp_path):
 
 @needs_kernel
 def test_the_isa_of_this_machine_is_stable():
-  cxx = cpu_kernel._compiler()
-  isa = cpu_kernel.target_isa(cxx)
-  assert isa and isa == cpu_kernel.target_isa(cxx) and "native" not in isa
+  cxx = cpu_build._compiler()
+  isa = cpu_build.target_isa(cxx)
+  assert isa and isa == cpu_build.target_isa(cxx) and "native" not in isa
 
 
 def _embed_jaxpr():
@@ -71,7 +71,7 @@ def _embed_jaxpr():
 
 def test_other_backends_never_build_and_embed_the_same_way(fresh, monkeypatch):
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-  monkeypatch.setattr(cpu_kernel, "build", lambda: pytest.fail("built on a GPU host"))
+  monkeypatch.setattr(cpu_build, "build", lambda: pytest.fail("built on a GPU host"))
   assert not cpu_kernel.available() and not cpu_kernel.set_spin_us(0)
   assert cpu_kernel._state["loaded"] is None and cpu_kernel._state["lib"] is None
   with_compiler = _embed_jaxpr()
@@ -86,7 +86,7 @@ def test_the_cpu_backend_embeds_with_the_kernel():
 
 
 def test_the_switch_turns_the_kernels_off(fresh, monkeypatch):
-  monkeypatch.setattr(cpu_kernel, "build", lambda: pytest.fail("built while switched off"))
+  monkeypatch.setattr(cpu_build, "build", lambda: pytest.fail("built while switched off"))
   for value in ("0", "off", "False", " no "):
     monkeypatch.setenv("MOEJAX_CPU_KERNEL", value)
     assert not cpu_kernel.available()

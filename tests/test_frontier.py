@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from moejax.research import autotune as A
+from moejax.research import quality_fit
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUDGET = 5.0
@@ -115,7 +116,7 @@ def test_grid_sweeps_the_cost_rule_with_each_low_precision():
 
 
 def test_isotonic_fit_is_monotone_through_the_origin():
-  fit = A.fit_quality([0.01, 0.02, 0.03, 0.0], [0.6, 0.4, 2.0, 0.3])
+  fit = quality_fit.fit_quality([0.01, 0.02, 0.03, 0.0], [0.6, 0.4, 2.0, 0.3])
   assert fit.mass[0] == 0 and fit.dppl[0] == pytest.approx(0, abs=1e-3)
   assert np.all(np.diff(fit.dppl) >= 0)
   np.testing.assert_allclose(fit.dppl[1:3], [0.5, 0.5])        # the violators pooled

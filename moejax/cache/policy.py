@@ -90,18 +90,14 @@ class DecideParams:
   cost: cost_lib.CostModel | None = None  # cost: None = cost.default_model(low_bits)
 
   def __post_init__(self):
-    if self.miss not in MISS_RULES:
+    if self.miss not in MISS_RULES:     # (PRESETS: defined below, read only on an error)
       raise PolicyError(f"miss: unknown miss rule {self.miss!r}; choose one of "
                         f"{', '.join(MISS_RULES + tuple(PRESETS))}")
-    if not 0.0 < self.tau <= 1.0:
-      raise PolicyError(f"tau must be in (0, 1], got {self.tau}")
-    if self.substitution not in SUBSTITUTIONS:
-      raise PolicyError(f"substitution: unknown variant {self.substitution!r}; choose one "
-                        f"of {', '.join(SUBSTITUTIONS)}")
+    _check_share("tau", self.tau)
+    _check_choice("substitution", "variant", self.substitution, SUBSTITUTIONS)
     if self.admission_beta is not None and not self.admission_beta > 0:
       raise PolicyError(f"admission_beta must be > 0, got {self.admission_beta}")
-    if not 0.0 < self.tau_low <= 1.0:
-      raise PolicyError(f"tau_low must be in (0, 1], got {self.tau_low}")
+    _check_share("tau_low", self.tau_low)
     if self.low_bits not in (8, 4):
       raise PolicyError(f"low_bits must be 8 or 4, got {self.low_bits}")
     if not self.lam >= 0:
@@ -131,11 +127,20 @@ class CacheParams:
   lfu_decay: float = 0.98
 
   def __post_init__(self):
-    if self.eviction not in EVICTIONS:
-      raise PolicyError(f"eviction: unknown policy {self.eviction!r}; choose one of "
-                        f"{', '.join(EVICTIONS)}")
-    if not 0.0 < self.lfu_decay <= 1.0:
-      raise PolicyError(f"lfu_decay must be in (0, 1], got {self.lfu_decay}")
+    _check_choice("eviction", "policy", self.eviction, EVICTIONS)
+    _check_share("lfu_decay", self.lfu_decay)
+
+
+def _check_choice(field: str, what: str, value, choices):
+  """PolicyError (naming `field` first: `make_policy` maps it to its flag) unless `value`
+  is one of `choices`."""
+  if value not in choices:
+    raise PolicyError(f"{field}: unknown {what} {value!r}; choose one of {', '.join(choices)}")
+
+
+def _check_share(field: str, value: float):
+  if not 0.0 < value <= 1.0:
+    raise PolicyError(f"{field} must be in (0, 1], got {value}")
 
 
 @dataclasses.dataclass(frozen=True)

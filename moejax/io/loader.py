@@ -23,11 +23,9 @@ import numpy as np
 from moejax.model import families
 from moejax.model.config import ModelConfig
 from moejax.model.model import Transformer
+from moejax.io import expert_layout
 from moejax.io.safetensors_io import CheckpointError, SafetensorsFile, save_file
 from moejax.io.store import ExpertStore, LayerExperts
-
-_FLOAT_SRC = ("F32", "F16", "BF16", "F64")
-
 
 def checkpoint_dtype(model_dir: str | None) -> str | None:
   """The dtype config.json says the weights are stored in (torch_dtype / dtype), if any."""
@@ -167,18 +165,6 @@ class _Index:
     return self.files[self.where[name]].header[name]["dtype"]
 
 
-def _check(idx: _Index, name: str, arr: np.ndarray, shape, check_finite: bool):
-  where = idx.where[name]
-  if idx.dtype(name) not in _FLOAT_SRC:
-    raise CheckpointError(f"{where}: tensor '{name}' has unsupported dtype {idx.dtype(name)} "
-                          f"(expected one of {', '.join(_FLOAT_SRC)})")
-  if tuple(arr.shape) != tuple(shape):
-    raise CheckpointError(f"{where}: tensor '{name}' has shape {tuple(arr.shape)}, "
-                          f"expected {tuple(shape)}")
-  if check_finite and not np.isfinite(arr.astype(np.float32) if arr.dtype != np.float32 else arr).all():
-    raise CheckpointError(f"{where}: tensor '{name}' contains NaN or Inf")
-
-
 def load_model(model_dir: str, dtype=jnp.float32, mmap: bool = False, check_finite: bool = True,
                dequantize_mxfp4: bool = False, progress: bool | None = None):
   """Returns (cfg, params on device, ExpertStore on host).
@@ -249,7 +235,7 @@ def _load(cfg, family, idx: _Index, model_dir, dtype, mmap, check_finite, dequan
   leaves = {}
   for p, name in dense.items():
     a = idx.get(name)
-    _check(idx, name, a, flat_expected[p], check_finite)
+    expert_layout.check(idx, name, a, flat_expected[p], check_finite)
     # a module may keep a parameter in f32 whatever `dtype` (e.g. sigmoid routers, like HF)
     leaves[p] = jnp.asarray(np.asarray(a).astype(leaf_dtypes.get(p, np_dtype)))
   params: dict[str, Any] = {}
@@ -263,116 +249,15 @@ def _load(cfg, family, idx: _Index, model_dir, dtype, mmap, check_finite, dequan
   if family.load_layer_experts is not None:    # the family's own tensor layout
     layers = {layer: LayerExperts(cfg.num_experts, stacked=family.load_layer_experts(
         idx, fused.get(layer, {}), cfg, layer, np_dtype, dequantize_mxfp4=dequantize_mxfp4,
-        mmap=mmap, check_finite=check_finite, check=_check, error=CheckpointError,
+        mmap=mmap, check_finite=check_finite, check=expert_layout.check, error=CheckpointError,
         model_dir=model_dir)) for layer in cfg.moe_layers}
   elif mmap:
-    layers = _mapped_experts(cfg, idx, model_dir, fused, per_expert, np_dtype, check_finite,
-                             progress)
+    layers = expert_layout.mapped_experts(cfg, idx, model_dir, fused, per_expert, np_dtype,
+                                          check_finite, progress)
   else:
-    layers = _ram_experts(cfg, idx, model_dir, fused, per_expert, np_dtype, check_finite)
+    layers = expert_layout.ram_experts(cfg, idx, model_dir, fused, per_expert, np_dtype,
+                                       check_finite)
   return cfg, params, ExpertStore(layers, cfg.num_layers, backend="mmap" if mmap else "numpy")
-
-
-def _ram_experts(cfg, idx: _Index, model_dir, fused, per_expert, np_dtype,
-                 check_finite) -> dict:
-  """{MoE layer: LayerExperts of stacked numpy arrays in `np_dtype`} read into RAM (each
-  tensor checked for NaN/Inf as it is read)."""
-  E, i_ = cfg.num_experts, cfg.moe_intermediate_size
-  read = lambda name: _finite(idx, name, idx.get(name), "", check_finite)   # a mapped view
-  layers = {}
-  for layer, (how, names) in _expert_names(cfg, idx, model_dir, fused, per_expert).items():
-    if how == "fused":                      # one copy into RAM, converted on the way
-      st = {k: np.array(read(n), dtype=np_dtype) for k, n in names.items()}
-    else:
-      st = {"gate_up": np.empty((E, 2 * i_, cfg.hidden_size), np_dtype),
-            "down": np.empty((E, cfg.hidden_size, i_), np_dtype)}
-      for e in range(E):
-        st["gate_up"][e, :i_] = read(names[e]["gate_proj"])
-        st["gate_up"][e, i_:] = read(names[e]["up_proj"])
-        st["down"][e] = read(names[e]["down_proj"])
-    layers[layer] = LayerExperts(E, stacked=st)
-  return layers
-
-
-def _expert_names(cfg, idx: _Index, model_dir, fused, per_expert) -> dict:
-  """{MoE layer: ("fused", {kind: name}) | ("per_expert", {e: {w: name}})}, every name
-  present and every shape checked from the headers alone (nothing is read)."""
-  d_, i_ = cfg.hidden_size, cfg.moe_intermediate_size
-  out = {}
-  for layer in cfg.moe_layers:
-    if layer in fused:
-      names = fused[layer]
-      for need, shape in (("gate_up_proj", (cfg.num_experts, 2 * i_, d_)),
-                          ("down_proj", (cfg.num_experts, d_, i_))):
-        if need not in names:
-          raise CheckpointError(f"{model_dir}: missing tensor "
-                                f"'model.layers.{layer}.mlp.experts.{need}'")
-        _check(idx, names[need], idx.files[idx.where[names[need]]].get(names[need]), shape,
-               False)
-      out[layer] = ("fused", {"gate_up": names["gate_up_proj"], "down": names["down_proj"]})
-      continue
-    per = per_expert.get(layer, {})
-    for e in range(cfg.num_experts):
-      for w in ("gate_proj", "up_proj", "down_proj"):
-        if w not in per.get(e, {}):
-          raise CheckpointError(f"{model_dir}: missing tensor "
-                                f"'model.layers.{layer}.mlp.experts.{e}.{w}.weight'")
-        shape = (d_, i_) if w == "down_proj" else (i_, d_)
-        _check(idx, per[e][w], idx.files[idx.where[per[e][w]]].get(per[e][w]), shape, False)
-    out[layer] = ("per_expert", per)
-  return out
-
-
-def _mapped_experts(cfg, idx: _Index, model_dir, fused, per_expert, np_dtype, check_finite,
-                    progress) -> dict:
-  """The disk tier: {MoE layer: LayerExperts of read-only memmaps [E, ...]} that jax can
-  wrap without a copy (`repack`).  A fused checkpoint already in `np_dtype` and aligned
-  is mapped as it is (its experts checked for NaN/Inf on the first load only:
-  `repack.checked_stamp`); any other is repacked once into a stacked file (its experts
-  checked as they are written; a reused file was checked when written)."""
-  from moejax.io import repack
-  src = _expert_names(cfg, idx, model_dir, fused, per_expert)
-  E = cfg.num_experts
-  kinds = {"gate_up": (2 * cfg.moe_intermediate_size, cfg.hidden_size),
-           "down": (cfg.hidden_size, cfg.moe_intermediate_size)}
-  if all(how == "fused" for how, _ in src.values()):
-    direct = {l: {k: idx.files[idx.where[n]].get(n) for k, n in names.items()}
-              for l, (_, names) in src.items()}
-    if all(a.dtype == np_dtype and repack.aligned(a) for d in direct.values()
-           for a in d.values()):
-      stamp = repack.checked_stamp(model_dir, np_dtype)
-      if check_finite and not os.path.exists(stamp):    # once per checkpoint: a full read
-        for l, (_, names) in src.items():
-          for k, n in names.items():
-            for e in range(E):
-              _finite(idx, n, direct[l][k][e], f" (expert {e})")
-        os.makedirs(os.path.dirname(stamp), exist_ok=True)
-        open(stamp, "w").close()
-      return {l: LayerExperts(E, stacked=d) for l, d in direct.items()}
-
-  def chunks(layer, kind):
-    how, names = src[layer]
-    if how == "fused":
-      a = idx.get(names[kind])
-      for e in range(E):
-        yield _finite(idx, names[kind], a[e], f" (expert {e})", check_finite, np_dtype)
-      return
-    for e in range(E):
-      for w in (("gate_proj", "up_proj") if kind == "gate_up" else ("down_proj",)):
-        yield _finite(idx, names[e][w], idx.get(names[e][w]), "", check_finite, np_dtype)
-
-  path, _ = repack.stacked_file(model_dir, cfg.moe_layers, E, kinds, np_dtype, chunks,
-                                progress)
-  maps = repack.open_stacked(path, cfg.moe_layers, kinds)
-  return {l: LayerExperts(E, stacked=m) for l, m in maps.items()}
-
-
-def _finite(idx: _Index, name: str, a: np.ndarray, what: str = "", check: bool = True,
-            dtype=None) -> np.ndarray:
-  """`a` (as `dtype`), after checking it holds no NaN or Inf when `check`."""
-  if check and not np.isfinite(a.astype(np.float32) if a.dtype != np.float32 else a).all():
-    raise CheckpointError(f"{idx.where[name]}: tensor '{name}'{what} contains NaN or Inf")
-  return a if dtype is None else a.astype(dtype, copy=False)
 
 
 def save_hf(cfg: ModelConfig, params, experts: list, out_dir: str, dtype=np.float32,

@@ -109,6 +109,16 @@ def cache_positions(keys_BxSx_, batch: int):
   return jnp.broadcast_to(jnp.arange(keys_BxSx_.shape[1]), (batch, keys_BxSx_.shape[1]))
 
 
+def read_cache(cache, new: dict, positions_BxT, end_index):
+  """What attention reads: without a cache, the new keys (and values) `new` {name: [B, T,
+  ...]} at their positions; else each written into the cache's array of that name at
+  end_index -> (arrays by name, their positions [B, S], the new cache or None)."""
+  if cache is None:
+    return new, positions_BxT, None
+  cache = {n: write_cache(cache[n], a, end_index) for n, a in new.items()}
+  return cache, cache_positions(next(iter(cache.values())), positions_BxT.shape[0]), cache
+
+
 def gqa_attention(q_BxTxHxK, k_BxSxGxK, v_BxSxGxV, q_pos_BxT, k_pos_BxS, scale: float,
                   window: int | None = None, sinks_H=None):
   """Causal softmax attention, f32 scores, query heads grouped over key heads.
@@ -143,13 +153,10 @@ def cached_attention(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, positions_BxT, cache, end_
   query's position are masked.
   """
   scale = q_BxTxHxK.shape[-1] ** -0.5 if scale is None else scale
-  if cache is None:
-    keys, values, k_pos = k_BxTxGxK, v_BxTxGxK, positions_BxT
-  else:
-    keys = write_cache(cache["k"], k_BxTxGxK, end_index)
-    values = write_cache(cache["v"], v_BxTxGxK, end_index)
-    cache = {"k": keys, "v": values}
-    k_pos = cache_positions(keys, positions_BxT.shape[0])
+  kv, k_pos, cache = read_cache(cache, {"k": k_BxTxGxK, "v": v_BxTxGxK}, positions_BxT,
+                                end_index)
+  keys, values = kv["k"], kv["v"]
+  if cache is not None:
     if cpu_attention.supports(q_BxTxHxK, keys, values):   # decode on CPU: the kernel
       o = cpu_attention.decode_attention(
           q_BxTxHxK, keys, values, positions_BxT, scale, window, sinks_H,
@@ -189,19 +196,42 @@ def apply_rope(x_BxTxHxK: jax.Array, cos_BxTxK: jax.Array, sin_BxTxK: jax.Array)
 
 
 class Attention(nn.Module):
-  """GQA with RoPE over the whole head (qk norm / clipping per the config); {"k", "v"} cache."""
+  """GQA with RoPE on the first ``partial_rotary_factor * head_dim`` dims (the whole head
+  unless the config says less: glm4_moe's half), qk norm / clipping per the config; an
+  o_proj bias per ``o_bias`` (None: ``c.attention_bias``); {"k", "v"} cache."""
   cfg: Any
   dtype: Any = jnp.float32
+  o_bias: bool | None = None
 
   @nn.compact
   def __call__(self, x_BxTxD, positions_BxT, cache, end_index):
     c = self.cfg
-    q, k, v = project_qkv(c, x_BxTxD, self.dtype)
-    cos, sin = rope_cos_sin(positions_BxT, c.head_dim, c.rope_theta)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    o, cache = cached_attention(q, k, v, positions_BxT, cache, end_index)
-    return Linear(c.hidden_size, use_bias=c.attention_bias, dtype=self.dtype,
-                  name="o_proj")(o), cache
+    rd = int(c.head_dim * c.partial_rotary_factor)
+    cos, sin = rope_cos_sin(positions_BxT, rd, c.rope_theta)
+    return rope_attention(c, x_BxTxD, positions_BxT, cache, end_index, self.dtype,
+                          lambda a: partial_rope(a, cos, sin, rd),
+                          o_bias=c.attention_bias if self.o_bias is None else self.o_bias)
+
+
+def partial_rope(x_BxTxHxK: jax.Array, cos_BxTxR, sin_BxTxR, rd: int) -> jax.Array:
+  """`apply_rope` on the first `rd` dims of each head; the rest pass through."""
+  if rd == x_BxTxHxK.shape[-1]:
+    return apply_rope(x_BxTxHxK, cos_BxTxR, sin_BxTxR)
+  return jnp.concatenate([apply_rope(x_BxTxHxK[..., :rd], cos_BxTxR, sin_BxTxR),
+                          x_BxTxHxK[..., rd:]], axis=-1)
+
+
+def rope_attention(c, x_BxTxD, positions_BxT, cache, end_index, dtype, rope, o_bias: bool,
+                   **attend):
+  """The GQA attention block of every family: q/k/v (`project_qkv`), `rope` applied to
+  q and k, `cached_attention` (`attend`: its window, sinks_H), then ``o_proj`` (with a
+  bias when `o_bias`) -> (out, new cache).
+
+  Call it inside an ``@nn.compact`` method: the submodules belong to the caller.
+  """
+  q, k, v = project_qkv(c, x_BxTxD, dtype)
+  o, cache = cached_attention(rope(q), rope(k), v, positions_BxT, cache, end_index, **attend)
+  return Linear(c.hidden_size, use_bias=o_bias, dtype=dtype, name="o_proj")(o), cache
 
 
 class Router(nn.Module):

@@ -32,6 +32,7 @@ from moejax.cache import policy as policy_lib
 from moejax.io import traces
 from moejax.offload import hardware
 from moejax.research import autotune as A
+from moejax.research import quality_fit
 from moejax.research.study import metrics as M
 from moejax.research.study import runner as R
 from moejax.research.study import streams as S
@@ -189,8 +190,8 @@ def build(cfg, params, store, tok, c: Config, out_dir: str, log=print,
   for b in budgets:
     # finer sweeps of the knob around the choice the anchors' fit predicts (two rounds)
     for _ in range(2):
-      fit0 = A.fit_quality([pts[i].mass for i in cal_m],
-                           [m["ppl_increase_pct"] for m in cal_m.values()])
+      fit0 = quality_fit.fit_quality([pts[i].mass for i in cal_m],
+                                       [m["ppl_increase_pct"] for m in cal_m.values()])
       pred0 = fit0.predict([p.mass for p in pts])
       prof = b.profile or SPEEDUP_PROFILE
       cand = [p.policy.miss != "fetch_all" for p in pts]
@@ -214,7 +215,8 @@ def build(cfg, params, store, tok, c: Config, out_dir: str, log=print,
     log(f"[frontier] auto for {b.describe()}: {A.label(pts[ch.index].policy)}, measured "
         f"{ch.measured_pct:+.2f}% ({ch.reason})")
 
-  fit = A.fit_quality([pts[i].mass for i in cal_m], [m["ppl_increase_pct"] for m in cal_m.values()])
+  fit = quality_fit.fit_quality([pts[i].mass for i in cal_m],
+                               [m["ppl_increase_pct"] for m in cal_m.values()])
   pred = fit.predict([p.mass for p in pts])
   auto_idx = {ch.index for _, ch in autos}
   points = []

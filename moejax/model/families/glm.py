@@ -5,7 +5,7 @@ What these families share:
     (the rule itself lives in ``moejax.model.routing``, kind ``"sigmoid_group"``);
   * ungated shared experts added to the routed output;
   * the first layers dense (``first_k_dense_replace``, or ``mlp_layer_types``).
-glm4_moe uses grouped-query attention with partial rotary embeddings
+glm4_moe uses grouped-query attention (`layers.Attention`) with partial rotary embeddings
 (``rotate_half`` on the first ``partial_rotary_factor * head_dim`` dims) and
 biases on q/k/v only; glm4_moe_lite and deepseek_v3 use multi-head latent
 attention (MLA), whose KV cache holds the compressed latent (kv_lora_rank) and
@@ -36,13 +36,8 @@ import jax.numpy as jnp
 
 from moejax.model.families.base import Family
 from moejax.model.families.configs.glm import MLA_TYPES, MODEL_TYPES
-from moejax.model.layers import (Linear, RMSNorm, SwiGLU, apply_rope, cache_positions,
-                                 cached_attention, gqa_attention, project_qkv, rope_cos_sin,
-                                 write_cache)
-
-
-def rotary_dim(cfg: Any) -> int:
-  return int(cfg.head_dim * cfg.partial_rotary_factor)
+from moejax.model.layers import (Attention, Linear, RMSNorm, SwiGLU, apply_rope,
+                                 gqa_attention, read_cache, rope_cos_sin)
 
 
 # ------------------------------------------------------------------ router rule
@@ -110,23 +105,6 @@ def init_cache(cfg: Any, batch: int, max_len: int, dtype=jnp.float32) -> list:
 
 
 # ------------------------------------------------------------------ attention
-class Glm4MoeAttention(nn.Module):
-  """GQA with partial RoPE (rotate_half on the first rotary_dim dims), q/k/v biases, no o bias."""
-  cfg: Any
-  dtype: Any = jnp.float32
-
-  @nn.compact
-  def __call__(self, x_BxTxD, positions_BxT, cache, end_index):
-    c = self.cfg
-    q, k, v = project_qkv(c, x_BxTxD, self.dtype)
-    rd = rotary_dim(c)
-    cos, sin = rope_cos_sin(positions_BxT, rd, c.rope_theta)
-    q = jnp.concatenate([apply_rope(q[..., :rd], cos, sin), q[..., rd:]], axis=-1)
-    k = jnp.concatenate([apply_rope(k[..., :rd], cos, sin), k[..., rd:]], axis=-1)
-    o, cache = cached_attention(q, k, v, positions_BxT, cache, end_index)
-    return Linear(c.hidden_size, dtype=self.dtype, name="o_proj")(o), cache
-
-
 def _mla_rope(c: Any, positions_BxT):
   """cos/sin [B,T,qk_rope_head_dim] and the softmax scale of MLA (default RoPE or YaRN).
 
@@ -190,13 +168,8 @@ class MLAttention(nn.Module):
     cos, sin, scale = _mla_rope(c, positions_BxT)
     rope = _rope_interleaved if fc.rope_interleave else apply_rope
     q_rot, k_rot = rope(q_rot, cos, sin), rope(k_rot, cos, sin)[:, :, 0]
-    if cache is None:
-      kv_all, krot_all, k_pos = kv, k_rot, positions_BxT
-    else:
-      kv_all = write_cache(cache["kv"], kv, end_index)
-      krot_all = write_cache(cache["k_rot"], k_rot, end_index)
-      cache = {"kv": kv_all, "k_rot": krot_all}
-      k_pos = cache_positions(kv_all, positions_BxT.shape[0])
+    lat, k_pos, cache = read_cache(cache, {"kv": kv, "k_rot": k_rot}, positions_BxT, end_index)
+    kv_all, krot_all = lat["kv"], lat["k_rot"]
     s = kv_all.shape[1]
     w_kvb = _Weight(h * (dn + dv), r, self.dtype, name="kv_b_proj")()    # [H*(dn+dv), R]
     if 2 * t < dn + dv:   # decode: absorb kv_b into q and o (never expands the cache)
@@ -251,7 +224,7 @@ def attention(cfg: Any, dtype):
   """The attention module of a layer of this family (named ``self_attn`` by the caller)."""
   if cfg.model_type in MLA_TYPES:
     return MLAttention(cfg, dtype)
-  return Glm4MoeAttention(cfg, dtype)
+  return Attention(cfg, dtype, o_bias=False)   # q/k/v biases only; partial RoPE
 
 
 # ------------------------------------------------------------------ MoE block

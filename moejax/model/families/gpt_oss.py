@@ -35,7 +35,7 @@ import numpy as np
 from moejax.model.families import mxfp4
 from moejax.model.families.base import Family
 from moejax.model.families.configs.gpt_oss import MODEL_TYPE, ROUTER, expert_shapes
-from moejax.model.layers import Linear, apply_rope, cached_attention, project_qkv
+from moejax.model.layers import Linear, apply_rope, rope_attention
 
 MXFP4_KEYS = ("gate_up_blocks", "gate_up_scales", "gate_up_bias",
               "down_blocks", "down_scales", "down_bias")
@@ -102,15 +102,12 @@ class Attention(nn.Module):
   @nn.compact
   def __call__(self, x_BxTxD, positions_BxT, cache, end_index):
     c = self.cfg
-    q, k, v = project_qkv(c, x_BxTxD, self.dtype)
     cos, sin = rope_cos_sin(c, positions_BxT)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     sinks_H = self.param("sinks", nn.initializers.normal(0.02), (c.num_heads,), self.dtype)
-    o, cache = cached_attention(q, k, v, positions_BxT, cache, end_index,
-                                window=c.family_config.sliding_window if self.sliding else None,
-                                sinks_H=sinks_H)
-    return Linear(c.hidden_size, use_bias=c.attention_bias, dtype=self.dtype,
-                  name="o_proj")(o), cache
+    return rope_attention(c, x_BxTxD, positions_BxT, cache, end_index, self.dtype,
+                          lambda a: apply_rope(a, cos, sin), o_bias=c.attention_bias,
+                          window=c.family_config.sliding_window if self.sliding else None,
+                          sinks_H=sinks_H)
 
 
 class Router(nn.Module):

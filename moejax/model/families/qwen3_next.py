@@ -31,7 +31,7 @@ import jax.numpy as jnp
 
 from moejax.model.families.base import Family
 from moejax.model.families.configs.qwen3_next import LINEAR, rotary_dim
-from moejax.model.layers import (Linear, SwiGLU, apply_rope, cached_attention, linears,
+from moejax.model.layers import (Linear, SwiGLU, cached_attention, linears, partial_rope,
                                  rope_cos_sin)
 
 
@@ -104,8 +104,7 @@ class GatedAttention(nn.Module):
     k = ZeroCentredRMSNorm(c.rms_norm_eps, self.dtype, name="k_norm")(k)
     rd = rotary_dim(c)
     cos, sin = rope_cos_sin(positions_BxT, rd, c.rope_theta)
-    q = jnp.concatenate([apply_rope(q[..., :rd], cos, sin), q[..., rd:]], axis=-1)
-    k = jnp.concatenate([apply_rope(k[..., :rd], cos, sin), k[..., rd:]], axis=-1)
+    q, k = partial_rope(q, cos, sin, rd), partial_rope(k, cos, sin, rd)
 
     o, cache = cached_attention(q, k, v, positions_BxT, cache, end_index)
     o = o * jax.nn.sigmoid(gate)

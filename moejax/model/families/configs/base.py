@@ -85,6 +85,23 @@ def require_default_rope(d: dict[str, Any], source: str):
                       f"supported for {d.get('model_type')}")
 
 
+def checked_rope_type(rope: dict[str, Any], source: str, model_type: str,
+                      allowed: tuple[str, ...]) -> str:
+  """The rope type of a config's rope dict (a legacy ``type`` key renamed ``rope_type`` in
+  place), ConfigError unless it is one of `allowed` or when YaRN lacks a required field."""
+  if "type" in rope and "rope_type" not in rope:
+    rope["rope_type"] = rope.pop("type")
+  rope_type = rope.get("rope_type") or "default"
+  if rope_type not in allowed:
+    raise ConfigError(f"{source}: field 'rope_scaling': rope type {rope_type!r} is not supported "
+                      f"for {model_type} (supported: {', '.join(allowed)})")
+  if rope_type == "yarn":
+    for f in ("factor", "original_max_position_embeddings"):
+      if rope.get(f) is None:
+        raise ConfigError(f"{source}: field 'rope_scaling.{f}' is required for YaRN")
+  return rope_type
+
+
 def decoder_sparse_layers(get, num_layers: int) -> tuple[bool, ...]:
   """Qwen's per-layer sparsity: every `decoder_sparse_step`-th layer, minus `mlp_only_layers`."""
   step = int(get("decoder_sparse_step", default=1))

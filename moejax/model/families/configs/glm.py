@@ -13,7 +13,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from moejax.model.families.configs.base import ConfigError, ConfigSpec, FamilyConfig, eos_ids
+from moejax.model.families.configs.base import (ConfigError, ConfigSpec, FamilyConfig,
+                                                checked_rope_type, eos_ids)
 
 MODEL_TYPES = ("glm4_moe", "glm4_moe_lite", "deepseek_v3")
 MLA_TYPES = ("glm4_moe_lite", "deepseek_v3")
@@ -48,17 +49,8 @@ def config_fields(d: dict[str, Any], get, source: str) -> dict[str, Any]:
   layers = int(get("num_hidden_layers"))
   experts = int(get("n_routed_experts", "num_local_experts", "num_experts"))
   rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
-  if "type" in rope and "rope_type" not in rope:
-    rope["rope_type"] = rope.pop("type")
-  rope_type = rope.get("rope_type") or "default"
-  allowed = ("default", "yarn") if mt in MLA_TYPES else ("default",)
-  if rope_type not in allowed:
-    raise ConfigError(f"{source}: field 'rope_scaling': rope type {rope_type!r} is not supported "
-                      f"for {mt} (supported: {', '.join(allowed)})")
-  if rope_type == "yarn":
-    for f in ("factor", "original_max_position_embeddings"):
-      if rope.get(f) is None:
-        raise ConfigError(f"{source}: field 'rope_scaling.{f}' is required for YaRN")
+  rope_type = checked_rope_type(rope, source, mt,
+                                ("default", "yarn") if mt in MLA_TYPES else ("default",))
   rope_theta = float(rope.get("rope_theta", d.get("rope_theta", 10000.0)))
   yarn = (tuple(sorted((str(k), v) for k, v in rope.items() if k != "rope_theta" and (
       isinstance(v, (int, float, str, bool)) or v is None))) if rope_type == "yarn" else ())

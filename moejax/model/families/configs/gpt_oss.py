@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from moejax.model.families.configs.base import (ConfigError, ConfigSpec, FamilyConfig,
-                                                common_fields)
+                                                checked_rope_type, common_fields)
 
 MODEL_TYPE = "gpt_oss"
 ROUTER = "topk_softmax"
@@ -53,16 +53,7 @@ def config_fields(d: dict, get, source: str) -> dict:
     raise error(f"{source}: field 'layer_types': unsupported attention type {bad[0]!r}")
   rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or DEFAULT_YARN)
   theta = float(rope.pop("rope_theta", d.get("rope_theta") or DEFAULT_ROPE_THETA))
-  if "type" in rope and "rope_type" not in rope:
-    rope["rope_type"] = rope.pop("type")
-  rope_type = rope.get("rope_type", "default")
-  if rope_type not in ("default", "yarn"):
-    raise error(f"{source}: field 'rope_scaling': rope type {rope_type!r} is not supported "
-                f"for gpt_oss (expected 'yarn' or 'default')")
-  if rope_type == "yarn":
-    for f in ("factor", "original_max_position_embeddings"):
-      if rope.get(f) is None:
-        raise error(f"{source}: field 'rope_scaling.{f}' is required for YaRN")
+  checked_rope_type(rope, source, MODEL_TYPE, ("default", "yarn"))
   scaling = tuple(sorted((str(k), v) for k, v in rope.items()
                          if isinstance(v, (int, float, str, bool)) or v is None))
   return dict(

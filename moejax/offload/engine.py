@@ -43,8 +43,8 @@ from moejax.cache import resident as resident_lib
 from moejax.offload import token as token_lib
 from moejax.offload import transfer
 from moejax.prefetch.steps import Prefetch
-from moejax.offload.stats import (TokenRecord, build_record, link_counts, prefill_record,
-                                  summarize)
+from moejax.offload.stats import (TokenRecord, build_record, link_counts, owned,
+                                  prefill_record, summarize)
 from moejax.model.sampler import SamplingParams, bucket, token_loop
 
 
@@ -329,6 +329,7 @@ class OffloadEngine:
       return logits
     self._read_deferred()
     out, rec = jax.device_get((logits, rec))
+    rec = owned(rec)
     waits = {}
     if self.link.emulated:
       waits = self._wait_link(t0, f"the token at position {self.end_index - 1}", *link_counts(
@@ -337,15 +338,11 @@ class OffloadEngine:
     return jnp.asarray(out) if lazy else out
 
   def _read_deferred(self, keep: int = 0):
-    """Reads back the decisions of lazy steps, all but the newest `keep` (one read)."""
-    n = len(self._deferred) - keep
-    if n <= 0:
-      return
-    done, self._deferred = self._deferred[:n], self._deferred[n:]
-    recs = jax.device_get([r for r, _ in done])
-    now = time.perf_counter()
-    ends = [t0 for _, t0 in done[1:]] + [self._deferred[0][1] if self._deferred else now]
-    self._unbuilt.extend((r, end - t0, {}) for r, (_, t0), end in zip(recs, done, ends))
+    """Reads back the decisions of lazy steps, all but the newest `keep`."""
+    while len(self._deferred) > keep:
+      rec, t0 = self._deferred.pop(0)
+      nxt = self._deferred[0][1] if self._deferred else time.perf_counter()
+      self._unbuilt.append((owned(jax.device_get(rec)), nxt - t0, {}))
 
   def _build_records(self):
     """Turns the steps' decisions into records (when `records` is read: a decode step
@@ -397,3 +394,4 @@ class OffloadEngine:
                          for i in range(n - 1))
     self.end_index += n - 1
     return [int(x) for x in toks[:n]]
+

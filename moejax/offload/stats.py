@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import numpy as np
 
 from moejax.cache import step as step_lib
@@ -136,6 +137,12 @@ def build_record(rec, moe_layers, expert_bytes: int, low_bytes: int = 0,
         name: tuple(v[j]) if name in _DENSE else tuple(e for e in v[j] if e >= 0)
         for name, v in ints.items()})
   return out
+
+
+def owned(rec):
+  """A read-back `Record` whose arrays own their memory: a CPU backend's `device_get`
+  gives views that keep each device buffer (and its allocation) alive, ~20 KB a token."""
+  return jax.tree_util.tree_map(np.array, rec)
 
 
 def link_counts(rec, low_ratio: float = 0.0, plan=None):

@@ -205,7 +205,7 @@ def test_top_k_matches_lax_top_k_bits_with_ties_and_under_vmap(k):
 
 
 def test_first_k_is_the_first_set_positions():
-  from moejax.offload.layer import first_k
+  from moejax.cache.step import first_k
   rng = np.random.default_rng(0)
   m = rng.random((40, 128)) < 0.04
   m[0], m[1] = False, True

@@ -1,6 +1,6 @@
 """SpecMD's Least-Stale eviction (`eviction.eviction_rank`, eviction="least_stale"): which
 slot it evicts, by hand and against a lexsort of its keys, and end to end through the
-one per-layer function (`layer.policy_step`, replayed by the simulator)."""
+one per-layer function (`cache.step.policy_step`, replayed by the simulator)."""
 
 import dataclasses
 

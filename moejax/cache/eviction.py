@@ -19,7 +19,7 @@ experts go before fresh ones, and within a generation first in, first out.  Here
 each MoE layer has a cache of its own and a forward pass visits a layer once per
 token, so for one layer's cache, exactly:
 
-  pass       one `policy_step` of the layer (one decode token, or a whole prompt);
+  pass       one `step.policy_step` of the layer (one decode token, or a whole prompt);
   touch      the expert is inserted (fetch, admission, kept prefetch, prompt) or
              computed on the device from its slot (hit or substitute): the
              `last_used` step lru keeps;

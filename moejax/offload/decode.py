@@ -6,7 +6,7 @@ pending admissions), with the carry donated.  Inside, every layer runs
 `layer.moe_layer` on the `slots` source: waited fetches, admissions and prefetches
 are in-program copies from the host store into the slot buffers (`sources.copy_rows`).
 The host's only per-token work is the dispatch and, when it wants them, reading the
-token's packed decisions (`Layout`) to build its record.
+token's decisions (`cache.step.Record`, per MoE layer) to build its record.
 
 `Program` (hashable) is the static part: the layer context, dtype and cache length.
 Compiles: one per program and argument shapes (one per prompt bucket for `prefill`).
@@ -33,59 +33,16 @@ class Program:
   max_len: int
 
 
-@dataclasses.dataclass(frozen=True)
-class Layout:
-  """Columns of one MoE layer's row in a token's packed decisions [L, width] (f32: ids
-  are small integers, exact)."""
-  k: int
-  evicted: int
-
-  @property
-  def fields(self) -> tuple[tuple[str, int], ...]:
-    k = self.k
-    return (("ids", k), ("actions", k), ("substitutes", k), ("share", k), ("fetched", k),
-            ("admitted", k), ("admissions", k), ("prefetched", k), ("predicted", k),
-            ("true_ids", k), ("evicted", self.evicted), ("pf_stats", 4), ("rows", k),
-            ("admission_slots", k))
-
-  @property
-  def width(self) -> int:
-    return sum(n for _, n in self.fields)
-
-  def split(self, row):
-    out, at = {}, 0
-    for name, n in self.fields:
-      out[name] = row[..., at:at + n]
-      at += n
-    return out
-
-
-def layout(ctx: layer_lib.Ctx, num_slots: int) -> Layout:
-  k = ctx.cfg.top_k
-  return Layout(k, (3 if ctx.spec_on else 2) * k + num_slots)
-
-
-def _pack(outs):
-  steps, admitted = outs
-  f = lambda a: a.astype(jnp.float32)
-  h = steps.head
-  d = h.dec
-  return jnp.concatenate([f(d.ids[:, 0]), f(d.action[:, 0]), f(d.sub_ids[:, 0]), d.share[:, 0],
-                          f(h.fetched), f(admitted[0]), f(steps.pending[0]), f(h.pf_ids),
-                          f(h.predicted), f(h.true_ids), f(admitted[2]), f(steps.evicted),
-                          h.pf_stats, f(h.rows), f(steps.pending[1])], axis=-1)
-
-
 def _layers(cfg: ModelConfig, params):
   return [params[f"layers_{i}"] for i in range(cfg.num_layers)]
 
 
 def _decode(prog: Program, params, srcs, carry, token, pos):
   ctx = prog.ctx
-  carry, logits, steps = token_lib.decode(
+  carry, logits, records = token_lib.decode(
       ctx, jnp.dtype(prog.dtype), params, _layers(ctx.cfg, params), srcs, carry, token, pos,
       jax.random.PRNGKey(0), scan=False)
-  return carry, _replicated(ctx, logits), _replicated(ctx, _pack(steps))
+  return carry, _replicated(ctx, logits), _replicated(ctx, records)
 
 
 def _replicated(ctx: layer_lib.Ctx, x):
@@ -97,7 +54,7 @@ def _replicated(ctx: layer_lib.Ctx, x):
 @functools.lru_cache(maxsize=None)
 def step_fn(prog: Program):
   """The jitted decode step of `prog`: fn(params, srcs, carry, token, pos) -> (carry,
-  logits [V], packed [L, width]), the carry donated.  One function per program, so a
+  logits [V], `cache.step.Record` [L, ...]), the carry donated.  One function per program, so a
   call hashes no static argument (the model config's hash is ~25 us a call)."""
   return jax.jit(functools.partial(_decode, prog), donate_argnums=(2,))
 
@@ -108,14 +65,14 @@ def loop(prog: Program, params, srcs, carry, logits, pos, key, n_new, stop_ids, 
          top_p, *, bucket_new: int, greedy: bool, nucleus: bool):
   """`sampler.sample_loop` over the decode step: up to `n_new` sampled tokens in one
   `while_loop`, as `OffloadEngine.generate`'s per-token path (`sampler.token_loop`).
-  -> (carry, tokens [bucket_new] (-1 after the end), count, packed [bucket_new, L, width]:
-  row i is the decode of token i, rows from count - 1 on unused)."""
+  -> (carry, tokens [bucket_new] (-1 after the end), count, records [bucket_new, L, ...]:
+  record i is the decode of token i, those from count - 1 on unused)."""
   step = lambda c, tok, p: _decode(prog, params, srcs, c, tok, p)
   rec = jax.eval_shape(lambda c: step(c, jnp.int32(0), pos)[2], carry)
-  carry, toks, n, packs = sample_loop(step, carry, logits, pos, key, n_new, stop_ids,
+  carry, toks, n, recs = sample_loop(step, carry, logits, pos, key, n_new, stop_ids,
                                       temperature, top_p, bucket_new=bucket_new,
                                       greedy=greedy, nucleus=nucleus, record=rec)
-  return carry, _replicated(prog.ctx, toks), _replicated(prog.ctx, n), _replicated(prog.ctx, packs)
+  return carry, _replicated(prog.ctx, toks), _replicated(prog.ctx, n), _replicated(prog.ctx, recs)
 
 
 @functools.partial(jax.jit, static_argnames=("prog",), donate_argnums=(3,))

@@ -12,7 +12,7 @@
 A decode step is ONE jitted program (`decode.step_fn`): every layer, and in each MoE
 layer the one per-layer sequence (`layer.moe_layer`) with its copies from the host
 store made inside the program.  The host dispatches it and, to build the token's
-record, reads one small array of packed decisions; with `lazy=True` (or in
+record, reads its small decisions (`cache.step.Record`); with `lazy=True` (or in
 `generate`'s loop) that read happens later, behind the device.  An emulated link
 (`link.LinkClock`) makes the host wait out, after each token, the time its copies
 would have taken.  Two paths: per-token steps, and `generate`'s while_loop (the same
@@ -43,8 +43,8 @@ from moejax.cache import resident as resident_lib
 from moejax.offload import token as token_lib
 from moejax.offload import sources
 from moejax.offload.config import EngineConfig, check_policy
-from moejax.offload.stats import (TokenRecord, build_record, link_counts, prefill_record,
-                                  summarize)
+from moejax.offload.stats import (TokenRecord, build_record, link_counts, owned,
+                                  prefill_record, summarize)
 from moejax.model.sampler import SamplingParams, bucket, token_loop
 
 
@@ -91,8 +91,8 @@ class OffloadEngine:
       host = {l: dict(store=v, low=low[l]) for l, v in host.items()}
     trim_to = self.budget.slots if self.budget.staging else None
     ctx = layer_lib.Ctx(cfg, policy, trim_to, pf.kind, pf.speculative, not pf.streaming,
-                        None, "slots", pinned, defer_tail=True,
-                        skip_empty=self.device.platform == "cpu", ep=self.plan)
+                        None, "slots", pinned, skip_empty=self.device.platform == "cpu",
+                        ep=self.plan)
     put = self._put
     if self.plan is not None:   # the store on every device too
       host = put(host)
@@ -120,14 +120,13 @@ class OffloadEngine:
                               self.initial == "all" and not self.mode.on)
     self._prog = decode.Program(ctx, jnp.dtype(dtype).name, max_len)
     self._step = decode.step_fn(self._prog)
-    self._layout = decode.layout(ctx, self.budget.physical)
     self._clock = link_lib.LinkClock(self.link, nbytes, self.moe_layers, expert_devices)
     self._low_nbytes = self.low_store.expert_nbytes() if self.low_store else 0
     self._carry = None            # (KV cache, states, pending) once a prompt ran
     self.end_index = 0
     self._records: list[TokenRecord] = []
-    self._deferred: list[tuple] = []     # (packed device array, start) of lazy steps
-    self._unbuilt: list[tuple] = []      # (packed numpy array, wall_s, waits) per step
+    self._deferred: list[tuple] = []     # (device Record, start) of lazy steps
+    self._unbuilt: list[tuple] = []      # (numpy Record, wall_s, waits) per step
     self._loops: dict = {}        # (steps, temperature, top_p, stop shape) -> compiled loop
     self.prefill_record: TokenRecord | None = None
     self._failed: BaseException | None = None
@@ -298,38 +297,38 @@ class OffloadEngine:
     if self.end_index >= self.max_len:
       raise ValueError(f"max_len={self.max_len} reached")
     t0 = time.perf_counter()
-    self._carry, logits, packed = self._step(self.params, self._srcs, self._carry,
+    self._carry, logits, rec = self._step(self.params, self._srcs, self._carry,
                                              token if lazy else np.int32(token),
                                              np.int32(self.end_index))
     self.end_index += 1
     if lazy and not self.link.emulated:
-      self._deferred.append((packed, t0))
+      self._deferred.append((rec, t0))
       if len(self._deferred) > 64:
         self._read_deferred(keep=32)
       return logits
     self._read_deferred()
-    out, packed = jax.device_get((logits, packed))
+    out, rec = jax.device_get((logits, rec))
+    rec = owned(rec)
     waits = {}
     if self.link.emulated:
       waits = self._wait_link(t0, f"the token at position {self.end_index - 1}", *link_counts(
-          packed, self._layout, self._low_nbytes / self.store.expert_nbytes(), self.plan))
-    self._unbuilt.append((packed, time.perf_counter() - t0, waits))
+          rec, self._low_nbytes / self.store.expert_nbytes(), self.plan))
+    self._unbuilt.append((rec, time.perf_counter() - t0, waits))
     return jnp.asarray(out) if lazy else out
 
   def _read_deferred(self, keep: int = 0):
-    """Reads back the packed decisions of lazy steps, all but the newest `keep`."""
+    """Reads back the decisions of lazy steps, all but the newest `keep`."""
     while len(self._deferred) > keep:
-      packed, t0 = self._deferred.pop(0)
+      rec, t0 = self._deferred.pop(0)
       nxt = self._deferred[0][1] if self._deferred else time.perf_counter()
-      self._unbuilt.append((np.asarray(packed), nxt - t0, {}))
+      self._unbuilt.append((owned(jax.device_get(rec)), nxt - t0, {}))
 
   def _build_records(self):
-    """Turns the steps' packed decisions into records (when `records` is read: a
-    decode step itself only keeps its small numpy array)."""
+    """Turns the steps' decisions into records (when `records` is read: a decode step
+    itself only keeps its small numpy arrays)."""
     eb = self.store.expert_nbytes()
-    for packed, wall, waits in self._unbuilt:
-      rec = build_record(packed, self._layout, self.moe_layers, eb, self._low_nbytes,
-                         self.plan)
+    for decided, wall, waits in self._unbuilt:
+      rec = build_record(decided, self.moe_layers, eb, self._low_nbytes, self.plan)
       rec.finish(wall, **waits)
       self._records.append(rec)
     self._unbuilt.clear()
@@ -366,10 +365,12 @@ class OffloadEngine:
         self._loops.pop(next(iter(self._loops)))
       self._loops[key_s] = decode.loop.lower(self._prog, *args, **statics).compile()
     t0 = time.perf_counter()
-    self._carry, toks, n, packs = self._loops[key_s](*args)
-    toks, n, packs = jax.device_get((toks, n, packs))
+    self._carry, toks, n, recs = self._loops[key_s](*args)
+    toks, n, recs = jax.device_get((toks, n, recs))
     n = int(n)
     wall = (time.perf_counter() - t0) / max(1, n - 1)
-    self._unbuilt.extend((packs[i], wall, {}) for i in range(n - 1))
+    self._unbuilt.extend((jax.tree_util.tree_map(lambda a, i=i: a[i], recs), wall, {})
+                         for i in range(n - 1))
     self.end_index += n - 1
     return [int(x) for x in toks[:n]]
+

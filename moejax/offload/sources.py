@@ -164,11 +164,11 @@ def host_experts(ctx, store: dict, dtypes: dict, moe_in, ids_K, gates_K, in_plac
   return sliced(x[None], ids_K[None], gates_K[None], store)
 
 
-def run_experts(ctx, mod, p, src: dict, h, moe_in, state, head, carried: tuple):
+def run_experts(ctx, mod, p, src: dict, h, moe_in, state, head, carried):
   """The layer's experts and residual from the source -> (x, state) (ctx: `layer.Ctx`,
-  head: `layer.Head`).  The slots source first makes the copies the cache's metadata
+  head: `cache.step.Head`).  The slots source first makes the copies the cache's metadata
   already promises, in order: the previous token's executed prefetches into their slots
-  and its admissions and upgrades (`carried`, its `Step.pending`), this token's
+  and its admissions and upgrades (`carried`, its `cache.step.Pending`), this token's
   prefetches into their rows, its fetches (full, then low precision)."""
   dec, k = head.dec, ctx.cfg.top_k
   run = dec.exec_ids[0]
@@ -188,9 +188,10 @@ def run_experts(ctx, mod, p, src: dict, h, moe_in, state, head, carried: tuple):
   if not ctx.all_resident:         # nothing to copy when every expert stays resident
     # the previous token's kept prefetches and admissions (in the order its tail
     # inserted them), then this token's prefetches into their rows and its fetches
-    ids, slots = [carried[0], head.fetched], [carried[1], head.fetch_slots]
+    ids = [carried.admissions, head.fetched]
+    slots = [carried.admission_slots, head.fetch_slots]
     if ctx.spec_on:
-      ids, slots = [carried[3]] + ids, [carried[4]] + slots
+      ids, slots = [carried.kept] + ids, [carried.kept_slots] + slots
       pf_rows = jnp.where(head.pf_ids >= 0, num_p + 1 + jnp.arange(k), -1)   # `prefetch.view`
       bufs = copy_rows(bufs, store, head.pf_ids, pf_rows.astype(jnp.int32), ctx.pinned)
     if low_on:                     # this token's low fetches come from the low store

@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import numpy as np
 
+from moejax.cache import step as step_lib
+from moejax.cache.policy import FETCH, FETCH_LOW, HIT
 from moejax.model.config import ModelConfig
 
 COUNT_KEYS = ("expert_calls", "hits", "misses", "fetches", "fetch_bytes", "fetches_low",
@@ -107,52 +110,56 @@ _LAYER_IDS = ("ids", "actions", "substitutes", "fetched", "admissions", "admitte
 _DENSE = ("ids", "actions", "substitutes", "true_ids")     # K entries each, -1 kept
 
 
-def build_record(packed_LxW: np.ndarray, layout, moe_layers, expert_bytes: int,
-                 low_bytes: int = 0, plan=None) -> TokenRecord:
-  """A decoded token's record from its packed decisions (`decode.Layout`; rows in
-  `moe_layers` order): the counts by `layer.counts`, the same function the emulator's
-  statistics use.  Per layer, id lists drop the -1 padding (ids, actions, substitutes
-  and true_ids keep their K entries).  `fetches` counts full-precision fetches,
-  `fetches_low` low-precision ones (`low_bytes` each); `fetched` lists both.  plan: an
-  `expert_parallel.Plan`, whose devices' hits are counted (`device_hits`)."""
-  from moejax.offload import layer   # pylint: disable=import-outside-toplevel
-  cols = layout.split(np.asarray(packed_LxW))
-  c = layer.counts(np, cols["actions"].astype(np.int32), cols["share"], cols["admissions"],
-                   cols["admitted"], cols["evicted"], cols["pf_stats"])
-  tot = dict(zip(layer.STATS, np.sum(c, axis=0, dtype=np.float64).tolist()))
-  rec = TokenRecord(**{k: tot[k] for k in layer.STATS if k != "first_substituted"})
-  rec.misses = rec.expert_calls - rec.hits
-  rec.fetch_low_bytes = rec.fetches_low * low_bytes
-  rec.fetch_bytes = rec.fetches * expert_bytes + rec.fetch_low_bytes
-  rec.prefetch_bytes = rec.prefetches * expert_bytes
-  rec.wasted_bytes = (rec.prefetches - rec.useful_prefetches) * expert_bytes
+def build_record(rec, moe_layers, expert_bytes: int, low_bytes: int = 0,
+                 plan=None) -> TokenRecord:
+  """A decoded token's record from its decisions, a `cache.step.Record` of numpy arrays
+  [L, ...] (rows in `moe_layers` order): the counts by `cache.step.counts`, the same
+  function the emulator's statistics use.  Per layer, id lists drop the -1 padding (ids,
+  actions, substitutes and true_ids keep their K entries).  `fetches` counts
+  full-precision fetches, `fetches_low` low-precision ones (`low_bytes` each); `fetched`
+  lists both.  plan: an `expert_parallel.Plan`, whose devices' hits are counted
+  (`device_hits`)."""
+  c = step_lib.record_counts(np, rec)
+  tot = dict(zip(step_lib.STATS, np.sum(c, axis=0, dtype=np.float64).tolist()))
+  out = TokenRecord(**{k: tot[k] for k in step_lib.STATS if k != "first_substituted"})
+  out.misses = out.expert_calls - out.hits
+  out.fetch_low_bytes = out.fetches_low * low_bytes
+  out.fetch_bytes = out.fetches * expert_bytes + out.fetch_low_bytes
+  out.prefetch_bytes = out.prefetches * expert_bytes
+  out.wasted_bytes = (out.prefetches - out.useful_prefetches) * expert_bytes
   if plan is not None:     # a hit's row is its global slot
-    hits = per_device(cols["actions"] == layer.HIT, cols["rows"], plan.devices)
-    rec.device_hits = tuple(np.sum(hits, axis=0, dtype=np.float64).tolist())
-  ints = {name: cols[name].astype(np.int64).tolist() for name in _LAYER_IDS}
+    hits = per_device(rec.actions == HIT, rec.rows, plan.devices)
+    out.device_hits = tuple(np.sum(hits, axis=0, dtype=np.float64).tolist())
+  ints = {name: np.asarray(getattr(rec, name)).astype(np.int64).tolist()
+          for name in _LAYER_IDS}
   for j, l in enumerate(moe_layers):
-    rec.layers[l] = LayerRecord(**{
+    out.layers[l] = LayerRecord(**{
         name: tuple(v[j]) if name in _DENSE else tuple(e for e in v[j] if e >= 0)
         for name, v in ints.items()})
-  return rec
+  return out
 
 
-def link_counts(packed: np.ndarray, layout, low_ratio: float = 0.0, plan=None):
-  """Per MoE layer: waited fetches (a low-precision one counts low_ratio of an expert's
-  bytes), admissions requested, experts prefetched; expert-parallel (`plan`): per layer
-  and device [L, N], each copy counted on the device that owns its slot."""
-  from moejax.offload import layer   # pylint: disable=import-outside-toplevel
-  cols = layout.split(packed)
-  low = cols["actions"] == layer.FETCH_LOW
-  fetch = (cols["actions"] == layer.FETCH) | low
+def owned(rec):
+  """A read-back `Record` whose arrays own their memory: a CPU backend's `device_get`
+  gives views that keep each device buffer (and its allocation) alive, ~20 KB a token."""
+  return jax.tree_util.tree_map(np.array, rec)
+
+
+def link_counts(rec, low_ratio: float = 0.0, plan=None):
+  """Per MoE layer of a `cache.step.Record` (numpy): waited fetches (a low-precision one
+  counts low_ratio of an expert's bytes), admissions requested, experts prefetched;
+  expert-parallel (`plan`): per layer and device [L, N], each copy counted on the device
+  that owns its slot."""
+  low = rec.actions == FETCH_LOW
+  fetch = (rec.actions == FETCH) | low
   size = np.where(low, low_ratio, 1.0)
-  adm = cols["admissions"] >= 0
+  adm = rec.admissions >= 0
   if plan is None:
     return (np.sum(fetch * size, axis=-1), np.sum(adm, axis=-1),
-            np.sum(cols["prefetched"] >= 0, axis=-1))
+            np.sum(rec.prefetched >= 0, axis=-1))
   none = np.zeros(adm.shape[:-1] + (plan.devices,))
-  return (per_device(fetch * size, cols["rows"], plan.devices),
-          per_device(adm, cols["admission_slots"], plan.devices), none)
+  return (per_device(fetch * size, rec.rows, plan.devices),
+          per_device(adm, rec.admission_slots, plan.devices), none)
 
 
 def per_device(weight_LxK, slots_LxK, devices: int) -> np.ndarray:

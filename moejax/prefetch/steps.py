@@ -43,8 +43,8 @@ from moejax.model import routing
 from moejax.model.config import ModelConfig
 from moejax.model.model import DecoderLayer
 from moejax.cache import policy as policy_lib
-from moejax.cache import resident as resident_lib
 from moejax.cache.policy import FETCH, HIT, HOST, SUBSTITUTE
+from moejax.cache.step import view  # noqa: F401  (public: the state the policy sees)
 
 PREFETCH = ("none", "reuse", "quasi", "previous", "hybrid", "oracle")
 SPECULATIVE = ("off", "predicted_weights", "true_router")
@@ -92,17 +92,6 @@ def predict_logits(mod_next: DecoderLayer, p_next, r_1xD, d_D, estimator, kind: 
   if estimator is not None:
     logits = estimate(estimator, q, logits, *(last if last is not None else (None, None)))
   return logits.astype(jnp.float32)
-
-
-def view(state: resident_lib.ResidentState, pf_ids_R: jax.Array) -> resident_lib.ResidentState:
-  """The state the policy sees: prefetched expert j (pf_ids_R[j] >= 0, not in a slot)
-  resident at table row P + 1 + j."""
-  num_e, num_p = state.expert_slot.shape[0], state.slot_expert.shape[0]
-  pf = jnp.where(pf_ids_R >= 0, pf_ids_R, num_e)
-  row = num_p + 1 + jnp.arange(pf_ids_R.shape[0], dtype=jnp.int32)
-  free = state.expert_slot[jnp.minimum(pf, num_e - 1)] < 0
-  slot = state.expert_slot.at[jnp.where(free, pf, num_e)].set(row, mode="drop")
-  return dataclasses.replace(state, expert_slot=slot)
 
 
 def speculative_decision(cfg: ModelConfig, true_1xE, pred_1xE, state_view, decision,

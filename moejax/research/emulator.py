@@ -48,12 +48,13 @@ from moejax.model import layer_stack
 from moejax.cache.controls import Control  # noqa: F401  (public: emulator.Control)
 from moejax.model.layer_stack import stack_layers  # noqa: F401  (public: emulator.stack_layers)
 from moejax.prefetch import speculation
+from moejax.cache import step as step_lib
 from moejax.offload import layer as layer_lib
 from moejax.cache import policy as policy_lib
 from moejax.prefetch import steps as pf_steps
 from moejax.cache import resident as resident_lib
 from moejax.offload import token as token_lib
-from moejax.offload.layer import STATS  # noqa: F401  (per-token statistics, summed over MoE layers)
+from moejax.cache.step import STATS  # noqa: F401  (per-token statistics, summed over MoE layers)
 from moejax.cache.policy import PolicyParams
 
 
@@ -107,17 +108,15 @@ def _ctx(setup: Setup) -> layer_lib.Ctx:
 
 def _token_step(setup: Setup, params, layers, table, carry, token, pos, key):
   """One decoded token of one stream: returns (carry, logits [V], stats, detail)."""
-  carry, logits, (step, admitted) = token_lib.decode(
+  carry, logits, rec = token_lib.decode(
       _ctx(setup), jnp.dtype(setup.dtype), params, layers, table, carry, token, pos, key,
       scan=True)
-  stats = jax.vmap(layer_lib.layer_counts)(step, admitted)
+  stats = step_lib.record_counts(jnp, rec)
   det = {}
   if setup.detail:
-    h = step.head
-    det = dict(action=h.dec.action[:, 0], ids=h.dec.ids[:, 0], sub_ids=h.dec.sub_ids[:, 0],
-               share=h.dec.share[:, 0], fetched=h.fetched, admitted=admitted[0],
-               evicted=jnp.concatenate([admitted[2], step.evicted], axis=-1),
-               admissions=step.pending[0], logits=logits,
+    det = dict(action=rec.actions, ids=rec.ids, sub_ids=rec.substitutes, share=rec.share,
+               fetched=rec.fetched, admitted=rec.admitted, evicted=rec.evicted,
+               admissions=rec.admissions, logits=logits,
                slot_expert=_slot_experts(setup.cfg, carry[1]))
   return carry, logits, jnp.sum(stats, axis=0), det
 

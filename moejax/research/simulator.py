@@ -1,12 +1,13 @@
 """Replays router traces through the offload policy, without the model.
 
 The per-(token, layer) step is the engine's and the emulator's own function,
-`layer.policy_step` (decide, insert the FETCH experts, usage, insert the admissions
+`cache.step.policy_step` (decide, insert the FETCH experts, usage, insert the admissions
 this token requested, then trim: the state the layer's next decision sees), on the
-recorded router logits; its counts are `layer.layer_counts` (an admission and its
-evictions count at the next token, where they take effect).
+recorded routing, with the arguments the engine's layers pass; its counts are
+`cache.step.layer_counts` (an admission and its evictions count at the next token,
+where they take effect).
 
-A trace may start with a prompt (`prefill_tokens`): `token.prefill_step`, the
+A trace may start with a prompt (`prefill_tokens`): `cache.step.prefill_step`, the
 engine's exact prefill (the union of the prompt's selected experts is made
 available; the fetched ones the prompt used most are inserted).
 
@@ -35,10 +36,9 @@ import numpy as np
 
 from moejax.model import routing
 from moejax.model.config import ModelConfig
-from moejax.offload import layer as layer_lib
 from moejax.cache import policy as policy_lib
 from moejax.cache import resident as resident_lib
-from moejax.offload import token as token_lib
+from moejax.cache import step as step_lib
 from moejax.cache.policy import PolicyParams
 
 # totals per policy and layer (float: masses are shares g / sum(selected g))
@@ -115,40 +115,43 @@ def _traced(static: PolicyParams, dyn_3):
 
 
 # ------------------------------------------------------------------ one lane
-# STAT_FIELDS from `layer.STATS` (misses: the calls that were not hits)
-_FROM_STATS = tuple(layer_lib.STATS.index("expert_calls" if f == "misses" else f)
+# STAT_FIELDS from `step.STATS` (misses: the calls that were not hits)
+_FROM_STATS = tuple(step_lib.STATS.index("expert_calls" if f == "misses" else f)
                     for f in STAT_FIELDS)
 
 
 def _decode_step(cfg: ModelConfig, static: PolicyParams, trim_to, state, prev_pending,
                  routed, dyn_3):
-  """One (token, layer) of one policy: `layer.policy_step`.  prev_pending: the layer's
-  `Step.pending` at the previous token (its admissions, inserted at that token's end,
-  are counted here, where they take effect).  routed: the layer's (ids [K], gates [K],
-  rank scores [E]) for this token (`policy.route_once`, once per trace)."""
+  """One (token, layer) of one policy: `cache.step.policy_step`.  prev_pending: the
+  layer's `Step.pending` at the previous token (its admissions, inserted at that token's
+  end, are counted here, where they take effect).  routed: the layer's (ids [K], gates
+  [K], rank scores [E]) for this token (`policy.route_once`, once per trace); the rank
+  scores stand in for the router logits (no control rule, no prefetch reads them)."""
   dparams, params = _traced(static, dyn_3)
-  routed_1 = tuple(a[None] for a in routed)
-  state, step = layer_lib.policy_step(cfg, dparams, params, trim_to, state, routed_1[2],
-                                      routed=routed_1)
-  c = layer_lib.layer_counts(step, prev_pending)
+  ids, gates, scores = (a[None] for a in routed)
+  rule = step_lib.Rule(cfg, dparams, params, trim_to)
+  state, step = step_lib.policy_step(rule, state, step_lib.Router(scores, ids, gates, scores),
+                                     step_lib.Prediction.none(cfg), None)
+  c = step_lib.layer_counts(step, prev_pending)
   stats = c[jnp.asarray(_FROM_STATS)]
-  stats = stats.at[STAT_FIELDS.index("misses")].add(-c[layer_lib.STATS.index("hits")])
-  n = lambda f: c[layer_lib.STATS.index(f)]
+  stats = stats.at[STAT_FIELDS.index("misses")].add(-c[step_lib.STATS.index("hits")])
+  n = lambda f: c[step_lib.STATS.index(f)]
   dec = step.dec
   steps = jnp.stack([n("fetches"), n("host_calls"), n("admissions"),
                      jnp.sum(dec.exec_ids[0] >= 0).astype(jnp.float32), n("fetches_low")])
   decisions = dict(ids=dec.ids[0], action=dec.action[0], sub_ids=dec.sub_ids[0],
-                   admit=step.pending[0])
+                   admit=step.pending.admissions)
   return state, step.pending, stats, steps.astype(jnp.int8), decisions
 
 
 def _prefill(cfg: ModelConfig, static: PolicyParams, trim_to, state, logits_PxR, dyn_3,
              decay_pow):
-  """A P-token prompt at one layer: `token.prefill_step` on its routing."""
-  _, params = _traced(static, dyn_3)
+  """A P-token prompt at one layer: `cache.step.prefill_step` on its routing."""
+  dparams, params = _traced(static, dyn_3)
   ids, _, _ = routing.route(cfg, logits_PxR)
   valid = jnp.ones((logits_PxR.shape[0],), jnp.float32)
-  return token_lib.prefill_step(params, trim_to, state, ids, valid, decay_pow)[0]
+  rule = step_lib.Rule(cfg, dparams, params, trim_to)
+  return step_lib.prefill_step(rule, state, ids, valid, decay_pow)[0]
 
 
 # ------------------------------------------------------------------ jitted scans
@@ -264,7 +267,7 @@ def simulate(cfg: ModelConfig, logits_TxLxR, policies, *, cache_fraction: float 
       states = _prefill_all(cfg, static, trim_to, states, jnp.asarray(logits[:prefill_tokens]),
                             dyn, jnp.asarray(decay))
     pending = jax.tree_util.tree_map(lambda a: jnp.broadcast_to(a, (npol, nl) + a.shape),
-                                     layer_lib.no_pending(cfg.top_k))
+                                     step_lib.Pending.none(cfg.top_k))
     totals = jnp.zeros((npol, nl, len(STAT_FIELDS)), jnp.float32)
     # layers are independent given the trace: one slice of them per CPU device, each
     # chunk of each slice run from its own thread, so the slices run at once

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from moejax.cache import policy as policy_lib
 from moejax.offload import expert_parallel
 from moejax.offload import link as link_lib
-from moejax.prefetch.steps import Prefetch
+from moejax.prefetch.steps import Mode, Prefetch
 
 
 INITIAL = ("auto", "empty", "all", "profile")
@@ -52,6 +52,7 @@ class EngineConfig:
     need(isinstance(self.link, link_lib.Link), f"link={self.link!r}: a Link (EngineConfig."
          "make takes a spec; a scaled link comes from calibrate.calibrated_link)")
     need(isinstance(self.prefetch, Prefetch), f"prefetch={self.prefetch!r}: a Prefetch")
+    Mode(self.prefetch.kind, self.prefetch.speculative)    # --prefetch / --speculative
     need(self.initial in INITIAL, f"initial={self.initial!r}: one of {', '.join(INITIAL)}")
     need(self.max_len >= 2, f"max_len={self.max_len}: at least 2 (a prompt token and one more)")
     need(self.transfer_timeout_s > 0, f"transfer_timeout_s={self.transfer_timeout_s}: > 0")

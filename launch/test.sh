@@ -33,7 +33,7 @@ run_one() {   # file, log dir: never fails (the status goes to <log>.rc)
 export -f run_one
 SLOW="tests/test_prefetch.py tests/test_parity_gpt_oss.py tests/test_engine.py
 tests/test_simulator.py tests/test_emulator.py tests/test_demo_cli.py tests/test_generate_cli.py
-tests/test_packaging.py"
+tests/test_packaging.py tests/test_compile_cache.py tests/test_serve_logprobs.py tests/test_interrupts.py"
 files=()
 for f in $SLOW; do [ -f "$f" ] && files+=("$f"); done   # a slow file that no longer exists
 for f in tests/test_*.py; do

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 
 from moejax.model.config import ModelConfig
 from moejax.offload import layer as layer_lib
+from moejax.offload import stats
 from moejax.offload import token as token_lib
 from moejax.model.sampler import sample_loop
 
@@ -37,12 +38,22 @@ def _layers(cfg: ModelConfig, params):
   return [params[f"layers_{i}"] for i in range(cfg.num_layers)]
 
 
-def _decode(prog: Program, params, srcs, carry, token, pos):
+def _records(prog: Program, params, srcs, carry, token, pos):
   ctx = prog.ctx
-  carry, logits, records = token_lib.decode(
-      ctx, jnp.dtype(prog.dtype), params, _layers(ctx.cfg, params), srcs, carry, token, pos,
-      jax.random.PRNGKey(0), scan=False)
-  return carry, _replicated(ctx, logits), _replicated(ctx, records)
+  return token_lib.decode(ctx, jnp.dtype(prog.dtype), params, _layers(ctx.cfg, params), srcs,
+                          carry, token, pos, jax.random.PRNGKey(0), scan=False)
+
+
+def _decode(prog: Program, params, srcs, carry, token, pos):
+  carry, logits, records = _records(prog, params, srcs, carry, token, pos)
+  return carry, _replicated(prog.ctx, logits), _replicated(prog.ctx, stats.pack(records))
+
+
+def record_like(prog: Program, params, srcs, carry):
+  """The abstract `cache.step.Record` [L, ...] of `prog`'s step (traced, not run), which
+  `stats.unpack` reads the packed decisions with."""
+  return jax.eval_shape(lambda c: _records(prog, params, srcs, c, jnp.int32(0),
+                                           jnp.int32(0))[2], carry)
 
 
 def _replicated(ctx: layer_lib.Ctx, x):
@@ -54,7 +65,7 @@ def _replicated(ctx: layer_lib.Ctx, x):
 @functools.lru_cache(maxsize=None)
 def step_fn(prog: Program):
   """The jitted decode step of `prog`: fn(params, srcs, carry, token, pos) -> (carry,
-  logits [V], `cache.step.Record` [L, ...]), the carry donated.  One function per program, so a
+  logits [V], the `cache.step.Record` [L, ...] packed: `stats.pack`), the carry donated.  One function per program, so a
   call hashes no static argument (the model config's hash is ~25 us a call)."""
   return jax.jit(functools.partial(_decode, prog), donate_argnums=(2,))
 
@@ -65,8 +76,8 @@ def loop(prog: Program, params, srcs, carry, logits, pos, key, n_new, stop_ids, 
          top_p, *, bucket_new: int, greedy: bool, nucleus: bool):
   """`sampler.sample_loop` over the decode step: up to `n_new` sampled tokens in one
   `while_loop`, as `OffloadEngine.generate`'s per-token path (`sampler.token_loop`).
-  -> (carry, tokens [bucket_new] (-1 after the end), count, records [bucket_new, L, ...]:
-  record i is the decode of token i, those from count - 1 on unused)."""
+  -> (carry, tokens [bucket_new] (-1 after the end), count, packed records [bucket_new, L,
+  width]: record i is the decode of token i, those from count - 1 on unused)."""
   step = lambda c, tok, p: _decode(prog, params, srcs, c, tok, p)
   rec = jax.eval_shape(lambda c: step(c, jnp.int32(0), pos)[2], carry)
   carry, toks, n, recs = sample_loop(step, carry, logits, pos, key, n_new, stop_ids,

@@ -43,8 +43,8 @@ from moejax.cache import resident as resident_lib
 from moejax.offload import token as token_lib
 from moejax.offload import sources
 from moejax.offload.config import EngineConfig, check_policy
-from moejax.offload.stats import (TokenRecord, build_record, link_counts, owned,
-                                  prefill_record, summarize)
+from moejax.offload.stats import (TokenRecord, build_record, link_counts, prefill_record,
+                                  summarize, unpack)
 from moejax.model.sampler import SamplingParams, bucket, token_loop
 
 
@@ -125,8 +125,9 @@ class OffloadEngine:
     self._carry = None            # (KV cache, states, pending) once a prompt ran
     self.end_index = 0
     self._records: list[TokenRecord] = []
-    self._deferred: list[tuple] = []     # (device Record, start) of lazy steps
-    self._unbuilt: list[tuple] = []      # (numpy Record, wall_s, waits) per step
+    self._deferred: list[tuple] = []     # (device packed Record, start) of lazy steps
+    self._unbuilt: list[tuple] = []      # (numpy packed Record, wall_s, waits) per step
+    self._like = None                    # the abstract Record of the step (`record_like`)
     self._loops: dict = {}        # (steps, temperature, top_p, stop shape) -> compiled loop
     self.prefill_record: TokenRecord | None = None
     self._failed: BaseException | None = None
@@ -189,6 +190,7 @@ class OffloadEngine:
     # throwaway copy of the slot buffers is made (Qwen3-30B-A3B: 1.2 GB a layer at 25%)
     self._step.lower(self.params, self._srcs, self._new_carry(self.states), np.int32(0),
                      np.int32(0)).compile()
+    self._know_records()
     recurrent = families.of(self.cfg).has_recurrent_state(self.cfg)
     for t in sorted({min(int(t), self.max_len - 1) for t in prompt_lengths if t >= 1}):
       tb = t if recurrent else min(bucket(t), self.max_len)
@@ -209,10 +211,12 @@ class OffloadEngine:
                                    "this engine was not built with: build it with that policy")
     check_policy(policy, self.device.platform, self.low_store if policy.decision.low else None)
     self._read_deferred()
+    self._build_records()        # read under the program that made them
     self.policy = policy
     self._prog = dataclasses.replace(self._prog, ctx=dataclasses.replace(self._prog.ctx,
                                                                          policy=policy))
     self._step = decode.step_fn(self._prog)
+    self._like = None
     self._loops = {}
 
   def take_records(self) -> list[TokenRecord]:
@@ -296,6 +300,7 @@ class OffloadEngine:
       raise ValueError("decode_step before prefill")
     if self.end_index >= self.max_len:
       raise ValueError(f"max_len={self.max_len} reached")
+    self._know_records()
     t0 = time.perf_counter()
     self._carry, logits, rec = self._step(self.params, self._srcs, self._carry,
                                              token if lazy else np.int32(token),
@@ -308,11 +313,11 @@ class OffloadEngine:
       return logits
     self._read_deferred()
     out, rec = jax.device_get((logits, rec))
-    rec = owned(rec)
+    rec = np.array(rec)           # its own memory, not a view holding the device buffer
     waits = {}
     if self.link.emulated:
       waits = self._wait_link(t0, f"the token at position {self.end_index - 1}", *link_counts(
-          rec, self._low_nbytes / self.store.expert_nbytes(), self.plan))
+          self._unpack(rec), self._low_nbytes / self.store.expert_nbytes(), self.plan))
     self._unbuilt.append((rec, time.perf_counter() - t0, waits))
     return jnp.asarray(out) if lazy else out
 
@@ -321,14 +326,26 @@ class OffloadEngine:
     while len(self._deferred) > keep:
       rec, t0 = self._deferred.pop(0)
       nxt = self._deferred[0][1] if self._deferred else time.perf_counter()
-      self._unbuilt.append((owned(jax.device_get(rec)), nxt - t0, {}))
+      self._unbuilt.append((np.array(rec), nxt - t0, {}))
+
+  def _unpack(self, packed):
+    """The numpy Record of a step's packed decisions (`stats.unpack`)."""
+    return unpack(packed, self._like)
+
+  def _know_records(self):
+    """The abstract Record of the current program's step (`decode.record_like`), taken
+    before its first step runs (the carry is donated to it; the records may be read after
+    `close`)."""
+    if self._like is None:
+      carry = self._carry if self._carry is not None else self._new_carry(self.states)
+      self._like = decode.record_like(self._prog, self.params, self._srcs, carry)
 
   def _build_records(self):
     """Turns the steps' decisions into records (when `records` is read: a decode step
     itself only keeps its small numpy arrays)."""
     eb = self.store.expert_nbytes()
-    for decided, wall, waits in self._unbuilt:
-      rec = build_record(decided, self.moe_layers, eb, self._low_nbytes, self.plan)
+    for packed, wall, waits in self._unbuilt:
+      rec = build_record(self._unpack(packed), self.moe_layers, eb, self._low_nbytes, self.plan)
       rec.finish(wall, **waits)
       self._records.append(rec)
     self._unbuilt.clear()
@@ -360,6 +377,7 @@ class OffloadEngine:
     statics = dict(bucket_new=bucket(max(sp.max_new_tokens, 1)),
                    greedy=sp.temperature == 0.0, nucleus=sp.top_p < 1.0)
     key_s = tuple(statics.values()) + (stop.shape,)
+    self._know_records()
     if key_s not in self._loops:     # compiled ahead, so the records time decoding only
       while len(self._loops) >= 4:
         self._loops.pop(next(iter(self._loops)))
@@ -369,8 +387,7 @@ class OffloadEngine:
     toks, n, recs = jax.device_get((toks, n, recs))
     n = int(n)
     wall = (time.perf_counter() - t0) / max(1, n - 1)
-    self._unbuilt.extend((jax.tree_util.tree_map(lambda a, i=i: a[i], recs), wall, {})
-                         for i in range(n - 1))
+    self._unbuilt.extend((recs[i], wall, {}) for i in range(n - 1))
     self.end_index += n - 1
     return [int(x) for x in toks[:n]]
 

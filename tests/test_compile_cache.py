@@ -13,8 +13,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_where_the_cache_lives(monkeypatch, tmp_path):
-  monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
-  monkeypatch.delenv("MOEJAX_COMPILE_CACHE", raising=False)
+  for name in ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
+               "MOEJAX_COMPILE_CACHE"):
+    monkeypatch.delenv(name, raising=False)                     # restored afterwards
   monkeypatch.setenv("MOEJAX_CACHE_DIR", str(tmp_path))
   assert app.compile_cache_dir() == os.path.join(str(tmp_path), "xla")
   monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", "/somewhere/else")
@@ -23,8 +24,10 @@ def test_where_the_cache_lives(monkeypatch, tmp_path):
   assert app.compile_cache_dir() is None                        # off
   monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR")
   app.enable_compile_cache()                                    # nothing to enable
-  import jax
-  assert jax.config.jax_compilation_cache_dir != os.path.join(str(tmp_path), "xla")
+  assert "JAX_COMPILATION_CACHE_DIR" not in os.environ
+  monkeypatch.delenv("MOEJAX_COMPILE_CACHE")
+  app.enable_compile_cache()                                    # jax reads it at import
+  assert os.environ["JAX_COMPILATION_CACHE_DIR"] == os.path.join(str(tmp_path), "xla")
 
 
 def _generate(env):

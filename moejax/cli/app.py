@@ -318,14 +318,19 @@ def compile_cache_dir() -> str | None:
 
 def enable_compile_cache():
   """jax's persistent compilation cache at `compile_cache_dir()` (programs that compile
-  in under a second are not kept)."""
+  in under a second are not kept), through jax's own environment variables, read when jax
+  is imported: a program that never imports jax does not import it here (its gc callback
+  would then run at every collection)."""
   d = compile_cache_dir()
   if d is None or "JAX_COMPILATION_CACHE_DIR" in os.environ:
     return
-  import jax
-  jax.config.update("jax_compilation_cache_dir", d)
-  if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = d
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "1.0")
+  if "jax" in sys.modules:          # already imported: its config read them before
+    import jax
+    jax.config.update("jax_compilation_cache_dir", d)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                      float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
 
 
 def run(main):

@@ -191,12 +191,12 @@ def main(_):
   import importlib.util
   stack = "/".join(name if importlib.util.find_spec(name) else fallback for name, fallback in
                    (("uvloop", "asyncio"), ("httptools", "h11")))
+  warning = auth.exposure_warning(FLAGS.host, key)
+  if warning:                     # first, so that it is not lost among the load's lines
+    print(warning, file=sys.stderr, flush=True)
   print(f"[moejax] serving {model_id!r} on http://{host}:{port} (chat: "
         f"{'yes' if template else 'no, no chat template'}; {stack}); loading ...",
         file=sys.stderr, flush=True)
-  warning = auth.exposure_warning(FLAGS.host, key)
-  if warning:
-    print(warning, file=sys.stderr, flush=True)
   worker.start()
   try:
     server.run(sockets=[sock])

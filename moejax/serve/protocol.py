@@ -170,7 +170,8 @@ def parse(body: Any, limits: Limits, prompt_ids: list[int], max_tokens_field: st
   policy, timeout_s, ignored = extension(body.get("moejax"), limits)
   return Request(list(prompt_ids), max_tokens, float(temperature), float(top_p),
                  int(seed) % (2 ** 32), stops, stream, bool(opts.get("include_usage")),
-                 policy, timeout_s, top, echo, float(presence), float(frequency), ignored)
+                 policy, timeout_s, logprobs=top, echo=echo, presence=float(presence),
+                 frequency=float(frequency), ignored=ignored)
 
 
 POLICY_FIELDS = ("policy", "tau", "admission_beta", "eviction")

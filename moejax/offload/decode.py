@@ -46,14 +46,23 @@ def _records(prog: Program, params, srcs, carry, token, pos):
 
 def _decode(prog: Program, params, srcs, carry, token, pos):
   carry, logits, records = _records(prog, params, srcs, carry, token, pos)
-  return carry, _replicated(prog.ctx, logits), _replicated(prog.ctx, stats.pack(records))
+  packed = stats.pack(records)
+  _layouts(prog)[packed.shape] = jax.tree_util.tree_map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), records)
+  return carry, _replicated(prog.ctx, logits), _replicated(prog.ctx, packed)
 
 
-def record_like(prog: Program, params, srcs, carry):
-  """The abstract `cache.step.Record` [L, ...] of `prog`'s step (traced, not run), which
-  `stats.unpack` reads the packed decisions with."""
-  return jax.eval_shape(lambda c: _records(prog, params, srcs, c, jnp.int32(0),
-                                           jnp.int32(0))[2], carry)
+@functools.lru_cache(maxsize=None)
+def _layouts(prog: Program) -> dict:
+  """{packed shape: the abstract `cache.step.Record`} of `prog`'s steps, noted when a step
+  is traced (as part of compiling it: no second trace to learn the record's fields)."""
+  return {}
+
+
+def record_like(prog: Program, packed_shape) -> object:
+  """The abstract Record [L, ...] that a packed record of `prog` ([..., L, width]) was
+  packed from, which `stats.unpack` reads it with; the step has been traced by then."""
+  return _layouts(prog)[tuple(packed_shape[-2:])]
 
 
 def _replicated(ctx: layer_lib.Ctx, x):

@@ -127,7 +127,6 @@ class OffloadEngine:
     self._records: list[TokenRecord] = []
     self._deferred: list[tuple] = []     # (device packed Record, start) of lazy steps
     self._unbuilt: list[tuple] = []      # (numpy packed Record, wall_s, waits) per step
-    self._like = None                    # the abstract Record of the step (`record_like`)
     self._loops: dict = {}        # (steps, temperature, top_p, stop shape) -> compiled loop
     self.prefill_record: TokenRecord | None = None
     self._failed: BaseException | None = None
@@ -190,7 +189,6 @@ class OffloadEngine:
     # throwaway copy of the slot buffers is made (Qwen3-30B-A3B: 1.2 GB a layer at 25%)
     self._step.lower(self.params, self._srcs, self._new_carry(self.states), np.int32(0),
                      np.int32(0)).compile()
-    self._know_records()
     recurrent = families.of(self.cfg).has_recurrent_state(self.cfg)
     for t in sorted({min(int(t), self.max_len - 1) for t in prompt_lengths if t >= 1}):
       tb = t if recurrent else min(bucket(t), self.max_len)
@@ -216,7 +214,6 @@ class OffloadEngine:
     self._prog = dataclasses.replace(self._prog, ctx=dataclasses.replace(self._prog.ctx,
                                                                          policy=policy))
     self._step = decode.step_fn(self._prog)
-    self._like = None
     self._loops = {}
 
   def take_records(self) -> list[TokenRecord]:
@@ -300,7 +297,6 @@ class OffloadEngine:
       raise ValueError("decode_step before prefill")
     if self.end_index >= self.max_len:
       raise ValueError(f"max_len={self.max_len} reached")
-    self._know_records()
     t0 = time.perf_counter()
     self._carry, logits, rec = self._step(self.params, self._srcs, self._carry,
                                              token if lazy else np.int32(token),
@@ -330,15 +326,7 @@ class OffloadEngine:
 
   def _unpack(self, packed):
     """The numpy Record of a step's packed decisions (`stats.unpack`)."""
-    return unpack(packed, self._like)
-
-  def _know_records(self):
-    """The abstract Record of the current program's step (`decode.record_like`), taken
-    before its first step runs (the carry is donated to it; the records may be read after
-    `close`)."""
-    if self._like is None:
-      carry = self._carry if self._carry is not None else self._new_carry(self.states)
-      self._like = decode.record_like(self._prog, self.params, self._srcs, carry)
+    return unpack(packed, decode.record_like(self._prog, np.shape(packed)))
 
   def _build_records(self):
     """Turns the steps' decisions into records (when `records` is read: a decode step
@@ -377,7 +365,6 @@ class OffloadEngine:
     statics = dict(bucket_new=bucket(max(sp.max_new_tokens, 1)),
                    greedy=sp.temperature == 0.0, nucleus=sp.top_p < 1.0)
     key_s = tuple(statics.values()) + (stop.shape,)
-    self._know_records()
     if key_s not in self._loops:     # compiled ahead, so the records time decoding only
       while len(self._loops) >= 4:
         self._loops.pop(next(iter(self._loops)))

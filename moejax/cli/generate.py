@@ -32,7 +32,7 @@ FLAGS = flags.FLAGS
 OFFLOAD_FLAGS = ("cache_fraction", "cache_bytes", "link", "tau", "admission_beta",
                  "lam", "tau_low", "low_bits",
                  "eviction", "prefetch", "speculative", "estimators", "streaming",
-                 "ppl_budget", "tpot_budget_ms", "expert_devices")
+                 "ppl_budget", "tpot_budget_ms", "expert_devices", "host_cache_gb")
 
 flags.DEFINE_string("model_dir", None, "Hugging Face model folder (config.json, "
                     "model.safetensors or its sharded index, tokenizer.json). "
@@ -64,6 +64,9 @@ flags.DEFINE_enum("store", None, ["numpy", "mmap", "pinned_host"], "Where the ex
                   "repacked once into $MOEJAX_CACHE_DIR, default ~/.cache/moejax), pinned_host "
                   "(page-locked memory: the fast DMA path on a GPU). Without --policy on the "
                   "CPU, mmap keeps every expert in the mapped file (as llama.cpp's mmap).")
+flags.DEFINE_float("host_cache_gb", None, "With --policy and --store=mmap: a host staging tier "
+                   "of this many GB between the mapped file and the device (a model larger "
+                   "than RAM on an accelerator; docs/engine.md). Default: off.")
 flags.DEFINE_string("link", None, "With --policy: host->device link: 'native' (the real copy), "
                     "'scaled[:PROFILE]' (emulated, scaled to a GPU) or e.g. '16GB/s,10us'. "
                     "Default: native on an accelerator, scaled on a CPU-only machine.")
@@ -250,8 +253,8 @@ def main(_):
                            f"memory (it offers {', '.join(memory_kinds())}); use numpy or mmap")
   mxfp4 = folder is not None and memory.checkpoint_is_mxfp4(folder)
   plan = memory.plan_memory(cfg, dtype, store=store_kind, offload=FLAGS.policy is not None,
-                            cache_fraction=cache_fraction(),
-                            cache_bytes=FLAGS.cache_bytes, kv_len=seq, mxfp4=mxfp4)
+                            cache_fraction=cache_fraction(), cache_bytes=FLAGS.cache_bytes,
+                            kv_len=seq, mxfp4=mxfp4, host_cache_gb=FLAGS.host_cache_gb)
   if FLAGS.policy is not None:   # a bad --link or missing --prefetch files: before loading
     from moejax.offload.link import parse_link
     parse_link(link_spec(), expert_bytes=plan.expert_bytes, layer_compute_s=1e-3)
@@ -366,7 +369,8 @@ def generate_offloaded(cfg, params, store, tok, ids, sp, dtype, seq, policy, pre
   config = EngineConfig.make(policy, cache_fraction=None if FLAGS.cache_bytes else
                              cache_fraction(), cache_bytes=FLAGS.cache_bytes, link=link,
                              max_len=seq, dtype=dtype, prefetch=prefetch,
-                             expert_devices=FLAGS.expert_devices)
+                             expert_devices=FLAGS.expert_devices,
+                             host_cache_gb=FLAGS.host_cache_gb)
   eng = OffloadEngine(cfg, params, store, config, low_store=low)
   with eng:
     print(f"[moejax] {eng.describe()}", file=sys.stderr)

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moejax.io import quant
+from moejax.io import staging
 from moejax.kernels import cpu_kernel
 from moejax.model import families
 from moejax.prefetch import speculation
@@ -85,7 +86,10 @@ class OffloadEngine:
     if policy.decision.low:
       self.low_store = low_store or quant.build(store, policy.decision.low_bits)
     check_policy(policy, self.device.platform, self.low_store)
-    host, pinned = sources.program_store(store, self.device)
+    self.staging = (staging.StagingCache(store, config.host_cache_bytes)
+                    if config.host_cache_bytes is not None else None)
+    host, pinned = ((dict((l, staging.Staged(self.staging, l)) for l in self.moe_layers), False)
+                    if self.staging else sources.program_store(store, self.device))
     if self.low_store is not None:
       low = sources.program_store(self.low_store, self.device)[0]
       host = {l: dict(store=v, low=low[l]) for l, v in host.items()}
@@ -169,7 +173,8 @@ class OffloadEngine:
 
   def stats(self, skip: int = 0) -> dict:
     """Summary of the decode records after the first `skip` tokens (warm-up)."""
-    return summarize(self.records[skip:], self.cfg)
+    out = summarize(self.records[skip:], self.cfg)
+    return dict(out, **self.staging.counts()) if self.staging else out
 
   def _check(self):
     if self._failed is not None:

@@ -32,6 +32,7 @@ from moejax.cache import policy as policy_lib
 from moejax.cache import resident as resident_lib
 from moejax.cache.policy import HOST
 from moejax.io import quant
+from moejax.io import staging
 from moejax.io import store as store_lib
 from moejax.kernels import cpu_host, cpu_kernel
 from moejax.model import experts as experts_lib
@@ -93,8 +94,11 @@ def copy_rows(buffers: dict, store: dict, ids_J, slots_J, pinned,
 
   def copy_one(j, bufs):
     bufs = dict(bufs)
+    staged = store.rows(ids[j]) if isinstance(store, staging.Staged) else None
     for name, buf in bufs.items():
-      if low_bits is None:   # 16-bit floats stay bits from the store to the slot
+      if staged is not None:   # through the host staging tier (`io.staging`)
+        row = as_dtype(staged[name], buf.dtype)
+      elif low_bits is None:   # 16-bit floats stay bits from the store to the slot
         row = to_device(jax.lax.dynamic_slice_in_dim(store[name], ids[j], 1, axis=0), pinned)
         row = row if row.dtype.itemsize == buf.dtype.itemsize else as_dtype(row, buf.dtype)
       else:
@@ -105,13 +109,26 @@ def copy_rows(buffers: dict, store: dict, ids_J, slots_J, pinned,
   return jax.lax.fori_loop(0, n, copy_one, dict(buffers))
 
 
-def prompt_table(ctx, store: dict, x, dtypes: dict) -> dict:
+def prompt_table(ctx, store: dict, x, dtypes: dict, ids=None) -> dict:
   """The expert table a prompt pass computes its (token, expert) pairs from.  On the CPU
   backend (a store in the device's own memory) it is the store itself: the routed kernel
   reads the rows it needs in place, 16-bit floats as their bits, so no step holds a copy
   of the layer (Qwen3-30B-A3B: 1.2 GB a layer).  Elsewhere (or without the kernel) the
   layer is moved to the device, as `dtypes`, for this call only: the plan's transient
-  "prefill" bytes."""
+  "prefill" bytes.  A staged store (`io.staging`): the experts the prompt routes to
+  (`ids`, any shape) are read one by one through its cache into a device table."""
+  if isinstance(store, staging.Staged):
+    num_e = store.cache.num_experts
+    used_E = jnp.any(ids.reshape(-1, 1) == jnp.arange(num_e), axis=0)
+    order_E = jnp.argsort(~used_E, stable=True).astype(jnp.int32)    # the used ones first
+
+    def one(j, table):
+      e = order_E[j]
+      rows = store.rows(e)
+      return {n: jax.lax.dynamic_update_slice_in_dim(t, as_dtype(rows[n], t.dtype), e, 0)
+              for n, t in table.items()}
+    zeros = {n: jnp.zeros((num_e,) + s, dtypes[n]) for n, (s, _) in store.cache.spec.items()}
+    return jax.lax.fori_loop(0, jnp.sum(used_E).astype(jnp.int32), one, zeros)
   if not ctx.pinned and cpu_kernel.supports(x, store) and cpu_kernel.available():
     return store
   return {n: as_dtype(to_device(v, ctx.pinned), dtypes[n]) for n, v in store.items()}

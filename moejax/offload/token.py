@@ -111,7 +111,7 @@ def prefill(ctx: layer_lib.Ctx, dtype, max_len: int, params, layers, srcs, state
       x = _apply(mod, p, h, moe_in, y.reshape(h.shape), method="add_routed")
     else:   # the table, the store read in place, or the layer on the device for this call
       table = src["table"] if ctx.source == "table" else sources.prompt_table(
-          ctx, src["store"], moe_in, {n: b.dtype for n, b in st.buffers.items()})
+          ctx, src["store"], moe_in, {n: b.dtype for n, b in st.buffers.items()}, ids)
       x = _apply(mod, p, h, moe_in, ids.reshape(1, plen, k), gates.reshape(1, plen, k), table,
                  method="moe_residual")
     st, copy_ids, copy_slots, evicted = step_lib.prefill_step(rule, st, ids, valid, decay_pow)

@@ -49,6 +49,8 @@ flags.DEFINE_integer("cache_bytes", None, "Device memory for the expert cache in
                      "all MoE layers (instead of --cache_fraction).")
 flags.DEFINE_enum("store", "numpy", ["numpy", "mmap", "pinned_host"], "Where the experts "
                   "wait on the host.")
+flags.DEFINE_float("host_cache_gb", None, "With --store=mmap: a host staging tier of this many "
+                   "GB between the mapped file and the device (docs/engine.md). Default: off.")
 flags.DEFINE_string("link", None, "Host->device link: native, scaled[:PROFILE] or e.g. "
                     "'16GB/s,10us'. Default: native on an accelerator, scaled on a CPU.")
 flags.DEFINE_float("tau", None, "The default policy's threshold share.")
@@ -94,6 +96,12 @@ def check_flags(cfg):
   except ValueError:
     raise cli.UsageError(f"--warm_prompt_tokens must be integers, got "
                          f"{','.join(FLAGS.warm_prompt_tokens)}") from None
+  if FLAGS.host_cache_gb is not None:   # a size or store that cannot work: before loading
+    import jax.numpy as jnp
+    from moejax.io import staging
+    from moejax.offload.memory import expert_nbytes
+    staging.staging_rows(FLAGS.host_cache_gb, expert_nbytes(cfg, jnp.dtype(FLAGS.dtype)),
+                         len(cfg.moe_layers), FLAGS.store)
   from moejax.cache.policy import make_policy
   policy = make_policy(FLAGS.policy, tau=FLAGS.tau, admission_beta=FLAGS.admission_beta,
                        eviction=FLAGS.eviction)
@@ -139,7 +147,7 @@ def loader(folder, tok, template, max_len, warm, policy):
     fraction = 0.25 if FLAGS.cache_fraction is None else FLAGS.cache_fraction
     config = EngineConfig.make(policy, cache_fraction=None if FLAGS.cache_bytes else fraction,
                                cache_bytes=FLAGS.cache_bytes, link=link, max_len=max_len,
-                               dtype=dtype)
+                               dtype=dtype, host_cache_gb=FLAGS.host_cache_gb)
     eng = OffloadEngine(cfg, params, store, config)
     print(f"[moejax] {eng.describe()}; KV cache {max_len} positions", file=sys.stderr)
     eng.warmup(prompt_lengths=warm)

@@ -1,0 +1,172 @@
+"""The host staging tier (`--store=mmap --host_cache_gb=G`): a bounded cache of whole
+experts in host memory, fed from the mapped store, for a model larger than the host's RAM
+on an accelerator (docs/engine.md "Memory tiers").
+
+  cache = StagingCache(store, capacity_bytes)       # store: an mmap ExpertStore
+  rows = cache.read(layer, e)     # {name: [1, ...]}: staged, or read from the file + admitted
+  cache.counts()                  # staged reads, disk reads, disk bytes and seconds
+
+The decode program reads an expert it copies into a slot through `Staged.rows`, a host
+callback (`jax.experimental.io_callback`) inside the program's copy loop, so one program
+per token is kept and the token's time includes every wait on the disk.  The pool is
+`rows` whole experts over all MoE layers, allocated once (`rows` x one expert's bytes:
+exactly the plan's "host staging"); a (layer, expert) holds at most one row.  Admission
+is by frequency, as the device cache's lfu: every read adds one to the expert's decayed
+count; a miss takes a free row, else replaces the staged expert with the smallest count
+if its own count is larger (else it is read and not kept).  16-bit floats are held as
+their uint16 bits, as `offload.sources.program_store` hands them to the program.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import threading
+import time
+
+import jax
+from jax.experimental import io_callback
+import numpy as np
+
+from moejax.io.store import StoreBackendError, store_backend
+
+FLAG = "--host_cache_gb"
+
+
+class StagingError(StoreBackendError):
+  """A host staging size or store that cannot work; the message names --host_cache_gb."""
+
+
+def smallest_gb(expert_bytes: int, num_moe_layers: int) -> float:
+  """The smallest --host_cache_gb that holds one expert per MoE layer (GB = 10^9 bytes,
+  rounded up to 0.01)."""
+  return math.ceil(expert_bytes * num_moe_layers / 1e7) / 100
+
+
+def staging_rows(gb: float, expert_bytes: int, num_moe_layers: int, store: str = "mmap") -> int:
+  """Whole experts `gb` GB holds, checked: at least one per MoE layer, with --store=mmap."""
+  if store != "mmap":
+    raise StagingError(f"{FLAG} stages experts read from the mapped checkpoint: it needs "
+                       f"--store=mmap (got --store={store})")
+  rows = int(gb * 1e9 // expert_bytes) if gb > 0 else 0
+  if rows < num_moe_layers:
+    raise StagingError(f"{FLAG}={gb:g} holds {rows} experts of {expert_bytes / 1e6:.2f} MB; "
+                       f"the smallest that works is {FLAG}="
+                       f"{smallest_gb(expert_bytes, num_moe_layers):.2f} (one expert per MoE "
+                       f"layer x {num_moe_layers} layers)")
+  return rows
+
+
+def size_bytes(gb: float | None) -> int | None:
+  """--host_cache_gb in bytes (None: off)."""
+  return None if gb is None else int(gb * 1e9)
+
+
+def describe(c: dict) -> str:
+  """One line of `StagingCache.counts`: the reads since the engine was built."""
+  return (f"{c['staged_reads']} expert reads staged, {c['disk_reads']} from disk "
+          f"({c['disk_bytes'] / 1e9:.2f} GB in {c['disk_s']:.2f} s); hit rate "
+          f"{c['staging_hit_rate']:.1%}; {c['staging_held']}/{c['staging_rows']} rows held")
+
+
+def _bits(a: np.ndarray) -> np.ndarray:
+  return a.view(np.uint16) if a.dtype.itemsize == 2 and a.dtype.kind in "fV" else a
+
+
+class StagingCache:
+  """`rows` experts of a mapped store held in host memory (see the module docstring)."""
+
+  def __init__(self, store, capacity_bytes: int, decay: float = 0.999):
+    if store_backend(store) != "mmap":
+      raise StagingError(f"{FLAG} stages experts read from the mapped checkpoint: it needs "
+                         f"--store=mmap (got a {store_backend(store)} store)")
+    self.layers = tuple(store.moe_layers)
+    self.expert_bytes = store.expert_nbytes()
+    self.rows = staging_rows(capacity_bytes / 1e9, self.expert_bytes, len(self.layers))
+    self._src = {l: {k: _bits(np.asarray(v)) for k, v in store.stacked(l).items()}
+                 for l in self.layers}
+    first = self._src[self.layers[0]]
+    self.num_experts = next(iter(first.values())).shape[0]
+    self.spec = {k: (v.shape[1:], v.dtype) for k, v in first.items()}
+    self.pool = {k: np.empty((self.rows,) + s, d) for k, (s, d) in self.spec.items()}
+    self._index = {l: i for i, l in enumerate(self.layers)}
+    self._freq = np.zeros(len(self.layers) * self.num_experts)
+    self._key = np.full(self.rows, -1, np.int64)       # row -> layer index * E + expert
+    self._row = {}                                     # layer index * E + expert -> row
+    self.decay = decay
+    self.staged_reads = self.disk_reads = self.disk_bytes = 0
+    self.disk_s = 0.0
+    self._lock = threading.Lock()
+
+  @property
+  def nbytes(self) -> int:
+    return self.rows * self.expert_bytes
+
+  def held(self) -> int:
+    """Experts staged now (never more than `rows`)."""
+    return len(self._row)
+
+  def staged(self, layer: int) -> list[int]:
+    i = self._index[layer]
+    return sorted(k - i * self.num_experts for k in self._row
+                  if k // self.num_experts == i)
+
+  def read(self, layer: int, e: int) -> dict:
+    """Expert e of `layer` as {name: [1, ...]} (fresh arrays: the program owns them)."""
+    e = int(e)
+    key = self._index[int(layer)] * self.num_experts + e
+    with self._lock:
+      self._freq *= self.decay
+      self._freq[key] += 1.0
+      row = self._row.get(key)
+      if row is not None:
+        self.staged_reads += 1
+        return {k: p[row:row + 1].copy() for k, p in self.pool.items()}
+      t0 = time.perf_counter()
+      out = {k: np.array(v[e:e + 1]) for k, v in self._src[int(layer)].items()}
+      self.disk_s += time.perf_counter() - t0
+      self.disk_reads += 1
+      self.disk_bytes += self.expert_bytes
+      self._admit(key, out)
+      return out
+
+  def _admit(self, key: int, rows: dict):
+    free = np.flatnonzero(self._key < 0)
+    if free.size:
+      row = int(free[0])
+    else:
+      row = int(np.argmin(self._freq[self._key]))
+      if self._freq[self._key[row]] >= self._freq[key]:
+        return                                       # read, not kept
+      del self._row[int(self._key[row])]
+    for k, p in self.pool.items():
+      p[row] = rows[k][0]
+    self._key[row], self._row[key] = key, row
+
+  def counts(self) -> dict:
+    n = self.staged_reads + self.disk_reads
+    return {"staged_reads": self.staged_reads, "disk_reads": self.disk_reads,
+            "staging_hit_rate": self.staged_reads / n if n else 0.0,
+            "disk_bytes": self.disk_bytes, "disk_s": self.disk_s,
+            "staging_rows": self.rows, "staging_held": self.held()}
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, eq=False)
+class Staged:
+  """A MoE layer's experts as the decode program reads them through the staging cache: a
+  pytree without leaves (the cache and layer are static: part of the program's key)."""
+  cache: StagingCache = dataclasses.field(metadata=dict(static=True))
+  layer: int = dataclasses.field(metadata=dict(static=True))
+
+  def __eq__(self, other):
+    return isinstance(other, Staged) and (self.cache, self.layer) == (other.cache, other.layer)
+
+  def __hash__(self):
+    return hash((id(self.cache), self.layer))
+
+  def rows(self, e) -> dict:
+    """Expert e (a traced int32) as {name: [1, ...]} on the device, from the host callback."""
+    shapes = {k: jax.ShapeDtypeStruct((1,) + s, d) for k, (s, d) in self.cache.spec.items()}
+    return io_callback(
+        lambda i: self.cache.read(self.layer, i), shapes, e, ordered=False)

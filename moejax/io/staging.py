@@ -48,7 +48,7 @@ def staging_rows(gb: float, expert_bytes: int, num_moe_layers: int, store: str =
   if store != "mmap":
     raise StagingError(f"{FLAG} stages experts read from the mapped checkpoint: it needs "
                        f"--store=mmap (got --store={store})")
-  rows = int(gb * 1e9 // expert_bytes) if gb > 0 else 0
+  rows = round(gb * 1e9) // expert_bytes if gb > 0 else 0
   if rows < num_moe_layers:
     raise StagingError(f"{FLAG}={gb:g} holds {rows} experts of {expert_bytes / 1e6:.2f} MB; "
                        f"the smallest that works is {FLAG}="
@@ -59,7 +59,7 @@ def staging_rows(gb: float, expert_bytes: int, num_moe_layers: int, store: str =
 
 def size_bytes(gb: float | None) -> int | None:
   """--host_cache_gb in bytes (None: off)."""
-  return None if gb is None else int(gb * 1e9)
+  return None if gb is None else round(gb * 1e9)
 
 
 def describe(c: dict) -> str:

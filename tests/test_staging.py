@@ -80,7 +80,7 @@ def test_plan_has_a_host_staging_tier_of_whole_experts(demo):
   small = staging.smallest_gb(on.expert_bytes, on.num_moe_layers)
   plan_memory(cfg, jnp.float32, store="mmap", kv_len=64, host_cache_gb=small)   # works
   with pytest.raises(staging.StagingError, match=rf"--host_cache_gb=0.0001 holds 2 experts .* "
-                                                 rf"smallest that works is --host_cache_gb={small:.2f}"):
+                     rf"smallest that works is --host_cache_gb={small:.2f}"):
     plan_memory(cfg, jnp.float32, store="mmap", kv_len=64, host_cache_gb=0.0001)
   with pytest.raises(staging.StagingError, match="needs --store=mmap"):
     plan_memory(cfg, jnp.float32, store="numpy", kv_len=64, host_cache_gb=1.0)

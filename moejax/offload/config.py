@@ -64,10 +64,10 @@ class EngineConfig:
     jnp.dtype(self.dtype)     # an unknown name raises here
     if self.host_cache_bytes is not None and (self.expert_devices > 1 or
                                               self.policy.decision.host):
-      raise staging.StagingError(
-          f"--host_cache_gb with {'--policy=host' if self.policy.decision.host else '--expert_devices > 1'}"
-          f": host experts and expert-parallel replicas read the whole store in place; drop "
-          f"--host_cache_gb")
+      other = "--policy=host" if self.policy.decision.host else "--expert_devices > 1"
+      raise staging.StagingError(f"--host_cache_gb with {other}: host experts and expert-"
+                                 f"parallel replicas read the whole store in place; drop "
+                                 f"--host_cache_gb")
     if self.expert_devices > 1 and self.prefetch.kind != "none":
       raise expert_parallel.ExpertParallelError(
           f"--expert_devices={self.expert_devices} with --prefetch={self.prefetch.kind}: "

@@ -109,3 +109,20 @@ def test_dry_run_prints_the_staging_tier():
   rc, err = _generate("--dry_run", "--store=mmap", "--host_cache_gb=0.01")
   assert rc == 0, err
   assert "host staging (--host_cache_gb: 203 experts x 49.2 kB" in err, err
+
+
+def test_time_model_prices_staged_fetches_at_the_link_and_the_rest_at_the_disk():
+  from moejax.offload import hardware
+  from moejax.research import timemodel
+  shape, hw, disk = (hardware.model_shape(hardware.DEFAULT_MODEL), hardware.hardware("rtx3090"),
+                     hardware.hardware("rtx3090_nvme"))
+  tp = timemodel.roofline(hw, shape)
+  assert timemodel.through_staging(tp, disk, shape.expert_bytes, 1.0).transfer_s == tp.transfer_s
+  half = timemodel.through_staging(tp, disk, shape.expert_bytes, 0.5)
+  read = shape.expert_bytes / disk.link_Bps + disk.link_latency_s
+  assert half.transfer_s == pytest.approx(tp.transfer_s + 0.5 * read)
+  assert half.low_ratio * half.transfer_s == pytest.approx(tp.low_ratio * tp.transfer_s)
+  steps = np.zeros((4, shape.moe_layers, len(timemodel.STEP_FIELDS)), np.float32)
+  steps[..., timemodel.STEP_FIELDS.index("fetches")] = 2.0
+  slow, fast = (timemodel.time_per_token(steps, p) for p in (half, tp))
+  np.testing.assert_allclose(slow - fast, 2 * shape.moe_layers * 0.5 * read, rtol=1e-3)

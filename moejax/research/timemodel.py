@@ -79,6 +79,24 @@ def roofline(hw: hardware.HardwareProfile, shape: hardware.ModelShape,
       source=f"roofline: {shape.name} on {hw.gpu} over {hw.link}")
 
 
+def through_staging(tp: TimeParams, disk: hardware.HardwareProfile, expert_bytes: int,
+                    staging_hit_rate: float) -> TimeParams:
+  """`tp` with its experts behind a host staging tier (`io.staging`, --host_cache_gb): a
+  fetch served from the tier crosses the host link only (tp's transfer_s); one that is not
+  is first read from `disk` (its profile's link: bandwidth and a latency per expert read,
+  e.g. `ddr5_nvme`, `vm_disk`), so each fetch costs, in expectation, (1 - hit rate) x that
+  read more.  The same for background admissions; low-precision copies are held in RAM
+  and keep their host-link price.  The hit rate is measured (`StagingCache.counts`)."""
+  if not 0.0 <= staging_hit_rate <= 1.0:
+    raise ValueError(f"staging_hit_rate={staging_hit_rate}: in [0, 1]")
+  t = tp.transfer_s + (1.0 - staging_hit_rate) * (expert_bytes / disk.link_Bps
+                                                   + disk.link_latency_s)
+  return dataclasses.replace(tp, transfer_s=t,
+                             low_ratio=tp.low_ratio * tp.transfer_s / t if t else tp.low_ratio,
+                             source=f"{tp.source}; staged at {staging_hit_rate:.0%}, else "
+                                    f"{disk.link}")
+
+
 def _advance(state, dt):
   """dt seconds pass with the link serving the background queue."""
   bg, pos = state

@@ -14,7 +14,9 @@ On the CPU backend device memory *is* host memory: a numpy (or memory-mapped) st
 handed over without a copy where jax can share the buffer (a mapped store stays the
 file's pages, read through the page cache: `io.repack` lays it out so that jax can; a copy
 would be reported in one warning line), and a `pinned_host` store stays in that memory
-kind.  Errors: `TransferError` (a store the program cannot read: the message names the
+kind.  With a host staging tier (`io.staging`, --host_cache_gb) a layer's store is a
+`staging.Staged`: each copied row comes from a host callback (the staged row, or the
+mapped file's).  Errors: `TransferError` (a store the program cannot read: the message names the
 layer and tensor), `TransferTimeout` (an emulated link whose waits exceed the engine's
 `transfer_timeout_s`: raised once, after that timeout).
 """

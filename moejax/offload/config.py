@@ -95,8 +95,13 @@ class EngineConfig:
     return cls(policy=policy, link=link, **kw)
 
 
-def check_policy(policy: policy_lib.PolicyParams, platform: str, low_store) -> None:
-  """What a policy needs of the engine that runs it (its constructor and `set_policy`)."""
+def check_policy(policy: policy_lib.PolicyParams, platform: str, low_store,
+                 staged: bool = False) -> None:
+  """What a policy needs of the engine that runs it (its constructor and `set_policy`;
+  staged: the engine reads its experts through a host staging tier)."""
+  if staged and policy.decision.host:
+    raise policy_lib.PolicyError("--policy=host computes misses from the store where it "
+                                 "lives: not with --host_cache_gb")
   if policy.decision.host and platform != "cpu":
     raise policy_lib.PolicyError(
         "--policy=host computes misses on the host CPU, inside the decode program where "

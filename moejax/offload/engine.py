@@ -212,7 +212,8 @@ class OffloadEngine:
     if policy.decision.low and self.low_store is None:
       raise policy_lib.PolicyError(f"{policy.describe()} fetches low-precision copies, which "
                                    "this engine was not built with: build it with that policy")
-    check_policy(policy, self.device.platform, self.low_store if policy.decision.low else None)
+    check_policy(policy, self.device.platform, self.low_store if policy.decision.low else None,
+                 staged=self.staging is not None)
     self._read_deferred()
     self._build_records()        # read under the program that made them
     self.policy = policy

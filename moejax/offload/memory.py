@@ -190,8 +190,8 @@ def plan_memory(cfg: ModelConfig, dtype, *, store: str = "numpy", offload: bool 
   a budget the engine would refuse, with the same message.  platform: the backend
   (default: jax's first device's).  host_cache_gb: the host staging tier (`io.staging`;
   StagingError for a size below one expert per MoE layer or a store other than mmap);
-  its prompt pass reads the prompt's experts into a device table (the "prefill" bytes,
-  on the CPU backend too)."""
+  its prompt pass holds one expert at a time (the "prefill" bytes, on the CPU backend
+  too)."""
   from moejax.io import staging
   from moejax.io.loader import abstract_params
   from moejax.model.model import init_cache
@@ -210,7 +210,7 @@ def plan_memory(cfg: ModelConfig, dtype, *, store: str = "numpy", offload: bool 
     prefill = 0 if platform == "cpu" and plain else cfg.num_experts * ebytes
     if host_cache_gb is not None:
       staged = staging.staging_rows(host_cache_gb, ebytes, n_moe, store) * ebytes
-      prefill = cfg.num_experts * ebytes
+      prefill = ebytes      # the prompt's experts are read and run one at a time
   else:
     slots, prefill = cfg.num_experts, 0
   if host_cache_gb is not None and not offload:

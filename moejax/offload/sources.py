@@ -111,29 +111,40 @@ def copy_rows(buffers: dict, store: dict, ids_J, slots_J, pinned,
   return jax.lax.fori_loop(0, n, copy_one, dict(buffers))
 
 
-def prompt_table(ctx, store: dict, x, dtypes: dict, ids=None) -> dict:
+def prompt_table(ctx, store: dict, x, dtypes: dict) -> dict:
   """The expert table a prompt pass computes its (token, expert) pairs from.  On the CPU
   backend (a store in the device's own memory) it is the store itself: the routed kernel
   reads the rows it needs in place, 16-bit floats as their bits, so no step holds a copy
   of the layer (Qwen3-30B-A3B: 1.2 GB a layer).  Elsewhere (or without the kernel) the
   layer is moved to the device, as `dtypes`, for this call only: the plan's transient
-  "prefill" bytes.  A staged store (`io.staging`): the experts the prompt routes to
-  (`ids`, any shape) are read one by one through its cache into a device table."""
-  if isinstance(store, staging.Staged):
-    num_e = store.cache.num_experts
-    used_E = jnp.any(ids.reshape(-1, 1) == jnp.arange(num_e), axis=0)
-    order_E = jnp.argsort(~used_E, stable=True).astype(jnp.int32)    # the used ones first
-
-    def one(j, table):
-      e = order_E[j]
-      rows = store.rows(e)
-      return {n: jax.lax.dynamic_update_slice_in_dim(t, as_dtype(rows[n], t.dtype), e, 0)
-              for n, t in table.items()}
-    zeros = {n: jnp.zeros((num_e,) + s, dtypes[n]) for n, (s, _) in store.cache.spec.items()}
-    return jax.lax.fori_loop(0, jnp.sum(used_E).astype(jnp.int32), one, zeros)
+  "prefill" bytes."""
   if not ctx.pinned and cpu_kernel.supports(x, store) and cpu_kernel.available():
     return store
   return {n: as_dtype(to_device(v, ctx.pinned), dtypes[n]) for n, v in store.items()}
+
+
+def staged_prompt_experts(ctx, store: staging.Staged, x_PxD, ids_PxK, gates_PxK, dtypes: dict):
+  """A prompt's routed experts [P, D] from a host staging tier (`io.staging`): the experts
+  its tokens route to, one at a time, each read through the tier and run on every token
+  with that token's gate for it (0: not routed).  No table of the layer is built: XLA CPU
+  kept every layer's table alive at once (4 x 1.2 GB at 4 real-width layers, measured)."""
+  num_e = store.cache.num_experts
+  used_E = jnp.any(ids_PxK.reshape(-1, 1) == jnp.arange(num_e), axis=0)
+  order_E = jnp.argsort(~used_E, stable=True).astype(jnp.int32)    # the used ones first
+  swiglu = families.of(ctx.cfg).swiglu(ctx.cfg)
+  zero_Px1 = jnp.zeros((x_PxD.shape[0], 1), jnp.int32)
+
+  def one(j, y_PxD):
+    e = order_E[j]
+    rows = store.rows(e)
+    w_Px1 = jnp.sum(jnp.where(ids_PxK == e, gates_PxK, 0.0), axis=1, keepdims=True)
+    y = experts_lib.apply_experts(x_PxD, zero_Px1, w_Px1.astype(gates_PxK.dtype),
+                                  {n: as_dtype(r, dtypes[n]) for n, r in rows.items()},
+                                  swiglu=swiglu)
+    return y_PxD + y.astype(jnp.float32)
+  y = jax.lax.fori_loop(0, jnp.sum(used_E).astype(jnp.int32), one,
+                        jnp.zeros(x_PxD.shape, jnp.float32))
+  return y.astype(x_PxD.dtype)
 
 
 def copy_into_slots(ctx, buffers: dict, store: dict, ids_J, slots_J,

@@ -30,12 +30,14 @@ import time
 from absl import flags
 
 from moejax.cli import app as cli
+from moejax.cli import flagsets
 
 FLAGS = flags.FLAGS
 
-flags.DEFINE_string("model_dir", None, "Hugging Face model folder (config.json, safetensors, "
-                    "tokenizer.json; tokenizer_config.json for a chat template). Default: the "
-                    "demo model, ./ckpts/demo.")
+flagsets.model_dir(what="Hugging Face model folder (config.json, safetensors, tokenizer.json; "
+                   "tokenizer_config.json for a chat template)")
+flagsets.dtype()
+flagsets.engine()
 flags.DEFINE_string("model_name", None, "The model id clients send (default: the folder's "
                     "name).")
 flags.DEFINE_string("host", "127.0.0.1", "Address to listen on (0.0.0.0: every interface).")
@@ -43,19 +45,6 @@ flags.DEFINE_integer("port", 8000, "Port to listen on (0: a free one, printed at
 flags.DEFINE_string("policy", "quality", "The default offload policy: a preset (quality, "
                     "speed, baseline) or a miss rule (fetch_all, threshold, first_choice, "
                     "substitute_all, host); a request may choose another.")
-flags.DEFINE_float("cache_fraction", None, "Share of each layer's experts resident "
-                   "(default 0.25); shared by every request.")
-flags.DEFINE_integer("cache_bytes", None, "Device memory for the expert cache in bytes, over "
-                     "all MoE layers (instead of --cache_fraction).")
-flags.DEFINE_enum("store", "numpy", ["numpy", "mmap", "pinned_host"], "Where the experts "
-                  "wait on the host.")
-flags.DEFINE_string("link", None, "Host->device link: native, scaled[:PROFILE] or e.g. "
-                    "'16GB/s,10us'. Default: native on an accelerator, scaled on a CPU.")
-flags.DEFINE_float("tau", None, "The default policy's threshold share.")
-flags.DEFINE_float("admission_beta", None, "The default policy's admission threshold.")
-flags.DEFINE_enum("eviction", None, ["lru", "lfu", "least_stale"], "The default policy's "
-                  "eviction rule.")
-flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute/parameter dtype.")
 flags.DEFINE_integer("max_len", None, "The KV cache: the longest prompt + max_tokens of a "
                      "request. Default: the model's limit, at most 2048.")
 flags.DEFINE_integer("max_queue", 16, "Requests that may wait for the engine; beyond: 429.")
@@ -131,8 +120,9 @@ def loader(folder, tok, template, max_len, warm, policy):
     import jax
     t0 = time.time()
     dtype = jnp.dtype(FLAGS.dtype)
-    cfg, params, store = load_model(folder, dtype=dtype, mmap=FLAGS.store != "numpy")
-    store = make_store(store, FLAGS.store)
+    store_kind = FLAGS.store or "numpy"
+    cfg, params, store = load_model(folder, dtype=dtype, mmap=store_kind != "numpy")
+    store = make_store(store, store_kind)
     from moejax.offload.link import default_spec
     spec = FLAGS.link or default_spec(jax.devices()[0].platform)
     link = calibrated_link(spec, cfg, params, store, dtype)

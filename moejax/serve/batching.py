@@ -113,14 +113,16 @@ class Row:
     """The next token from its step's logits: `token_loop`'s key schedule and `next_token`
     (with penalties: `next_token_penalized`, as `serve.decoding`)."""
     sp: SamplingParams = self.job.sp
-    self.key, sub = jax.random.split(self.key)
+    greedy = sp.temperature == 0.0 and not self.penalized
+    if not greedy:             # a greedy row's key is never read: no split (a dispatch)
+      self.key, sub = jax.random.split(self.key)
     if self.penalized:
       if self.counts is None:
         self.counts = jnp.zeros((np.shape(logits_V)[-1],), jnp.int32)
       tid, self.counts = next_token_penalized(
           logits_V, self.counts, sub, np.float32(self.job.presence),
           np.float32(self.job.frequency), float(sp.temperature), float(sp.top_p))
-    elif sp.temperature == 0.0:
+    elif greedy:
       tid = np.argmax(logits_V)        # jnp.argmax's choice (the first of equal maxima)
     else:
       tid = next_token(logits_V, sub, float(sp.temperature), float(sp.top_p))

@@ -1,6 +1,7 @@
-"""The host staging tier on a 64 MB per-expert bf16 checkpoint (tests/test_disk_tier.py's):
-the same tokens with the smallest tier as without it, and peak anonymous RSS within the
-plan with a 16 MB tier (a child process, tests/disk_tier_child.py)."""
+"""The host staging tier on small per-expert bf16 checkpoints (tests/test_disk_tier.py's
+model): the same tokens with the smallest tier as without it, and, at 64 MB of experts,
+peak anonymous RSS within the plan with a 16 MB tier (a child process,
+tests/disk_tier_child.py)."""
 
 import json
 import subprocess
@@ -22,8 +23,14 @@ def ckpt_64mb(tmp_path_factory):
   return write(config(256, 160), tmp_path_factory.mktemp("ckpt64"))
 
 
-def test_per_expert_checkpoint_tokens_equal(ckpt_64mb):
-  cfg, params, store = load_model(ckpt_64mb, dtype=jnp.bfloat16, mmap=True, progress=False)
+@pytest.fixture(scope="module")
+def ckpt_small(tmp_path_factory):
+  """The same model at hidden 128, experts of 64 (6 MB of experts): quick to write."""
+  return write(config(128, 64), tmp_path_factory.mktemp("ckpt6"))
+
+
+def test_per_expert_checkpoint_tokens_equal(ckpt_small):
+  cfg, params, store = load_model(ckpt_small, dtype=jnp.bfloat16, mmap=True, progress=False)
   base, _, _ = greedy(cfg, params, store, jnp.bfloat16, None, tokens=6)
   out, s, cache = greedy(cfg, params, store, jnp.bfloat16, 4 * store.expert_nbytes(), tokens=6)
   assert out == base and cache.held() == 4 and s["disk_reads"] > 0

@@ -50,6 +50,8 @@ flags.DEFINE_integer("clients", 0, "> 0: the load test instead (benchmarks.serve
 flags.DEFINE_integer("requests", 20, "Requests per client (--clients).")
 flags.DEFINE_list("max_batches", ["1", "8"], "The servers' --max_batch values (--clients).")
 flags.DEFINE_integer("rounds", 1, "Rounds over --max_batches, alternating (--clients).")
+flags.DEFINE_list("server_args", [], "More flags for the server (--clients), e.g. "
+                  "--store=mmap,--dtype=bfloat16.")
 
 
 def start_server(model_dir, warm_len, extra=()):

@@ -9,8 +9,8 @@ completions back to back, each with the next of a few code prompts.  Per request
 first token (from just before the request is written to the first chunk with text) and
 its per-token latency ((last chunk - first chunk) / (tokens - 1)).  Per server:
 throughput (completion tokens summed over clients / the load's wall time), p50 and p95 of
-both, and the server's RSS after warm-up, its peak during the load (sampled every 50 ms)
-and after.  --rounds > 1 alternates the servers, so that load from other processes falls
+both, and the server's anonymous RSS (RssAnon) after warm-up, its peak during the load
+(sampled every 50 ms) and after.  --rounds > 1 alternates the servers, so that load from other processes falls
 on each alike.  The JSON holds every request's figures; the terminal gets a table and
 the ratios against the first --max_batches value.
 """
@@ -37,12 +37,15 @@ PROMPTS = ("def fibonacci(n):", "import os\n\n\ndef read_config(path):", "class 
 
 
 def _rss_mb(pid: int) -> float:
+  """The server's anonymous RSS (RssAnon): a mapped store's file pages are page cache, not
+  the server's own memory."""
   with open(f"/proc/{pid}/status") as f:
-    return int(re.search(r"VmRSS:\s+(\d+) kB", f.read()).group(1)) / 1024
+    return int(re.search(r"RssAnon:\s+(\d+) kB", f.read()).group(1)) / 1024
 
 
 def one_server(model_dir: str, model_id: str, batch: int) -> dict:
-  extra = [f"--max_batch={batch}", f"--max_queue={max(FLAGS.clients * 2, 16)}"]
+  extra = [f"--max_batch={batch}", f"--max_queue={max(FLAGS.clients * 2, 16)}",
+           *FLAGS.server_args]
   if FLAGS.server_max_len:
     extra.append(f"--max_len={FLAGS.server_max_len}")
   proc, url = start_server(model_dir, 16, extra)
@@ -103,7 +106,8 @@ def run() -> int:
   ratios = {b: dict(throughput=r["throughput_tok_s"] / base["throughput_tok_s"],
                     ms_per_token_p50=r["ms_per_token_p50"] / base["ms_per_token_p50"])
             for b, r in best.items()}
-  res = dict(model_dir=model_dir, policy=FLAGS.policy, clients=FLAGS.clients,
+  res = dict(model_dir=model_dir, policy=FLAGS.policy, server_args=FLAGS.server_args,
+             clients=FLAGS.clients,
              requests_per_client=FLAGS.requests, max_new_tokens=FLAGS.max_new_tokens,
              max_batches=batches, rounds=FLAGS.rounds, cpu_count=os.cpu_count(),
              load_avg_start=load_start, load_avg=os.getloadavg(),

@@ -104,6 +104,14 @@ def prefill_logits(model: Transformer, params, experts, cache, tokens_BxT, last)
   return model.apply({"params": params}, x_Bx1xD, method=Transformer.logits)[:, 0], cache
 
 
+@functools.partial(jax.jit, static_argnames=("model",), donate_argnames=("cache",))
+def decode_logits(model: Transformer, params, experts, cache, token_B, end_index):
+  """One token of each row at `end_index` (one, or [B]: a position per row) -> (its
+  logits [B, V], cache): for callers that sample on the host (the server's batch)."""
+  logits, cache, _ = model.apply({"params": params}, token_B[:, None], experts, cache, end_index)
+  return logits[:, -1], cache
+
+
 @functools.partial(jax.jit, static_argnames=("model", "temperature", "top_p"),
                    donate_argnames=("cache",))
 def decode_sample(model: Transformer, params, experts, cache, token_B, end_index, key, *,

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moejax.model.model import init_cache, put_row
-from moejax.model.sampler import (Sampler, SamplingParams, bucket, decode_sample, next_token,
+from moejax.model.sampler import (Sampler, SamplingParams, bucket, decode_logits, next_token,
                                   next_token_penalized)
 from moejax.serve import protocol
 from moejax.serve.logprobs import token_logprob
@@ -72,8 +72,7 @@ class Resident:
   def step(self, cache, tokens_B, pos_B):
     """One token of every row -> (logits [B, V] on the host, cache)."""
     s = self.sampler
-    _, logits, cache = decode_sample(s.model, s.params, s.experts, cache, tokens_B, pos_B,
-                                     _NO_KEY, temperature=0.0, top_p=1.0)
+    logits, cache = decode_logits(s.model, s.params, s.experts, cache, tokens_B, pos_B)
     return np.asarray(logits), cache
 
   def prompt(self, ids: list[int], cache, row: int):
@@ -89,8 +88,6 @@ class Resident:
     zeros = np.zeros(self.max_batch, np.int32)
     jax.block_until_ready(self.step(cache, zeros, zeros))
 
-
-_NO_KEY = np.zeros((2,), np.uint32)
 
 
 class Row:

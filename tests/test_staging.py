@@ -51,7 +51,6 @@ def test_demo_tokens_equal_with_and_without_the_staging_tier(demo):
 
 def test_reads_are_the_store_rows_and_the_pool_never_exceeds_its_rows(demo):
   _, _, store = demo
-  l0 = store.moe_layers[0]
   cache = staging.StagingCache(store, 9 * store.expert_nbytes())
   rng = np.random.default_rng(0)
   hot = (store.moe_layers[1], 5)
@@ -65,7 +64,6 @@ def test_reads_are_the_store_rows_and_the_pool_never_exceeds_its_rows(demo):
   c = cache.counts()
   assert c["staged_reads"] + c["disk_reads"] == 400 and c["staged_reads"] >= 133 - 1
   assert c["disk_bytes"] == c["disk_reads"] * store.expert_nbytes()
-  assert cache.staged(l0) is not None
 
 
 def test_plan_has_a_host_staging_tier_of_whole_experts(demo):

@@ -144,6 +144,8 @@ class StagingCache:
     self._key[row], self._row[key] = key, row
 
   def counts(self) -> dict:
+    """Reads since built: staged_reads from the pool, disk_reads of the mapped file (the
+    page cache may still serve one: `disk_s` says what they cost), their bytes."""
     n = self.staged_reads + self.disk_reads
     return {"staged_reads": self.staged_reads, "disk_reads": self.disk_reads,
             "staging_hit_rate": self.staged_reads / n if n else 0.0,

@@ -124,3 +124,28 @@ def test_time_model_prices_staged_fetches_at_the_link_and_the_rest_at_the_disk()
   steps[..., timemodel.STEP_FIELDS.index("fetches")] = 2.0
   slow, fast = (timemodel.time_per_token(steps, p) for p in (half, tp))
   np.testing.assert_allclose(slow - fast, 2 * shape.moe_layers * 0.5 * read, rtol=1e-3)
+
+
+def test_replay_counts_what_the_tier_serves_and_the_simulator_reports_it():
+  # 0, 0 hit; 2 replaces 1 (1's count has decayed below 2's), so 1 misses again
+  assert staging.replay([0, 1, 0, 0, 2, 1], rows=2, num_keys=3) == (2, 6)
+  assert staging.replay([0, 0, 1, 2, 0], rows=1, num_keys=3) == (2, 5)       # 0 stays
+  assert staging.replay([0, 1, 2, 0, 1, 2], rows=3, num_keys=3) == (3, 6)
+  assert staging.replay([0, 1, 2, 0, 1, 2], rows=1, num_keys=3)[0] < 3
+  from moejax.research import simulator
+  from moejax.model.config import ModelConfig
+  cfg = ModelConfig(model_type="qwen3_moe", vocab_size=64, hidden_size=32, num_layers=2,
+                    num_heads=2, num_kv_heads=1, head_dim=16, num_experts=16, top_k=2,
+                    moe_intermediate_size=8, intermediate_size=64, sparse_layers=(True,) * 2,
+                    qk_norm="head").validate()
+  logits = np.random.default_rng(0).normal(size=(40, 2, 16)).astype(np.float32)
+  res = simulator.simulate(cfg, logits, ["fetch_all"], cache_fraction=0.25, detail=True)[0]
+  fetches = int(res.total("fetches"))
+  everything = res.staging_hit_rate(rows=32, num_experts=16)      # every expert fits
+  assert fetches > 0 and 0 < everything and res.staging_hit_rate(2, 16) <= everything
+  distinct = len({(l, e) for t in range(res.detail["ids"].shape[0]) for l in range(2)
+                  for e, a in zip(res.detail["ids"][t, l], res.detail["action"][t, l]) if a == 1}
+                 | {(l, e) for t in range(res.detail["admit"].shape[0]) for l in range(2)
+                    for e in res.detail["admit"][t, l] if e >= 0})
+  reads = fetches + int(res.total("admissions"))
+  assert everything == pytest.approx((reads - distinct) / reads)   # all but first reads hit

@@ -73,6 +73,46 @@ def _bits(a: np.ndarray) -> np.ndarray:
   return a.view(np.uint16) if a.dtype.itemsize == 2 and a.dtype.kind in "fV" else a
 
 
+class Admission:
+  """Which keys (layer index x E + expert) `rows` rows hold, by frequency: `touch` adds one
+  to the key's count (all counts decay by `decay` a touch) and answers whether it is held,
+  or the row it now takes (a free one, else the held key with the smallest count if that
+  count is smaller than its own; None: not kept).  No data: `StagingCache` holds the rows,
+  `replay` counts what a sequence of reads would find."""
+
+  def __init__(self, rows: int, num_keys: int, decay: float = 0.999):
+    self.rows, self.decay = rows, decay
+    self.freq = np.zeros(num_keys)
+    self.key_of = np.full(rows, -1, np.int64)      # row -> key
+    self.row_of = {}                               # key -> row
+
+  def touch(self, key: int) -> tuple[bool, int | None]:
+    self.freq *= self.decay
+    self.freq[key] += 1.0
+    row = self.row_of.get(key)
+    if row is not None:
+      return True, row
+    free = np.flatnonzero(self.key_of < 0)
+    if free.size:
+      row = int(free[0])
+    else:
+      row = int(np.argmin(self.freq[self.key_of]))
+      if self.freq[self.key_of[row]] >= self.freq[key]:
+        return False, None                         # read, not kept
+      del self.row_of[int(self.key_of[row])]
+    self.key_of[row], self.row_of[key] = key, row
+    return False, row
+
+
+def replay(keys, rows: int, num_keys: int, decay: float = 0.999) -> tuple[int, int]:
+  """(reads a tier of `rows` would have served, reads) for a sequence of keys."""
+  adm, hits, n = Admission(rows, num_keys, decay), 0, 0
+  for k in keys:
+    hits += adm.touch(int(k))[0]
+    n += 1
+  return hits, n
+
+
 class StagingCache:
   """`rows` experts of a mapped store held in host memory (see the module docstring)."""
 
@@ -90,10 +130,7 @@ class StagingCache:
     self.spec = {k: (v.shape[1:], v.dtype) for k, v in first.items()}
     self.pool = {k: np.empty((self.rows,) + s, d) for k, (s, d) in self.spec.items()}
     self._index = {l: i for i, l in enumerate(self.layers)}
-    self._freq = np.zeros(len(self.layers) * self.num_experts)
-    self._key = np.full(self.rows, -1, np.int64)       # row -> layer index * E + expert
-    self._row = {}                                     # layer index * E + expert -> row
-    self.decay = decay
+    self.admission = Admission(self.rows, len(self.layers) * self.num_experts, decay)
     self.staged_reads = self.disk_reads = self.disk_bytes = 0
     self.disk_s = 0.0
     self._lock = threading.Lock()
@@ -104,11 +141,11 @@ class StagingCache:
 
   def held(self) -> int:
     """Experts staged now (never more than `rows`)."""
-    return len(self._row)
+    return len(self.admission.row_of)
 
   def staged(self, layer: int) -> list[int]:
     i = self._index[layer]
-    return sorted(k - i * self.num_experts for k in self._row
+    return sorted(k - i * self.num_experts for k in self.admission.row_of
                   if k // self.num_experts == i)
 
   def read(self, layer: int, e: int) -> dict:
@@ -116,10 +153,8 @@ class StagingCache:
     e = int(e)
     key = self._index[int(layer)] * self.num_experts + e
     with self._lock:
-      self._freq *= self.decay
-      self._freq[key] += 1.0
-      row = self._row.get(key)
-      if row is not None:
+      staged, row = self.admission.touch(key)
+      if staged:
         self.staged_reads += 1
         return {k: p[row:row + 1].copy() for k, p in self.pool.items()}
       t0 = time.perf_counter()
@@ -127,21 +162,10 @@ class StagingCache:
       self.disk_s += time.perf_counter() - t0
       self.disk_reads += 1
       self.disk_bytes += self.expert_bytes
-      self._admit(key, out)
+      if row is not None:
+        for k, p in self.pool.items():
+          p[row] = out[k][0]
       return out
-
-  def _admit(self, key: int, rows: dict):
-    free = np.flatnonzero(self._key < 0)
-    if free.size:
-      row = int(free[0])
-    else:
-      row = int(np.argmin(self._freq[self._key]))
-      if self._freq[self._key[row]] >= self._freq[key]:
-        return                                       # read, not kept
-      del self._row[int(self._key[row])]
-    for k, p in self.pool.items():
-      p[row] = rows[k][0]
-    self._key[row], self._row[key] = key, row
 
   def counts(self) -> dict:
     """Reads since built: staged_reads from the pool, disk_reads of the mapped file (the

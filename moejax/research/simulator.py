@@ -40,6 +40,7 @@ from moejax.cache import policy as policy_lib
 from moejax.cache import resident as resident_lib
 from moejax.cache import step as step_lib
 from moejax.cache.policy import PolicyParams
+from moejax.io import staging
 
 # totals per policy and layer (float: masses are shares g / sum(selected g))
 STAT_FIELDS = ("expert_calls", "hits", "misses", "fetches", "substituted", "substituted_mass",
@@ -81,6 +82,19 @@ class SimResult:
     s["substituted_mass_per_token"] = self.total("substituted_mass") / n
     s["per_layer"] = {k: [float(v) for v in self.per_layer(k)] for k in STAT_FIELDS}
     return s
+
+  def staging_hit_rate(self, rows: int, num_experts: int, decay: float = 0.999) -> float:
+    """The share of the decode's full-precision copies (waited fetches, then background
+    admissions, per token and layer) that a host staging tier of `rows` experts
+    (`io.staging`, --host_cache_gb) would have served; needs detail=True.  The prompt's
+    reads are not in a replay (the engine's counts include them)."""
+    d = self.detail
+    fetched = np.where(d["action"] == policy_lib.FETCH, d["ids"], -1)
+    both = np.concatenate([fetched, np.asarray(d["admit"])], axis=-1)       # [T, L, 2K]
+    layer = np.arange(both.shape[1])[None, :, None]
+    keys = (layer * num_experts + both)[both >= 0]     # in (token, layer, fetch/admit) order
+    hits, n = staging.replay(keys, rows, both.shape[1] * num_experts, decay)
+    return hits / n if n else 0.0
 
 
 def static_key(p: PolicyParams) -> PolicyParams:

@@ -149,14 +149,17 @@ class StagingCache:
                   if k // self.num_experts == i)
 
   def read(self, layer: int, e: int) -> dict:
-    """Expert e of `layer` as {name: [1, ...]} (fresh arrays: the program owns them)."""
+    """Expert e of `layer` as {name: [1, ...]}: on a hit, views of its pool row (the
+    runtime copies a callback's results into the program's buffers as the callback
+    returns, before the program's next read can replace the row; measured: one copy less
+    made a staged copy 1.5x a mapped slice instead of 2.2-3.6x)."""
     e = int(e)
     key = self._index[int(layer)] * self.num_experts + e
     with self._lock:
       staged, row = self.admission.touch(key)
       if staged:
         self.staged_reads += 1
-        return {k: p[row:row + 1].copy() for k, p in self.pool.items()}
+        return {k: p[row:row + 1] for k, p in self.pool.items()}   # copied by the runtime
       t0 = time.perf_counter()
       out = {k: np.array(v[e:e + 1]) for k, v in self._src[int(layer)].items()}
       self.disk_s += time.perf_counter() - t0

@@ -68,3 +68,16 @@ def test_batch_errors_name_the_argument():
     sim.simulate(cfg, lg, ["baseline"], batch=0)
   with pytest.raises(ValueError, match="4 streams"):
     sim.simulate(cfg, lg, ["baseline"], batch=4, prefill_tokens=10)
+
+
+def test_cli_batch_usage_error_comes_before_loading(tmp_path):
+  import os
+  import subprocess
+  import sys
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, PYTHONPATH=repo, JAX_PLATFORMS="cpu")
+  r = subprocess.run([sys.executable, "-m", "launch.simulate", f"--trace={tmp_path}/none",
+                      f"--out={tmp_path}/out", "--batch=2,0"], cwd=repo, env=env,
+                     capture_output=True, text=True, timeout=300)
+  assert r.returncode == 2, r.stderr[-2000:]
+  assert "--batch" in r.stderr and "trace.json" not in r.stderr, r.stderr[-2000:]

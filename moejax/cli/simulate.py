@@ -259,7 +259,8 @@ def main(_):
   runs = [(float(frac), n, profs, b) for frac in FLAGS.cache_fractions
           for n, profs in by_devices.items() for b in bs]
   seg = lambda b: tr.num_tokens // b - FLAGS.prefill_tokens
-  bar = tqdm(total=sum(len(pols) * b * max(seg(b), 0) for *_, b in runs), unit="tok",
+  groups = len({simulator.static_key(p) for p in pols})    # one replay per group
+  bar = tqdm(total=sum(groups * b * max(seg(b), 0) for *_, b in runs), unit="tok",
              desc="simulate", file=sys.stderr, mininterval=0.5, leave=False)
   for f, n, profs, b in runs:
     if FLAGS.initial == "profile":
@@ -270,7 +271,7 @@ def main(_):
                            f"{tr.num_tokens // b}, not more than --prefill_tokens")
     res = simulator.simulate(tr.cfg, tr.logits_TxLxR, pols, cache_fraction=f, devices=n,
                              initial_LxS=initial, prefill_tokens=FLAGS.prefill_tokens,
-                             batch=b, progress=lambda t: bar.update(t * len(pols)))
+                             batch=b, progress=bar.update)
     for name, r in zip(FLAGS.policies, res):
       row = dict(r.summary(), policy_name=name, cache_fraction=f, devices=n, time={})
       for prof in profs:

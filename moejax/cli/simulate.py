@@ -228,7 +228,8 @@ def batch_plot(results, prof, path):
     ax.set_xlabel("batch B (streams sharing the cache)", fontsize=8)
     ax.tick_params(labelsize=7)
   axes[0].legend(fontsize=7)
-  fig.suptitle(f"SIMULATED: {os.path.basename(results['trace'])} ({results['shape']}), "
+  kind = "SYNTHETIC trace " if results.get("synthetic") else ""
+  fig.suptitle(f"SIMULATED: {kind}{os.path.basename(results['trace'])} ({results['shape']}), "
                f"{100 * f0:g}% resident", fontsize=9)
   fig.tight_layout()
   fig.savefig(path, dpi=80)
@@ -242,7 +243,7 @@ def main(_):
   pols = [policy_lib.make_policy(p) for p in FLAGS.policies]
   results = dict(trace=os.path.abspath(FLAGS.trace), tokens=tr.num_tokens,
                  shape=shape.name, policies=FLAGS.policies, cache_fractions=FLAGS.cache_fractions,
-                 batches=bs,
+                 batches=bs, synthetic=bool(tr.meta.get("synthetic")),
                  note="times are SIMULATED by the time model, not measured", runs=[])
   calibration = None
   if FLAGS.calibration:
@@ -274,6 +275,10 @@ def main(_):
                              batch=b, progress=bar.update)
     for name, r in zip(FLAGS.policies, res):
       row = dict(r.summary(), policy_name=name, cache_fraction=f, devices=n, time={})
+      low = next(iter(tps.values())).low_ratio       # a low copy's bytes / the expert's
+      row["waited_MB_per_token"] = shape.expert_bytes * 1e-6 * (
+          row["fetches_per_token"] + low * row["fetches_low_per_token"])
+      row["background_MB_per_token"] = shape.expert_bytes * 1e-6 * row["admissions_per_token"]
       for prof in profs:
         tps_s = timemodel.time_per_token(r.steps_TxLxC, tps[prof])    # per step
         row["time"][prof] = dict(tpot_ms=1e3 * float(np.mean(tps_s)) / b,

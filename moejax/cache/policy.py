@@ -39,8 +39,8 @@ copied into its own slot (no eviction) where admissions are inserted, and the sl
 no longer low.  Without admission a low copy stays until it is evicted.
 
 Eviction (lru, lfu, SpecMD's least_stale) orders the slots an insertion may overwrite:
-`moejax.cache.eviction`.  The LFU count of expert e is updated here, once per token and
-layer (`update_usage`), as ``freq[e] <- lfu_decay * freq[e] + n_e``, n_e the number of
+`moejax.cache.eviction`.  The LFU count of expert e is updated here, once per step (a
+token, or a batch of them) and layer (`update_usage`), as ``freq[e] <- lfu_decay * freq[e] + n_e``, n_e the number of
 this step's tokens whose router selected e (hit, fetched, substituted, dropped or host
 alike: it tracks demand); the default decay 0.98 is a half-life of about 34 tokens.
 

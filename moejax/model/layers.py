@@ -93,7 +93,12 @@ class SwiGLU(nn.Module):
 
 
 def write_cache(cache_arr, new, end_index):
-  """Writes `new` [B, T, ...] into the static cache [B, S, ...] at position end_index."""
+  """Writes `new` [B, T, ...] into the static cache [B, S, ...] at position end_index: one
+  for the batch, or [B] (row b at end_index[b]: sequences decoded together, each at its
+  own position)."""
+  if jnp.ndim(end_index) == 1:
+    return jax.vmap(lambda c, n, e: write_cache(c[None], n[None], e)[0])(cache_arr, new,
+                                                                         end_index)
   idx = (0, end_index) + (0,) * (new.ndim - 2)
   new = new.astype(cache_arr.dtype)
   if cache_arr.dtype == jnp.bfloat16:

@@ -207,6 +207,18 @@ def plan_memory(cfg: ModelConfig, dtype, *, store: str = "numpy", offload: bool 
                     platform=platform or jax.devices()[0].platform)
 
 
+def available_ram() -> int | None:
+  """MemAvailable of /proc/meminfo in bytes (None where there is none)."""
+  try:
+    with open("/proc/meminfo", encoding="ascii") as f:
+      for line in f:
+        if line.startswith("MemAvailable:"):
+          return int(line.split()[1]) * 1024
+  except OSError:
+    pass
+  return None
+
+
 def gb(n: int) -> str:
   return f"{n / 1e9:.2f} GB" if n >= 1e8 else mb(n)
 

@@ -20,6 +20,13 @@ and its device experts spread evenly over the devices (ceil(n / N) each, as the
 engine's interleaved slots make likely), background transfers drain N links at
 once, and each MoE layer adds one all-reduce (`collective_s`).
 
+Batched decode (the simulator's `batch` = B): the same model per step of B tokens (a
+"token" above is a step): the head and each layer's attention stay one `head_s` and
+`layer_s` per step (memory-bound decode reads their weights once per step; the KV reads
+that grow with B are not modelled), device experts are the distinct experts the batch
+executes (each expert's weights read once), fetches the distinct experts fetched, host
+experts per call; time per token = time per step / B.
+
 Link state is kept relative to the current time (backlog seconds, and per layer
 how much of the backlog must drain before its admissions have arrived), so the
 model is one `lax.scan` over (token, layer) steps, vmapped over policies and
@@ -158,16 +165,17 @@ def time_per_token(steps_TxLxC: np.ndarray, tp: TimeParams) -> np.ndarray:
   return np.asarray(cum).reshape(t, nl)[:, -1].astype(np.float64)
 
 
-def breakdown(steps_TxLxC: np.ndarray, tp: TimeParams) -> dict:
-  """Mean ms per token of the model's terms, without queueing (for tables)."""
+def breakdown(steps_TxLxC: np.ndarray, tp: TimeParams, batch: int = 1) -> dict:
+  """Mean ms per token of the model's terms, without queueing (for tables); steps of
+  `batch` tokens each (the simulator's --batch): a step's time over its tokens."""
   s = steps_TxLxC.astype(np.float64)
   f = {k: s[..., i] for i, k in enumerate(STEP_FIELDS)}
   per = lambda a: np.ceil(a / tp.devices)      # expert-parallel: each device's share
   f["fetches"] = per(f["fetches"]) + tp.low_ratio * per(f["fetches_low"])
   nl = s.shape[1]
-  ms = lambda a: 1e3 * float(np.mean(np.sum(a, axis=1)))
+  ms = lambda a: 1e3 * float(np.mean(np.sum(a, axis=1))) / batch
   coll = nl * tp.collective_s if tp.devices > 1 else 0.0
-  return {"compute_ms": (1e3 * (tp.head_s + nl * tp.layer_s + coll)
+  return {"compute_ms": (1e3 * (tp.head_s + nl * tp.layer_s + coll) / batch
                          + ms(per(f["device_calls"]) * tp.expert_s)),
           "sync_transfer_ms": ms((f["fetches"] > 0) * tp.latency_s + f["fetches"] * tp.transfer_s),
           "fetch_overhead_ms": ms((f["fetches"] > 0) * tp.fetch_overhead_s),

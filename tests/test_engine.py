@@ -22,7 +22,6 @@ from moejax.offload import link as link_lib
 from moejax.cache import policy as P
 from moejax.cache import resident as R
 from moejax.offload import stats as stats_lib
-from moejax.offload import token as token_lib
 from moejax.offload.engine import EngineConfig, OffloadEngine
 from moejax.offload.sources import TransferError, TransferTimeout
 from moejax.model.sampler import SamplingParams
@@ -376,7 +375,7 @@ def test_one_trace_per_program_and_identical_statistics_across_engines(model, mo
   statistics."""
   cfg, params, store, _ = model
   traced = {"step": 0, "prompt": 0}
-  step_fn, prompt_fn = decode._decode, token_lib.prefill
+  step_fn, prompt_fn = decode._decode, decode.prompt_pass
 
   def step(*args, **kw):
     traced["step"] += 1
@@ -388,7 +387,7 @@ def test_one_trace_per_program_and_identical_statistics_across_engines(model, mo
 
   chex.clear_trace_counter()      # (chex counts by source and name: two functions)
   monkeypatch.setattr(decode, "_decode", chex.assert_max_traces(step, n=1))
-  monkeypatch.setattr(token_lib, "prefill", chex.assert_max_traces(prompt, n=1))
+  monkeypatch.setattr(decode, "prompt_pass", chex.assert_max_traces(prompt, n=1))
   # substitute_all with admission: a program no other test builds
   policy = P.make_policy("substitute_all", admission_beta=0.3, lfu_decay=0.5)
   stats, records = [], []

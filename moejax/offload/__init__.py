@@ -4,9 +4,9 @@ The cache's state and its one policy are in moejax.cache, the speculative
 prefetch in moejax.prefetch; this package runs them against a host store.
 
   layer.py      the per-layer sequence, written once (emulator, simulator and engine)
-  token.py      a token or a prompt through every layer, on one expert source
   sources.py    where a layer reads its experts; the store as the program reads it; errors
-  decode.py     the engine's jitted programs (a step, an on-device loop, a prompt)
+  decode.py     a token or a prompt through every layer, on one expert source, and the
+                engine's jitted programs over it (a step, an on-device loop, a prompt)
   engine.py     OffloadEngine (docs/engine.md)
   config.py     EngineConfig: how an engine runs, validated once (constructor and set_policy)
   stats.py      per-token records, their summary and table

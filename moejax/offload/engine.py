@@ -40,11 +40,10 @@ from moejax.offload import link as link_lib
 from moejax.cache import policy as policy_lib
 from moejax.prefetch import steps as pf_steps
 from moejax.cache import resident as resident_lib
-from moejax.offload import token as token_lib
 from moejax.offload import sources
 from moejax.offload.config import EngineConfig, check_policy
 from moejax.offload.stats import (TokenRecord, build_record, link_counts, prefill_record,
-                                  summarize, unpack)
+                                  summarize)
 from moejax.model.sampler import SamplingParams, bucket, token_loop
 
 
@@ -231,7 +230,7 @@ class OffloadEngine:
     return expert_parallel.replicate(self.plan, tree)
 
   def _new_carry(self, states):
-    cache, _, pending = token_lib.empty_carry(self._prog.ctx, self.dtype, self.max_len, {},
+    cache, _, pending = decode.empty_carry(self._prog.ctx, self.dtype, self.max_len, {},
                                               scan=False)
     return self._put(cache), states, self._put(pending)
 
@@ -325,8 +324,8 @@ class OffloadEngine:
       self._unbuilt.append((np.array(rec), nxt - t0, {}))
 
   def _unpack(self, packed):
-    """The numpy Record of a step's packed decisions (`stats.unpack`)."""
-    return unpack(packed, decode.record_like(self._prog, np.shape(packed)))
+    """The numpy Record of a step's packed decisions (`decode.unpack`)."""
+    return decode.unpack(packed, decode.record_like(self._prog, np.shape(packed)))
 
   def _build_records(self):
     """Turns the steps' decisions into records (when `records` is read: a decode step

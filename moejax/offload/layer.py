@@ -8,7 +8,7 @@ from an *expert source* (`sources.run_experts`):
           engine.
 
 The rest of the cache's step (`policy_tail`) runs for every MoE layer at once after
-the last layer (`token.decode`).  The simulator calls `cache.step.policy_step` alone,
+the last layer (`decode.decode_token`).  The simulator calls `cache.step.policy_step` alone,
 on recorded router logits, with the same arguments.
 
 What flows between layers within a token is a `Stream`; what a MoE layer carries to

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import numpy as np
 
 from moejax.cache import step as step_lib
@@ -137,30 +136,6 @@ def build_record(rec, moe_layers, expert_bytes: int, low_bytes: int = 0,
         name: tuple(v[j]) if name in _DENSE else tuple(e for e in v[j] if e >= 0)
         for name, v in ints.items()})
   return out
-
-
-def pack(rec):
-  """A step's `Record` [L, ...] as ONE f32 array [L, width] at the program boundary: a
-  CPU step pays a fixed cost per output buffer (14 fields: the demo's all-resident engine
-  ran at 0.66x the speed of one packed output).  The fields follow the Record's own
-  order, and `unpack` takes their widths from its abstract value, so no field order or
-  offset is written down twice.  Ids, slots and counts are small integers: exact in f32."""
-  import jax.numpy as jnp   # pylint: disable=import-outside-toplevel
-  leaves = jax.tree_util.tree_leaves(rec)
-  return jnp.concatenate([x.astype(jnp.float32) for x in leaves], axis=-1)
-
-
-def unpack(packed, like):
-  """`pack`'s inverse on the host: the numpy `Record` (its own arrays, no view keeping a
-  device buffer alive) from `packed` [..., width] and `like`, the Record's abstract value
-  (`decode.record_like`)."""
-  leaves, treedef = jax.tree_util.tree_flatten(like)
-  out, at = [], 0
-  for x in leaves:
-    n = x.shape[-1]
-    out.append(np.array(packed[..., at:at + n], dtype=x.dtype))
-    at += n
-  return jax.tree_util.tree_unflatten(treedef, out)
 
 
 def link_counts(rec, low_ratio: float = 0.0, plan=None):

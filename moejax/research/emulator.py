@@ -53,7 +53,7 @@ from moejax.offload import layer as layer_lib
 from moejax.cache import policy as policy_lib
 from moejax.prefetch import steps as pf_steps
 from moejax.cache import resident as resident_lib
-from moejax.offload import token as token_lib
+from moejax.offload import decode as decode_lib
 from moejax.cache.step import STATS  # noqa: F401  (per-token statistics, summed over MoE layers)
 from moejax.cache.policy import PolicyParams
 
@@ -108,7 +108,7 @@ def _ctx(setup: Setup) -> layer_lib.Ctx:
 
 def _token_step(setup: Setup, params, layers, table, carry, token, pos, key):
   """One decoded token of one stream: returns (carry, logits [V], stats, detail)."""
-  carry, logits, rec = token_lib.decode(
+  carry, logits, rec = decode_lib.decode_token(
       _ctx(setup), jnp.dtype(setup.dtype), params, layers, table, carry, token, pos, key,
       scan=True)
   stats = step_lib.record_counts(jnp, rec)
@@ -130,7 +130,7 @@ def _slot_experts(cfg: ModelConfig, states):
 
 def _prefill_one(setup: Setup, params, layers, table, states, tokens_P, length, decay_pow):
   """Exact prompt (first `length` of tokens_P) of one stream, as OffloadEngine.prefill."""
-  logits, carry, _ = token_lib.prefill(_ctx(setup), jnp.dtype(setup.dtype), setup.max_len,
+  logits, carry, _ = decode_lib.prompt_pass(_ctx(setup), jnp.dtype(setup.dtype), setup.max_len,
                                        params, layers, table, states, tokens_P, length,
                                        decay_pow, scan=True)
   return logits, carry

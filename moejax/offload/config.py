@@ -42,6 +42,7 @@ class EngineConfig:
   prefetch: Prefetch = Prefetch()
   transfer_timeout_s: float = 120.0
   expert_devices: int = 1
+  layer_scan: bool = True     # False: the layers unrolled (`decode.Program.scan`)
 
   def __post_init__(self):
     def need(ok, msg):

@@ -147,7 +147,8 @@ def stacked_file(model_dir: str, layers, num_experts: int, kinds: dict, dtype, c
   total = _check_free(model_dir, path, specs)
   os.makedirs(os.path.dirname(path), exist_ok=True)
   print(f"[moejax] --store=mmap: repacking the routed experts once into {path} "
-        f"({total / 1e9:.2f} GB, {dt.name}, stacked per layer; later runs map it)",
+        f"({total / 1e9:.2f} GB, {dt.name}, one [L, E, ...] tensor per kind; later runs "
+        f"map it)",
         file=sys.stderr)
   from tqdm import tqdm
   bar = tqdm(total=total, desc="repacking experts", unit="B", unit_scale=True,

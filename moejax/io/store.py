@@ -161,9 +161,10 @@ def layer_stacked(store: "ExpertStore") -> dict | None:
   the repacked file's one tensor per kind, `to_numpy`, `to_mmap`): no copy.  None for
   any other store (per-expert getters, pinned arrays, layers read separately)."""
   layers = store.moe_layers
-  if not layers or any(store.layers[l].stacked is None for l in layers):
+  get = lambda l: getattr(store.layers[l], "stacked", store.layers[l])   # or a LowStore's dict
+  if not layers or any(not isinstance(get(l), dict) for l in layers):
     return None
-  per = [store.layers[l].stacked for l in layers]
+  per = [get(l) for l in layers]
   out = {}
   for k, a in per[0].items():
     arrs = [st.get(k) for st in per]

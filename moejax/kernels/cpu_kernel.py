@@ -228,7 +228,8 @@ def expert_ffn(x_NxD, ids_NxK, gates_NxK, w: dict, xla_fn):
             i.astype(jnp.int32), x, ids.astype(jnp.int32), g.astype(jnp.float32), gu, dn)
     return jax.lax.platform_dependent(
         x_NxD, ids_NxK, gates_NxK, i, gu, dn, cpu=at,
-        default=lambda x, ids, g, *_: xla_fn(x, ids, g, {k: _bits_as_bf16(a) for k, a in w.items()}))
+        default=lambda x, ids, g, *_: xla_fn(x, ids, g, {k: _bits_as_bf16(a)
+                                                         for k, a in w.items()}))
   return _expert_ffn(x_NxD, ids_NxK, gates_NxK, w, xla_fn)
 
 

@@ -56,8 +56,8 @@ def _apply(mod, p, *args, method):
   return mod.apply({"params": p}, *args, method=method)
 
 
-def decode_token(ctx: layer_lib.Ctx, dtype, params, layers, srcs, carry, token, pos, key, scan: bool,
-                 whole: bool = False):
+def decode_token(ctx: layer_lib.Ctx, dtype, params, layers, srcs, carry, token, pos, key,
+                 scan: bool, whole: bool = False):
   """One decoded token of one stream -> (carry, logits [V], `cache.step.Record` stacked
   over MoE layers).  whole: the engine's scan (`layer_stack.scan_whole`)."""
   cfg = ctx.cfg

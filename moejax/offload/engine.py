@@ -86,18 +86,9 @@ class OffloadEngine:
     check_policy(policy, self.device.platform, self.low_store)
     # the layers as one scan (`decode.Program.scan`): a uniform model on one device whose
     # store (and low-precision store) is one [L, E, ...] array per kind; else unrolled
-    host, scan = None, (config.layer_scan and layer_stack.uniform(cfg) and self.plan is None)
-    if scan:
-      host, pinned = sources.program_store(store, self.device, stacked=True)
-      low = (sources.program_store(self.low_store, self.device, stacked=True)[0]
-             if self.low_store is not None and host is not None else None)
-      scan = host is not None and (self.low_store is None or low is not None)
-      host = dict(store=host, **({"low": low} if low is not None else {})) if scan else None
-    if not scan:
-      host, pinned = sources.program_store(store, self.device)
-    if self.low_store is not None and not scan:
-      low = sources.program_store(self.low_store, self.device)[0]
-      host = {l: dict(store=v, low=low[l]) for l, v in host.items()}
+    host, pinned, scan = sources.program_stores(store, self.low_store, self.device,
+                                                config.layer_scan and self.plan is None
+                                                and layer_stack.uniform(cfg))
     trim_to = self.budget.slots if self.budget.staging else None
     ctx = layer_lib.Ctx(cfg, policy, trim_to, pf.kind, pf.speculative, not pf.streaming,
                         None, "slots", pinned, skip_empty=self.device.platform == "cpu",
@@ -109,16 +100,12 @@ class OffloadEngine:
     preds = (speculation.stacked_predictors(cfg, pf.kind, pf.predictors, stack=scan)
              if self.mode.on and pf.kind != "oracle" else None)
     zero = jnp.zeros(((cfg.num_layers,) if scan else ()) + (cfg.num_experts, cfg.hidden_size),
-                     jnp.float32)   # oracle: vectors unused
-    if scan:    # one stacked tree
-      self._srcs = dict(host, **(put(preds) if preds else {}),
-                        **({"vectors": zero} if self.mode.on and preds is None else {}))
-    else:
-      self._srcs = [None if i not in host else dict(
-          **(host[i] if self.low_store else dict(store=host[i])),
-          **(put(preds[i]) if preds else {}),
-          **({"vectors": zero} if self.mode.on and preds is None else {}))
-                    for i in range(cfg.num_layers)]
+                     jnp.float32)
+    more = lambda i: ((put(preds) if i is None else put(preds[i])) if preds else
+                      {"vectors": zero} if self.mode.on else {})     # oracle: vectors unused
+    self._srcs = (dict(host, **more(None)) if scan else   # one stacked tree, or per layer
+                  [None if i not in host else dict(host[i], **more(i))
+                   for i in range(cfg.num_layers)])
     first = store.get(self.moe_layers[0], 0)
     spec = {k: (np.shape(v), jnp.dtype(np.asarray(v).dtype)) for k, v in first.items()}
     rows = cfg.top_k if self.mode.on else 0      # prefetch rows after the scratch row

@@ -252,6 +252,23 @@ def _put(host: np.ndarray, device, kind):
   return jax.device_put(host, jax.sharding.SingleDeviceSharding(device, memory_kind=kind))
 
 
+def program_stores(store, low_store, device, scan: bool):
+  """The engine's host stores as its program takes them -> (sources, pinned, scan): with
+  `scan`, when `store` (and `low_store`) are one [L, E, ...] array per kind,
+  {"store": {name: [L, E, ...]}, "low": ...}; else (scan False) {MoE layer: {"store":
+  {name: [E, ...]}, "low": ...}} ("low" only with a low-precision store)."""
+  if scan:
+    host, pinned = program_store(store, device, stacked=True)
+    low = (program_store(low_store, device, stacked=True)[0]
+           if low_store is not None and host is not None else None)
+    if host is not None and (low_store is None or low is not None):
+      return dict(store=host, **({"low": low} if low is not None else {})), pinned, True
+  host, pinned = program_store(store, device)
+  low = program_store(low_store, device)[0] if low_store is not None else None
+  return ({l: dict(store=v, **({"low": low[l]} if low else {})) for l, v in host.items()},
+          pinned, False)
+
+
 def program_store(store, device, stacked: bool = False) -> tuple[dict, bool]:
   """{MoE layer: {name: [E, ...] jax array}} for in-program copies, and whether the
   arrays are in a host memory kind the program moves slices out of.  stacked (the

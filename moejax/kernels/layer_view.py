@@ -19,39 +19,47 @@ loop's carry: `update` writes into the stack and returns the view of the new one
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import jax
 import jax.numpy as jnp
 
-_views: dict[int, tuple] = {}     # id(slice) -> (slice, stack, i), while tracing()
-_depth = [0]
+_local = threading.local()     # per tracing thread: views {id(slice): (slice, stack, i)}
+
+
+def _views() -> dict:
+  if not hasattr(_local, "views"):
+    _local.views, _local.depth = {}, 0
+  return _local.views
 
 
 @contextlib.contextmanager
 def tracing():
-  """Views made inside are remembered (a scan body's trace); forgotten on leaving the
-  outermost."""
-  _depth[0] += 1
+  """Views made inside (on this thread) are remembered (a scan body's trace); forgotten
+  on leaving the outermost."""
+  _views()
+  _local.depth += 1
   try:
     yield
   finally:
-    _depth[0] -= 1
-    if _depth[0] == 0:
-      _views.clear()
+    _local.depth -= 1
+    if _local.depth == 0:
+      _local.views.clear()
 
 
 def at(stack, i):
   """stack[i] (i a traced int32 scalar), remembered as layer i of `stack` inside
   `tracing()`."""
   x = jax.lax.dynamic_index_in_dim(stack, i, keepdims=False)
-  if _depth[0]:
-    _views[id(x)] = (x, stack, i)
+  _views()
+  if _local.depth:
+    _local.views[id(x)] = (x, stack, i)
   return x
 
 
 def of(x):
   """(stack, i) when x is `at(stack, i)`, else None."""
-  e = _views.get(id(x))
+  e = _views().get(id(x))
   return (e[1], e[2]) if e is not None and e[0] is x else None
 
 

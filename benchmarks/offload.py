@@ -40,7 +40,9 @@ Per preset and link:
                      and the per-copy time of a jitted loop of copies.
   tpot_over_lower_bound, and the engine's per-token statistics (`stats`: means over
   the timed tokens' records).
-Every time names its link.  Figures are wall-clock on a shared machine.
+Every time names its link.  Figures are wall-clock on a shared machine.  --unrolled: every
+engine also with its layers unrolled (`layer_scan=False`), in the same rounds
+(`scan_over_unrolled`: the layer scan's before/after).
 """
 
 from __future__ import annotations

@@ -102,8 +102,11 @@ def scan_whole(cfg: ModelConfig, dtype, layer_fn, layers, srcs, x, per_layer):
 
   # x as a layer gives it back (parameters in another dtype than x promote it: an
   # unrolled loop changes type after the first layer, a scan's carry cannot)
-  like = jax.eval_shape(lambda c: body(c, jnp.int32(0))[0][0], (x, per_layer))
-  x = jax.tree_util.tree_map(lambda a, o: a.astype(o.dtype), x, like)
+  floats = lambda t: {a.dtype for a in jax.tree_util.tree_leaves(t)
+                      if jnp.issubdtype(a.dtype, jnp.floating)}
+  if floats(layers) - floats(x):
+    like = jax.eval_shape(lambda c: body(c, jnp.int32(0))[0][0], (x, per_layer))
+    x = jax.tree_util.tree_map(lambda a, o: a.astype(o.dtype), x, like)
   (x, per_layer), outs = jax.lax.scan(body, (x, per_layer),
                                       jnp.arange(cfg.num_layers, dtype=jnp.int32))
   return x, per_layer, outs

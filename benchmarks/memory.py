@@ -10,6 +10,12 @@ written once; or --model_dir) with `--store=mmap --link=native`, in a child proc
   sampler        no --policy: every expert read where the store holds it
   all_resident   --policy=baseline --cache_fraction=1.0: every expert in the engine's slots
   quality, speed, baseline   the presets at --cache_fraction (0.25)
+  PRESET@G       the preset with the host staging tier, --host_cache_gb=G (`io.staging`):
+                 --host_cache_gb=0.5,2 adds them for every preset of --runs
+
+--rounds=N runs the list N times in turn (interleaved: runs named NAME#i), so that
+timings compare within one period of the machine's load.  Each run's time per token and,
+with a staging tier, its staged/disk reads are read from its statistics table.
 
 For each: the plan (`offload.memory.plan_memory`, what `--dry_run` prints) and its
 anonymous RAM, the child's sampled peak RssAnon (`offload.memory.AnonWatch`: owned
@@ -42,17 +48,23 @@ flags.DEFINE_integer("wide_layers", 4, "Layers of the wide_bf16 model.")
 flags.DEFINE_list("runs", ["sampler", "all_resident", "quality", "speed", "baseline"],
                   "Runs: sampler, all_resident, or presets at --cache_fraction.")
 flags.DEFINE_float("cache_fraction", 0.25, "The presets' resident share.")
+flags.DEFINE_list("host_cache_gb", [], "Also each preset of --runs with a host staging tier "
+                  "of each of these sizes (GB), run as PRESET@G.")
+flags.DEFINE_integer("rounds", 1, "Run the list this many times, interleaved.")
 flags.DEFINE_float("memory_limit_gb", None, "Run each child in a memory cgroup of this "
                    "size (GB = 10^9 bytes).")
 flags.DEFINE_float("tolerance_gb", 1.0, "Allowed peak above the plan's anonymous RAM.")
 flags.DEFINE_integer("max_new_tokens", 32, "Tokens each run generates.")
 flags.DEFINE_integer("timeout_s", 3600, "Per run.")
-flags.DEFINE_bool("drop_caches", True, "With --memory_limit_gb: drop the page cache before "
-                  "each run (root), so the mapped experts are read, and charged, inside the "
-                  "cgroup; pages cached before would count elsewhere.")
+flags.DEFINE_bool("drop_caches", True, "Drop the page cache before each run (root), so the "
+                  "mapped experts are read from disk (and, with --memory_limit_gb, charged "
+                  "inside the cgroup; pages cached before would count elsewhere).")
 
 
 def run_flags(name: str) -> list[str]:
+  name, _, g = name.partition("@")
+  if g:
+    return run_flags(name) + [f"--host_cache_gb={g}"]
   if name == "sampler":
     return []
   if name == "all_resident":
@@ -63,9 +75,24 @@ def run_flags(name: str) -> list[str]:
 def plan_of(cfg, name: str, max_len: int) -> dict:
   import jax.numpy as jnp
   from moejax.offload.memory import plan_memory
+  name, _, g = name.partition("@")
   return plan_memory(cfg, jnp.bfloat16, store="mmap", offload=name != "sampler",
                      cache_fraction=1.0 if name == "all_resident" else FLAGS.cache_fraction,
-                     kv_len=max_len).as_dict()
+                     kv_len=max_len, host_cache_gb=float(g) if g else None).as_dict()
+
+
+def decode_figures(stderr: str) -> dict:
+  """Time per token and the staging tier's reads from a run's statistics table."""
+  import re
+  out = {}
+  if m := re.search(r"time per token\s+([\d.]+) ms", stderr):
+    out["tpot_ms"] = float(m.group(1))
+  if m := re.search(r"(\d+) expert reads staged, (\d+) from disk \(([\d.]+) GB in ([\d.]+) "
+                    r"s\); hit rate ([\d.]+)%", stderr):
+    out.update(staged_reads=int(m.group(1)), disk_reads=int(m.group(2)),
+               disk_gb=float(m.group(3)), disk_s=float(m.group(4)),
+               staging_hit_rate=float(m.group(5)) / 100)
+  return out
 
 
 def main(_):
@@ -73,9 +100,11 @@ def main(_):
   from moejax.model.config import ModelConfig
   from moejax.cache.policy import PRESETS
   for name in FLAGS.runs:
-    if name not in ("sampler", "all_resident", *PRESETS):
+    if name.partition("@")[0] not in ("sampler", "all_resident", *PRESETS):
       raise app.UsageError(f"--runs: unknown run {name!r}; choose from sampler, all_resident, "
-                           f"{', '.join(PRESETS)}")
+                           f"{', '.join(PRESETS)} (PRESET@G: with --host_cache_gb=G)")
+  runs = list(FLAGS.runs) + [f"{n}@{g}" for n in FLAGS.runs if n in PRESETS
+                             for g in FLAGS.host_cache_gb]
   limit = None if FLAGS.memory_limit_gb is None else int(FLAGS.memory_limit_gb * 1e9)
   if limit is not None and (why := memcg.available()):
     print(f"[bench_memory] --memory_limit_gb needs memory cgroups: {why}", file=sys.stderr)
@@ -90,7 +119,7 @@ def main(_):
     from benchmarks import models as bench_models
     cfg = bench_models.wide_config(FLAGS.wide_layers)
   max_len = 64 + FLAGS.max_new_tokens
-  plans = {n: plan_of(cfg, n, max_len) for n in FLAGS.runs}
+  plans = {n: plan_of(cfg, n, max_len) for n in runs}
   tol = int(FLAGS.tolerance_gb * 1e9)
   if limit is not None:
     need = max(p["anon_bytes"] for p in plans.values()) + tol
@@ -108,20 +137,22 @@ def main(_):
   load_model(model_dir, dtype=jnp.bfloat16, mmap=True)
   res = {"model_dir": model_dir, "layers": cfg.num_layers, "memory_limit_bytes": limit,
          "tolerance_bytes": tol, "loadavg_start": os.getloadavg(), "runs": {}}
-  for name in FLAGS.runs:
+  order = [(n, f"{n}#{i}" if FLAGS.rounds > 1 else n) for i in range(FLAGS.rounds)
+           for n in runs]
+  for name, key in order:
     argv = [sys.executable, "-m", "launch.generate", f"--model_dir={model_dir}",
             "--dtype=bfloat16", "--store=mmap", "--nostream",
             "--noprogress", f"--max_new_tokens={FLAGS.max_new_tokens}",
             f"--max_len={max_len}", *run_flags(name)]
     print(f"[bench_memory] {name}: {' '.join(argv[2:])}", file=sys.stderr)
+    if FLAGS.drop_caches:
+      memcg.drop_page_cache()
     if limit is not None:
-      if FLAGS.drop_caches:
-        memcg.drop_page_cache()
       r = memcg.run(argv, limit, FLAGS.timeout_s)
     else:
       r = _run_plain(argv)
     p = plans[name]
-    res["runs"][name] = dict(
+    res["runs"][key] = dict(**decode_figures(r.stderr),
         argv=argv[1:], returncode=r.returncode, oom_killed=r.oom_killed, wall_s=r.wall_s,
         plan_anon_bytes=p["anon_bytes"], plan=p, peak_anon_bytes=r.peak_anon_bytes,
         within_plan=(r.peak_anon_bytes is not None
@@ -164,10 +195,12 @@ def _run_plain(argv):
 
 def table(res: dict) -> str:
   gb = lambda n: "-" if n is None else f"{n / 1e9:.2f}"
-  lines = [f"{'run':<14}{'plan GB':>9}{'peak anon':>11}{'<= plan+tol':>12}{'group GB':>10}"
-           f"{'rc':>5}{'OOM':>5}{'wall s':>8}"]
+  lines = [f"{'run':<16}{'plan GB':>9}{'peak anon':>11}{'<= plan+tol':>12}{'group GB':>10}"
+           f"{'rc':>5}{'OOM':>5}{'wall s':>8}{'ms/tok':>8}{'staged':>8}{'disk':>6}"]
   for name, r in res["runs"].items():
-    lines.append(f"{name:<14}{gb(r['plan_anon_bytes']):>9}{gb(r['peak_anon_bytes']):>11}"
+    lines.append(f"{name:<16}{gb(r['plan_anon_bytes']):>9}{gb(r['peak_anon_bytes']):>11}"
                  f"{str(r['within_plan']):>12}{gb(r['group_peak_bytes']):>10}"
-                 f"{r['returncode']:>5}{str(r['oom_killed']):>5}{r['wall_s']:>8.1f}")
+                 f"{r['returncode']:>5}{str(r['oom_killed']):>5}{r['wall_s']:>8.1f}"
+                 f"{r.get('tpot_ms', float('nan')):>8.1f}{r.get('staged_reads', '-'):>8}"
+                 f"{r.get('disk_reads', '-'):>6}")
   return "\n".join(lines)

@@ -44,11 +44,19 @@ flags.DEFINE_integer("server_max_len", None, "The server's --max_len (default: i
                      "model's limit up to 2048).")
 flags.DEFINE_float("pause_s", 0.05, "Pause before each timed generation.")
 flags.DEFINE_string("out", "bench_serve.json", "JSON output.")
+flags.DEFINE_integer("clients", 0, "> 0: the load test instead (benchmarks.serve_load): this "
+                     "many concurrent clients, each sending --requests streamed requests, "
+                     "against a server per --max_batches value.")
+flags.DEFINE_integer("requests", 20, "Requests per client (--clients).")
+flags.DEFINE_list("max_batches", ["1", "8"], "The servers' --max_batch values (--clients).")
+flags.DEFINE_integer("rounds", 1, "Rounds over --max_batches, alternating (--clients).")
+flags.DEFINE_list("server_args", [], "More flags for the server (--clients), e.g. "
+                  "--store=mmap,--dtype=bfloat16.")
 
 
-def start_server(model_dir, warm_len):
+def start_server(model_dir, warm_len, extra=()):
   args = [sys.executable, "-m", "launch.serve", f"--model_dir={model_dir}", "--port=0",
-          f"--policy={FLAGS.policy}", f"--warm_prompt_tokens={warm_len}"]
+          f"--policy={FLAGS.policy}", f"--warm_prompt_tokens={warm_len}", *extra]
   if FLAGS.server_max_len:
     args.append(f"--max_len={FLAGS.server_max_len}")
   proc = subprocess.Popen(args, stderr=subprocess.PIPE, text=True)
@@ -76,10 +84,10 @@ def start_server(model_dir, warm_len):
   raise RuntimeError("the server did not become healthy: " + "".join(log))
 
 
-def via_server(conn, model_id):
+def via_server(conn, model_id, prompt=None):
   """One streamed completion on the keep-alive http.client connection `conn`."""
-  body = json.dumps(dict(model=model_id, prompt=FLAGS.prompt, temperature=0, stream=True,
-                         max_tokens=FLAGS.max_new_tokens)).encode()
+  body = json.dumps(dict(model=model_id, prompt=prompt or FLAGS.prompt, temperature=0,
+                         stream=True, max_tokens=FLAGS.max_new_tokens)).encode()
   lines, usage = [], None
   t0 = time.perf_counter()
   conn.request("POST", "/v1/completions", body=body,
@@ -119,6 +127,9 @@ def via_generate(eng, ids, sp):
 
 
 def main(_):
+  if FLAGS.clients > 0:
+    from benchmarks import serve_load
+    return serve_load.run()
   import jax
   import jax.numpy as jnp
   from moejax.cache.policy import make_policy

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from launch.train_demo import run_training, stage_overrides
+from benchmarks.train_demo import run_training, stage_overrides
 from moejax.model.config import ModelConfig
 from moejax.train.trainer import TrainConfig, aux_losses, balance_schedule, revive_experts
 
@@ -133,7 +133,7 @@ def test_init_from_git_history(tmp_path):
   it lacks is a UsageError naming the flag (not a traceback)."""
   import subprocess
   from absl import app
-  from launch.train_demo import _init_dir
+  from benchmarks.train_demo import _init_dir
   with pytest.raises(app.UsageError, match="--init_from=git:0000000:ckpts/demo"):
     _init_dir("git:0000000:ckpts/demo", str(tmp_path / "a"))
   if subprocess.run(["git", "cat-file", "-e", "cc5f790"], capture_output=True).returncode:

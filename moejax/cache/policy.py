@@ -39,8 +39,8 @@ copied into its own slot (no eviction) where admissions are inserted, and the sl
 no longer low.  Without admission a low copy stays until it is evicted.
 
 Eviction (lru, lfu, SpecMD's least_stale) orders the slots an insertion may overwrite:
-`moejax.cache.eviction`.  The LFU count of expert e is updated here, once per token and
-layer (`update_usage`), as ``freq[e] <- lfu_decay * freq[e] + n_e``, n_e the number of
+`moejax.cache.eviction`.  The LFU count of expert e is updated here, once per step (a
+token, or a batch of them) and layer (`update_usage`), as ``freq[e] <- lfu_decay * freq[e] + n_e``, n_e the number of
 this step's tokens whose router selected e (hit, fetched, substituted, dropped or host
 alike: it tracks demand); the default decay 0.98 is a half-life of about 34 tokens.
 
@@ -266,14 +266,29 @@ def route_once(cfg: ModelConfig, router_logits_NxE: jax.Array):
   return ids, gates, routing.rank_scores(cfg, router_logits_NxE)
 
 
-def decide(router_logits_NxE: jax.Array, resident, params: DecideParams | PolicyParams,
-           cfg: ModelConfig, routed=None) -> Decision:
-  """The policy's decision for every selected expert of N tokens (pure, jittable).
+def _first_of(mask_NxK, ids_NxK):
+  """[N, K]: set where mask is and no earlier set entry (row-major) holds the same id."""
+  f = jnp.where(mask_NxK, ids_NxK, -1).reshape(-1)
+  j = jnp.arange(f.shape[0])
+  dup = jnp.any((f[:, None] == f[None, :]) & (j[None, :] < j[:, None]), axis=1)
+  return mask_NxK & ~dup.reshape(mask_NxK.shape)
 
-  `resident` is the layer's ResidentState (only `expert_slot` and `acc` are read).
-  The N tokens are decided against the same resident set (the engine decodes
-  one token at a time).  Substitutes are ranked by `routing.rank_scores` (the
-  router's logits, or the family's pre-normalisation score), ties by lowest id.
+
+def decide(router_logits_NxE: jax.Array, resident, params: DecideParams | PolicyParams,
+           cfg: ModelConfig, routed=None, valid_N=None) -> Decision:
+  """The policy's decision for every selected expert of N tokens of one layer, decoded
+  together against one resident set (a batch; pure, jittable).
+
+  `resident` is the layer's ResidentState (only `expert_slot`, `acc`, `low` are read).
+  Each (token, expert) is decided by the rule on its own; the experts waited for are
+  the union over the batch, each fetched once: FETCH (FETCH_LOW) for the first token
+  (row-major) that waits for it, HIT for every other token that selected it, whatever
+  its own rule would have done (a miss it would have substituted, dropped or computed
+  on the host uses the real expert; a full fetch serves a token that wanted the low
+  copy).  Substitutes are the best-ranked (`routing.rank_scores`, ties by lowest id)
+  experts resident or fetched this step and not selected by the token.  The admission
+  accumulator adds over the batch's tokens.  valid_N: [N] bool, inactive rows decide
+  nothing (ids, exec_ids, sub_ids -1, action -1, weights 0).  N = 1 is the engine's token.
   routed: `route_once(cfg, router_logits_NxE)` computed beforehand (the simulator routes
   a trace once for all its policies; the logits are then not read).
   """
@@ -286,15 +301,25 @@ def decide(router_logits_NxE: jax.Array, resident, params: DecideParams | Policy
   is_res = resident.expert_slot[ids] >= 0
   miss = ~is_res
   first = jnp.arange(k)[None, :] == 0
+  on = jnp.ones((n, 1), bool) if valid_N is None else jnp.asarray(valid_N, bool)[:, None]
 
-  # FETCH, FETCH_LOW, HOST, DROP without a substitute (`cost.miss_masks`)
-  wait, low, host, drop = cost_lib.miss_masks(params, miss, first, share)
-  served_elsewhere = miss & ~wait & ~low     # not in the cache this token
+  # FETCH, FETCH_LOW, HOST, DROP without a substitute (`cost.miss_masks`), per token
+  wait, low, host, drop = cost_lib.miss_masks(params, miss & on, first, share)
+  # the batch's fetches: each expert once, a full copy when any token waits for one
+  full_E = jnp.any((jnp.where(wait, ids, -1).reshape(-1, 1) == jnp.arange(num_e)), axis=0)
+  low_E = jnp.any((jnp.where(low, ids, -1).reshape(-1, 1) == jnp.arange(num_e)), axis=0)
+  low_E = low_E & ~full_E
+  got = miss & (full_E | low_E)[ids]                 # served by this step's fetches
+  wait = _first_of(wait, ids)
+  low = _first_of(low & ~full_E[ids], ids)
+  batch_hit = got & ~wait & ~low                     # fetched for another token
+  served_elsewhere = miss & ~got     # not in the cache this token
+  host, drop = host & ~got, drop & ~got
   if params.miss == "host":
     host = served_elsewhere
   rest = served_elsewhere & ~host & ~drop    # substituted (or dropped per the variant)
 
-  action = jnp.where(is_res, HIT, jnp.where(low, FETCH_LOW, FETCH))
+  action = jnp.where(is_res | batch_hit, HIT, jnp.where(low, FETCH_LOW, FETCH))
   action = jnp.where(host, HOST, jnp.where(drop, DROP, action))
   sub_ids = jnp.full_like(ids, -1)
   weights = jnp.where(drop, 0.0, gates)
@@ -307,19 +332,19 @@ def decide(router_logits_NxE: jax.Array, resident, params: DecideParams | Policy
     weights = jnp.where(kept_total > 0, kept * total / jnp.where(kept_total > 0, kept_total, 1.0),
                         0.0)
   else:
-    # candidates: resident and not selected for this token, best router score first
+    # candidates: resident or fetched now, not selected for this token, best score first
     selected = jnp.any(ids[..., None] == jnp.arange(num_e), axis=-2)          # [N,E]
-    cand_ok = (resident.expert_slot[None, :] >= 0) & ~selected
+    cand_ok = ((resident.expert_slot >= 0) | full_E | low_E)[None, :] & ~selected
     cand_score = jnp.where(cand_ok, scores, -jnp.inf)
     c_score, c_ids = cpu_rows.top_k(cand_score, k)                 # [N,K]
     rank = prefix_count(rest) - 1                                  # misses in score order
     rank = jnp.clip(rank, 0, k - 1)
-    got = pick(jnp.where(c_score > -jnp.inf, 1, 0), rank) > 0
+    got_sub = pick(jnp.where(c_score > -jnp.inf, 1, 0), rank) > 0
     sub = pick(c_ids.astype(jnp.int32), rank)
-    do_sub = rest & got
+    do_sub = rest & got_sub
     action = jnp.where(do_sub, SUBSTITUTE, jnp.where(rest, DROP, action))
     sub_ids = jnp.where(do_sub, sub, -1)
-    weights = jnp.where(rest & ~got, 0.0, weights)
+    weights = jnp.where(rest & ~got_sub, 0.0, weights)
   action = action.astype(jnp.int32)
   exec_ids = jnp.where((action == HIT) | (action == FETCH) | (action == FETCH_LOW), ids,
                        jnp.where(action == SUBSTITUTE, sub_ids, -1)).astype(jnp.int32)
@@ -327,11 +352,15 @@ def decide(router_logits_NxE: jax.Array, resident, params: DecideParams | Policy
   acc = resident.acc
   admit = jnp.zeros((num_e,), bool)
   if params.admission_beta is not None:     # served elsewhere or in low precision
-    low_hit = is_res & resident.low[ids]
-    w = jnp.where(served_elsewhere | low | low_hit, share, 0.0)
+    low_hit = (is_res & resident.low[ids]) | (batch_hit & low_E[ids])
+    w = jnp.where((served_elsewhere | low | low_hit) & on, share, 0.0)
     acc = acc + cpu_rows.bin_sum(ids.reshape(1, -1), w.reshape(1, -1), num_e)[0]
     admit = acc >= params.admission_beta
     acc = jnp.where(admit, 0.0, acc)
+  if valid_N is not None:
+    ids, action, sub_ids, exec_ids = (jnp.where(on, a, -1) for a in (ids, action, sub_ids,
+                                                                      exec_ids))
+    weights = jnp.where(on, weights, 0.0)
   return Decision(ids=ids, gates=gates, share=share, action=action, sub_ids=sub_ids,
                   exec_ids=exec_ids, weights=weights, admit=admit, acc=acc)
 

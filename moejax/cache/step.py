@@ -1,4 +1,5 @@
-"""The cache's side of one MoE layer of one token: the per-layer step, written once.
+"""The cache's side of one MoE layer of one token, or of a batch of B tokens sharing the
+layer's cache: the per-layer step, written once.
 
 `policy_step(rule, state, router, prediction, key)` is pure over the layer's
 `ResidentState` and its routing:
@@ -22,6 +23,12 @@ arguments: the `Rule` (the policy and what is static about the layer), the state
 `Router` output, the layer's `Prediction` (speculative prefetch) and a PRNG key
 (control rules).  The speculative decision is the rule's `speculate` function (the
 prefetch package's, passed in: this package sits below it).
+
+Batched (B tokens of one layer in lockstep, the `Router` fields [B, ...], `valid_B` the
+active tokens): one step, whose decision is `policy.decide`'s per (token, expert) with
+the waited experts the batch's union, each fetched once; the fetch insert protects every
+expert any token executes; usage and admission add over the tokens (docs/design.md).
+B = 1 is the engine's token, the same code.  Counts: `counting` (`step_counts`).
 """
 
 from __future__ import annotations
@@ -33,18 +40,14 @@ import jax
 import jax.numpy as jnp
 
 from moejax.cache import controls
+from moejax.cache.counting import (STATS, Record, counts, layer_counts, record,  # noqa: F401
+                                   record_counts, step_counts)
 from moejax.cache import policy as policy_lib
 from moejax.cache import resident as resident_lib
-from moejax.cache.policy import DROP, FETCH, FETCH_LOW, HIT, HOST, SUBSTITUTE
+from moejax.cache.policy import FETCH, FETCH_LOW
 from moejax.kernels import cpu_rows
 from moejax.model import routing
 from moejax.model.config import ModelConfig
-
-# per-layer counts of a decoded token (summed over MoE layers by the drivers)
-STATS = ("expert_calls", "hits", "fetches", "substituted", "substituted_mass", "dropped",
-         "dropped_mass", "host_calls", "admissions", "admitted", "evictions", "prefetches",
-         "useful_prefetches", "recall_hits", "predicted_calls", "fetches_low", "low_mass",
-         "first_substituted")
 
 _dataclass = lambda cls: jax.tree_util.register_dataclass(dataclasses.dataclass(frozen=True)(cls))
 
@@ -75,7 +78,7 @@ class Rule:
 
 @_dataclass
 class Router:
-  """A MoE layer's router output for one token (`route`)."""
+  """A MoE layer's router output for one token, or [B, ...] for a batch (`route`)."""
   logits_1xE: jax.Array    # the router logits [1, E'] (the simulator: the rank scores)
   ids_1xK: jax.Array       # the routed experts, by score
   gates_1xK: jax.Array     # their gates
@@ -141,63 +144,6 @@ class Step:
     return self.head.dec
 
 
-@_dataclass
-class Record:
-  """One MoE layer's step as the host reads it (`record`; `stats.build_record`)."""
-  ids: jax.Array             # [K] selected experts
-  actions: jax.Array         # [K]
-  substitutes: jax.Array     # [K]
-  share: jax.Array           # [K] f32
-  fetched: jax.Array         # [K]
-  admitted: jax.Array        # [K] admissions inserted before this layer's decision
-  admissions: jax.Array      # [K] admissions requested now
-  prefetched: jax.Array      # [K]
-  predicted: jax.Array       # [K]
-  true_ids: jax.Array        # [K]
-  evicted: jax.Array         # [K + K (+K) + P]: the admitted ones', then this step's
-  pf_stats: jax.Array        # [4] f32
-  rows: jax.Array            # [K] buffer row of each executed expert
-  admission_slots: jax.Array  # [K]
-
-
-def record(step: Step, admitted: Pending) -> Record:
-  """A layer's `Record` from its step and the pending admissions it consumed."""
-  h, d = step.head, step.dec
-  return Record(d.ids[..., 0, :], d.action[..., 0, :], d.sub_ids[..., 0, :],
-                d.share[..., 0, :], h.fetched, admitted.admissions, step.pending.admissions,
-                h.pf_ids, h.predicted, h.true_ids,
-                jnp.concatenate([admitted.admission_evicted, step.evicted], axis=-1),
-                h.pf_stats, h.rows, step.pending.admission_slots)
-
-
-# ------------------------------------------------------------------ counts
-def counts(xp, action, share, admissions, admitted, evicted, pf_stats):
-  """The `STATS` of MoE layers (leading axes kept, the last reduced): the same numbers
-  in jnp inside the emulator's scan and in numpy from the engine's records.
-  admissions: ids requested now; admitted: ids inserted for this token (-1 padded)."""
-  f32 = lambda a: xp.asarray(a, xp.float32)
-  n = lambda m: xp.sum(f32(m), axis=-1)
-  sub, drop, low = f32(action == SUBSTITUTE), f32(action == DROP), f32(action == FETCH_LOW)
-  k = xp.full(action.shape[:-1], action.shape[-1], xp.float32)
-  return xp.stack([k, n(action == HIT), n(action == FETCH), n(sub), xp.sum(sub * share, axis=-1),
-                   n(drop), xp.sum(drop * share, axis=-1), n(action == HOST),
-                   n(admissions >= 0), n(admitted >= 0), n(evicted >= 0),
-                   *[pf_stats[..., i] for i in range(4)], xp.sum(low, axis=-1),
-                   xp.sum(low * share, axis=-1), sub[..., 0] + drop[..., 0]], axis=-1)
-
-
-def record_counts(xp, rec: Record):
-  """`counts` of a layer's (or stacked layers') `Record`."""
-  return counts(xp, rec.actions, rec.share, rec.admissions, rec.admitted, rec.evicted,
-                rec.pf_stats)
-
-
-def layer_counts(step: Step, prev: Pending):
-  """`counts` of one layer's step (jnp): the admissions inserted for this token and
-  their evictions come from the previous token's tail (`prev`)."""
-  return record_counts(jnp, record(step, prev))
-
-
 # ------------------------------------------------------------------ helpers
 def first_k(mask_E, k: int):
   """The first k set positions of mask_E in increasing order, -1 padded: the top k of
@@ -253,31 +199,48 @@ def _insert(state, ids, in_use, cache, skip_empty: bool, low=None):
 
 
 # ------------------------------------------------------------------ the step
-def _decide(rule: Rule, state, router: Router, key) -> policy_lib.Decision:
+def _decide(rule: Rule, state, router: Router, key, valid_B) -> policy_lib.Decision:
   if rule.control is not None:
     return controls.decide(rule.control, router.logits_1xE, state, rule.decision, rule.cfg, key)
   return policy_lib.decide(router.logits_1xE, state, rule.decision, rule.cfg,
-                           (router.ids_1xK, router.gates_1xK, router.scores_1xE))
+                           (router.ids_1xK, router.gates_1xK, router.scores_1xE), valid_B)
 
 
-def policy_head(rule: Rule, state, router: Router, prediction: Prediction, key):
+def _flat(a):
+  """[B, K] -> [B K]: a batched step's per-(token, expert) ids, tokens in order."""
+  return a.reshape(-1)
+
+
+def policy_head(rule: Rule, state, router: Router, prediction: Prediction, key, valid_B=None):
   """Steps 1-2 (module docstring): the decision and the fetch inserts -> (state, Head):
   what the layer's experts need; `policy_tail` finishes the step.  With
   `rule.all_resident` `decide` can only answer HIT and nothing is inserted: the decision
-  is the routing.  prediction is read with `rule.speculate` only."""
+  is the routing.  prediction is read with `rule.speculate` only.  A router of B tokens
+  ([B, ...] fields; valid_B: the active ones) is one batched step (`policy.decide`):
+  Head's per-expert fields are [B K], each fetched expert in them once."""
   cfg = rule.cfg
   num_e, k = cfg.num_experts, cfg.top_k
-  none_K = jnp.full((k,), -1, jnp.int32)
+  nb = router.ids_1xK.shape[0]
+  if (nb > 1 or valid_B is not None) and (rule.spec_on or rule.control is not None):
+    raise ValueError(f"a batched step ({nb} tokens) supports neither speculative prefetch "
+                     "nor control rules")
+  none_K = jnp.full((nb * k,), -1, jnp.int32)
   if rule.all_resident and not rule.spec_on and rule.control is None:
     dec = policy_lib.all_hits(router.logits_1xE, state, cfg)
-    return state, Head(dec, none_K, none_K, jnp.zeros((k,), bool), state.expert_slot[dec.ids[0]],
-                       none_K, none_K, dec.ids[0], none_K, jnp.zeros((4,), jnp.float32))
+    if valid_B is not None:
+      on = jnp.asarray(valid_B, bool)[:, None]
+      dec = dataclasses.replace(dec, ids=jnp.where(on, dec.ids, -1),
+                                action=jnp.where(on, dec.action, -1),
+                                exec_ids=jnp.where(on, dec.exec_ids, -1))
+    rows = jnp.where(_flat(dec.exec_ids) >= 0, state.expert_slot[_flat(dec.ids)], -1)
+    return state, Head(dec, none_K, none_K, jnp.zeros((nb * k,), bool), rows.astype(jnp.int32),
+                       none_K, none_K, _flat(dec.ids), none_K, jnp.zeros((4,), jnp.float32))
   pf_ids = predicted = none_K
   pf_stats = jnp.zeros((4,), jnp.float32)
   seen = state
   if not rule.spec_on:
-    dec = _decide(rule, state, router, key)
-    true_ids = dec.ids[0]
+    dec = _decide(rule, state, router, key, valid_B)
+    true_ids = _flat(dec.ids)
   else:
     pred, has = prediction.logits_1xE, prediction.has
     pred_ids = routing.route(cfg, pred)[0][0]
@@ -285,21 +248,22 @@ def policy_head(rule: Rule, state, router: Router, prediction: Prediction, key):
     pf_ids = jnp.where(has & (state.expert_slot[pred_ids] < 0), pred_ids, -1).astype(jnp.int32)
     dec_spec = rule.speculate(router.logits_1xE, pred, view(state, pf_ids))
     dec = jax.tree_util.tree_map(lambda a, b: jnp.where(has, a, b), dec_spec,
-                                 _decide(rule, state, router, key))
+                                 _decide(rule, state, router, key, None))
     true_ids = router.ids_1xK[0]
     used = jnp.any(pf_ids[:, None] == dec.exec_ids[0][None, :], axis=1) & (pf_ids >= 0)
     hits = jnp.sum(jnp.any(pred_ids[:, None] == true_ids[None, :], axis=1))
     f = jnp.float32
     pf_stats = jnp.stack([jnp.sum(pf_ids >= 0).astype(f), jnp.sum(used).astype(f),
                           jnp.where(has, hits, 0).astype(f), jnp.where(has, k, 0).astype(f)])
-  fetch_low = dec.action[0] == FETCH_LOW
-  fetched = jnp.where((dec.action[0] == FETCH) | fetch_low, dec.ids[0], -1).astype(jnp.int32)
-  state, ev_fetch, fetch_slots = _insert(state, fetched, _in_use(dec.exec_ids[0], num_e),
+  action, exec_ids = _flat(dec.action), _flat(dec.exec_ids)
+  fetch_low = action == FETCH_LOW
+  fetched = jnp.where((action == FETCH) | fetch_low, _flat(dec.ids), -1).astype(jnp.int32)
+  state, ev_fetch, fetch_slots = _insert(state, fetched, _in_use(exec_ids, num_e),
                                          rule.cache, rule.skip_empty, fetch_low)
   # the row each executed expert is read from: its slot, or its prefetch row
   seen = view(state, pf_ids) if rule.spec_on else state
-  rows = jnp.where(dec.exec_ids[0] >= 0,
-                   seen.expert_slot[jnp.maximum(dec.exec_ids[0], 0)], -1).astype(jnp.int32)
+  rows = jnp.where(exec_ids >= 0, seen.expert_slot[jnp.maximum(exec_ids, 0)],
+                   -1).astype(jnp.int32)
   return state, Head(dec, fetched, fetch_slots, fetch_low, rows, pf_ids, predicted,
                      true_ids.astype(jnp.int32), ev_fetch, pf_stats)
 
@@ -309,8 +273,9 @@ def policy_tail(rule: Rule, state, head: Head):
   requests inserted for the next token, then the trim -> (state, Step).  It touches
   only the layer's own state and nothing its experts read this token."""
   cfg, decision, cache = rule.cfg, rule.decision, rule.cache
-  k, num_e = cfg.top_k, cfg.num_experts
+  num_e = cfg.num_experts
   dec = head.dec
+  k = dec.ids.shape[-2] * cfg.top_k    # a batch of B tokens: up to B K admissions
   none_K = jnp.full((k,), -1, jnp.int32)
   state = policy_lib.update_usage(state, dec, cache)
   kept = kept_slots = none_K
@@ -318,9 +283,9 @@ def policy_tail(rule: Rule, state, head: Head):
   if rule.spec_on:
     ev_pf = none_K
     if rule.keep:
-      kept = jnp.where(jnp.any(head.pf_ids[:, None] == dec.exec_ids[0][None, :], axis=1),
+      kept = jnp.where(jnp.any(head.pf_ids[:, None] == _flat(dec.exec_ids)[None, :], axis=1),
                        head.pf_ids, -1)
-      state, ev_pf, kept_slots = _insert(state, kept, _in_use(dec.exec_ids[0], num_e), cache,
+      state, ev_pf, kept_slots = _insert(state, kept, _in_use(_flat(dec.exec_ids), num_e), cache,
                                          False)
     evicted.append(ev_pf)
   adm = ev_adm = adm_slots = none_K
@@ -359,10 +324,11 @@ def policy_tails(rule: Rule, states_L, heads_L: Head):
   return dataclasses.replace(meta, buffers=buffers), steps
 
 
-def policy_step(rule: Rule, state, router: Router, prediction: Prediction, key=None):
+def policy_step(rule: Rule, state, router: Router, prediction: Prediction, key=None,
+                valid_B=None):
   """The cache's side of one MoE layer (module docstring) -> (state, Step): `policy_head`
-  then `policy_tail`."""
-  state, head = policy_head(rule, state, router, prediction, key)
+  then `policy_tail`; of B tokens sharing the layer's cache with a [B, ...] router."""
+  state, head = policy_head(rule, state, router, prediction, key, valid_B)
   return policy_tail(rule, state, head)
 
 

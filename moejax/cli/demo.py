@@ -28,6 +28,7 @@ from absl import flags
 import numpy as np
 
 from moejax.cli import app as cli
+from moejax.cli import flagsets
 from moejax import extras
 from moejax.kernels import cpu_kernel
 
@@ -35,17 +36,15 @@ FLAGS = flags.FLAGS
 PRESETS = ("baseline", "quality", "speed", "host", "substitute_all")
 NO_EMULATOR = "n/a (emulator not available)"
 
-flags.DEFINE_string("model_dir", None, "Model folder. Default: the demo model, ./ckpts/demo "
-                    "(shipped with the source checkout).")
+flagsets.model_dir(what="Model folder")
+flagsets.dtype()
+flagsets.link()
 flags.DEFINE_string("prompt", 'import os\n\n\ndef read_config(path):\n    """',
                     "Prompt every preset continues.")
 flags.DEFINE_integer("max_new_tokens", 64, "Tokens each preset decodes (>= 2).")
 flags.DEFINE_list("presets", list(PRESETS), "Presets or miss rules to compare; baseline "
                   "first (the exact model, and the speed-up reference).")
 flags.DEFINE_float("cache_fraction", 0.25, "Share of each layer's experts resident.")
-flags.DEFINE_string("link", None, "Host->device link (see launch.generate --help). Default: "
-                    "native on an accelerator, scaled on a CPU-only machine.")
-flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute/parameter dtype.")
 flags.DEFINE_integer("eval_tokens", 512, "Held-out tokens (in windows of --eval_window) for "
                      "the perplexity column.")
 flags.DEFINE_integer("eval_window", 128, "Tokens per perplexity window.")

@@ -26,17 +26,17 @@ import time
 from absl import flags
 
 from moejax.cli import app as cli
-from moejax.cli import policy_flags
+from moejax.cli import flagsets
 
 FLAGS = flags.FLAGS
 OFFLOAD_FLAGS = ("cache_fraction", "cache_bytes", "link", "tau", "admission_beta",
                  "lam", "tau_low", "low_bits",
                  "eviction", "prefetch", "speculative", "estimators", "streaming",
-                 "ppl_budget", "tpot_budget_ms", "expert_devices")
+                 "ppl_budget", "tpot_budget_ms", "expert_devices", "host_cache_gb")
 
-flags.DEFINE_string("model_dir", None, "Hugging Face model folder (config.json, "
-                    "model.safetensors or its sharded index, tokenizer.json). "
-                    "Default: the demo model, ./ckpts/demo (shipped with the source checkout).")
+flagsets.model_dir()
+flagsets.dtype()
+flagsets.engine()
 flags.DEFINE_bool("random_model", False, "Use a small random-weight Qwen3-MoE built on the "
                   "spot (its output is noise; for trying the flags) instead of --model_dir.")
 flags.DEFINE_string("prompt", "def fibonacci(n):", "Prompt text.")
@@ -44,7 +44,6 @@ flags.DEFINE_integer("max_new_tokens", 64, "Tokens to generate (>= 1).")
 flags.DEFINE_float("temperature", 0.0, "0 = greedy; > 0 samples.")
 flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass, in (0, 1] (with --temperature > 0).")
 flags.DEFINE_integer("seed", 0, "Sampling seed (with --temperature > 0).")
-flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute/parameter dtype.")
 flags.DEFINE_integer("max_len", None, "Longest sequence (prompt + new tokens). Default: the "
                      "model's own limit (max_position_embeddings); larger values warn. The KV "
                      "cache is sized to what the prompt and --max_new_tokens need.")
@@ -54,21 +53,6 @@ flags.DEFINE_string("policy", None, "Offload policy: a preset (quality, speed, b
                     "auto (tuned to --ppl_budget or --tpot_budget_ms on the calibration text "
                     "that ships with moejax, before generating; moejax.research.autotune). "
                     "Unset: every expert resident, no offloading.")
-flags.DEFINE_float("cache_fraction", None, "With --policy: share of each layer's experts "
-                   "resident (default 0.25).")
-flags.DEFINE_integer("cache_bytes", None, "With --policy: device memory for the expert cache in "
-                     "bytes, over all MoE layers (instead of --cache_fraction).")
-flags.DEFINE_enum("store", None, ["numpy", "mmap", "pinned_host"], "Where the experts wait on "
-                  "the host: numpy (RAM, default), mmap (the checkpoint file on disk, read "
-                  "through the page cache: a model larger than RAM; a per-expert checkpoint is "
-                  "repacked once into $MOEJAX_CACHE_DIR, default ~/.cache/moejax), pinned_host "
-                  "(page-locked memory: the fast DMA path on a GPU). Without --policy on the "
-                  "CPU, mmap keeps every expert in the mapped file (as llama.cpp's mmap).")
-flags.DEFINE_string("link", None, "With --policy: host->device link: 'native' (the real copy), "
-                    "'scaled[:PROFILE]' (emulated, scaled to a GPU) or e.g. '16GB/s,10us'. "
-                    "Default: native on an accelerator, scaled on a CPU-only machine.")
-flags.DEFINE_float("tau", None, "With --policy=threshold or quality: normalised gate share at "
-                   "or above which a miss waits (default 0.15).")
 flags.DEFINE_float("lam", None, "With --policy=cost: milliseconds a token is worth one "
                    "percentage point of perplexity (>= 0; 0 never waits). Default 1. Times come "
                    "from --profile's link and this model's expert bytes (default: a Qwen3-30B-A3B "
@@ -89,10 +73,6 @@ flags.DEFINE_float("tpot_budget_ms", None, "With --policy=auto and --profile: th
 if "profile" not in FLAGS:   # one --profile for auto-tuning and the cost model
   flags.DEFINE_string("profile", None, "Hardware profile (moejax/offload/hardware.py): "
                       "rtx3090, rtx4090, a100, h100, h200, gh200.")
-flags.DEFINE_float("admission_beta", None, "With --policy: background admission threshold (> 0).")
-flags.DEFINE_enum("eviction", None, ["lru", "lfu", "least_stale"],
-                  "With --policy: eviction rule (default: the preset's; least_stale: SpecMD's "
-                  "Least-Stale, see moejax.cache.policy).")
 flags.DEFINE_enum("prefetch", None, ["none", "reuse", "quasi", "previous", "hybrid"],
                   "With --policy: speculative prefetch of the next layer's predicted experts "
                   "(previous: the experts that layer chose at the previous token; quasi, "
@@ -152,9 +132,9 @@ def check_flags():
     raise cli.UsageError("--top_p and --seed apply to sampling; with --temperature=0 "
                          "(greedy, the default) they change nothing: give --temperature > 0")
   if FLAGS.policy == "auto":
-    policy_flags.check_auto_flags()
+    flagsets.check_auto_flags()
   elif FLAGS.policy is not None:
-    policy = policy_flags.named_policy()
+    policy = flagsets.named_policy()
     for flag, rules in (("lam", ("cost",)), ("tau_low", ("threshold_low",)),
                         ("low_bits", ("fetch_low", "threshold_low", "cost"))):
       if cli.given(flag) and policy.miss not in rules:
@@ -250,8 +230,8 @@ def main(_):
                            f"memory (it offers {', '.join(memory_kinds())}); use numpy or mmap")
   mxfp4 = folder is not None and memory.checkpoint_is_mxfp4(folder)
   plan = memory.plan_memory(cfg, dtype, store=store_kind, offload=FLAGS.policy is not None,
-                            cache_fraction=cache_fraction(),
-                            cache_bytes=FLAGS.cache_bytes, kv_len=seq, mxfp4=mxfp4)
+                            cache_fraction=cache_fraction(), cache_bytes=FLAGS.cache_bytes,
+                            kv_len=seq, mxfp4=mxfp4, host_cache_gb=FLAGS.host_cache_gb)
   if FLAGS.policy is not None:   # a bad --link or missing --prefetch files: before loading
     from moejax.offload.link import parse_link
     parse_link(link_spec(), expert_bytes=plan.expert_bytes, layer_compute_s=1e-3)
@@ -282,8 +262,8 @@ def main(_):
                       tuple(cfg.eos_token_ids))
   if FLAGS.policy is not None:
     union = min(1.0, cache_fraction() * FLAGS.expert_devices)   # the devices' one cache
-    policy = (policy_flags.resolve_auto(cfg, params, store, tok, union)
-              if FLAGS.policy == "auto" else policy_flags.named_policy())
+    policy = (flagsets.resolve_auto(cfg, params, store, tok, union)
+              if FLAGS.policy == "auto" else flagsets.named_policy())
     return generate_offloaded(cfg, params, store, tok, ids, sp, dtype, seq, policy, preds)
   from moejax.model.sampler import Sampler
   sampler = Sampler(cfg, params, store.device_experts(dtype), max_len=seq, dtype=dtype)
@@ -362,11 +342,12 @@ def generate_offloaded(cfg, params, store, tok, ids, sp, dtype, seq, policy, pre
   link = calibrated_link(link_spec(), cfg, params, store, dtype)   # scaled: measures a layer
   prefetch = prefetch_lib.Prefetch(FLAGS.prefetch or "none", FLAGS.speculative or "off", preds,
                                    streaming=bool(FLAGS.streaming))
-  policy, low = policy_flags.cost_policy(policy, store)
+  policy, low = flagsets.cost_policy(policy, store)
   config = EngineConfig.make(policy, cache_fraction=None if FLAGS.cache_bytes else
                              cache_fraction(), cache_bytes=FLAGS.cache_bytes, link=link,
                              max_len=seq, dtype=dtype, prefetch=prefetch,
-                             expert_devices=FLAGS.expert_devices)
+                             expert_devices=FLAGS.expert_devices,
+                             host_cache_gb=FLAGS.host_cache_gb)
   eng = OffloadEngine(cfg, params, store, config, low_store=low)
   with eng:
     print(f"[moejax] {eng.describe()}", file=sys.stderr)

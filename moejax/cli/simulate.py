@@ -4,9 +4,16 @@
       --policies=baseline,quality,speed,host,substitute_all --profiles=rtx3090,h100,gh200 \
       --cache_fractions=0.125,0.25,0.5
 
-Writes OUT/results.json (per policy, cache fraction and profile: counts and the
+Writes OUT/results.json (per policy, cache fraction, batch and profile: counts and the
 time model's time per token) and OUT/tpot_vs_mass.png (time per token against
-substituted mass, one panel per profile).  Times come from the time model
+substituted mass, one panel per profile).
+
+--batch=1,2,4,8 decodes B streams of the trace in lockstep (the trace cut into B equal
+consecutive streams, each with its own --prefill_tokens prompt), one per-layer step per
+batch of tokens sharing each layer's cache (moejax/research/simulator.py); per step the
+time model charges the union of the batch's experts and each fetched expert once
+(docs/simulator.md).  With several values it also writes OUT/batch.png (hit rate,
+waited fetches and time per token against B).  Times come from the time model
 (moejax/research/timemodel.py) with the profile's roofline for --shape (default: the
 named real model whose expert count and top-k the trace has, else the trace's own
 model); they are simulated, not measured.
@@ -49,7 +56,10 @@ flags.DEFINE_list("cache_fractions", ["0.25"], "Experts per layer resident.")
 flags.DEFINE_string("shape", "auto", "Model shape for the roofline: auto, trace, or one of "
                     + ", ".join(hardware.MODELS))
 flags.DEFINE_integer("max_tokens", 0, "Replay only the first N tokens (0 = all).")
-flags.DEFINE_integer("prefill_tokens", 16, "Leading tokens handled as a prompt (prefill).")
+flags.DEFINE_integer("prefill_tokens", 16, "Leading tokens handled as a prompt (prefill); "
+                     "with --batch, of each stream.")
+flags.DEFINE_list("batch", ["1"], "Tokens decoded together per step (streams in lockstep "
+                  "sharing the cache), e.g. 1,2,4,8.")
 flags.DEFINE_enum("initial", "empty", ["empty", "profile"],
                   "Initial cache: empty, or the most-routed experts of the trace.")
 flags.DEFINE_string("calibration", None, "JSON of this_machine TimeParams (from --check_engine).")
@@ -182,13 +192,58 @@ def plot(results, path):
   fig.savefig(path, dpi=110)
 
 
+def batches() -> list[int]:
+  """--batch as integers (a usage error names the flag)."""
+  try:
+    out = [int(b) for b in FLAGS.batch]
+  except ValueError:
+    out = []
+  if not out or min(out) < 1:
+    raise app.UsageError(f"--batch: want positive integers, e.g. 1,2,4,8; got "
+                         f"{','.join(FLAGS.batch)}")
+  if FLAGS.check_engine and out != [1]:
+    raise app.UsageError("--check_engine times the engine at --batch=1 only")
+  return out
+
+
+def batch_plot(results, prof, path):
+  """Hit rate, waited fetches per token and time per token (profile `prof`) against B,
+  one line per policy (the first cache fraction and device count)."""
+  plt = extras.pyplot("the simulator's batch plot")
+  f0, d0 = float(results["cache_fractions"][0]), results["runs"][0]["devices"]
+  fig, axes = plt.subplots(1, 3, figsize=(10.5, 3.0))
+  cells = (("hit_rate", "hit rate", 100.0), ("fetches_per_token", "waited fetches / token", 1.0))
+  for pol in results["policies"]:
+    rs = [r for r in results["runs"] if r["policy_name"] == pol and r["cache_fraction"] == f0
+          and r["devices"] == d0]
+    bs = [r["batch"] for r in rs]
+    for ax, (key, label, scale) in zip(axes, cells):
+      ax.plot(bs, [scale * r[key] for r in rs], "o-", label=pol)
+      ax.set_ylabel(label + (" %" if scale != 1 else ""), fontsize=8)
+    axes[2].plot(bs, [r["time"][prof]["tpot_ms"] for r in rs], "o-", label=pol)
+  axes[2].set_ylabel(f"simulated ms / token ({prof})", fontsize=8)
+  for ax in axes:
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(results["batches"], [str(b) for b in results["batches"]])
+    ax.set_xlabel("batch B (streams sharing the cache)", fontsize=8)
+    ax.tick_params(labelsize=7)
+  axes[0].legend(fontsize=7)
+  kind = "SYNTHETIC trace " if results.get("synthetic") else ""
+  fig.suptitle(f"SIMULATED: {kind}{os.path.basename(results['trace'])} ({results['shape']}), "
+               f"{100 * f0:g}% resident", fontsize=9)
+  fig.tight_layout()
+  fig.savefig(path, dpi=80)
+
+
 def main(_):
+  bs = batches()
   os.makedirs(FLAGS.out, exist_ok=True)
   tr = traces.load_trace(FLAGS.trace, max_tokens=FLAGS.max_tokens)
   shape = pick_shape(tr.cfg)
   pols = [policy_lib.make_policy(p) for p in FLAGS.policies]
   results = dict(trace=os.path.abspath(FLAGS.trace), tokens=tr.num_tokens,
                  shape=shape.name, policies=FLAGS.policies, cache_fractions=FLAGS.cache_fractions,
+                 batches=bs, synthetic=bool(tr.meta.get("synthetic")),
                  note="times are SIMULATED by the time model, not measured", runs=[])
   calibration = None
   if FLAGS.calibration:
@@ -202,46 +257,65 @@ def main(_):
   by_devices = {}    # an expert-parallel profile's union cache is its own simulation
   for prof, tp in tps.items():
     by_devices.setdefault(tp.devices, []).append(prof)
-  for frac in FLAGS.cache_fractions:
-    f = float(frac)
-    for n, profs in by_devices.items():
-      if FLAGS.initial == "profile":
-        initial = simulator.profile_initial(tr.logits_TxLxR, tr.cfg,
-                                            simulator.budget_slots(tr.cfg, f, n).slots)
-      res = simulator.simulate(tr.cfg, tr.logits_TxLxR, pols, cache_fraction=f, devices=n,
-                               initial_LxS=initial, prefill_tokens=FLAGS.prefill_tokens)
-      for name, r in zip(FLAGS.policies, res):
-        row = dict(r.summary(), policy_name=name, cache_fraction=f, devices=n, time={})
-        for prof in profs:
-          tpot = timemodel.time_per_token(r.steps_TxLxC, tps[prof])
-          row["time"][prof] = dict(tpot_ms=1e3 * float(np.mean(tpot)),
-                                   **timemodel.breakdown(r.steps_TxLxC, tps[prof]))
-        results["runs"].append(row)
+  runs = [(float(frac), n, profs, b) for frac in FLAGS.cache_fractions
+          for n, profs in by_devices.items() for b in bs]
+  seg = lambda b: tr.num_tokens // b - FLAGS.prefill_tokens
+  groups = len({simulator.static_key(p) for p in pols})    # one replay per group
+  bar = tqdm(total=sum(groups * b * max(seg(b), 0) for *_, b in runs), unit="tok",
+             desc="simulate", file=sys.stderr, mininterval=0.5, leave=False)
+  for f, n, profs, b in runs:
+    if FLAGS.initial == "profile":
+      initial = simulator.profile_initial(tr.logits_TxLxR, tr.cfg,
+                                          simulator.budget_slots(tr.cfg, f, n).slots)
+    if seg(b) <= 0:
+      raise app.UsageError(f"--batch={b}: {tr.num_tokens} trace tokens make streams of "
+                           f"{tr.num_tokens // b}, not more than --prefill_tokens")
+    res = simulator.simulate(tr.cfg, tr.logits_TxLxR, pols, cache_fraction=f, devices=n,
+                             initial_LxS=initial, prefill_tokens=FLAGS.prefill_tokens,
+                             batch=b, progress=bar.update)
+    for name, r in zip(FLAGS.policies, res):
+      row = dict(r.summary(), policy_name=name, cache_fraction=f, devices=n, time={})
+      low = next(iter(tps.values())).low_ratio       # a low copy's bytes / the expert's
+      row["waited_MB_per_token"] = shape.expert_bytes * 1e-6 * (
+          row["fetches_per_token"] + low * row["fetches_low_per_token"])
+      row["background_MB_per_token"] = shape.expert_bytes * 1e-6 * row["admissions_per_token"]
+      for prof in profs:
+        tps_s = timemodel.time_per_token(r.steps_TxLxC, tps[prof])    # per step
+        row["time"][prof] = dict(tpot_ms=1e3 * float(np.mean(tps_s)) / b,
+                                 step_ms=1e3 * float(np.mean(tps_s)),
+                                 **timemodel.breakdown(r.steps_TxLxC, tps[prof], b))
+      results["runs"].append(row)
+  bar.close()
   for r in results["runs"]:
     base = [b for b in results["runs"] if b["cache_fraction"] == r["cache_fraction"]
-            and b["devices"] == r["devices"] and b["policy_name"] == "baseline"]
+            and b["devices"] == r["devices"] and b["batch"] == r["batch"]
+            and b["policy_name"] == "baseline"]
     for prof in r["time"]:
       r["time"][prof]["speedup_vs_baseline"] = (base[0]["time"][prof]["tpot_ms"] /
                                                 r["time"][prof]["tpot_ms"] if base else None)
   with open(os.path.join(FLAGS.out, "results.json"), "w") as f:
     json.dump(results, f, indent=1, default=float)
   plot(results, os.path.join(FLAGS.out, "tpot_vs_mass.png"))
+  wrote = "results.json and tpot_vs_mass.png"
+  if len(bs) > 1:
+    batch_plot(results, list(tps)[0], os.path.join(FLAGS.out, "batch.png"))
+    wrote += " and batch.png"
   print(table(results, list(tps)))
-  print(f"[simulate] wrote {FLAGS.out}/results.json and tpot_vs_mass.png", file=sys.stderr)
+  print(f"[simulate] wrote {FLAGS.out}/{wrote}", file=sys.stderr)
 
 
 def table(results, profs) -> str:
-  head = (f"{'policy':<16}{'cache':>6}{'dev':>4}{'hit %':>7}{'fetch/tok':>10}{'mass/tl':>8}"
-          + "".join(f"{p[:12]:>14}" for p in profs))
-  lines = [f"SIMULATED time per token, ms (x speed-up vs baseline); shape {results['shape']}",
-           head]
+  head = (f"{'policy':<16}{'cache':>6}{'dev':>4}{'B':>3}{'hit %':>7}{'fetch/tok':>10}"
+          f"{'fetch/step':>11}{'mass/tl':>8}" + "".join(f"{p[:12]:>14}" for p in profs))
+  lines = [f"SIMULATED time per token, ms (x speed-up vs baseline at the same B); shape "
+           f"{results['shape']}", head]
   for r in results["runs"]:
     cells = "".join((f"{r['time'][p]['tpot_ms']:>8.2f} "
                      f"({(r['time'][p]['speedup_vs_baseline'] or 0):.1f}x)" if p in r["time"]
                      else "-").rjust(14) for p in profs)
     lines.append(f"{r['policy_name']:<16}{r['cache_fraction']:>6.3g}{r['devices']:>4}"
-                 f"{100 * r['hit_rate']:>7.1f}"
-                 f"{r['fetches_per_token']:>10.2f}{r['substituted_mass_per_token_layer']:>8.3f}"
+                 f"{r['batch']:>3}{100 * r['hit_rate']:>7.1f}{r['fetches_per_token']:>10.2f}"
+                 f"{r['fetches_per_step']:>11.2f}{r['substituted_mass_per_token_layer']:>8.3f}"
                  + cells)
   return "\n".join(lines)
 

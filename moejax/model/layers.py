@@ -94,7 +94,12 @@ class SwiGLU(nn.Module):
 
 
 def write_cache(cache_arr, new, end_index):
-  """Writes `new` [B, T, ...] into the static cache [B, S, ...] at position end_index."""
+  """Writes `new` [B, T, ...] into the static cache [B, S, ...] at position end_index: one
+  for the batch, or [B] (row b at end_index[b]: sequences decoded together, each at its
+  own position)."""
+  if jnp.ndim(end_index) == 1:
+    return jax.vmap(lambda c, n, e: write_cache(c[None], n[None], e)[0])(cache_arr, new,
+                                                                         end_index)
   idx = (0, end_index) + (0,) * (new.ndim - 2)
   if layer_view.of(cache_arr) is not None:   # a layer of the stacked cache: in place there
     return layer_view.update(cache_arr, new, idx)

@@ -13,11 +13,13 @@ A decoder layer is exposed in two halves so an engine can decide between them:
 
 The KV cache is an explicit pytree: a list over layers of {"k", "v"} arrays of
 static shape [B, S, kv_heads, head_dim]; ``end_index`` is the number of
-positions already written.
+positions already written: one for the batch, or [B], each sequence at its own position
+(a batch of sequences decoded together, joining and leaving at token boundaries).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import flax.linen as nn
@@ -36,6 +38,15 @@ Cache = list  # list over layers of {"k": [B,S,Hkv,K], "v": [B,S,Hkv,K]}
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> Cache:
   return families.of(cfg).init_cache(cfg, batch, max_len, dtype)
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def put_row(cache_B: Cache, cache_1: Cache, row) -> Cache:
+  """A batch-1 cache (a sequence's prompt pass) written into row `row` of a batch's cache
+  of the same length, which is donated: a sequence joins a batch decoded together."""
+  return jax.tree_util.tree_map(
+      lambda c, r: jax.lax.dynamic_update_slice_in_dim(c, r.astype(c.dtype), row, 0),
+      cache_B, cache_1)
 
 
 class DecoderLayer(nn.Module):
@@ -141,8 +152,8 @@ class Transformer(nn.Module):
   def hidden(self, tokens_BxT, expert_weights, cache=None, end_index=0, positions_BxT=None):
     """The forward before the final norm and LM head: (x [B,T,D], new cache, router logits)."""
     b, t = tokens_BxT.shape
-    if positions_BxT is None:
-      positions_BxT = jnp.broadcast_to(end_index + jnp.arange(t), (b, t))
+    if positions_BxT is None:   # end_index: a scalar, or [B] (each row at its own position)
+      positions_BxT = jnp.broadcast_to(jnp.reshape(end_index, (-1, 1)) + jnp.arange(t), (b, t))
     x = self.embed(tokens_BxT)
     new_cache, router_logits = [], []
     for i, layer in enumerate(self.layers):

@@ -104,6 +104,14 @@ def prefill_logits(model: Transformer, params, experts, cache, tokens_BxT, last)
   return model.apply({"params": params}, x_Bx1xD, method=Transformer.logits)[:, 0], cache
 
 
+@functools.partial(jax.jit, static_argnames=("model",), donate_argnames=("cache",))
+def decode_logits(model: Transformer, params, experts, cache, token_B, end_index):
+  """One token of each row at `end_index` (one, or [B]: a position per row) -> (its
+  logits [B, V], cache): for callers that sample on the host (the server's batch)."""
+  logits, cache, _ = model.apply({"params": params}, token_B[:, None], experts, cache, end_index)
+  return logits[:, -1], cache
+
+
 @functools.partial(jax.jit, static_argnames=("model", "temperature", "top_p"),
                    donate_argnames=("cache",))
 def decode_sample(model: Transformer, params, experts, cache, token_B, end_index, key, *,
@@ -215,11 +223,16 @@ class Sampler:
     return prefill_logits(self.model, self.params, self.experts, cache, jnp.asarray(padded),
                           np.int32(t - 1))
 
-  def decode_step(self, cache, token_B, end_index: int, sp: SamplingParams, key):
-    # np.int32, not jnp.int32: a jnp scalar is one more XLA call per token (~0.2 ms here)
+  def decode_step(self, cache, token_B, end_index, sp: SamplingParams, key):
+    """One token of each row -> (next tokens [B], their logits [B, V], cache).  end_index:
+    the position of the batch, or [B]: each row at its own (a batch of sequences decoded
+    together, each joined by `model.put_row` after its own prompt pass; a free row decodes
+    at position 0 and is overwritten when a sequence joins it).  Row b's tokens are those
+    it gets decoded alone, to float rounding."""
+    # numpy, not jnp: a jnp scalar is one more XLA call per token (~0.2 ms here)
     return decode_sample(self.model, self.params, self.experts, cache, token_B,
-                         np.int32(end_index), key, temperature=float(sp.temperature),
-                         top_p=float(sp.top_p))
+                         np.asarray(end_index, np.int32), key,
+                         temperature=float(sp.temperature), top_p=float(sp.top_p))
 
   def decode_loop(self, cache, logits_1xV, start: int, sp: SamplingParams, key):
     """`decode_loop` after a batch-1 `prefill` of `start` tokens (the cache is donated):

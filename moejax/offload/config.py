@@ -14,6 +14,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from moejax.cache import policy as policy_lib
+from moejax.io import staging
 from moejax.offload import expert_parallel
 from moejax.offload import link as link_lib
 from moejax.prefetch.steps import Mode, Prefetch
@@ -30,7 +31,9 @@ class EngineConfig:
   (a scaled link comes from `calibrate.calibrated_link`).  initial: the slots' contents
   at the start (auto, empty, all, or profile: the engine's `counts`).  prefetch:
   speculative prefetch (`streaming` keeps no expert across tokens).  expert_devices > 1:
-  every MoE layer's slots over that many devices, the budget per device."""
+  every MoE layer's slots over that many devices, the budget per device.
+  host_cache_bytes: with an mmap store, the host staging tier's bytes (`io.staging`;
+  None: the program reads the whole store, mapped or pinned)."""
   policy: policy_lib.PolicyParams = dataclasses.field(
       default_factory=lambda: policy_lib.make_policy("baseline"))
   cache_fraction: float | None = 0.25
@@ -43,6 +46,7 @@ class EngineConfig:
   transfer_timeout_s: float = 120.0
   expert_devices: int = 1
   layer_scan: bool = True     # False: the layers unrolled (`decode.Program.scan`)
+  host_cache_bytes: int | None = None
 
   def __post_init__(self):
     def need(ok, msg):
@@ -59,6 +63,12 @@ class EngineConfig:
     need(self.transfer_timeout_s > 0, f"transfer_timeout_s={self.transfer_timeout_s}: > 0")
     need(int(self.expert_devices) >= 1, f"expert_devices={self.expert_devices}: >= 1")
     jnp.dtype(self.dtype)     # an unknown name raises here
+    if self.host_cache_bytes is not None and (self.expert_devices > 1 or
+                                              self.policy.decision.host):
+      other = "--policy=host" if self.policy.decision.host else "--expert_devices > 1"
+      raise staging.StagingError(f"--host_cache_gb with {other}: host experts and expert-"
+                                 f"parallel replicas read the whole store in place; drop "
+                                 f"--host_cache_gb")
     if self.expert_devices > 1 and self.prefetch.kind != "none":
       raise expert_parallel.ExpertParallelError(
           f"--expert_devices={self.expert_devices} with --prefetch={self.prefetch.kind}: "
@@ -81,11 +91,18 @@ class EngineConfig:
       link = link_lib.parse_link(link)
     if "dtype" in kw:
       kw["dtype"] = jnp.dtype(kw["dtype"]).name
+    if "host_cache_gb" in kw:       # the CLI's --host_cache_gb (None: off)
+      kw["host_cache_bytes"] = staging.size_bytes(kw.pop("host_cache_gb"))
     return cls(policy=policy, link=link, **kw)
 
 
-def check_policy(policy: policy_lib.PolicyParams, platform: str, low_store) -> None:
-  """What a policy needs of the engine that runs it (its constructor and `set_policy`)."""
+def check_policy(policy: policy_lib.PolicyParams, platform: str, low_store,
+                 staged: bool = False) -> None:
+  """What a policy needs of the engine that runs it (its constructor and `set_policy`;
+  staged: the engine reads its experts through a host staging tier)."""
+  if staged and policy.decision.host:
+    raise policy_lib.PolicyError("--policy=host computes misses from the store where it "
+                                 "lives: not with --host_cache_gb")
   if policy.decision.host and platform != "cpu":
     raise policy_lib.PolicyError(
         "--policy=host computes misses on the host CPU, inside the decode program where "

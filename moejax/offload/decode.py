@@ -32,6 +32,7 @@ import numpy as np
 
 from moejax.cache import resident as resident_lib
 from moejax.cache import step as step_lib
+from moejax.io import staging
 from moejax.model import layer_stack, routing
 from moejax.model.config import ModelConfig
 from moejax.model.model import Transformer, init_cache
@@ -124,6 +125,11 @@ def prompt_pass(ctx: layer_lib.Ctx, dtype, max_len: int, params, layers, srcs, s
       y = sources.parallel_experts(ctx, moe_in.reshape(plen, -1), ids, gates, src["store"],
                                    {n: b.dtype for n, b in st.buffers.items()})
       x = _apply(mod, p, h, moe_in, y.reshape(h.shape), method="add_routed")
+    elif isinstance(src.get("store"), staging.Staged):   # one expert at a time, no table
+      y = sources.staged_prompt_experts(ctx, src["store"], moe_in.reshape(plen, -1), ids, gates,
+                                        {n: b.dtype for n, b in st.buffers.items()})
+      x = _apply(mod, p, h, moe_in, y.reshape(h.shape), method="add_routed")
+      table = src["store"]     # the inserted experts are read through the tier again
     else:   # the table, the store read in place, or the layer on the device for this call
       table = src["table"] if ctx.source == "table" else sources.prompt_table(
           ctx, src["store"], moe_in, {n: b.dtype for n, b in st.buffers.items()})

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moejax.io import quant
+from moejax.io import staging
 from moejax.kernels import cpu_kernel
 from moejax.model import families, layer_stack
 from moejax.prefetch import speculation
@@ -84,11 +85,14 @@ class OffloadEngine:
     if policy.decision.low:
       self.low_store = low_store or quant.build(store, policy.decision.low_bits)
     check_policy(policy, self.device.platform, self.low_store)
+    self.staging = (staging.StagingCache(store, config.host_cache_bytes)
+                    if config.host_cache_bytes is not None else None)
     # the layers as one scan (`decode.Program.scan`): a uniform model on one device whose
     # store (and low-precision store) is one [L, E, ...] array per kind; else unrolled
+    # (the host staging tier too: it reads per layer)
     host, pinned, scan = sources.program_stores(store, self.low_store, self.device,
                                                 config.layer_scan and self.plan is None
-                                                and layer_stack.uniform(cfg))
+                                                and layer_stack.uniform(cfg), self.staging)
     trim_to = self.budget.slots if self.budget.staging else None
     ctx = layer_lib.Ctx(cfg, policy, trim_to, pf.kind, pf.speculative, not pf.streaming,
                         None, "slots", pinned, skip_empty=self.device.platform == "cpu",
@@ -181,7 +185,8 @@ class OffloadEngine:
 
   def stats(self, skip: int = 0) -> dict:
     """Summary of the decode records after the first `skip` tokens (warm-up)."""
-    return summarize(self.records[skip:], self.cfg)
+    out = summarize(self.records[skip:], self.cfg)
+    return dict(out, **self.staging.counts()) if self.staging else out
 
   def _check(self):
     if self._failed is not None:
@@ -219,7 +224,8 @@ class OffloadEngine:
     if policy.decision.low and self.low_store is None:
       raise policy_lib.PolicyError(f"{policy.describe()} fetches low-precision copies, which "
                                    "this engine was not built with: build it with that policy")
-    check_policy(policy, self.device.platform, self.low_store if policy.decision.low else None)
+    check_policy(policy, self.device.platform, self.low_store if policy.decision.low else None,
+                 staged=self.staging is not None)
     self._read_deferred()
     self._build_records()        # read under the program that made them
     self.policy = policy

@@ -16,7 +16,8 @@ minutes to read), from the same shapes the loader and the engine use:
 Where each byte lives (the tiers, docs/engine.md "Memory tiers"):
 
   anonymous RAM   what the process owns: the expert store for ``numpy`` and
-                  ``pinned_host`` (page-locked), and on the CPU backend everything the
+                  ``pinned_host`` (page-locked), the host staging tier of ``mmap`` with
+                  --host_cache_gb (`io.staging`), and on the CPU backend everything the
                   "device" holds too (device memory *is* host RAM there);
   page cache      ``mmap``: the experts stay in the (repacked, `io.repack`) checkpoint
                   file and are read through the OS page cache, which keeps what fits and
@@ -97,6 +98,7 @@ class MemoryPlan:
   prefill_bytes: int         # transient, at most
   platform: str = "cpu"      # the backend: "cpu" (device memory is host RAM) or an accelerator
   stacked_bytes: int = 0     # the scanned engine's [L, ...] copy of the layers' parameters
+  host_cache_bytes: int = 0  # --host_cache_gb: the host staging tier, whole experts
 
   @property
   def all_experts_bytes(self) -> int:
@@ -109,7 +111,7 @@ class MemoryPlan:
   @property
   def host_bytes(self) -> int:
     """Host RAM the expert store keeps (the dense parameters only pass through)."""
-    return 0 if self.store == "mmap" else self.all_experts_bytes
+    return self.host_cache_bytes if self.store == "mmap" else self.all_experts_bytes
 
   @property
   def device_bytes(self) -> int:
@@ -133,7 +135,12 @@ class MemoryPlan:
     return self.host_bytes + self.device_bytes
 
   def lines(self) -> list[str]:
-    if self.store == "mmap":
+    if self.host_cache_bytes:
+      host = (f"{gb(self.host_cache_bytes)} host staging (--host_cache_gb: "
+              f"{self.host_cache_bytes // self.expert_bytes} experts x {mb(self.expert_bytes)}, "
+              f"admitted by frequency); the other experts are read from the checkpoint "
+              f"({gb(self.all_experts_bytes)}) through the OS page cache")
+    elif self.store == "mmap":
       host = (f"0 B of experts kept in RAM (--store=mmap: the {gb(self.all_experts_bytes)} of "
               f"experts are read from the checkpoint through the OS page cache)")
     else:
@@ -152,7 +159,7 @@ class MemoryPlan:
     if self.platform == "cpu" and not self.offload:
       cache = (f"every expert read where the store holds it ({gb(self.all_experts_bytes)}, "
                f"no --policy)")
-    elif self.platform == "cpu" and self.offload:
+    elif self.platform == "cpu" and self.offload and not self.prefill_bytes:
       extra = " (the prompt pass reads the store in place)"
     shared = self.platform == "cpu" and not self.offload     # experts counted as the store
     stacked = (f" + the layers' parameters stacked for the scan {gb(self.stacked_bytes)}"
@@ -182,10 +189,14 @@ class MemoryPlan:
 def plan_memory(cfg: ModelConfig, dtype, *, store: str = "numpy", offload: bool = True,
                 cache_fraction: float | None = 0.25, cache_bytes: int | None = None,
                 kv_len: int = 4096, mxfp4: bool = False,
-                platform: str | None = None) -> MemoryPlan:
+                platform: str | None = None, host_cache_gb: float | None = None) -> MemoryPlan:
   """The memory a run of `cfg` needs (see the module docstring); raises BudgetError for
   a budget the engine would refuse, with the same message.  platform: the backend
-  (default: jax's first device's)."""
+  (default: jax's first device's).  host_cache_gb: the host staging tier (`io.staging`;
+  StagingError for a size below one expert per MoE layer or a store other than mmap);
+  its prompt pass holds one expert at a time (the "prefill" bytes, on the CPU backend
+  too)."""
+  from moejax.io import staging
   from moejax.io.loader import abstract_params
   from moejax.model.model import init_cache
   from moejax.cache import resident
@@ -201,20 +212,39 @@ def plan_memory(cfg: ModelConfig, dtype, *, store: str = "numpy", offload: bool 
     # the CPU backend's prompt pass reads the store in place (`sources.prompt_table`)
     plain = set(families.of(cfg).expert_shapes(cfg)) == {"gate_up", "down"} and not mxfp4
     prefill = 0 if platform == "cpu" and plain else cfg.num_experts * ebytes
+    if host_cache_gb is not None:
+      staged = staging.staging_rows(host_cache_gb, ebytes, n_moe, store) * ebytes
+      prefill = ebytes      # the prompt's experts are read and run one at a time
   else:
     slots, prefill = cfg.num_experts, 0
+  if host_cache_gb is not None and not offload:
+    raise staging.StagingError("--host_cache_gb stages the experts the offload engine "
+                               "fetches: it needs --policy")
   kv = jax.eval_shape(lambda: init_cache(cfg, 1, kv_len, dtype))
   params = abstract_params(cfg, dtype)
   # the engine's layer scan (a uniform model) stacks the layers' parameters: one more copy
   # of them while the caller keeps its own (`decode.stack_params`)
   from moejax.model import layer_stack
   stacked = (tree_nbytes({k: v for k, v in params.items() if k.startswith("layers_")})
-             if offload and layer_stack.uniform(cfg) else 0)
+             if offload and layer_stack.uniform(cfg) and host_cache_gb is None else 0)
   return MemoryPlan(store=store, offload=offload, stacked_bytes=stacked,
                     dense_bytes=tree_nbytes(params), expert_bytes=ebytes,
                     num_moe_layers=n_moe, num_experts=cfg.num_experts, cache_slots=int(slots),
                     kv_len=kv_len, kv_bytes=tree_nbytes(kv), prefill_bytes=prefill,
-                    platform=platform or jax.devices()[0].platform)
+                    platform=platform or jax.devices()[0].platform,
+                    host_cache_bytes=staged if host_cache_gb is not None else 0)
+
+
+def available_ram() -> int | None:
+  """MemAvailable of /proc/meminfo in bytes (None where there is none)."""
+  try:
+    with open("/proc/meminfo", encoding="ascii") as f:
+      for line in f:
+        if line.startswith("MemAvailable:"):
+          return int(line.split()[1]) * 1024
+  except OSError:
+    pass
+  return None
 
 
 def gb(n: int) -> str:

@@ -14,7 +14,9 @@ On the CPU backend device memory *is* host memory: a numpy (or memory-mapped) st
 handed over without a copy where jax can share the buffer (a mapped store stays the
 file's pages, read through the page cache: `io.repack` lays it out so that jax can; a copy
 would be reported in one warning line), and a `pinned_host` store stays in that memory
-kind.  Errors: `TransferError` (a store the program cannot read: the message names the
+kind.  With a host staging tier (`io.staging`, --host_cache_gb) a layer's store is a
+`staging.Staged`: each copied row comes from a host callback (the staged row, or the
+mapped file's).  Errors: `TransferError` (a store the program cannot read: the message names the
 layer and tensor), `TransferTimeout` (an emulated link whose waits exceed the engine's
 `transfer_timeout_s`: raised once, after that timeout).
 """
@@ -32,6 +34,7 @@ from moejax.cache import policy as policy_lib
 from moejax.cache import resident as resident_lib
 from moejax.cache.policy import HOST
 from moejax.io import quant
+from moejax.io import staging
 from moejax.io import store as store_lib
 from moejax.kernels import cpu_host, cpu_kernel, layer_view
 from moejax.model import experts as experts_lib
@@ -97,9 +100,12 @@ def copy_rows(buffers: dict, store: dict, ids_J, slots_J, pinned,
 
   def copy_one(j, bufs):
     bufs = dict(bufs)
+    staged = store.rows(ids[j]) if isinstance(store, staging.Staged) else None
     for name, buf in bufs.items():
       buf = buf if layer is None else layer_view.at(buf, layer)
-      if low_bits is None:   # 16-bit floats stay bits from the store to the slot
+      if staged is not None:   # through the host staging tier (`io.staging`)
+        row = as_dtype(staged[name], buf.dtype)
+      elif low_bits is None:   # 16-bit floats stay bits from the store to the slot
         row = to_device(layer_view.rows(store[name], ids[j], 1), pinned)
         row = row if row.dtype.itemsize == buf.dtype.itemsize else as_dtype(row, buf.dtype)
       else:
@@ -124,6 +130,30 @@ def prompt_table(ctx, store: dict, x, dtypes: dict) -> dict:
   if not ctx.pinned and cpu_kernel.supports(x, store) and cpu_kernel.available():
     return store
   return {n: as_dtype(to_device(v, ctx.pinned), dtypes[n]) for n, v in store.items()}
+
+
+def staged_prompt_experts(ctx, store: staging.Staged, x_PxD, ids_PxK, gates_PxK, dtypes: dict):
+  """A prompt's routed experts [P, D] from a host staging tier (`io.staging`): the experts
+  its tokens route to, one at a time, each read through the tier and run on every token
+  with that token's gate for it (0: not routed).  No table of the layer is built: XLA CPU
+  kept every layer's table alive at once (4 x 1.2 GB at 4 real-width layers, measured)."""
+  num_e = store.cache.num_experts
+  used_E = jnp.any(ids_PxK.reshape(-1, 1) == jnp.arange(num_e), axis=0)
+  order_E = jnp.argsort(~used_E, stable=True).astype(jnp.int32)    # the used ones first
+  swiglu = families.of(ctx.cfg).swiglu(ctx.cfg)
+  zero_Px1 = jnp.zeros((x_PxD.shape[0], 1), jnp.int32)
+
+  def one(j, y_PxD):
+    e = order_E[j]
+    rows = store.rows(e)
+    w_Px1 = jnp.sum(jnp.where(ids_PxK == e, gates_PxK, 0.0), axis=1, keepdims=True)
+    y = experts_lib.apply_experts(x_PxD, zero_Px1, w_Px1.astype(gates_PxK.dtype),
+                                  {n: as_dtype(r, dtypes[n]) for n, r in rows.items()},
+                                  swiglu=swiglu)
+    return y_PxD + y.astype(jnp.float32)
+  y = jax.lax.fori_loop(0, jnp.sum(used_E).astype(jnp.int32), one,
+                        jnp.zeros(x_PxD.shape, jnp.float32))
+  return y.astype(x_PxD.dtype)
 
 
 def copy_into_slots(ctx, buffers: dict, store: dict, ids_J, slots_J,
@@ -252,11 +282,16 @@ def _put(host: np.ndarray, device, kind):
   return jax.device_put(host, jax.sharding.SingleDeviceSharding(device, memory_kind=kind))
 
 
-def program_stores(store, low_store, device, scan: bool):
+def program_stores(store, low_store, device, scan: bool, staged=None):
   """The engine's host stores as its program takes them -> (sources, pinned, scan): with
   `scan`, when `store` (and `low_store`) are one [L, E, ...] array per kind,
   {"store": {name: [L, E, ...]}, "low": ...}; else (scan False) {MoE layer: {"store":
-  {name: [E, ...]}, "low": ...}} ("low" only with a low-precision store)."""
+  {name: [E, ...]}, "low": ...}} ("low" only with a low-precision store).  staged: the
+  host staging tier (`io.staging.StagingCache`), read per layer (`Staged`): unrolled."""
+  if staged is not None:
+    low = program_store(low_store, device)[0] if low_store is not None else None
+    return ({l: dict(store=staging.Staged(staged, l), **({"low": low[l]} if low else {}))
+             for l in store.moe_layers}, False, False)
   if scan:
     host, pinned = program_store(store, device, stacked=True)
     low = (program_store(low_store, device, stacked=True)[0]

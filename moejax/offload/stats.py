@@ -16,6 +16,7 @@ import numpy as np
 
 from moejax.cache import step as step_lib
 from moejax.cache.policy import FETCH, FETCH_LOW, HIT
+from moejax.io import staging
 from moejax.model.config import ModelConfig
 
 COUNT_KEYS = ("expert_calls", "hits", "misses", "fetches", "fetch_bytes", "fetches_low",
@@ -240,5 +241,7 @@ def format_stats(s: dict, link_desc: str) -> str:
         ("prefetch recall@k", f"{100 * s['recall_at_k']:.1f} %"),
         ("wasted prefetch bytes / token", f"{s['wasted_bytes_per_token'] / 1e6:.3f} MB"),
     ]
+  if "staged_reads" in s:     # the host staging tier's reads (`io.staging.StagingCache`)
+    rows.append(("host staging (since built)", staging.describe(s)))
   w = max(len(a) for a, _ in rows)
   return "\n".join([f"{a.ljust(w)}  {b}" for a, b in rows] + ["(MB = 10^6 bytes)"])

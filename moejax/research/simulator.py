@@ -21,6 +21,13 @@ devices (`_layer_slices`) the layers are split between them and the slices run
 concurrently.  Output per policy: totals per layer (hits, misses, sync fetches,
 substitutions, substituted mass, ...) and, per (token, layer), the counts the time model
 needs (`STEP_FIELDS`).
+
+Batched (`batch` = B > 1): the trace is cut into B equal consecutive streams, each with
+its own prompt (the B prompts prefilled together, one `prefill_step`), decoded in
+lockstep: one `policy_step` per layer per batch of B tokens, the layer's cache shared
+(`policy.decide`: the waited experts are the batch's union, each fetched once).
+`STEP_FIELDS` are then per (step, layer): fetches of distinct experts, and
+`device_calls` the distinct experts executed (the time model's compute).
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from moejax.cache import policy as policy_lib
 from moejax.cache import resident as resident_lib
 from moejax.cache import step as step_lib
 from moejax.cache.policy import PolicyParams
+from moejax.io import staging
 
 # totals per policy and layer (float: masses are shares g / sum(selected g))
 STAT_FIELDS = ("expert_calls", "hits", "misses", "fetches", "substituted", "substituted_mass",
@@ -57,6 +65,7 @@ class SimResult:
   tokens: int
   totals_LxF: np.ndarray             # [L, len(STAT_FIELDS)]
   steps_TxLxC: np.ndarray | None     # [T, L, len(STEP_FIELDS)] int8
+  batch: int = 1                     # tokens per step (steps_TxLxC: per step)
   # detail=True: per (token, layer) "stats" [T, L, F], "resident" [T, L, P] (slot_expert
   # after the token, its admission requests inserted), and the decisions: "ids", "action",
   # "sub_ids" [T, L, K] and "admit" [T, L, K] (experts requested in the background,
@@ -73,14 +82,29 @@ class SimResult:
     """Totals and per-token means, named like the engine's statistics."""
     n, nl = max(self.tokens, 1), self.totals_LxF.shape[0]
     calls = max(self.total("expert_calls"), 1.0)
-    s = {"policy": self.policy.describe(), "tokens": self.tokens, "slots_per_layer": self.slots}
+    s = {"policy": self.policy.describe(), "tokens": self.tokens, "slots_per_layer": self.slots,
+         "batch": self.batch}
     s.update({f"{k}_per_token": self.total(k) / n for k in STAT_FIELDS})
     s["hit_rate"] = self.total("hits") / calls
     s["substituted_call_pct"] = 100.0 * self.total("substituted") / calls
     s["substituted_mass_per_token_layer"] = self.total("substituted_mass") / (n * nl)
     s["substituted_mass_per_token"] = self.total("substituted_mass") / n
+    s["fetches_per_step"] = self.total("fetches") * self.batch / n
     s["per_layer"] = {k: [float(v) for v in self.per_layer(k)] for k in STAT_FIELDS}
     return s
+
+  def staging_hit_rate(self, rows: int, num_experts: int, decay: float = 0.999) -> float:
+    """The share of the decode's full-precision copies (waited fetches, then background
+    admissions, per token and layer) that a host staging tier of `rows` experts
+    (`io.staging`, --host_cache_gb) would have served; needs detail=True.  The prompt's
+    reads are not in a replay (the engine's counts include them)."""
+    d = self.detail
+    fetched = np.where(d["action"] == policy_lib.FETCH, d["ids"], -1)
+    both = np.concatenate([fetched, np.asarray(d["admit"])], axis=-1)       # [T, L, 2K]
+    layer = np.arange(both.shape[1])[None, :, None]
+    keys = (layer * num_experts + both)[both >= 0]     # in (token, layer, fetch/admit) order
+    hits, n = staging.replay(keys, rows, both.shape[1] * num_experts, decay)
+    return hits / n if n else 0.0
 
 
 def static_key(p: PolicyParams) -> PolicyParams:
@@ -114,6 +138,8 @@ def _traced(static: PolicyParams, dyn_3):
   return d, c
 
 
+_DECISIONS = ("ids", "action", "sub_ids")
+
 # ------------------------------------------------------------------ one lane
 # STAT_FIELDS from `step.STATS` (misses: the calls that were not hits)
 _FROM_STATS = tuple(step_lib.STATS.index("expert_calls" if f == "misses" else f)
@@ -122,26 +148,29 @@ _FROM_STATS = tuple(step_lib.STATS.index("expert_calls" if f == "misses" else f)
 
 def _decode_step(cfg: ModelConfig, static: PolicyParams, trim_to, state, prev_pending,
                  routed, dyn_3):
-  """One (token, layer) of one policy: `cache.step.policy_step`.  prev_pending: the
-  layer's `Step.pending` at the previous token (its admissions, inserted at that token's
-  end, are counted here, where they take effect).  routed: the layer's (ids [K], gates
-  [K], rank scores [E]) for this token (`policy.route_once`, once per trace); the rank
-  scores stand in for the router logits (no control rule, no prefetch reads them)."""
+  """One (step, layer) of one policy: `cache.step.policy_step` on B tokens.  prev_pending:
+  the layer's `Step.pending` at the previous step (its admissions, inserted at that
+  step's end, are counted here, where they take effect).  routed: the layer's (ids
+  [B, K], gates [B, K], rank scores [B, E]) for this step (`policy.route_once`, once per
+  trace); the rank scores stand in for the router logits (no control rule, no prefetch
+  reads them)."""
   dparams, params = _traced(static, dyn_3)
-  ids, gates, scores = (a[None] for a in routed)
+  ids, gates, scores = routed
   rule = step_lib.Rule(cfg, dparams, params, trim_to)
   state, step = step_lib.policy_step(rule, state, step_lib.Router(scores, ids, gates, scores),
                                      step_lib.Prediction.none(cfg), None)
-  c = step_lib.layer_counts(step, prev_pending)
+  c = step_lib.step_counts(step, prev_pending)
   stats = c[jnp.asarray(_FROM_STATS)]
   stats = stats.at[STAT_FIELDS.index("misses")].add(-c[step_lib.STATS.index("hits")])
   n = lambda f: c[step_lib.STATS.index(f)]
   dec = step.dec
+  executed = jnp.any(dec.exec_ids.reshape(-1, 1) == jnp.arange(cfg.num_experts), axis=0)
   steps = jnp.stack([n("fetches"), n("host_calls"), n("admissions"),
-                     jnp.sum(dec.exec_ids[0] >= 0).astype(jnp.float32), n("fetches_low")])
-  decisions = dict(ids=dec.ids[0], action=dec.action[0], sub_ids=dec.sub_ids[0],
+                     jnp.sum(executed).astype(jnp.float32), n("fetches_low")])
+  decisions = dict(ids=dec.ids, action=dec.action, sub_ids=dec.sub_ids,
                    admit=step.pending.admissions)
-  return state, step.pending, stats, steps.astype(jnp.int8), decisions
+  small = ids.size <= 127                 # int8 counts up to B K experts
+  return state, step.pending, stats, steps.astype(jnp.int8 if small else jnp.int16), decisions
 
 
 def _prefill(cfg: ModelConfig, static: PolicyParams, trim_to, state, logits_PxR, dyn_3,
@@ -156,9 +185,9 @@ def _prefill(cfg: ModelConfig, static: PolicyParams, trim_to, state, logits_PxR,
 
 # ------------------------------------------------------------------ jitted scans
 @functools.partial(jax.jit, static_argnames=("cfg", "static", "trim_to", "detail"))
-def _scan(cfg, static, trim_to, states, pending, totals, logits_TxLxR, dyn_Px3, detail=False):
-  """States [P, L, ...]; logits shared by the P policies, routed once for all of them
-  (routing does not depend on the policy)."""
+def _scan(cfg, static, trim_to, states, pending, totals, logits_TxLxBxR, dyn_Px3, detail=False):
+  """States [P, L, ...]; logits [steps, L, B, R] shared by the P policies, routed once for
+  all of them (routing does not depend on the policy)."""
   step_l = jax.vmap(functools.partial(_decode_step, cfg, static, trim_to),
                     in_axes=(0, 0, 0, None))
   step_pl = jax.vmap(step_l, in_axes=(0, 0, None, 0))
@@ -169,7 +198,7 @@ def _scan(cfg, static, trim_to, states, pending, totals, logits_TxLxR, dyn_Px3, 
     out = (step, dict(dec, stats=stats, resident=st.slot_expert)) if detail else (step,)
     return (st, pend, tot + stats), out
 
-  routed = policy_lib.route_once(cfg, logits_TxLxR.astype(jnp.float32))
+  routed = policy_lib.route_once(cfg, logits_TxLxBxR.astype(jnp.float32))
   (states, pending, totals), ys = jax.lax.scan(body, (states, pending, totals), routed)
   return states, pending, totals, ys
 
@@ -227,13 +256,17 @@ def _layer_slices(nl: int):
 
 def simulate(cfg: ModelConfig, logits_TxLxR, policies, *, cache_fraction: float = 0.25,
              devices: int = 1, initial_LxS=None, prefill_tokens: int = 0, per_step: bool = True,
-             detail: bool = False, chunk: int = 8192, progress=None) -> list[SimResult]:
+             detail: bool = False, chunk: int = 8192, progress=None,
+             batch: int = 1) -> list[SimResult]:
   """Replays `logits_TxLxR` (router outputs of the MoE layers) under each policy.
 
   devices: expert-parallel devices (`cache_fraction` each; the union is one cache, the
   engine's `expert_parallel` design).  initial_LxS: the experts each layer's cache starts with (e.g. `profile_initial`),
   None = empty.  The first `prefill_tokens` tokens are a prompt (engine prefill);
-  the rest are decoded one by one.  detail=True also keeps every decision,
+  the rest are decoded one by one.  batch = B > 1: B equal consecutive streams of the
+  trace (the rest dropped), each with a prompt of `prefill_tokens`, decoded in lockstep
+  sharing each layer's cache (module docstring); steps_TxLxC is then per step, detail's
+  decisions [steps, L, B, K].  detail=True also keeps every decision,
   every step's statistics and every layer's resident set (for checks).  Policies are
   grouped by `static_key`; each group is one vmapped scan per slice of layers
   (`_layer_slices`), in chunks of `chunk` tokens.
@@ -244,8 +277,15 @@ def simulate(cfg: ModelConfig, logits_TxLxR, policies, *, cache_fraction: float 
   if nl != len(cfg.moe_layers):
     raise ValueError(f"router logits have {nl} layers; the model has {len(cfg.moe_layers)} "
                      f"MoE layers")
-  if not 0 <= prefill_tokens < nt:
-    raise ValueError(f"prefill_tokens={prefill_tokens} must be in [0, {nt})")
+  if batch < 1:
+    raise ValueError(f"batch={batch} must be >= 1")
+  seg = nt // batch                    # tokens per stream
+  if not 0 <= prefill_tokens < seg:
+    raise ValueError(f"prefill_tokens={prefill_tokens} must be in [0, {seg})"
+                     + (f" ({nt} tokens in {batch} streams)" if batch > 1 else ""))
+  streams = logits[:seg * batch].reshape((batch, seg) + logits.shape[1:])
+  prompts = streams[:, :prefill_tokens].reshape((-1,) + logits.shape[1:])
+  steps_n = seg - prefill_tokens       # decode steps
   budget = budget_slots(cfg, cache_fraction, devices)
   trim_to = budget.slots if budget.staging else None
   groups: dict[PolicyParams, list[int]] = {}
@@ -264,10 +304,10 @@ def simulate(cfg: ModelConfig, logits_TxLxR, policies, *, cache_fraction: float 
     if prefill_tokens:   # the LFU decay over the prompt, rounded from f64 as the engine's
       decay = np.asarray([np.float32(float(policies[i].lfu_decay) ** np.float64(prefill_tokens))
                           for i in members])
-      states = _prefill_all(cfg, static, trim_to, states, jnp.asarray(logits[:prefill_tokens]),
-                            dyn, jnp.asarray(decay))
+      states = _prefill_all(cfg, static, trim_to, states, jnp.asarray(prompts), dyn,
+                            jnp.asarray(decay))
     pending = jax.tree_util.tree_map(lambda a: jnp.broadcast_to(a, (npol, nl) + a.shape),
-                                     step_lib.Pending.none(cfg.top_k))
+                                     step_lib.Pending.none(cfg.top_k * batch))
     totals = jnp.zeros((npol, nl, len(STAT_FIELDS)), jnp.float32)
     # layers are independent given the trace: one slice of them per CPU device, each
     # chunk of each slice run from its own thread, so the slices run at once
@@ -280,13 +320,16 @@ def simulate(cfg: ModelConfig, logits_TxLxR, policies, *, cache_fraction: float 
 
     def run(sh, lo):   # one slice's chunk, read back in its own thread (the GIL is released)
       dev, l0, l1, carry, dyn_d = sh
-      xs = jax.device_put(logits[lo:min(nt, lo + chunk), l0:l1], dev)
+      xs = np.ascontiguousarray(   # [steps, L, B, R]
+          streams[:, prefill_tokens + lo:prefill_tokens + min(steps_n, lo + chunk),
+                  l0:l1].transpose(1, 2, 0, 3))
+      xs = jax.device_put(xs, dev)
       *carry, y = _scan(cfg, static, trim_to, *carry, xs, dyn_d, detail=detail)
       sh[3] = tuple(carry)
       return jax.tree_util.tree_map(np.asarray, y)
 
     pool = futures.ThreadPoolExecutor(len(shards)) if len(shards) > 1 else None
-    for lo in range(prefill_tokens, nt, chunk):
+    for lo in range(0, steps_n, chunk):
       ys = ([run(shards[0], lo)] if pool is None else
             [f.result() for f in [pool.submit(run, sh, lo) for sh in shards]])
       # slices joined on L (axis 2)
@@ -295,15 +338,18 @@ def simulate(cfg: ModelConfig, logits_TxLxR, policies, *, cache_fraction: float 
       if detail:
         det.append({k: np.concatenate([y[1][k] for y in ys], axis=2) for k in ys[0][1]})
       if progress is not None:
-        progress(min(nt, lo + chunk) - lo)
+        progress(batch * (min(steps_n, lo + chunk) - lo))
     if pool is not None:
       pool.shutdown()
     totals = np.concatenate([np.asarray(sh[3][2]) for sh in shards], axis=1)
     for j, i in enumerate(members):
+      one = (lambda a: a[:, :, 0]) if batch == 1 else (lambda a: a)   # decisions [.., K]
       results[i] = SimResult(
-          policy=policies[i], slots=budget.slots, tokens=nt - prefill_tokens,
+          policy=policies[i], slots=budget.slots, tokens=steps_n * batch,
           totals_LxF=totals[j],
           steps_TxLxC=np.concatenate([s[:, j] for s in steps]) if per_step else None,
-          detail={k: np.concatenate([d[k][:, j] for d in det]) for k in det[0]}
+          batch=batch,
+          detail={k: one(np.concatenate([d[k][:, j] for d in det])) if k in _DECISIONS
+                  else np.concatenate([d[k][:, j] for d in det]) for k in det[0]}
           if detail else None)
   return results

@@ -20,6 +20,13 @@ and its device experts spread evenly over the devices (ceil(n / N) each, as the
 engine's interleaved slots make likely), background transfers drain N links at
 once, and each MoE layer adds one all-reduce (`collective_s`).
 
+Batched decode (the simulator's `batch` = B): the same model per step of B tokens (a
+"token" above is a step): the head and each layer's attention stay one `head_s` and
+`layer_s` per step (memory-bound decode reads their weights once per step; the KV reads
+that grow with B are not modelled), device experts are the distinct experts the batch
+executes (each expert's weights read once), fetches the distinct experts fetched, host
+experts per call; time per token = time per step / B.
+
 Link state is kept relative to the current time (backlog seconds, and per layer
 how much of the backlog must drain before its admissions have arrived), so the
 model is one `lax.scan` over (token, layer) steps, vmapped over policies and
@@ -77,6 +84,24 @@ def roofline(hw: hardware.HardwareProfile, shape: hardware.ModelShape,
       transfer_s=shape.expert_bytes / hw.link_Bps, latency_s=hw.link_latency_s,
       devices=hw.devices, collective_s=hw.collective_s,
       source=f"roofline: {shape.name} on {hw.gpu} over {hw.link}")
+
+
+def through_staging(tp: TimeParams, disk: hardware.HardwareProfile, expert_bytes: int,
+                    staging_hit_rate: float) -> TimeParams:
+  """`tp` with its experts behind a host staging tier (`io.staging`, --host_cache_gb): a
+  fetch served from the tier crosses the host link only (tp's transfer_s); one that is not
+  is first read from `disk` (its profile's link: bandwidth and a latency per expert read,
+  e.g. `ddr5_nvme`, `vm_disk`), so each fetch costs, in expectation, (1 - hit rate) x that
+  read more.  The same for background admissions; low-precision copies are held in RAM
+  and keep their host-link price.  The hit rate is measured (`StagingCache.counts`)."""
+  if not 0.0 <= staging_hit_rate <= 1.0:
+    raise ValueError(f"staging_hit_rate={staging_hit_rate}: in [0, 1]")
+  t = tp.transfer_s + (1.0 - staging_hit_rate) * (expert_bytes / disk.link_Bps
+                                                   + disk.link_latency_s)
+  return dataclasses.replace(tp, transfer_s=t,
+                             low_ratio=tp.low_ratio * tp.transfer_s / t if t else tp.low_ratio,
+                             source=f"{tp.source}; staged at {staging_hit_rate:.0%}, else "
+                                    f"{disk.link}")
 
 
 def _advance(state, dt):
@@ -140,16 +165,17 @@ def time_per_token(steps_TxLxC: np.ndarray, tp: TimeParams) -> np.ndarray:
   return np.asarray(cum).reshape(t, nl)[:, -1].astype(np.float64)
 
 
-def breakdown(steps_TxLxC: np.ndarray, tp: TimeParams) -> dict:
-  """Mean ms per token of the model's terms, without queueing (for tables)."""
+def breakdown(steps_TxLxC: np.ndarray, tp: TimeParams, batch: int = 1) -> dict:
+  """Mean ms per token of the model's terms, without queueing (for tables); steps of
+  `batch` tokens each (the simulator's --batch): a step's time over its tokens."""
   s = steps_TxLxC.astype(np.float64)
   f = {k: s[..., i] for i, k in enumerate(STEP_FIELDS)}
   per = lambda a: np.ceil(a / tp.devices)      # expert-parallel: each device's share
   f["fetches"] = per(f["fetches"]) + tp.low_ratio * per(f["fetches_low"])
   nl = s.shape[1]
-  ms = lambda a: 1e3 * float(np.mean(np.sum(a, axis=1)))
+  ms = lambda a: 1e3 * float(np.mean(np.sum(a, axis=1))) / batch
   coll = nl * tp.collective_s if tp.devices > 1 else 0.0
-  return {"compute_ms": (1e3 * (tp.head_s + nl * tp.layer_s + coll)
+  return {"compute_ms": (1e3 * (tp.head_s + nl * tp.layer_s + coll) / batch
                          + ms(per(f["device_calls"]) * tp.expert_s)),
           "sync_transfer_ms": ms((f["fetches"] > 0) * tp.latency_s + f["fetches"] * tp.transfer_s),
           "fetch_overhead_ms": ms((f["fetches"] > 0) * tp.fetch_overhead_s),

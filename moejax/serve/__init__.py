@@ -4,6 +4,8 @@
   main      the program: flags, loading, start-up compiles, uvicorn
   worker    the engine's thread: a bounded FIFO queue, one request at a time (batch 1),
             per-request policy, cancellation, timeouts
+  batching  --policy=none: every expert resident, up to --max_batch requests decoded
+            together (continuous batching)
   protocol  OpenAI request fields -> a `Job`, errors as OpenAI error JSON, responses
   app       the FastAPI routes: /v1/completions, /v1/chat/completions, /v1/models,
             /health, /metrics

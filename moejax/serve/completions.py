@@ -155,8 +155,8 @@ class Completions:
       self.worker.submit(job)
     except QueueFull as e:
       err = protocol.APIError(
-          429, f"the request queue is full ({self.worker.depth()} waiting; the server runs "
-          f"one request at a time): retry after {e.retry_after_s} s", "rate_limit_error",
+          429, f"the request queue is full ({self.worker.depth()} waiting for the engine): "
+          f"retry after {e.retry_after_s} s", "rate_limit_error",
           code="queue_full")
       return await send_json(send, 429, err.body(),
                              [(b"retry-after", str(e.retry_after_s).encode())])

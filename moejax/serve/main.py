@@ -9,7 +9,9 @@ checkpoint's tokenizer_config.json has a chat template), GET /v1/models, /health
 (200 once the model is loaded and compiled, 503 before), /metrics (Prometheus).
 
 One engine decodes one request at a time (batch 1); the others wait in a FIFO queue
-of --max_queue (429 with Retry-After when full).  The expert cache (--cache_fraction
+of --max_queue (429 with Retry-After when full).  --policy=none keeps every expert
+resident and decodes up to --max_batch requests together, each joining at the next token
+(continuous batching, moejax.serve.batching).  The expert cache (--cache_fraction
 or --cache_bytes) is shared by every request and persists across them; a request may
 choose its own miss policy, tau, admission and eviction in the extension object
 {"moejax": {"policy": "speed"}} (docs/serve.md); each policy compiles once
@@ -30,32 +32,25 @@ import time
 from absl import flags
 
 from moejax.cli import app as cli
+from moejax.cli import flagsets
 
 FLAGS = flags.FLAGS
 
-flags.DEFINE_string("model_dir", None, "Hugging Face model folder (config.json, safetensors, "
-                    "tokenizer.json; tokenizer_config.json for a chat template). Default: the "
-                    "demo model, ./ckpts/demo.")
+flagsets.model_dir(what="Hugging Face model folder (config.json, safetensors, tokenizer.json; "
+                   "tokenizer_config.json for a chat template)")
+flagsets.dtype()
+flagsets.engine()
 flags.DEFINE_string("model_name", None, "The model id clients send (default: the folder's "
                     "name).")
 flags.DEFINE_string("host", "127.0.0.1", "Address to listen on (0.0.0.0: every interface).")
 flags.DEFINE_integer("port", 8000, "Port to listen on (0: a free one, printed at start).")
 flags.DEFINE_string("policy", "quality", "The default offload policy: a preset (quality, "
                     "speed, baseline) or a miss rule (fetch_all, threshold, first_choice, "
-                    "substitute_all, host); a request may choose another.")
-flags.DEFINE_float("cache_fraction", None, "Share of each layer's experts resident "
-                   "(default 0.25); shared by every request.")
-flags.DEFINE_integer("cache_bytes", None, "Device memory for the expert cache in bytes, over "
-                     "all MoE layers (instead of --cache_fraction).")
-flags.DEFINE_enum("store", "numpy", ["numpy", "mmap", "pinned_host"], "Where the experts "
-                  "wait on the host.")
-flags.DEFINE_string("link", None, "Host->device link: native, scaled[:PROFILE] or e.g. "
-                    "'16GB/s,10us'. Default: native on an accelerator, scaled on a CPU.")
-flags.DEFINE_float("tau", None, "The default policy's threshold share.")
-flags.DEFINE_float("admission_beta", None, "The default policy's admission threshold.")
-flags.DEFINE_enum("eviction", None, ["lru", "lfu", "least_stale"], "The default policy's "
-                  "eviction rule.")
-flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute/parameter dtype.")
+                    "substitute_all, host); a request may choose another. none: every expert "
+                    "resident (no offload engine), requests decoded together (--max_batch).")
+flags.DEFINE_integer("max_batch", 1, "With --policy=none: requests decoded together, one "
+                     "token of each per step; a request joins at the next token (continuous "
+                     "batching). The offload engine decodes one request at a time.")
 flags.DEFINE_integer("max_len", None, "The KV cache: the longest prompt + max_tokens of a "
                      "request. Default: the model's limit, at most 2048.")
 flags.DEFINE_integer("max_queue", 16, "Requests that may wait for the engine; beyond: 429.")
@@ -94,10 +89,58 @@ def check_flags(cfg):
   except ValueError:
     raise cli.UsageError(f"--warm_prompt_tokens must be integers, got "
                          f"{','.join(FLAGS.warm_prompt_tokens)}") from None
+  if FLAGS.max_batch < 1:
+    raise cli.UsageError(f"--max_batch must be >= 1, got {FLAGS.max_batch}")
+  warm = [w for w in warm if 1 <= w < max_len]
+  if FLAGS.policy == "none":
+    for name in ("cache_fraction", "cache_bytes", "tau", "admission_beta", "eviction",
+                 "host_cache_gb"):
+      if cli.given(name):
+        raise cli.UsageError(f"--{name} sets the offload engine; --policy=none keeps every "
+                             "expert resident: drop it")
+    check_batch(cfg, max_len)
+    return max_len, warm, None
+  if FLAGS.max_batch > 1:
+    raise cli.UsageError(f"--max_batch={FLAGS.max_batch} decodes requests together with every "
+                         "expert resident (--policy=none); the offload engine decodes one "
+                         "request at a time: drop --max_batch, or use --policy=none")
+  if FLAGS.host_cache_gb is not None:   # a size or store that cannot work: before loading
+    import jax.numpy as jnp
+    from moejax.io import staging
+    from moejax.offload.memory import expert_nbytes
+    staging.staging_rows(FLAGS.host_cache_gb, expert_nbytes(cfg, jnp.dtype(FLAGS.dtype)),
+                         len(cfg.moe_layers), FLAGS.store or "numpy")
   from moejax.cache.policy import make_policy
   policy = make_policy(FLAGS.policy, tau=FLAGS.tau, admission_beta=FLAGS.admission_beta,
                        eviction=FLAGS.eviction)
-  return max_len, [w for w in warm if 1 <= w < max_len], policy
+  return max_len, warm, policy
+
+
+def check_batch(cfg, max_len: int) -> None:
+  """--max_batch rows of --max_len KV cache beside the resident model must fit in the
+  memory there is (host RAM on the CPU backend, the device's elsewhere): else one line
+  naming the largest --max_batch that fits."""
+  import jax
+  import jax.numpy as jnp
+  from moejax.offload import memory
+  plan = memory.plan_memory(cfg, jnp.dtype(FLAGS.dtype), store=FLAGS.store or "numpy",
+                            offload=False, kv_len=max_len)
+  dev = jax.devices()[0]
+  if dev.platform == "cpu":
+    need, have, where = plan.anon_bytes, memory.available_ram(), "RAM available"
+  else:
+    need, have, where = plan.device_bytes, (dev.memory_stats() or {}).get("bytes_limit"), \
+        "device memory"
+  if not have:
+    return
+  fits = 1 + max(have - need, 0) // max(plan.kv_bytes, 1) if need <= have else 0
+  if FLAGS.max_batch > fits:
+    raise cli.UsageError(
+        f"--max_batch={FLAGS.max_batch}: the resident model ({memory.gb(need)} with one "
+        f"request's KV cache of {memory.gb(plan.kv_bytes)} at --max_len={max_len}) and "
+        f"{FLAGS.max_batch} rows need more than the {memory.gb(have)} of {where}; the "
+        f"largest --max_batch that fits is {fits}" + (" (none: lower --max_len)" if not fits
+                                                       else ""))
 
 
 def model_folder() -> str:
@@ -131,15 +174,26 @@ def loader(folder, tok, template, max_len, warm, policy):
     import jax
     t0 = time.time()
     dtype = jnp.dtype(FLAGS.dtype)
-    cfg, params, store = load_model(folder, dtype=dtype, mmap=FLAGS.store != "numpy")
-    store = make_store(store, FLAGS.store)
+    store_kind = FLAGS.store or "numpy"
+    cfg, params, store = load_model(folder, dtype=dtype, mmap=store_kind != "numpy")
+    store = make_store(store, store_kind)
+    if policy is None:            # --policy=none: the resident model, requests batched
+      from moejax.model.sampler import Sampler
+      from moejax.serve.batching import Resident
+      res = Resident(Sampler(cfg, params, store.device_experts(dtype), max_len=max_len,
+                             dtype=dtype), store, FLAGS.max_batch)
+      print(f"[moejax] {res.describe()}; KV cache {max_len} positions a request", file=sys.stderr)
+      res.warmup(prompt_lengths=warm)
+      print(f"[moejax] ready: loaded and compiled in {time.time() - t0:.1f} s", file=sys.stderr,
+            flush=True)
+      return Loaded(res, tok, cfg, template)
     from moejax.offload.link import default_spec
     spec = FLAGS.link or default_spec(jax.devices()[0].platform)
     link = calibrated_link(spec, cfg, params, store, dtype)
     fraction = 0.25 if FLAGS.cache_fraction is None else FLAGS.cache_fraction
     config = EngineConfig.make(policy, cache_fraction=None if FLAGS.cache_bytes else fraction,
                                cache_bytes=FLAGS.cache_bytes, link=link, max_len=max_len,
-                               dtype=dtype)
+                               dtype=dtype, host_cache_gb=FLAGS.host_cache_gb)
     eng = OffloadEngine(cfg, params, store, config)
     print(f"[moejax] {eng.describe()}; KV cache {max_len} positions", file=sys.stderr)
     eng.warmup(prompt_lengths=warm)
@@ -171,7 +225,8 @@ def main(_):
     raise cli.UsageError(str(e)) from None
   model_id = FLAGS.model_name or os.path.basename(os.path.normpath(folder))
   limits = protocol.Limits(model_id, max_len, FLAGS.request_timeout_s, policy,
-                           tuple(cfg.eos_token_ids), request_policies=FLAGS.request_policies)
+                           tuple(cfg.eos_token_ids),
+                           request_policies=FLAGS.request_policies and policy is not None)
   key = auth.resolve_key(FLAGS.api_key)
   sock = listen()
   metrics = metrics_lib.Metrics()

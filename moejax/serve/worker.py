@@ -1,4 +1,5 @@
-"""The engine's thread: one request at a time (batch 1) from a bounded FIFO queue.
+"""The engine's thread: one request at a time (batch 1) from a bounded FIFO queue, or under
+--policy=none several at once (continuous batching: `batching.serve`).
 
     w = Worker(load, metrics, max_queue=16)   # load() -> Loaded (runs on the thread)
     w.start()                                 # loads and compiles, then serves
@@ -160,6 +161,10 @@ class Worker:
         self._on_fail(e)
       return
     self.ready.set()
+    if self.loaded.engine.policy is None:   # --policy=none: continuous batching
+      from moejax.serve import batching
+      batching.serve(self._q, self.loaded.engine, self.loaded.tok, self.metrics, self._scorer_of)
+      return
     while True:
       job = self._q.get()
       if job is None:
@@ -174,13 +179,13 @@ class Worker:
       return
     if start > job.deadline:
       self.metrics.outcome("timeout")
-      job.sink("error", _timeout(job, start))
+      job.sink("error", timeout_error(job, start))
       return
     try:
       result = self._generate(job, start)
     except _Timeout:
       self.metrics.outcome("timeout")
-      job.sink("error", _timeout(job, time.perf_counter()))
+      job.sink("error", timeout_error(job, time.perf_counter()))
     except _Cancelled:
       self.metrics.outcome("cancelled")
     except protocol.APIError as e:
@@ -196,10 +201,17 @@ class Worker:
       job.sink("done", result)
     self._mean_s = 0.8 * self._mean_s + 0.2 * (time.perf_counter() - start)
 
+  def _scorer_of(self):
+    """The prompt scorer (`logprobs.PromptScorer`), made on first use."""
+    if self._scorer is None:
+      from moejax.serve.logprobs import PromptScorer
+      eng = self.loaded.engine
+      self._scorer = PromptScorer(self.loaded.cfg, eng.params, eng.store, eng.dtype)
+    return self._scorer
+
   def _generate(self, job: Job, start: float) -> Result:
     from moejax.offload.stats import summarize
     from moejax.serve import decoding
-    from moejax.serve.logprobs import PromptScorer
     eng, tok = self.loaded.engine, self.loaded.tok
     eng.set_policy(job.policy)
     compile_s = 0.0
@@ -257,9 +269,7 @@ class Worker:
                                      t0 - job.created - compile_s, compile_s)
     prompt_lps = None
     if job.score_prompt:              # after the timed part: ttft and tpot stay comparable
-      if self._scorer is None:
-        self._scorer = PromptScorer(self.loaded.cfg, eng.params, eng.store, eng.dtype)
-      prompt_lps = self._scorer(job.prompt_ids, job.logprobs or 0)
+      prompt_lps = self._scorer_of()(job.prompt_ids, job.logprobs or 0)
     return Result(out, state["end"], len(job.prompt_ids), offload,
                   None if lps is None else lps[:len(out)], prompt_lps)
 
@@ -272,7 +282,7 @@ class _Timeout(Exception):
   pass
 
 
-def _timeout(job: Job, now: float) -> protocol.APIError:
+def timeout_error(job: Job, now: float) -> protocol.APIError:
   return protocol.APIError(
       504, f"the request timed out after {now - job.created:.1f} s (timeout "
       f"{job.timeout_s:g} s; set moejax.timeout_s, up to the server's --request_timeout_s)",

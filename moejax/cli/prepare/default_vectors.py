@@ -17,10 +17,10 @@ from __future__ import annotations
 from absl import flags
 
 from moejax.cli import app as cli
+from moejax.cli import flagsets
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("model_dir", None, "HF-format model folder with tokenizer.json (default: "
-                    "the demo model, ./ckpts/demo).")
+flagsets.model_dir(what="HF-format model folder with tokenizer.json")
 flags.DEFINE_string("out", "", "Output folder (default: <model_dir>-estimators/default_vectors).")
 flags.DEFINE_integer("windows", 256, "Training windows to average over.")
 flags.DEFINE_integer("seq", 256, "Window length.")

@@ -19,10 +19,11 @@ import os
 from absl import flags
 
 from moejax.cli import app as cli
+from moejax.cli import flagsets
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("model_dir", None, "A model folder: the experts' width from its "
-                    "config.json (instead of --hidden and --inter).")
+flagsets.model_dir(what="A model folder: the experts' width from its config.json (instead of "
+                   "--hidden and --inter)", where="--hidden and --inter")
 flags.DEFINE_integer("hidden", 2048, "Hidden size D (without --model_dir).")
 flags.DEFINE_integer("inter", 768, "Expert intermediate size I (without --model_dir).")
 flags.DEFINE_integer("experts", 16, "Experts in the store, rotated through (16 at Qwen3-30B-"

@@ -25,11 +25,11 @@ from absl import flags
 import numpy as np
 
 from moejax.cli import app as cli
+from moejax.cli import flagsets
 from moejax.train import corpus
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("model_dir", None, "HF-format model folder with tokenizer.json (default: "
-                    "the demo model, ./ckpts/demo).")
+flagsets.model_dir(what="HF-format model folder with tokenizer.json")
 flags.DEFINE_string("out", "", "Estimators folder (default: <model_dir>-estimators).")
 flags.DEFINE_string("data_dir", "runs/estimator_pairs", "Recorded training pairs (shards) and "
                     "the resumable training checkpoints (kept out of --out, which ships), in a "

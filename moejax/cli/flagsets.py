@@ -1,8 +1,11 @@
-"""moejax-generate's policy flags: the policy --policy and its knobs name, --policy=auto's
-tuning, and the cost rule's times (--profile's link, --host_ms's measured host expert).
+"""Flags that several moejax programs share, each defined once here with one help text
+(`model_dir`, `dtype`, `engine`: a program calls the groups it offers at import; its own
+flags stay in its module), and the checks of moejax-generate's policy flags (--policy and
+the knobs it names, --policy=auto's tuning, the cost rule's times: --profile's link,
+--host_ms's measured host expert), which raise `app.UsageError` naming the flag.
 
-The flags are moejax-generate's (moejax.cli.generate defines them on absl's FLAGS); the
-functions read them and raise `app.UsageError` naming the flag.
+A shared flag already defined in the process (two programs imported by one test) is left as
+the first definition made it.
 """
 
 from __future__ import annotations
@@ -14,6 +17,67 @@ from absl import flags
 from moejax.cli import app as cli
 
 FLAGS = flags.FLAGS
+
+DEMO = "./ckpts/demo"
+
+
+def _define(kind, name: str, default, help_text: str, enum_values=None) -> None:
+  if name in FLAGS:
+    return
+  if enum_values is not None:
+    flags.DEFINE_enum(name, default, enum_values, help_text)
+  else:
+    getattr(flags, f"DEFINE_{kind}")(name, default, help_text)
+
+
+def model_dir(default: str | None = None, what: str = "Hugging Face model folder "
+              "(config.json, model.safetensors or its sharded index, tokenizer.json)",
+              where: str | None = None) -> None:
+  """--model_dir: the model folder (None: the demo model, resolved by `app.model_folder`,
+  unless `where` says what unset means)."""
+  where = where or default or f"the demo model, {DEMO} (shipped with the source checkout)"
+  _define("string", "model_dir", default, f"{what}. Default: {where}.")
+
+
+def dtype() -> None:
+  """--dtype: the compute/parameter dtype."""
+  _define("enum", "dtype", "float32", "Compute/parameter dtype.",
+          enum_values=["float32", "bfloat16"])
+
+
+def link() -> None:
+  """--link: the host->device link."""
+  _define("string", "link", None, "Host->device link: 'native' (the real copy), "
+          "'scaled[:PROFILE]' (emulated, scaled to a GPU) or e.g. '16GB/s,10us'. Default: "
+          "native on an accelerator, scaled on a CPU-only machine.")
+
+
+def engine() -> None:
+  """The offload engine's launch settings: the expert budget (--cache_fraction or
+  --cache_bytes), where the experts wait (--store, --host_cache_gb), the link, and the
+  default policy's
+  knobs (--tau, --admission_beta, --eviction)."""
+  _define("float", "cache_fraction", None, "With a policy: share of each layer's experts "
+          "resident (default 0.25).")
+  _define("integer", "cache_bytes", None, "With a policy: device memory for the expert cache "
+          "in bytes, over all MoE layers (instead of --cache_fraction).")
+  _define("enum", "store", None, "Where the experts wait on the host: numpy (RAM, "
+          "default), mmap (the checkpoint file on disk, read through the page cache: a model "
+          "larger than RAM; a per-expert checkpoint is repacked once into "
+          "$MOEJAX_CACHE_DIR, default ~/.cache/moejax), pinned_host (page-locked memory: the "
+          "fast DMA path on a GPU). Without a policy on the CPU, mmap keeps every expert in "
+          "the mapped file (as llama.cpp's mmap).", enum_values=["numpy", "mmap", "pinned_host"])
+  _define("float", "host_cache_gb", None, "With a policy and --store=mmap: a host staging "
+          "tier of this many GB between the mapped file and the device (a model larger than "
+          "RAM on an accelerator; docs/engine.md). Default: off.")
+  link()
+  _define("float", "tau", None, "With --policy=threshold or quality: normalised gate share "
+          "at or above which a miss waits (default 0.15).")
+  _define("float", "admission_beta", None, "With a policy: background admission threshold "
+          "(> 0).")
+  _define("enum", "eviction", None, "With a policy: eviction rule (default: the preset's; "
+          "least_stale: SpecMD's Least-Stale, see moejax.cache.policy).",
+          enum_values=["lru", "lfu", "least_stale"])
 
 
 def check_auto_flags():

@@ -1,0 +1,97 @@
+"""What a per-layer step (`cache.step`) decided, as the host reads it and as counts.
+
+`Record`: one MoE layer's step of one token (`record`; the engine packs it,
+`offload.stats`).  `counts`: the `STATS` of a layer's decisions, the same numbers in
+jnp (the emulator's scan, the simulator) and in numpy (the engine's records);
+`step_counts`: those of a batched step (B tokens of one layer sharing one cache,
+`cache.step`), summed over the batch's active tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from moejax.cache.policy import DROP, FETCH, FETCH_LOW, HIT, HOST, SUBSTITUTE
+
+# per-layer counts of a decoded token (summed over MoE layers by the drivers)
+STATS = ("expert_calls", "hits", "fetches", "substituted", "substituted_mass", "dropped",
+         "dropped_mass", "host_calls", "admissions", "admitted", "evictions", "prefetches",
+         "useful_prefetches", "recall_hits", "predicted_calls", "fetches_low", "low_mass",
+         "first_substituted")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Record:
+  """One MoE layer's step as the host reads it (`record`; `stats.build_record`)."""
+  ids: jax.Array             # [K] selected experts
+  actions: jax.Array         # [K]
+  substitutes: jax.Array     # [K]
+  share: jax.Array           # [K] f32
+  fetched: jax.Array         # [K]
+  admitted: jax.Array        # [K] admissions inserted before this layer's decision
+  admissions: jax.Array      # [K] admissions requested now
+  prefetched: jax.Array      # [K]
+  predicted: jax.Array       # [K]
+  true_ids: jax.Array        # [K]
+  evicted: jax.Array         # [K + K (+K) + P]: the admitted ones', then this step's
+  pf_stats: jax.Array        # [4] f32
+  rows: jax.Array            # [K] buffer row of each executed expert
+  admission_slots: jax.Array  # [K]
+
+
+def record(step, admitted) -> Record:
+  """A layer's `Record` from its step (`cache.step.Step`, one token) and the pending
+  admissions (`cache.step.Pending`) it consumed."""
+  h, d = step.head, step.dec
+  return Record(d.ids[..., 0, :], d.action[..., 0, :], d.sub_ids[..., 0, :],
+                d.share[..., 0, :], h.fetched, admitted.admissions, step.pending.admissions,
+                h.pf_ids, h.predicted, h.true_ids,
+                jnp.concatenate([admitted.admission_evicted, step.evicted], axis=-1),
+                h.pf_stats, h.rows, step.pending.admission_slots)
+
+
+def counts(xp, action, share, admissions, admitted, evicted, pf_stats, valid=None):
+  """The `STATS` of MoE layers (leading axes kept, the last reduced): the same numbers
+  in jnp inside the emulator's scan and in numpy from the engine's records.
+  admissions: ids requested now; admitted: ids inserted for this token (-1 padded).
+  valid: [..., B] (a batched step: action, share [..., B, K]): the per-token counts are
+  summed over the active tokens; admissions, evictions and pf_stats are the step's."""
+  f32 = lambda a: xp.asarray(a, xp.float32)
+  tok = (lambda a: a) if valid is None else (lambda a: xp.sum(a * f32(valid), axis=-1))
+  n = lambda m: xp.sum(f32(m), axis=-1)
+  sub, drop, low = f32(action == SUBSTITUTE), f32(action == DROP), f32(action == FETCH_LOW)
+  k = xp.full(action.shape[:-1], action.shape[-1], xp.float32)
+  return xp.stack([tok(k), tok(n(action == HIT)), tok(n(action == FETCH)), tok(n(sub)),
+                   tok(xp.sum(sub * share, axis=-1)), tok(n(drop)),
+                   tok(xp.sum(drop * share, axis=-1)), tok(n(action == HOST)),
+                   n(admissions >= 0), n(admitted >= 0), n(evicted >= 0),
+                   *[pf_stats[..., i] for i in range(4)], tok(xp.sum(low, axis=-1)),
+                   tok(xp.sum(low * share, axis=-1)), tok(sub[..., 0] + drop[..., 0])], axis=-1)
+
+
+def record_counts(xp, rec: Record):
+  """`counts` of a layer's (or stacked layers') `Record`."""
+  return counts(xp, rec.actions, rec.share, rec.admissions, rec.admitted, rec.evicted,
+                rec.pf_stats)
+
+
+def layer_counts(step, prev):
+  """`counts` of one layer's step of one token (jnp): the admissions inserted for this
+  token and their evictions come from the previous token's tail (`prev`)."""
+  return record_counts(jnp, record(step, prev))
+
+
+def step_counts(step, prev, valid_B=None):
+  """`counts` of one layer's batched step (B tokens, `cache.step.policy_step` with a
+  [B, ...] router), summed over its active tokens (valid_B; None: all): each fetched
+  expert counts once (the token that waited first has the FETCH), the admissions,
+  their evictions and the step's evictions once per step.  B = 1: `layer_counts`."""
+  d = step.dec
+  valid = jnp.ones(d.action.shape[:-1], bool) if valid_B is None else valid_B
+  return counts(jnp, d.action, d.share, step.pending.admissions, prev.admissions,
+                jnp.concatenate([prev.admission_evicted, step.evicted], axis=-1),
+                step.head.pf_stats, valid)

@@ -1,0 +1,257 @@
+"""Continuous batching with every expert resident (`moejax-serve --policy=none
+--max_batch=N`): up to N requests decode together, one token of each per step.
+
+On a CPU a decode step reads every weight it uses once, whether it serves 1 token or 8,
+so a step of 8 rows costs little more than a step of 1 and the server's throughput grows
+with the batch (docs/serve.md has the figures).  A request joins at the next token
+boundary: its prompt pass runs alone (batch 1, bucketed lengths as ever) and its KV cache
+is written into a free row of the batch's cache (`model.put_row`); each row decodes at its
+own position (`Sampler.decode_step` with a position per row), and a free row decodes at
+position 0, unread.  A request leaves when it stops, reaches its max_tokens, is
+cancelled or times out; its row is free at the next step.  One program serves every
+batch: the step is compiled for N rows once, whatever the rows hold.
+
+Each row samples with its own parameters, seed (the key schedule of `sampler.token_loop`),
+penalties and log-probabilities, so a request's tokens are those it gets decoded alone:
+its greedy text equals its text at --max_batch=1 (tests/test_serve_batch.py).  The offload
+engine still decodes one request at a time; with --policy=none every request runs the
+resident model, so requests carry no policy (their policy fields are ignored and listed in
+usage.moejax.ignored).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import sys
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moejax.model.model import init_cache, put_row
+from moejax.model.sampler import (Sampler, SamplingParams, bucket, decode_logits, next_token,
+                                  next_token_penalized)
+from moejax.serve import protocol
+from moejax.serve.logprobs import token_logprob
+from moejax.serve.text import StopText
+from moejax.serve.worker import Result, timeout_error
+
+POLICY = "none (every expert resident)"
+
+
+@dataclasses.dataclass
+class Resident:
+  """What --policy=none loads: the resident model (a `Sampler` over every expert) and the
+  batch it decodes."""
+  sampler: Sampler
+  store: Any             # io.store.ExpertStore (the prompt scorer reads it)
+  max_batch: int
+  policy: Any = None     # requests carry no policy
+
+  @property
+  def params(self):
+    return self.sampler.params
+
+  @property
+  def dtype(self):
+    return self.sampler.dtype
+
+  @property
+  def max_len(self) -> int:
+    return self.sampler.max_len
+
+  def describe(self) -> str:
+    return f"every expert resident (--policy=none), up to {self.max_batch} requests a step"
+
+  def new_cache(self):
+    return init_cache(self.sampler.cfg, self.max_batch, self.max_len, self.dtype)
+
+  def step(self, cache, tokens_B, pos_B):
+    """One token of every row -> (logits [B, V] on the host, cache)."""
+    s = self.sampler
+    logits, cache = decode_logits(s.model, s.params, s.experts, cache, tokens_B, pos_B)
+    return np.asarray(logits), cache
+
+  def prompt(self, ids: list[int], cache, row: int):
+    """A joining request's prompt pass into `row` -> (its last logits [V], cache)."""
+    logits, cache_1 = self.sampler.prefill(np.asarray([ids], np.int32))
+    return logits[0], put_row(cache, cache_1, np.int32(row))
+
+  def warmup(self, prompt_lengths=()):
+    """Compiles the batch step, the row write and the prompt pass of each length's bucket."""
+    cache = self.new_cache()
+    for n in sorted({bucket(n) for n in prompt_lengths if 0 < n < self.max_len}):
+      _, cache = self.prompt([0] * n, cache, 0)
+    zeros = np.zeros(self.max_batch, np.int32)
+    jax.block_until_ready(self.step(cache, zeros, zeros))
+
+
+
+class Row:
+  """One request in the batch: its sampling state and what it has produced."""
+
+  def __init__(self, job, tok, t0: float):
+    self.job, self.t0 = job, t0
+    self.key = jax.random.PRNGKey(job.seed)
+    self.text = StopText(tok, job.stops)
+    self.out: list[int] = []
+    self.times: list[float] = []
+    self.pos = len(job.prompt_ids)
+    self.lps = [] if job.logprobs is not None else None
+    self.penalized = job.presence != 0 or job.frequency != 0
+    self.counts = None
+    self.end: str | None = None
+    self.shared = 0            # rows decoded in its steps, summed (usage: batch_mean)
+
+  def pick(self, logits_V) -> int:
+    """The next token from its step's logits: `token_loop`'s key schedule and `next_token`
+    (with penalties: `next_token_penalized`, as `serve.decoding`)."""
+    sp: SamplingParams = self.job.sp
+    greedy = sp.temperature == 0.0 and not self.penalized
+    if not greedy:             # a greedy row's key is never read: no split (a dispatch)
+      self.key, sub = jax.random.split(self.key)
+    if self.penalized:
+      if self.counts is None:
+        self.counts = jnp.zeros((np.shape(logits_V)[-1],), jnp.int32)
+      tid, self.counts = next_token_penalized(
+          logits_V, self.counts, sub, np.float32(self.job.presence),
+          np.float32(self.job.frequency), float(sp.temperature), float(sp.top_p))
+    elif greedy:
+      tid = np.argmax(logits_V)        # jnp.argmax's choice (the first of equal maxima)
+    else:
+      tid = next_token(logits_V, sub, float(sp.temperature), float(sp.top_p))
+    tid = int(tid)
+    if self.lps is not None:
+      self.lps.append(token_logprob(logits_V, tid, self.job.logprobs))
+    return tid
+
+  def emit(self, tid: int, now: float) -> str | None:
+    """Hands the token's text on; the reason the request ends here, or None."""
+    job = self.job
+    self.times.append(now)
+    self.out.append(tid)
+    delta = self.text.add(tid)
+    if delta:
+      job.sink("text", delta)
+    if self.text.stopped or tid in job.sp.stop_ids:
+      return "stop"
+    if len(self.out) >= job.sp.max_new_tokens:
+      return "length"
+    if job.cancel.is_set():
+      return "cancelled"
+    if now > job.deadline:
+      return "timeout"
+    self.pos += 1
+    return None
+
+
+def serve(q: queue.Queue, res: Resident, tok, metrics, scorer) -> None:
+  """The engine thread's loop under --policy=none: admits queued requests into free rows
+  at each token boundary (blocking only when no row is busy), then decodes one step of
+  every busy row.  Returns when the worker is stopped (None in its queue `q`); scorer():
+  the prompt scorer (`logprobs.PromptScorer`, made on first use)."""
+  cache = res.new_cache()
+  rows: list[Row | None] = [None] * res.max_batch
+  tokens = np.zeros(res.max_batch, np.int32)
+  pos = np.zeros(res.max_batch, np.int32)
+  while True:
+    for b in range(res.max_batch):                 # admissions, into the free rows
+      if rows[b] is not None:
+        continue
+      try:
+        job = q.get(block=not any(rows))
+      except queue.Empty:
+        break
+      if job is None:
+        _stop_all(rows)
+        return
+      start = time.perf_counter()
+      metrics.waited(start - job.created)
+      if job.cancel.is_set():
+        metrics.outcome("cancelled")
+        continue
+      if start > job.deadline:
+        metrics.outcome("timeout")
+        job.sink("error", timeout_error(job, start))
+        continue
+      row = Row(job, tok, start)
+      try:
+        logits, cache = res.prompt(job.prompt_ids, cache, b)
+        if job.sp.max_new_tokens == 0:
+          row.end = "length"
+        else:
+          tid = row.pick(np.asarray(logits))
+          row.end = row.emit(tid, time.perf_counter())
+      except Exception as e:  # pylint: disable=broad-except
+        _fail(metrics, row, e)
+        continue
+      if row.end is not None:
+        _finish(metrics, row, scorer)
+      else:
+        rows[b], tokens[b], pos[b] = row, row.out[-1], row.pos - 1
+    busy = [b for b, r in enumerate(rows) if r is not None]
+    if not busy:
+      continue
+    try:
+      logits, cache = res.step(cache, tokens, pos)
+    except Exception as e:  # pylint: disable=broad-except
+      for b in busy:
+        _fail(metrics, rows[b], e)
+        rows[b] = None
+      cache = res.new_cache()
+      continue
+    now = time.perf_counter()
+    for b in busy:
+      row = rows[b]
+      row.shared += len(busy)
+      row.end = row.emit(row.pick(logits[b]), now)
+      if row.end is None:
+        tokens[b], pos[b] = row.out[-1], row.pos - 1
+      else:
+        _finish(metrics, row, scorer)
+        rows[b], tokens[b], pos[b] = None, 0, 0
+
+
+def _finish(metrics, row: Row, scorer) -> None:
+  job = row.job
+  if row.end == "cancelled":
+    metrics.outcome("cancelled")
+    return
+  if row.end == "timeout":
+    metrics.outcome("timeout")
+    job.sink("error", timeout_error(job, row.times[-1]))
+    return
+  rest = row.text.finish()
+  if rest:
+    job.sink("text", rest)
+  t = row.times
+  ttft = t[0] - row.t0 if t else None
+  tps = (len(t) - 1) / (t[-1] - t[0]) if len(t) > 1 and t[-1] > t[0] else None
+  metrics.finished(len(row.out), ttft, tps, [])
+  usage = {"policy": POLICY, "decode_steps": max(len(t) - 1, 0),
+           "tpot_ms": None if tps is None else round(1e3 / tps, 3),
+           "ttft_ms": None if ttft is None else round(1e3 * ttft, 3),
+           "decode_tokens_per_s": None if tps is None else round(tps, 3),
+           "queue_ms": round(1e3 * (row.t0 - job.created), 3), "compile_ms": 0.0,
+           "batch_mean": round(row.shared / max(len(t) - 1, 1), 3)}
+  prompt_lps = scorer()(job.prompt_ids, job.logprobs or 0) if job.score_prompt else None
+  metrics.outcome(row.end)
+  job.sink("done", Result(row.out, row.end, len(job.prompt_ids), usage,
+                          None if row.lps is None else row.lps[:len(row.out)], prompt_lps))
+
+
+def _fail(metrics, row: Row, e: BaseException) -> None:
+  metrics.outcome("error")
+  print(f"[moejax] error in a request: {type(e).__name__}: {e}", file=sys.stderr)
+  row.job.sink("error", protocol.APIError(500, f"generation failed: {type(e).__name__}: {e}",
+                                          "server_error"))
+
+
+def _stop_all(rows) -> None:
+  for r in rows:
+    if r is not None:
+      r.job.sink("error", protocol.APIError(503, "the server is shutting down",
+                                            "server_error", code="shutting_down"))

@@ -1,0 +1,50 @@
+"""The host staging tier on small per-expert bf16 checkpoints (tests/test_disk_tier.py's
+model): the same tokens with the smallest tier as without it, and, at 64 MB of experts,
+peak anonymous RSS within the plan with a 16 MB tier (a child process,
+tests/disk_tier_child.py)."""
+
+import json
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import pytest
+
+from moejax.io.loader import load_model
+
+from tests.test_disk_tier import CHILD, config, write
+from tests.test_staging import greedy
+
+MB = 10**6
+
+
+@pytest.fixture(scope="module")
+def ckpt_64mb(tmp_path_factory):
+  return write(config(256, 160), tmp_path_factory.mktemp("ckpt64"))
+
+
+@pytest.fixture(scope="module")
+def ckpt_small(tmp_path_factory):
+  """The same model at hidden 128, experts of 64 (6 MB of experts): quick to write."""
+  return write(config(128, 64), tmp_path_factory.mktemp("ckpt6"))
+
+
+def test_per_expert_checkpoint_tokens_equal(ckpt_small):
+  cfg, params, store = load_model(ckpt_small, dtype=jnp.bfloat16, mmap=True, progress=False)
+  base, _, _ = greedy(cfg, params, store, jnp.bfloat16, None, tokens=6)
+  out, s, cache = greedy(cfg, params, store, jnp.bfloat16, 4 * store.expert_nbytes(), tokens=6)
+  assert out == base and cache.held() == 4 and s["disk_reads"] > 0
+
+
+def test_peak_anonymous_memory_within_the_plan(ckpt_64mb):
+  """A 64 MB checkpoint with a 16 MB staging tier: peak anonymous RSS above the runtime's
+  own is within the plan (staging included) + 400 MB (tests/test_disk_tier.py's
+  tolerance: XLA's compiles)."""
+  out = subprocess.run([sys.executable, CHILD, ckpt_64mb, "mmap", "0.125", "8", "0.016"],
+                       capture_output=True, text=True, timeout=600)
+  assert out.returncode == 0, out.stderr[-3000:]
+  r = json.loads(out.stdout.strip().splitlines()[-1])
+  assert r["staging_held"] <= r["staging_rows"] == int(0.016e9 // r["expert_bytes"])
+  assert r["disk_reads"] > 0
+  assert r["plan_cache"] + r["staging_rows"] * r["expert_bytes"] <= r["plan_anon"]
+  assert r["growth"] <= r["plan_anon"] + 400 * MB, r

@@ -40,7 +40,9 @@ Per preset and link:
                      and the per-copy time of a jitted loop of copies.
   tpot_over_lower_bound, and the engine's per-token statistics (`stats`: means over
   the timed tokens' records).
-Every time names its link.  Figures are wall-clock on a shared machine.
+Every time names its link.  Figures are wall-clock on a shared machine.  --unrolled: every
+engine also with its layers unrolled (`layer_scan=False`), in the same rounds
+(`scan_over_unrolled`: the layer scan's before/after).
 """
 
 from __future__ import annotations
@@ -76,6 +78,9 @@ flags.DEFINE_enum("model", "dir", ["dir", "wide_bf16"], "dir: --model_dir (or a 
                   "wide_bf16: Qwen3-30B-A3B's layer width, random bf16, per-expert safetensors "
                   "(benchmarks.models; written once to --wide_root), loaded with --store.")
 flags.DEFINE_integer("wide_layers", 4, "Layers of the wide_bf16 model.")
+flags.DEFINE_bool("unrolled", False, "Also time every engine with its layers unrolled "
+                  "(EngineConfig(layer_scan=False)) in the same rounds: the layer scan's "
+                  "before/after.")
 flags.DEFINE_string("wide_root", None, "Folder of the wide models (default: "
                     "~/.cache/moejax/models).")
 flags.DEFINE_bool("random_model", False, "Use a random-weight model even if --model_dir exists.")
@@ -183,12 +188,13 @@ class SamplerRun:
     return np.asarray(logits[0])
 
 
-def make_engine(stack, cfg, params, store, policy, link, stream, counts, dtype, fraction):
+def make_engine(stack, cfg, params, store, policy, link, stream, counts, dtype, fraction,
+                scan=True):
   """An engine entered into `stack` (closed however the run ends), warmed up and prefilled;
   its cache starts from `counts`' most used experts ("auto": all, at fraction 1)."""
   profiled = fraction < 1
   config = EngineConfig.make(policy, cache_fraction=fraction, link=link,
-                             max_len=len(stream) + 8, dtype=dtype,
+                             max_len=len(stream) + 8, dtype=dtype, layer_scan=scan,
                              initial="profile" if profiled else "auto")
   eng = stack.enter_context(OffloadEngine(cfg, params, store, config,
                                           counts=counts if profiled else None))
@@ -290,12 +296,17 @@ def run(stack: contextlib.ExitStack, watch):
   sampler.prefill(stream[:FLAGS.prompt_len])
   sampler.decode_step(stream[FLAGS.prompt_len])      # compiles its step
   sampler_compile_s = time.perf_counter() - t0
-  mk = lambda pol, link, f: make_engine(stack, cfg, params, store, pol, link, stream, counts,
-                                        dtype, f)
+  mk = lambda pol, link, f, scan=True: make_engine(stack, cfg, params, store, pol, link, stream,
+                                                    counts, dtype, f, scan)
   runners = {"sampler": sampler, "all_resident": mk("baseline", links[FLAGS.links[0]], 1.0)}
   for spec, link in links.items():
     for preset in presets:
       runners[(spec, preset)] = mk(preset, link, FLAGS.cache_fraction)
+  if FLAGS.unrolled:   # the same engines with their layers unrolled, in the same rounds
+    runners["unrolled/all_resident"] = mk("baseline", links[FLAGS.links[0]], 1.0, False)
+    for spec, link in links.items():
+      for preset in presets:
+        runners[("unrolled", spec, preset)] = mk(preset, link, FLAGS.cache_fraction, False)
   print(f"[bench_offload] {runners[(FLAGS.links[0], presets[0])].describe()}", file=sys.stderr)
   t0 = time.time()
   rounds = run_rounds(runners, stream)
@@ -372,6 +383,20 @@ def run(stack: contextlib.ExitStack, watch):
         expert_transfer_ms=1e3 * link.transfer_time(ebytes) if link.emulated else copy_ms,
         presets=rows)
     print(table(rows, link.describe(), sampler_ms))
+  result["layer_scan"] = {str(k if isinstance(k, str) else "/".join(k)): r._prog.scan
+                          for k, r in runners.items() if hasattr(r, "_prog")}
+  if FLAGS.unrolled:   # after / before: the scanned engine over the unrolled one, per round
+    pairs = {"all_resident": ("all_resident", "unrolled/all_resident")}
+    pairs.update({f"{spec}/{p}": ((spec, p), ("unrolled", spec, p)) for spec in links
+                  for p in presets})
+    result["scan_over_unrolled"] = {
+        name: dict(ratio_of_medians=med[a] / med[b], unrolled_tpot_ms=med[b],
+                   rounds=[x / y for x, y in zip(rounds[a], rounds[b])],
+                   unrolled_over_sampler=med[b] / sampler_ms)
+        for name, (a, b) in pairs.items()}
+    print("scanned / unrolled engine (ratio of medians): " + ", ".join(
+        f"{n} {v['ratio_of_medians']:.3f} (unrolled {v['unrolled_tpot_ms']:.2f} ms)"
+        for n, v in result["scan_over_unrolled"].items()))
   first = result["links"][FLAGS.links[0]]
   result["link"], result["presets"] = first["link"], first["presets"]
   with open(FLAGS.out, "w") as f:

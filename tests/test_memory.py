@@ -31,7 +31,9 @@ def test_plan_by_hand():
   gpu = memory.plan_memory(tiny(), jnp.float32, cache_fraction=0.25, kv_len=10, platform="gpu")
   assert gpu.prefill_bytes == 8 * 384                       # one layer, for the prompt pass
   assert p.host_bytes == 2 * 8 * 384
-  assert p.device_bytes == p.dense_bytes + p.expert_cache_bytes + p.kv_bytes + p.prefill_bytes
+  assert p.stacked_bytes == 4 * 2 * per_layer   # the scanned engine's copy of both layers
+  assert p.device_bytes == (p.dense_bytes + p.stacked_bytes + p.expert_cache_bytes + p.kv_bytes
+                            + p.prefill_bytes)
   # the tiers: on the CPU the device's bytes are anonymous RAM beside the numpy store
   assert p.anon_bytes == p.host_bytes + p.device_bytes and p.page_cache_bytes == 0
   assert gpu.anon_bytes == gpu.host_bytes

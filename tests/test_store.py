@@ -14,7 +14,8 @@ from moejax.io import repack
 from moejax.io.loader import init_random, load_model, save_hf
 from moejax.offload import sources
 from moejax.offload.engine import EngineConfig, OffloadEngine
-from moejax.io.store import BACKENDS, StoreBackendError, make_store, shares_buffer
+from moejax.io.store import (BACKENDS, LayerExperts, StoreBackendError, layer_stacked, make_store,
+                             shares_buffer)
 from moejax.io.safetensors_io import SafetensorsFile
 from moejax.io.store import ExpertStore
 
@@ -86,7 +87,12 @@ def test_make_store_backends_hold_identical_experts(model, backend, tmp_path):
   elif backend == "mmap":
     assert isinstance(x, np.memmap)
     f = SafetensorsFile(os.path.join(str(tmp_path), "experts.safetensors"))
-    np.testing.assert_array_equal(f.get("layers.1.gate_up")[2], exps[1]["gate_up"][2])
+    # one tensor per kind over the MoE layers, each layer a view of it (`layer_stacked`)
+    j = st.moe_layers.index(1)
+    np.testing.assert_array_equal(f.get("experts.gate_up")[j, 2], exps[1]["gate_up"][2])
+    whole = layer_stacked(st)
+    assert whole is not None and whole["gate_up"].shape[0] == len(st.moe_layers)
+    np.testing.assert_array_equal(whole["down"][j], exps[1]["down"])
   else:
     assert st is ref  # already numpy
   # stacked / to_device views agree too
@@ -142,3 +148,22 @@ def test_pinned_host_unavailable_is_a_clear_error(model):
   with pytest.raises(StoreBackendError, match="'pinned_host' is unavailable.*offers memory "
                                               "kinds device"):
     make_store(ExpertStore.from_stacked(exps), "pinned_host", device=no_pinned)
+
+
+def test_layer_stacked_is_one_view_per_kind_over_the_moe_layers(model):
+  exps, dirs = model
+  ref = ExpertStore.from_stacked(exps)
+  whole = layer_stacked(ref)                   # from_stacked copied into [L, E, ...] once
+  assert set(whole) == {"gate_up", "down"} and whole["gate_up"].shape[:2] == (2, CFG.num_experts)
+  assert np.shares_memory(whole["gate_up"], ref.stacked(2)["gate_up"])
+  np.testing.assert_array_equal(whole["gate_up"][1], exps[2]["gate_up"])
+  for kw in ({}, {"mmap": True}):              # read into RAM; repacked into one file
+    st = load_model(dirs["per_expert"], **kw)[2]
+    w = layer_stacked(st)
+    assert w is not None, kw
+    np.testing.assert_array_equal(np.asarray(w["down"][0]), exps[1]["down"])
+  # layers allocated apart (or a getter per expert) are not one array: None
+  apart = ExpertStore({l: LayerExperts(CFG.num_experts, stacked={k: np.array(v) for k, v in
+                                                                 exps[l].items()})
+                       for l in (1, 2)}, CFG.num_layers)
+  assert layer_stacked(apart) is None

@@ -189,8 +189,13 @@ def _insert(state, ids, in_use, cache, skip_empty: bool, low=None):
     return new, ev, placed(st, new, ids)
   if not skip_empty:
     return run(state)
+  # the slot buffers stay out of the cond (the insert reads only the metadata): as its
+  # operand a buffer would come out a new array, not one layer of the scan's stack
+  bufs = state.buffers
   none = jnp.full(ids.shape, -1, jnp.int32)
-  return jax.lax.cond(jnp.any(ids >= 0), run, lambda st: (st, none, none), state)
+  new, ev, slots = jax.lax.cond(jnp.any(ids >= 0), run, lambda st: (st, none, none),
+                                dataclasses.replace(state, buffers={}))
+  return dataclasses.replace(new, buffers=bufs), ev, slots
 
 
 # ------------------------------------------------------------------ the step

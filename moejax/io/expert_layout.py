@@ -38,12 +38,16 @@ def ram_experts(cfg, idx, model_dir, fused, per_expert, np_dtype, check_finite) 
   E, i_ = cfg.num_experts, cfg.moe_intermediate_size
   read = lambda name: finite(idx, name, idx.get(name), "", check_finite)   # a mapped view
   layers = {}
-  for layer, (how, names) in expert_names(cfg, idx, model_dir, fused, per_expert).items():
+  src = expert_names(cfg, idx, model_dir, fused, per_expert)
+  # one [L, E, ...] array per kind, each layer a view of it (`store.layer_stacked`)
+  whole = {"gate_up": np.empty((len(src), E, 2 * i_, cfg.hidden_size), np_dtype),
+           "down": np.empty((len(src), E, cfg.hidden_size, i_), np_dtype)}
+  for j, (layer, (how, names)) in enumerate(src.items()):
+    st = {k: a[j] for k, a in whole.items()}
     if how == "fused":                      # one copy into RAM, converted on the way
-      st = {k: np.array(read(n), dtype=np_dtype) for k, n in names.items()}
+      for k, n in names.items():
+        st[k][...] = read(n)
     else:
-      st = {"gate_up": np.empty((E, 2 * i_, cfg.hidden_size), np_dtype),
-            "down": np.empty((E, cfg.hidden_size, i_), np_dtype)}
       for e in range(E):
         st["gate_up"][e, :i_] = read(names[e]["gate_proj"])
         st["gate_up"][e, i_:] = read(names[e]["up_proj"])

@@ -39,6 +39,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from moejax.io import store as store_lib
+
 BITS = (8, 4)
 GROUPS = (32, 64)
 _INT8_QMAX = 127
@@ -214,7 +216,7 @@ def build(store, bits: int, group: int = 32, key: str = "") -> LowStore:
     for name, arr in store.stacked(l).items():
       d[name + ".q"], d[name + ".s"] = quantize(np.asarray(arr, np.float32), bits, group)
     layers[l] = d
-  return LowStore(layers, store.num_layers, bits, group, shapes, key)
+  return LowStore(store_lib.stack_layers(layers), store.num_layers, bits, group, shapes, key)
 
 
 def load_or_build(store, bits: int, group: int = 32, model_dir: str | None = None,
@@ -244,7 +246,8 @@ def load_or_build(store, bits: int, group: int = 32, model_dir: str | None = Non
           l, name = k.split("/", 1)
           layers.setdefault(int(l), {})[name] = v if not name.endswith(".s") else v.view(_BF16)
         shapes = {k: tuple(v) for k, v in meta["shapes"].items()}
-        low = LowStore(layers, store.num_layers, bits, group, shapes, key)
+        low = LowStore(store_lib.stack_layers(layers), store.num_layers, bits, group, shapes,
+                       key)
         low.path, low.reused = path, True
         return low
     except Exception:  # pylint: disable=broad-except  (a corrupt zip, json or array)

@@ -1,4 +1,4 @@
-"""The disk tier's layout: each MoE layer's experts stacked [E, ...] in one mapped file.
+"""The disk tier's layout: the MoE layers' experts stacked [L, E, ...] in one mapped file.
 
 The engine copies an expert with one dynamic slice of a stacked ``[E, ...]`` array,
 and on the CPU backend jax hands a mapped array to a program without a copy only when
@@ -14,7 +14,8 @@ The file lives in ``$MOEJAX_CACHE_DIR/experts`` (default ``~/.cache/moejax/exper
 named after the checkpoint folder and a key of its shards' names, sizes and mtimes, the
 dtype and this layout's version: a changed checkpoint gets a new file.  It holds the
 experts in the run's dtype (the checkpoint's own when they agree: no conversion), one
-tensor ``layers.{i}.{kind}`` per layer and kind, each on a 4096-byte boundary.  Writing
+tensor ``experts.{kind}`` [L, E, ...] per kind over the MoE layers in order (the engine's
+scan over layers reads layer i of it in place), each on a 4096-byte boundary.  Writing
 shows a progress bar, checks the free disk space first, and goes through a ``.part``
 file renamed at the end, so an interrupted repack is redone, never half-used.
 
@@ -35,7 +36,7 @@ import numpy as np
 
 from moejax.io.safetensors_io import CheckpointError, SafetensorsFile, write_streamed
 
-VERSION = 1
+VERSION = 2          # 2: one tensor per kind [L, E, ...] (1: one per layer and kind)
 ALIGN = 4096
 JAX_ALIGN = 64       # jax's CPU client wraps a host buffer in place only at this alignment
 
@@ -112,8 +113,7 @@ def check_checkpoint(model_dir: str, cfg, dtype):
 
 def _specs(layers, num_experts: int, kinds: dict, dtype) -> list:
   dt = np.dtype(dtype)
-  return [(f"layers.{l}.{k}", dt, (num_experts,) + tuple(s)) for l in layers
-          for k, s in kinds.items()]
+  return [(f"experts.{k}", dt, (len(layers), num_experts) + tuple(s)) for k, s in kinds.items()]
 
 
 def _check_free(model_dir: str, path: str, specs) -> int:
@@ -147,15 +147,16 @@ def stacked_file(model_dir: str, layers, num_experts: int, kinds: dict, dtype, c
   total = _check_free(model_dir, path, specs)
   os.makedirs(os.path.dirname(path), exist_ok=True)
   print(f"[moejax] --store=mmap: repacking the routed experts once into {path} "
-        f"({total / 1e9:.2f} GB, {dt.name}, stacked per layer; later runs map it)",
+        f"({total / 1e9:.2f} GB, {dt.name}, one [L, E, ...] tensor per kind; later runs "
+        f"map it)",
         file=sys.stderr)
   from tqdm import tqdm
   bar = tqdm(total=total, desc="repacking experts", unit="B", unit_scale=True,
              unit_divisor=1000, file=sys.stderr, leave=False, mininterval=0.25,
              disable=not (sys.stderr.isatty() if progress is None else progress))
-  by_name = {f"layers.{l}.{k}": (l, k) for l in layers for k in kinds}
+  by_layer = lambda k: (c for l in layers for c in chunks(l, k))
   try:
-    write_streamed(path, specs, lambda name: chunks(*by_name[name]),
+    write_streamed(path, specs, lambda name: by_layer(name[len("experts."):]),
                    {"format": "moejax-experts", "source": os.path.abspath(model_dir),
                     "layout": json.dumps({"version": VERSION, "align": ALIGN})},
                    align=ALIGN, on_bytes=bar.update)
@@ -167,6 +168,8 @@ def stacked_file(model_dir: str, layers, num_experts: int, kinds: dict, dtype, c
 
 
 def open_stacked(path: str, layers, kinds) -> dict:
-  """{layer: {kind: read-only memmap [E, ...]}} of a stacked file."""
+  """{layer: {kind: read-only memmap [E, ...]}} of a stacked file: views of its one
+  [L, E, ...] tensor per kind (`store.layer_stacked` hands those to the engine whole)."""
   f = SafetensorsFile(path)
-  return {l: {k: f.get(f"layers.{l}.{k}") for k in kinds} for l in layers}
+  whole = {k: f.get(f"experts.{k}") for k in kinds}
+  return {l: {k: whole[k][j] for k in kinds} for j, l in enumerate(layers)}

@@ -119,14 +119,64 @@ class ExpertStore:
 
   @classmethod
   def from_stacked(cls, per_layer: list, num_layers: int | None = None) -> "ExpertStore":
-    """Build from a list over layers of {name: [E, ...]} (None for dense layers)."""
-    layers = {}
-    for i, st in enumerate(per_layer):
-      if st is None:
-        continue
-      st = {k: np.asarray(v) for k, v in st.items()}
-      layers[i] = LayerExperts(num_experts=next(iter(st.values())).shape[0], stacked=st)
+    """Build from a list over layers of {name: [E, ...]} (None for dense layers), copied
+    into one [L, ...] array per name when every layer's shapes agree (`layer_stacked`)."""
+    per = {i: {k: np.asarray(v) for k, v in st.items()}
+           for i, st in enumerate(per_layer) if st is not None}
+    per = stack_layers(per)
+    layers = {i: LayerExperts(num_experts=next(iter(st.values())).shape[0], stacked=st)
+              for i, st in per.items()}
     return cls(layers, num_layers if num_layers is not None else len(per_layer))
+
+
+def stack_layers(per: dict) -> dict:
+  """{layer: {name: [E, ...]}} as views of one [L, E, ...] numpy array per name (one
+  copy), so that `layer_stacked` finds them; returned as given when the layers' names,
+  shapes or dtypes differ."""
+  if not per:
+    return per
+  first = next(iter(per.values()))
+  if any(set(st) != set(first) or any(st[k].shape != first[k].shape or
+                                      st[k].dtype != first[k].dtype for k in first)
+         for st in per.values()):
+    return per
+  out = {l: {} for l in per}
+  for k, a in first.items():
+    big = np.empty((len(per),) + a.shape, a.dtype)
+    for j, l in enumerate(per):
+      big[j] = per[l][k]
+      out[l][k] = big[j]
+  return out
+
+
+def _root(a):
+  while isinstance(getattr(a, "base", None), np.ndarray):
+    a = a.base
+  return getattr(a, "base", None) if getattr(a, "base", None) is not None else a
+
+
+def layer_stacked(store: "ExpertStore") -> dict | None:
+  """{name: [L, E, ...] numpy view} over the MoE layers in order, when each layer's
+  array of that name is the next slab of one C-contiguous allocation (`stack_layers`,
+  the repacked file's one tensor per kind, `to_numpy`, `to_mmap`): no copy.  None for
+  any other store (per-expert getters, pinned arrays, layers read separately)."""
+  layers = store.moe_layers
+  get = lambda l: getattr(store.layers[l], "stacked", store.layers[l])   # or a LowStore's dict
+  if not layers or any(not isinstance(get(l), dict) for l in layers):
+    return None
+  per = [get(l) for l in layers]
+  out = {}
+  for k, a in per[0].items():
+    arrs = [st.get(k) for st in per]
+    if not all(isinstance(x, np.ndarray) and x.flags.c_contiguous and x.shape == a.shape
+               and x.dtype == a.dtype and _root(x) is _root(a) for x in arrs):
+      return None
+    ptr = a.__array_interface__["data"][0]
+    if any(x.__array_interface__["data"][0] != ptr + j * a.nbytes for j, x in enumerate(arrs)):
+      return None
+    out[k] = np.lib.stride_tricks.as_strided(a, (len(arrs),) + a.shape,
+                                             (a.nbytes,) + a.strides, writeable=False)
+  return out
 
 
 def _jnp_dtype(dt):
@@ -221,19 +271,20 @@ def make_store(store: ExpertStore, backend: str, *, path: str | None = None,
 
 def to_numpy(store: ExpertStore) -> ExpertStore:
   """Every expert as a numpy array in RAM (read from disk / pinned memory once)."""
-  layers = {}
-  for i in store.moe_layers:
-    st = store.stacked(i)
-    layers[i] = LayerExperts(store.layers[i].num_experts,
-                             stacked={k: np.array(v) for k, v in st.items()})
+  per = {i: {k: np.asarray(v) for k, v in store.stacked(i).items()} for i in store.moe_layers}
+  st = stack_layers(per)      # one copy into [L, E, ...] arrays (`layer_stacked`)
+  if st is per:               # layers of different shapes: a copy each
+    st = {i: {k: np.array(v) for k, v in d.items()} for i, d in per.items()}
+  layers = {i: LayerExperts(store.layers[i].num_experts, stacked=d) for i, d in st.items()}
   return ExpertStore(layers, store.num_layers, backend="numpy")
 
 
 def to_mmap(store: ExpertStore, path: str | None = None, flag: str = "--store") -> ExpertStore:
   """Spills the experts into one safetensors file and maps it read-only.
 
-  Tensors are named ``layers.{i}.{name}`` with a leading expert axis, so any
-  expert dict (also biases or MXFP4 blocks of other families) round-trips.
+  Tensors are named ``experts.{name}`` [L, E, ...] when every MoE layer's shapes agree
+  (`layer_stacked` then finds them), else ``layers.{i}.{name}`` [E, ...]; any expert
+  dict (also biases or MXFP4 blocks of other families) round-trips.
   """
   tmp = None
   if path is None:
@@ -241,21 +292,27 @@ def to_mmap(store: ExpertStore, path: str | None = None, flag: str = "--store") 
     path = tmp.name
   os.makedirs(path, exist_ok=True)
   fname = os.path.join(path, SPILL_FILE)
-  tensors = {}
-  for i in store.moe_layers:
-    for k, v in store.stacked(i).items():
-      v = np.asarray(v)
+  per = {i: {k: np.asarray(v) for k, v in store.stacked(i).items()} for i in store.moe_layers}
+  for i, st in per.items():
+    for k, v in st.items():
       if v.dtype not in NAMES:
         raise StoreBackendError(f"{flag}=mmap: expert tensor '{k}' of layer {i} has dtype "
                                 f"{v.dtype}, which safetensors cannot store")
-      tensors[f"layers.{i}.{k}"] = v
-  save_file(tensors, fname, {"format": "moejax-experts"})
+  # layers of one shape: one tensor per kind [L, E, ...] (`layer_stacked`), else per layer
+  whole = layer_stacked(store)
+  if whole is None and stack_layers(per) is not per:
+    whole = {k: np.stack([st[k] for st in per.values()]) for k in next(iter(per.values()))}
+  if whole is not None:
+    save_file({f"experts.{k}": v for k, v in whole.items()}, fname, {"format": "moejax-experts"})
+  else:
+    save_file({f"layers.{i}.{k}": v for i, st in per.items() for k, v in st.items()}, fname,
+              {"format": "moejax-experts"})
   f = SafetensorsFile(fname)
-  layers = {}
-  for i in store.moe_layers:
-    names = [k for k in store.stacked(i)]
-    layers[i] = LayerExperts(store.layers[i].num_experts,
-                             stacked={k: f.get(f"layers.{i}.{k}") for k in names})
+  get = ((lambda j, i, k: f.get(f"experts.{k}")[j]) if whole is not None
+         else (lambda j, i, k: f.get(f"layers.{i}.{k}")))
+  layers = {i: LayerExperts(store.layers[i].num_experts,
+                            stacked={k: get(j, i, k) for k in st})
+            for j, (i, st) in enumerate(per.items())}
   out = ExpertStore(layers, store.num_layers, backend="mmap")
   out.path = fname
   out._tmpdir = tmp  # pylint: disable=protected-access  (lives as long as the store)

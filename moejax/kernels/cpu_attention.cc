@@ -18,6 +18,7 @@
 
 #include "cpu_bf16.h"
 #include "cpu_dot.h"
+#include "cpu_layer.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -67,12 +68,14 @@ void attend(const float* q, const C* kc, const C* vc, int64_t s_len, int64_t g_n
   }
 }
 
-ffi::Error DecodeAttentionImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+ffi::Error DecodeAttentionCore(ffi::AnyBuffer q, const moejax::Slab& k, const moejax::Slab& v,
                                ffi::Buffer<ffi::S32> qpos, ffi::Buffer<ffi::F32> sinks,
                                float scale, int64_t window, int64_t has_sinks,
                                ffi::Result<ffi::AnyBuffer> o) {
   // leading dims (batch, and a vmap's axis in front) are flattened into N
-  auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), pd = qpos.dimensions();
+  auto qd = q.dimensions(), pd = qpos.dimensions();
+  const auto& kd = k.dims;
+  const auto& vd = v.dims;
   const size_t r = qd.size();
   if (r < 3 || kd.size() != r || vd.size() != r || pd.size() != r - 2)
     return ffi::Error::InvalidArgument("moejax_decode_attention: expected q [...,T,H,K], "
@@ -90,10 +93,10 @@ ffi::Error DecodeAttentionImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffe
       (has_sinks && (sinks.element_count() % hq != 0 || sinks.element_count() == 0)))
     return ffi::Error::InvalidArgument("moejax_decode_attention: shapes do not match");
   const bool q_bf16 = q.element_type() == ffi::DataType::BF16;
-  const bool c_bf16 = k.element_type() == ffi::DataType::BF16;
+  const bool c_bf16 = k.type == ffi::DataType::BF16;
   if ((!q_bf16 && q.element_type() != ffi::DataType::F32) ||
-      (!c_bf16 && k.element_type() != ffi::DataType::F32) ||
-      v.element_type() != k.element_type() || o->element_type() != q.element_type())
+      (!c_bf16 && k.type != ffi::DataType::F32) ||
+      v.type != k.type || o->element_type() != q.element_type())
     return ffi::Error::InvalidArgument("moejax_decode_attention: f32 or bf16 only");
   std::vector<float> qf(t_len * hq * kdim), of(t_len * hq * vdim);
   for (int64_t b = 0; b < n; ++b) {
@@ -111,12 +114,12 @@ ffi::Error DecodeAttentionImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffe
     const int64_t sink_rows = has_sinks ? sinks.element_count() / hq : 0;
     const float* sk = has_sinks ? sinks.typed_data() + (b * sink_rows / n) * hq : nullptr;
     if (c_bf16)
-      attend(qf.data(), static_cast<const uint16_t*>(k.untyped_data()) + b * kn,
-             static_cast<const uint16_t*>(v.untyped_data()) + b * vn, s_len, g_num, kdim, vdim,
+      attend(qf.data(), static_cast<const uint16_t*>(k.data) + b * kn,
+             static_cast<const uint16_t*>(v.data) + b * vn, s_len, g_num, kdim, vdim,
              hq / g_num, hq, pos, t_len, scale, window, sk, of.data());
     else
-      attend(qf.data(), static_cast<const float*>(k.untyped_data()) + b * kn,
-             static_cast<const float*>(v.untyped_data()) + b * vn, s_len, g_num, kdim, vdim,
+      attend(qf.data(), static_cast<const float*>(k.data) + b * kn,
+             static_cast<const float*>(v.data) + b * vn, s_len, g_num, kdim, vdim,
              hq / g_num, hq, pos, t_len, scale, window, sk, of.data());
     const int64_t on = t_len * hq * vdim;
     if (q_bf16) {
@@ -130,7 +133,38 @@ ffi::Error DecodeAttentionImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffe
   return ffi::Error::Success();
 }
 
+ffi::Error DecodeAttentionImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                               ffi::Buffer<ffi::S32> qpos, ffi::Buffer<ffi::F32> sinks,
+                               float scale, int64_t window, int64_t has_sinks,
+                               ffi::Result<ffi::AnyBuffer> o) {
+  return DecodeAttentionCore(q, moejax::slab(k, -1), moejax::slab(v, -1), qpos, sinks, scale,
+                             window, has_sinks, o);
+}
+
+// Over layer `layer` of a stacked cache: k [L, ..., S, G, K], v [L, ..., S, G, V].
+ffi::Error DecodeAttentionAtImpl(ffi::Buffer<ffi::S32> layer, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                                 ffi::AnyBuffer v, ffi::Buffer<ffi::S32> qpos,
+                                 ffi::Buffer<ffi::F32> sinks, float scale, int64_t window,
+                                 int64_t has_sinks, ffi::Result<ffi::AnyBuffer> o) {
+  const int64_t l = moejax::layer_of(layer);
+  return DecodeAttentionCore(q, moejax::slab(k, l), moejax::slab(v, l), qpos, sinks, scale,
+                             window, has_sinks, o);
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoejaxDecodeAttentionAt, DecodeAttentionAtImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("window")
+                                  .Attr<int64_t>("has_sinks")
+                                  .Ret<ffi::AnyBuffer>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoejaxDecodeAttention, DecodeAttentionImpl,
                               ffi::Ffi::Bind()

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moejax.kernels import cpu_kernel
+from moejax.kernels import layer_view
 
 MAX_QUERIES = 16     # query positions per call (decode); more: XLA's attention
 
@@ -42,9 +43,21 @@ def decode_attention(q_BxTxHxK, k_BxSxGxK, v_BxSxGxV, q_pos_BxT, scale: float,
                      window: int | None, sinks_H, xla_fn):
   """Causal attention of the queries over the whole cache (positions 0..S-1, a key
   visible when its position <= the query's, and > query - window with a window);
-  [B, T, H*V].  `xla_fn()` is XLA's path, compiled on other platforms."""
+  [B, T, H*V].  `xla_fn()` is XLA's path, compiled on other platforms.  A cache that is
+  one layer of a stacked one (`layer_view.at`) is read there in place."""
   h = q_BxTxHxK.shape[2]
   sinks = jnp.zeros((h,), jnp.float32) if sinks_H is None else sinks_H
+  v = layer_view.common([k_BxSxGxK, v_BxSxGxV])
+  if v is not None:   # one layer of a stacked cache, read in place (no vmap: the engine)
+    (ks, vs), i = v
+    at = lambda q, i, k, v, p, s: jax.ffi.ffi_call(
+        cpu_kernel.ATTENTION_AT_TARGET, jax.ShapeDtypeStruct(q.shape[:-1] + v.shape[-1:],
+                                                             q.dtype))(
+            i.astype(jnp.int32), q, k, v, p.astype(jnp.int32), s.astype(jnp.float32),
+            scale=np.float32(scale), window=int(window or 0),
+            has_sinks=int(sinks_H is not None)).reshape(q.shape[:-2] + (-1,))
+    return jax.lax.platform_dependent(q_BxTxHxK, i, ks, vs, q_pos_BxT, sinks, cpu=at,
+                                      default=lambda *a: xla_fn())
   kernel = lambda q, k, v, p, s: _call(q, k, v, p, s, scale=scale, window=window or 0,
                                        has_sinks=int(sinks_H is not None))
   return jax.lax.platform_dependent(q_BxTxHxK, k_BxSxGxK, v_BxSxGxV, q_pos_BxT, sinks,

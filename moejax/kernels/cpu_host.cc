@@ -24,6 +24,7 @@
 #endif
 
 #include "cpu_bf16.h"
+#include "cpu_layer.h"
 #include "cpu_threads.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -175,14 +176,15 @@ void run(ffi::ThreadPool& pool, const float* x, const uint16_t* xb, const int64_
 
 bool act_ok(ffi::DataType t) { return t == ffi::DataType::F32 || t == ffi::DataType::BF16; }
 
-ffi::Error HostExpertsImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> ids,
-                           ffi::Buffer<ffi::F32> gates, ffi::AnyBuffer gate_up,
-                           ffi::AnyBuffer down, ffi::Result<ffi::AnyBuffer> y) {
-  auto gud = gate_up.dimensions(), dnd = down.dimensions();
-  const auto wt = gate_up.element_type(), xt = x.element_type();
+ffi::Error HostExpertsCore(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> ids,
+                           ffi::Buffer<ffi::F32> gates, const moejax::Slab& gate_up,
+                           const moejax::Slab& down, ffi::Result<ffi::AnyBuffer> y) {
+  const auto& gud = gate_up.dims;
+  const auto& dnd = down.dims;
+  const auto wt = gate_up.type, xt = x.element_type();
   const int64_t k = static_cast<int64_t>(ids.element_count());
   if (gud.size() != 3 || dnd.size() != 3 || !act_ok(xt) || y->element_type() != xt ||
-      !(act_ok(wt) || wt == ffi::DataType::U16) || down.element_type() != wt ||
+      !(act_ok(wt) || wt == ffi::DataType::U16) || down.type != wt ||
       gates.element_count() != ids.element_count())
     return ffi::Error::InvalidArgument(
         "moejax_host_experts: expected x [D] (f32/bf16), ids [K], gates [K], gate_up "
@@ -208,11 +210,11 @@ ffi::Error HostExpertsImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<f
   const int64_t n = static_cast<int64_t>(ex.size());
   const uint16_t* xb = x_bf16 ? static_cast<const uint16_t*>(x.untyped_data()) : nullptr;
   if (n > 0 && wt == ffi::DataType::F32)
-    run<float>(pool, xs.data(), nullptr, ex.data(), gs.data(), n, d, inter, gate_up.untyped_data(),
-               down.untyped_data(), out.data());
+    run<float>(pool, xs.data(), nullptr, ex.data(), gs.data(), n, d, inter, gate_up.data,
+               down.data, out.data());
   else if (n > 0)
-    run<uint16_t>(pool, xs.data(), xb, ex.data(), gs.data(), n, d, inter, gate_up.untyped_data(),
-                  down.untyped_data(), out.data());
+    run<uint16_t>(pool, xs.data(), xb, ex.data(), gs.data(), n, d, inter, gate_up.data,
+                  down.data, out.data());
   for (int64_t i = 0; i < d; ++i) {
     if (x_bf16) static_cast<uint16_t*>(y->untyped_data())[i] = to_bf16(out[i]);
     else static_cast<float*>(y->untyped_data())[i] = out[i];
@@ -220,6 +222,27 @@ ffi::Error HostExpertsImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<f
   return ffi::Error::Success();
 }
 
+ffi::Error HostExpertsImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> ids,
+                           ffi::Buffer<ffi::F32> gates, ffi::AnyBuffer gate_up,
+                           ffi::AnyBuffer down, ffi::Result<ffi::AnyBuffer> y) {
+  return HostExpertsCore(pool, x, ids, gates, moejax::slab(gate_up, -1), moejax::slab(down, -1),
+                         y);
+}
+
+// The experts of layer `layer` of a stacked store (gate_up [L,E,2I,D], down [L,E,D,I]).
+ffi::Error HostExpertsAtImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> layer, ffi::AnyBuffer x,
+                             ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::F32> gates,
+                             ffi::AnyBuffer gate_up, ffi::AnyBuffer down,
+                             ffi::Result<ffi::AnyBuffer> y) {
+  if (gate_up.dimensions().size() != 4 || down.dimensions().size() != 4)
+    return ffi::Error::InvalidArgument("moejax_host_experts_at: expected gate_up [L,E,2I,D], "
+                                       "down [L,E,D,I]");
+  const int64_t l = moejax::layer_of(layer);
+  return HostExpertsCore(pool, x, ids, gates, moejax::slab(gate_up, l), moejax::slab(down, l), y);
+}
+
 }  // namespace
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoejaxHostExpertsAt, HostExpertsAtImpl,
+                              moejax::experts_at_binding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoejaxHostExperts, HostExpertsImpl, moejax::experts_binding());

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from moejax.kernels import cpu_kernel
+from moejax.kernels import layer_view
 
 _ACT = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 _WEIGHTS = _ACT + (jnp.dtype(jnp.uint16),)
@@ -43,7 +44,17 @@ def host_experts(x_D, ids_K, gates_K, w: dict, xla_fn):
   """sum_j gates[j] * expert_{ids[j]}(x) [D] of one token x [D], experts read in place
   from `w`: the kernel on the CPU, elsewhere `xla_fn(x [1, D], ids [1, K], gates [1, K],
   w)` (`apply_experts`' signature, one row). Call it only
-  when `supports(x, w)` and `cpu_kernel.available()`."""
+  when `supports(x, w)` and `cpu_kernel.available()`.  A store that is one
+  layer of a stacked one (`layer_view.at`) is read there in place."""
+  v = layer_view.common([w["gate_up"], w["down"]])
+  if v is not None:
+    (gu, dn), i = v
+    at = lambda x, ids, g, i, gu, dn: jax.ffi.ffi_call(
+        cpu_kernel.HOST_EXPERTS_AT_TARGET, jax.ShapeDtypeStruct(x.shape, x.dtype))(
+            i.astype(jnp.int32), x, ids.astype(jnp.int32), g.astype(jnp.float32), gu, dn)
+    return jax.lax.platform_dependent(
+        x_D, ids_K, gates_K, i, gu, dn, cpu=at,
+        default=lambda x, ids, g, *_: xla_fn(x[None], ids[None], g[None], w)[0].astype(x.dtype))
   return jax.lax.platform_dependent(
       x_D, ids_K, gates_K, w["gate_up"], w["down"], cpu=_call,
       default=lambda x, i, g, gu, dn: xla_fn(x[None], i[None], g[None], {

@@ -20,6 +20,7 @@
 
 #include "cpu_bf16.h"
 #include "cpu_dot.h"
+#include "cpu_layer.h"
 #include "cpu_threads.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -157,16 +158,17 @@ bool supported(ffi::DataType t) { return t == ffi::DataType::F32 || t == ffi::Da
 bool weights_bf16(ffi::DataType t) { return t == ffi::DataType::BF16 || t == ffi::DataType::U16; }
 bool weights_ok(ffi::DataType t) { return supported(t) || t == ffi::DataType::U16; }
 
-ffi::Error ExpertFfnImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> ids,
-                         ffi::Buffer<ffi::F32> gates, ffi::AnyBuffer gate_up,
-                         ffi::AnyBuffer down, ffi::Result<ffi::AnyBuffer> y) {
-  auto xd = x.dimensions(), idd = ids.dimensions(), gud = gate_up.dimensions(),
-       dnd = down.dimensions();
+ffi::Error ExpertFfnCore(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> ids,
+                         ffi::Buffer<ffi::F32> gates, const moejax::Slab& gate_up,
+                         const moejax::Slab& down, ffi::Result<ffi::AnyBuffer> y) {
+  auto xd = x.dimensions(), idd = ids.dimensions();
+  const auto& gud = gate_up.dims;
+  const auto& dnd = down.dims;
   if (xd.size() != 2 || idd.size() != 2 || gud.size() != 3 || dnd.size() != 3)
     return ffi::Error::InvalidArgument("moejax_expert_ffn: expected x [N,D], ids [N,K], "
                                        "gate_up [E,2I,D], down [E,D,I]");
-  if (!supported(x.element_type()) || !weights_ok(gate_up.element_type()) ||
-      gate_up.element_type() != down.element_type() || y->element_type() != x.element_type())
+  if (!supported(x.element_type()) || !weights_ok(gate_up.type) ||
+      gate_up.type != down.type || y->element_type() != x.element_type())
     return ffi::Error::InvalidArgument("moejax_expert_ffn: f32 or bf16 only (weights also "
                                        "as uint16 bf16 bits)");
   auto p = std::make_unique<Problem>();
@@ -181,9 +183,9 @@ ffi::Error ExpertFfnImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi
   p->x_bf16 = is_bf16(x.element_type());
   p->ids = ids.typed_data();
   p->gates = gates.typed_data();
-  p->gate_up = gate_up.untyped_data();
-  p->down = down.untyped_data();
-  p->w_bf16 = weights_bf16(gate_up.element_type());
+  p->gate_up = gate_up.data;
+  p->down = down.data;
+  p->w_bf16 = weights_bf16(gate_up.type);
 
   // counting sort of the pairs by expert (ids clamped like XLA's dynamic indexing)
   const int64_t pairs = p->n * p->k, ne = p->num_experts;
@@ -227,13 +229,32 @@ ffi::Error ExpertFfnImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi
   return ffi::Error::Success();
 }
 
+// The experts of `gate_up`/`down` as given, or of their layer `layer` ([L, E, ...]).
+ffi::Error ExpertFfnImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> ids,
+                         ffi::Buffer<ffi::F32> gates, ffi::AnyBuffer gate_up,
+                         ffi::AnyBuffer down, ffi::Result<ffi::AnyBuffer> y) {
+  return ExpertFfnCore(pool, x, ids, gates, moejax::slab(gate_up, -1), moejax::slab(down, -1), y);
+}
+
+ffi::Error ExpertFfnAtImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> layer, ffi::AnyBuffer x,
+                           ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::F32> gates,
+                           ffi::AnyBuffer gate_up, ffi::AnyBuffer down,
+                           ffi::Result<ffi::AnyBuffer> y) {
+  const int64_t l = moejax::layer_of(layer);
+  if (gate_up.dimensions().size() != 4 || down.dimensions().size() != 4)
+    return ffi::Error::InvalidArgument("moejax_expert_ffn_at: expected gate_up [L,E,2I,D], "
+                                       "down [L,E,D,I]");
+  return ExpertFfnCore(pool, x, ids, gates, moejax::slab(gate_up, l), moejax::slab(down, l), y);
+}
+
 constexpr int64_t kLinearRows = 64;  // output rows per work item
 constexpr int64_t kLinearSerialBytes = 256 << 10;  // fewer weight bytes: the calling thread
 
 // y_i = x @ w_i.T for each weight w_i [O_i, D] (one or more: a layer's q/k/v projections of
 // the same input run as one call, so one dispatch and one wake-up of the pool cover them).
-ffi::Error LinearImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArgs ws,
-                      ffi::RemainingRets ys) {
+// layer >= 0: every weight is stacked [L, O, D] and its layer `layer` is read.
+ffi::Error LinearCore(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArgs ws,
+                      ffi::RemainingRets ys, int64_t layer) {
   auto xd = x.dimensions();
   if (xd.size() != 2 || ws.size() == 0 || ws.size() != ys.size() ||
       !supported(x.element_type()))
@@ -255,12 +276,15 @@ ffi::Error LinearImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArgs
     auto y = ys.get<ffi::AnyBuffer>(i);
     if (!w.has_value() || !y.has_value())
       return ffi::Error::InvalidArgument("moejax_linear: weights and results are buffers");
-    auto wd = w->dimensions();
+    if (layer >= 0 && w->dimensions().size() != 3)
+      return ffi::Error::InvalidArgument("moejax_linear_at: expected w [L,O,D]");
+    const moejax::Slab ws_l = moejax::slab(*w, layer);
+    const auto& wd = ws_l.dims;
     if (wd.size() != 2 || wd[1] != d || !supported(w->element_type()) ||
         (*y)->element_type() != x.element_type() ||
         static_cast<int64_t>((*y)->element_count()) != n * wd[0])
       return ffi::Error::InvalidArgument("moejax_linear: expected w [O,D] and y [N,O]");
-    outs.push_back({w->untyped_data(), is_bf16(w->element_type()), wd[0],
+    outs.push_back({ws_l.data, is_bf16(w->element_type()), wd[0],
                     (*y)->untyped_data(), std::vector<float>(n * wd[0])});
     for (int64_t r0 = 0; r0 < wd[0]; r0 += kLinearRows)
       items.emplace_back(static_cast<int64_t>(i), r0);
@@ -287,6 +311,16 @@ ffi::Error LinearImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArgs
   return ffi::Error::Success();
 }
 
+ffi::Error LinearImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArgs ws,
+                      ffi::RemainingRets ys) {
+  return LinearCore(pool, x, ws, ys, -1);
+}
+
+ffi::Error LinearAtImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> layer, ffi::AnyBuffer x,
+                        ffi::RemainingArgs ws, ffi::RemainingRets ys) {
+  return LinearCore(pool, x, ws, ys, moejax::layer_of(layer));
+}
+
 }  // namespace
 // Sets how long the decode helpers spin after a job, in us (0: XLA's pool tasks instead).
 extern "C" void moejax_set_spin_us(int64_t us) {
@@ -306,3 +340,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoejaxLinear, LinearImpl,
                                   .RemainingRets());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoejaxExpertFfn, ExpertFfnImpl, moejax::experts_binding());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoejaxLinearAt, LinearAtImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .RemainingArgs()
+                                  .RemainingRets());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoejaxExpertFfnAt, ExpertFfnAtImpl, moejax::experts_at_binding());

@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 
 from moejax.kernels import cpu_build
+from moejax.kernels import layer_view
 
 TARGET = "moejax_expert_ffn"
 LINEAR_TARGET = "moejax_linear"
@@ -55,6 +56,12 @@ TAKE_ROWS_TARGET = "moejax_take_rows"            # cpu_rows.cc, wrapped by cpu_r
 TOP_K_TARGET = "moejax_top_k"                    # cpu_rows.cc, wrapped by cpu_rows.py
 BIN_SUM_TARGET = "moejax_bin_sum"                # cpu_rows.cc, wrapped by cpu_rows.py
 HOST_EXPERTS_TARGET = "moejax_host_experts"      # cpu_host.cc, wrapped by cpu_host.py
+# the same kernels reading one layer of stacked [L, ...] operands (cpu_layer.h), the layer
+# an int32 scalar operand: the engine's layers as one scan (`layer_view`)
+LINEAR_AT_TARGET = "moejax_linear_at"
+TARGET_AT = "moejax_expert_ffn_at"
+ATTENTION_AT_TARGET = "moejax_decode_attention_at"
+HOST_EXPERTS_AT_TARGET = "moejax_host_experts_at"
 _OFF = ("0", "off", "false", "no")   # MOEJAX_CPU_KERNEL values that switch the kernels off
 _lock = threading.Lock()
 # loaded: None (not tried), True or False; override: enabled()'s choice, None: the env;
@@ -75,7 +82,11 @@ def _load() -> bool:
                            (TAKE_ROWS_TARGET, lib.MoejaxTakeRows),
                            (TOP_K_TARGET, lib.MoejaxTopK),
                            (BIN_SUM_TARGET, lib.MoejaxBinSum),
-                           (HOST_EXPERTS_TARGET, lib.MoejaxHostExperts)):
+                           (HOST_EXPERTS_TARGET, lib.MoejaxHostExperts),
+                           (LINEAR_AT_TARGET, lib.MoejaxLinearAt),
+                           (TARGET_AT, lib.MoejaxExpertFfnAt),
+                           (ATTENTION_AT_TARGET, lib.MoejaxDecodeAttentionAt),
+                           (HOST_EXPERTS_AT_TARGET, lib.MoejaxHostExpertsAt)):
       jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(symbol), platform="cpu")
     lib.moejax_set_spin_us.argtypes = [ctypes.c_int64]
     lib.moejax_set_decoding.argtypes = [ctypes.c_int]
@@ -202,13 +213,28 @@ def _expert_call(x_NxD, ids_NxK, gates_NxK, gate_up_Ex2IxD, down_ExDxI):
 _call = rows_vmap(_expert_call, 3)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def expert_ffn(x_NxD, ids_NxK, gates_NxK, w: dict, xla_fn):
   """sum_k gates[n,k] * expert_{ids[n,k]}(x[n]) on CPU: the kernel; elsewhere `xla_fn`.
 
   `xla_fn(x, ids, gates, w)` is the XLA dispatch: other platforms run it, and the
-  backward pass differentiates it.
+  backward pass differentiates it.  Weights that are one layer of stacked ones
+  (`layer_view.at`) are read there in place (forward only: the engine's scan).
   """
+  v = layer_view.common([w["gate_up"], w["down"]])
+  if v is not None:
+    (gu, dn), i = v
+    at = lambda x, ids, g, i, gu, dn: jax.ffi.ffi_call(
+        TARGET_AT, jax.ShapeDtypeStruct(x.shape, x.dtype))(
+            i.astype(jnp.int32), x, ids.astype(jnp.int32), g.astype(jnp.float32), gu, dn)
+    return jax.lax.platform_dependent(
+        x_NxD, ids_NxK, gates_NxK, i, gu, dn, cpu=at,
+        default=lambda x, ids, g, *_: xla_fn(x, ids, g, {k: _bits_as_bf16(a)
+                                                         for k, a in w.items()}))
+  return _expert_ffn(x_NxD, ids_NxK, gates_NxK, w, xla_fn)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _expert_ffn(x_NxD, ids_NxK, gates_NxK, w: dict, xla_fn):
   return jax.lax.platform_dependent(
       x_NxD, ids_NxK, gates_NxK, w["gate_up"], w["down"],
       cpu=_call,
@@ -217,7 +243,7 @@ def expert_ffn(x_NxD, ids_NxK, gates_NxK, w: dict, xla_fn):
 
 
 def _fwd(x_NxD, ids_NxK, gates_NxK, w, xla_fn):
-  return expert_ffn(x_NxD, ids_NxK, gates_NxK, w, xla_fn), (x_NxD, ids_NxK, gates_NxK, w)
+  return _expert_ffn(x_NxD, ids_NxK, gates_NxK, w, xla_fn), (x_NxD, ids_NxK, gates_NxK, w)
 
 
 def _bwd(xla_fn, res, g_NxD):
@@ -227,7 +253,7 @@ def _bwd(xla_fn, res, g_NxD):
   return dx, None, dg, dw
 
 
-expert_ffn.defvjp(_fwd, _bwd)
+_expert_ffn.defvjp(_fwd, _bwd)
 
 
 def _linears_ffi(x_NxD, *ws_OxD):
@@ -265,13 +291,22 @@ def linears(x_NxD, ws_OxD) -> tuple:
   """(x @ w.T for w in ws_OxD): one kernel call on CPU for a few rows when x and every
   weight share an f32/bf16 dtype (f32 only when the weights hold at least
   LINEAR_MIN_F32_BYTES together), else an einsum each. Projections of the same input
-  (q/k/v) go in one call: one dispatch and one wake-up of the pool for all of them."""
+  (q/k/v) go in one call: one dispatch and one wake-up of the pool for all of them.
+  Weights that are one layer of stacked ones (`layer_view.at`) are read there in place."""
   ws_OxD = tuple(ws_OxD)
   ok = {jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)}
   dt = jnp.dtype(x_NxD.dtype)
   small_f32 = dt == jnp.float32 and sum(w.size * 4 for w in ws_OxD) < LINEAR_MIN_F32_BYTES
   if (x_NxD.shape[0] <= LINEAR_MAX_TOKENS and dt in ok and not small_f32
       and all(jnp.dtype(w.dtype) == dt for w in ws_OxD) and available()):
+    v = layer_view.common(ws_OxD)
+    if v is not None:   # one layer of stacked weights, read in place (forward only)
+      stacks, i = v
+      at = lambda x, i, *ws: tuple(jax.ffi.ffi_call(LINEAR_AT_TARGET, tuple(
+          jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), x.dtype) for w in ws))(
+              i.astype(jnp.int32), x, *ws))
+      return jax.lax.platform_dependent(x_NxD, i, *stacks, cpu=at,
+                                        default=lambda x, *_: _einsums(x, *ws_OxD))
     return _linears_kernel(x_NxD, ws_OxD)
   return _einsums(x_NxD, *ws_OxD)
 

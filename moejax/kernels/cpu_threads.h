@@ -135,4 +135,17 @@ inline auto experts_binding() {
       .Ret<ffi::AnyBuffer>();
 }
 
+// experts_binding with the layer of the stacked weights first (an int32 scalar).
+inline auto experts_at_binding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::AnyBuffer>()
+      .Ret<ffi::AnyBuffer>();
+}
+
 }  // namespace moejax

@@ -4,7 +4,8 @@ Helpers shared by the emulator's jitted steps: when every layer is sparse and of
 one kind (qwen3_moe, mixtral, olmoe) the layers' parameters, expert tables and
 per-layer carries (KV cache, ResidentState, pending admissions) are stacked
 [L, ...] and the layers run as a scan over one compiled body; other families
-keep lists over layers and unroll.
+keep lists over layers and unroll.  The engine's scan (`scan_whole`) passes the stacked
+trees whole and reads layer i of each in place (`kernels.layer_view`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from moejax.kernels import layer_view
 from moejax.model.config import ModelConfig
 from moejax.model.model import DecoderLayer
 
@@ -46,13 +48,15 @@ def stack_states(cfg: ModelConfig, states: dict):
 
 
 def run_layers(cfg: ModelConfig, dtype, layer_fn, layers, table, x, per_layer,
-               scan: bool = True):
+               scan: bool = True, whole: bool = False):
   """x through every layer: layer_fn(mod, sparse, p, table_l, x, per_layer_l, i) ->
   (x, per_layer_l, out_l).  per_layer: stacked [L, ...] (a uniform model under `scan`)
   or a list; returns (x, per_layer, outs stacked over MoE layers).  scan=False unrolls
-  every model (the engine: each layer's state and slot buffers stay separate arrays,
-  updated in place)."""
+  every model (each layer's state and slot buffers separate arrays, updated in place).
+  whole (with scan, a uniform model: the engine): `scan_whole`."""
   mods = decoder_modules(cfg, dtype)
+  if scan and whole and uniform(cfg):
+    return scan_whole(cfg, dtype, layer_fn, layers, table, x, per_layer)
   if scan and uniform(cfg):
     # the KV cache rides in the loop carry and is updated in place, one layer at a
     # time (as scanned xs/ys it would be copied whole at every layer)
@@ -76,6 +80,45 @@ def run_layers(cfg: ModelConfig, dtype, layer_fn, layers, table, x, per_layer,
     if cfg.sparse_layers[i]:
       outs.append(out)
   return x, per_layer, jax.tree_util.tree_map(lambda *a: jnp.stack(a), *outs)
+
+
+def scan_whole(cfg: ModelConfig, dtype, layer_fn, layers, srcs, x, per_layer):
+  """`run_layers` of a uniform model as ONE `lax.scan` whose stacked [L, ...] trees (the
+  parameters `layers`, the sources `srcs`, the carry `per_layer`) are passed whole, not
+  as the scan's xs: the body reads layer i of each through `layer_view.at`, which the CPU
+  kernels read in place (as xs, or sliced, XLA CPU copies each layer's weights, KV cache
+  and slot buffers before every custom call).  The carry rides in the loop's carry and is
+  written back at i: a stack updated through `layer_view.update` (the KV cache, the slot
+  buffers) is already the new stack, in place; any other leaf (small metadata) is set at
+  i.  One compiled layer body whatever the depth."""
+  mod = decoder_modules(cfg, dtype)[0]
+
+  def body(carry, i):
+    x, stacks = carry
+    with layer_view.tracing():
+      at = lambda t: jax.tree_util.tree_map(lambda a: layer_view.at(a, i), t)
+      x, new, out = layer_fn(mod, True, at(layers), at(srcs), x, at(stacks), i)
+      return (x, jax.tree_util.tree_map(lambda s, a: _put(s, a, i), stacks, new)), out
+
+  # x as a layer gives it back (parameters in another dtype than x promote it: an
+  # unrolled loop changes type after the first layer, a scan's carry cannot)
+  floats = lambda t: {a.dtype for a in jax.tree_util.tree_leaves(t)
+                      if jnp.issubdtype(a.dtype, jnp.floating)}
+  if floats(layers) - floats(x):
+    like = jax.eval_shape(lambda c: body(c, jnp.int32(0))[0][0], (x, per_layer))
+    x = jax.tree_util.tree_map(lambda a, o: a.astype(o.dtype), x, like)
+  (x, per_layer), outs = jax.lax.scan(body, (x, per_layer),
+                                      jnp.arange(cfg.num_layers, dtype=jnp.int32))
+  return x, per_layer, outs
+
+
+def _put(stack, leaf, i):
+  """The carry's stack after layer i made `leaf`: the stack `leaf` is a view of (updated in
+  place), else the stack with `leaf` set at i."""
+  s = layer_view.stack_at(leaf, i)
+  if s is not None and s.shape == stack.shape and s.dtype == stack.dtype:
+    return s
+  return stack.at[i].set(leaf)
 
 
 def zip_carry(cfg: ModelConfig, cache, states, pending, scan: bool = True):

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from moejax.kernels import cpu_attention
 from moejax.kernels import cpu_kernel
 from moejax.kernels import cpu_rows
+from moejax.kernels import layer_view
 
 
 class Linear(nn.Module):
@@ -100,6 +101,8 @@ def write_cache(cache_arr, new, end_index):
     return jax.vmap(lambda c, n, e: write_cache(c[None], n[None], e)[0])(cache_arr, new,
                                                                          end_index)
   idx = (0, end_index) + (0,) * (new.ndim - 2)
+  if layer_view.of(cache_arr) is not None:   # a layer of the stacked cache: in place there
+    return layer_view.update(cache_arr, new, idx)
   new = new.astype(cache_arr.dtype)
   if cache_arr.dtype == jnp.bfloat16:
     # XLA's CPU backend runs a bf16 update in f32: it converted the whole cache to f32 and

@@ -45,6 +45,7 @@ class EngineConfig:
   prefetch: Prefetch = Prefetch()
   transfer_timeout_s: float = 120.0
   expert_devices: int = 1
+  layer_scan: bool = True     # False: the layers unrolled (`decode.Program.scan`)
   host_cache_bytes: int | None = None
 
   def __post_init__(self):

@@ -57,9 +57,10 @@ def _apply(mod, p, *args, method):
   return mod.apply({"params": p}, *args, method=method)
 
 
-def decode_token(ctx: layer_lib.Ctx, dtype, params, layers, srcs, carry, token, pos, key, scan: bool):
+def decode_token(ctx: layer_lib.Ctx, dtype, params, layers, srcs, carry, token, pos, key,
+                 scan: bool, whole: bool = False):
   """One decoded token of one stream -> (carry, logits [V], `cache.step.Record` stacked
-  over MoE layers)."""
+  over MoE layers).  whole: the engine's scan (`layer_stack.scan_whole`)."""
   cfg = ctx.cfg
   model = Transformer(cfg, dtype)
   x = model.apply({"params": params}, token.reshape(1, 1), method="embed")
@@ -67,7 +68,7 @@ def decode_token(ctx: layer_lib.Ctx, dtype, params, layers, srcs, carry, token, 
   layer_fn = functools.partial(layer_lib.decode_layer, ctx, pos.reshape(1, 1), key)
   stream, per_layer, (heads, admitted) = layer_stack.run_layers(
       cfg, dtype, layer_fn, layers, srcs, stream,
-      layer_stack.zip_carry(cfg, *carry, scan=scan), scan=scan)
+      layer_stack.zip_carry(cfg, *carry, scan=scan), scan=scan, whole=whole)
   logits = model.apply({"params": params}, stream.x[:, -1], method="logits")[0]
   carry, steps = _tails(ctx, layer_stack.unzip_carry(cfg, per_layer, scan=scan), heads)
   return carry, logits, step_lib.record(steps, admitted)
@@ -99,7 +100,7 @@ def _tails(ctx: layer_lib.Ctx, carry, heads):
 
 
 def prompt_pass(ctx: layer_lib.Ctx, dtype, max_len: int, params, layers, srcs, states, tokens_P,
-            length, decay_pow, scan: bool):
+            length, decay_pow, scan: bool, whole: bool = False):
   """An exact prompt (the first `length` of tokens_P) of one stream -> (logits [V], carry,
   (experts made available [L, E] (-1 padded), evicted [L, E + P])).  Per MoE layer the
   prompt's experts are computed from the table, or from the store where it lives
@@ -144,7 +145,7 @@ def prompt_pass(ctx: layer_lib.Ctx, dtype, max_len: int, params, layers, srcs, s
   cache, _, pending = empty_carry(ctx, dtype, max_len, {}, scan)
   x, per_layer, outs = layer_stack.run_layers(
       cfg, dtype, layer_fn, layers, srcs, x,
-      layer_stack.zip_carry(cfg, cache, states, pending, scan=scan), scan=scan)
+      layer_stack.zip_carry(cfg, cache, states, pending, scan=scan), scan=scan, whole=whole)
   logits = model.apply({"params": params}, jax.lax.dynamic_index_in_dim(x[0], length - 1),
                        method="logits")[0]
   return logits, layer_stack.unzip_carry(cfg, per_layer, scan=scan), outs
@@ -153,20 +154,34 @@ def prompt_pass(ctx: layer_lib.Ctx, dtype, max_len: int, params, layers, srcs, s
 # ------------------------------------------------------------------ the programs
 @dataclasses.dataclass(frozen=True)
 class Program:
+  """scan: the layers as one scan (`layer_stack.scan_whole`; a uniform model): the
+  parameters hold the layers stacked under "layers" (`stack_params`), the sources are one
+  stacked tree and the carry is stacked [L, ...]; else every layer is unrolled, over
+  lists and dicts per layer."""
   ctx: layer_lib.Ctx
   dtype: str
   max_len: int
+  scan: bool = False
 
 
-def _layers(cfg: ModelConfig, params):
-  return [params[f"layers_{i}"] for i in range(cfg.num_layers)]
+def stack_params(cfg: ModelConfig, params) -> dict:
+  """The parameters as a scanned program takes them: the layers' trees stacked [L, ...]
+  under "layers" (one copy), the rest as they are."""
+  rest = {k: v for k, v in params.items() if not k.startswith("layers_")}
+  return dict(rest, layers=layer_stack.stack_layers(cfg, params, [None] * cfg.num_layers)[0])
+
+
+def _layers(prog: Program, params):
+  if prog.scan:
+    return params["layers"]
+  return [params[f"layers_{i}"] for i in range(prog.ctx.cfg.num_layers)]
 
 
 def _decode(prog: Program, params, srcs, carry, token, pos):
   ctx = prog.ctx
   carry, logits, records = decode_token(ctx, jnp.dtype(prog.dtype), params,
-                                        _layers(ctx.cfg, params), srcs, carry, token, pos,
-                                        jax.random.PRNGKey(0), scan=False)
+                                        _layers(prog, params), srcs, carry, token, pos,
+                                        jax.random.PRNGKey(0), scan=prog.scan, whole=prog.scan)
   packed = pack(records)
   _layouts(prog)[packed.shape] = jax.tree_util.tree_map(
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), records)
@@ -221,8 +236,8 @@ def prefill(prog: Program, params, srcs, states, tokens_P, length, decay_pow):
   """An exact prompt -> (logits [V], carry, (copied ids [L, E], evicted [L, E + P]))."""
   ctx = prog.ctx
   logits, carry, outs = prompt_pass(ctx, jnp.dtype(prog.dtype), prog.max_len, params,
-                                          _layers(ctx.cfg, params), srcs, states, tokens_P,
-                                          length, decay_pow, scan=False)
+                                    _layers(prog, params), srcs, states, tokens_P, length,
+                                    decay_pow, scan=prog.scan, whole=prog.scan)
   return _replicated(ctx, logits), carry, _replicated(ctx, outs)
 
 

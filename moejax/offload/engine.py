@@ -31,7 +31,7 @@ import numpy as np
 from moejax.io import quant
 from moejax.io import staging
 from moejax.kernels import cpu_kernel
-from moejax.model import families
+from moejax.model import families, layer_stack
 from moejax.prefetch import speculation
 from moejax.model.config import ModelConfig
 from moejax.offload import decode
@@ -87,11 +87,12 @@ class OffloadEngine:
     check_policy(policy, self.device.platform, self.low_store)
     self.staging = (staging.StagingCache(store, config.host_cache_bytes)
                     if config.host_cache_bytes is not None else None)
-    host, pinned = ((dict((l, staging.Staged(self.staging, l)) for l in self.moe_layers), False)
-                    if self.staging else sources.program_store(store, self.device))
-    if self.low_store is not None:
-      low = sources.program_store(self.low_store, self.device)[0]
-      host = {l: dict(store=v, low=low[l]) for l, v in host.items()}
+    # the layers as one scan (`decode.Program.scan`): a uniform model on one device whose
+    # store (and low-precision store) is one [L, E, ...] array per kind; else unrolled
+    # (the host staging tier too: it reads per layer)
+    host, pinned, scan = sources.program_stores(store, self.low_store, self.device,
+                                                config.layer_scan and self.plan is None
+                                                and layer_stack.uniform(cfg), self.staging)
     trim_to = self.budget.slots if self.budget.staging else None
     ctx = layer_lib.Ctx(cfg, policy, trim_to, pf.kind, pf.speculative, not pf.streaming,
                         None, "slots", pinned, skip_empty=self.device.platform == "cpu",
@@ -99,15 +100,16 @@ class OffloadEngine:
     put = self._put
     if self.plan is not None:   # the store on every device too
       host = put(host)
-    self.params = put(params)
-    preds = (speculation.stacked_predictors(cfg, pf.kind, pf.predictors, stack=False)
+    self.params = put(decode.stack_params(cfg, params) if scan else params)
+    preds = (speculation.stacked_predictors(cfg, pf.kind, pf.predictors, stack=scan)
              if self.mode.on and pf.kind != "oracle" else None)
-    self._srcs = [None if i not in host else dict(
-        **(host[i] if self.low_store else dict(store=host[i])), **(put(preds[i]) if preds else {}))
-                  for i in range(cfg.num_layers)]
-    if self.mode.on and preds is None:   # oracle: vectors unused
-      zero = jnp.zeros((cfg.num_experts, cfg.hidden_size), jnp.float32)
-      self._srcs = [None if s is None else dict(s, vectors=zero) for s in self._srcs]
+    zero = jnp.zeros(((cfg.num_layers,) if scan else ()) + (cfg.num_experts, cfg.hidden_size),
+                     jnp.float32)
+    more = lambda i: ((put(preds) if i is None else put(preds[i])) if preds else
+                      {"vectors": zero} if self.mode.on else {})     # oracle: vectors unused
+    self._srcs = (dict(host, **more(None)) if scan else   # one stacked tree, or per layer
+                  [None if i not in host else dict(host[i], **more(i))
+                   for i in range(cfg.num_layers)])
     first = store.get(self.moe_layers[0], 0)
     spec = {k: (np.shape(v), jnp.dtype(np.asarray(v).dtype)) for k, v in first.items()}
     rows = cfg.top_k if self.mode.on else 0      # prefetch rows after the scratch row
@@ -119,9 +121,11 @@ class OffloadEngine:
     if self.plan is not None:
       self._states = {l: expert_parallel.shard_state(self.plan, st)
                       for l, st in self._states.items()}
+    if scan:    # stacked [L, ...] (one copy of the slot buffers, the per-layer ones dropped)
+      self._states = layer_stack.stack_states(cfg, self._states)
     ctx = dataclasses.replace(ctx, all_resident=self.budget.all_resident and
                               self.initial == "all" and not self.mode.on)
-    self._prog = decode.Program(ctx, jnp.dtype(dtype).name, max_len)
+    self._prog = decode.Program(ctx, jnp.dtype(dtype).name, max_len, scan)
     self._step = decode.step_fn(self._prog)
     self._clock = link_lib.LinkClock(self.link, nbytes, self.moe_layers, expert_devices)
     self._low_nbytes = self.low_store.expert_nbytes() if self.low_store else 0
@@ -153,7 +157,16 @@ class OffloadEngine:
 
   @property
   def states(self) -> dict:
-    """The per-MoE-layer ResidentStates (read-only)."""
+    """The per-MoE-layer ResidentStates (read-only; of a scanned program, sliced out of
+    the stacked ones)."""
+    st = self._live_states()
+    if not self._prog.scan:
+      return st
+    return {l: jax.tree_util.tree_map(lambda a, j=j: a[j], st)
+            for j, l in enumerate(self.moe_layers)}
+
+  def _live_states(self):
+    """The states as the programs take them ({layer: state}, or stacked [L, ...])."""
     if self._srcs is None:
       raise sources.TransferError("the engine is closed")
     return self._carry[1] if self._carry is not None else self._states
@@ -191,12 +204,12 @@ class OffloadEngine:
     self._check()
     # lowered and compiled, not run: the calls that follow reuse the executables, and no
     # throwaway copy of the slot buffers is made (Qwen3-30B-A3B: 1.2 GB a layer at 25%)
-    self._step.lower(self.params, self._srcs, self._new_carry(self.states), np.int32(0),
+    self._step.lower(self.params, self._srcs, self._new_carry(self._live_states()), np.int32(0),
                      np.int32(0)).compile()
     recurrent = families.of(self.cfg).has_recurrent_state(self.cfg)
     for t in sorted({min(int(t), self.max_len - 1) for t in prompt_lengths if t >= 1}):
       tb = t if recurrent else min(bucket(t), self.max_len)
-      decode.prefill.lower(self._prog, self.params, self._srcs, self.states,
+      decode.prefill.lower(self._prog, self.params, self._srcs, self._live_states(),
                            np.zeros((tb,), np.int32), np.int32(t), np.float32(1.0)).compile()
 
   def set_policy(self, policy: policy_lib.PolicyParams | str):
@@ -237,7 +250,7 @@ class OffloadEngine:
 
   def _new_carry(self, states):
     cache, _, pending = decode.empty_carry(self._prog.ctx, self.dtype, self.max_len, {},
-                                              scan=False)
+                                           scan=self._prog.scan)
     return self._put(cache), states, self._put(pending)
 
   def prefill(self, prompt_ids) -> np.ndarray:
@@ -254,7 +267,7 @@ class OffloadEngine:
     tb = t if recurrent else min(bucket(t), self.max_len)
     toks = np.zeros((tb,), np.int32)
     toks[:t] = prompt_ids
-    states = self.states
+    states = self._live_states()
     self._carry = None
     decay = np.float32(float(self.policy.lfu_decay) ** np.float64(t))
     logits, carry, (copied, evicted) = decode.prefill(self._prog, self.params, self._srcs,

@@ -97,6 +97,7 @@ class MemoryPlan:
   kv_bytes: int
   prefill_bytes: int         # transient, at most
   platform: str = "cpu"      # the backend: "cpu" (device memory is host RAM) or an accelerator
+  stacked_bytes: int = 0     # the scanned engine's [L, ...] copy of the layers' parameters
   host_cache_bytes: int = 0  # --host_cache_gb: the host staging tier, whole experts
 
   @property
@@ -114,7 +115,8 @@ class MemoryPlan:
 
   @property
   def device_bytes(self) -> int:
-    return self.dense_bytes + self.expert_cache_bytes + self.kv_bytes + self.prefill_bytes
+    return (self.dense_bytes + self.stacked_bytes + self.expert_cache_bytes + self.kv_bytes
+            + self.prefill_bytes)
 
   @property
   def page_cache_bytes(self) -> int:
@@ -160,8 +162,10 @@ class MemoryPlan:
     elif self.platform == "cpu" and self.offload and not self.prefill_bytes:
       extra = " (the prompt pass reads the store in place)"
     shared = self.platform == "cpu" and not self.offload     # experts counted as the store
+    stacked = (f" + the layers' parameters stacked for the scan {gb(self.stacked_bytes)}"
+               if self.stacked_bytes else "")
     device = (f"{gb(self.device_bytes - (self.expert_cache_bytes if shared else 0))}"
-              f" = dense parameters {gb(self.dense_bytes)} + {cache} + "
+              f" = dense parameters {gb(self.dense_bytes)}{stacked} + {cache} + "
               f"KV cache {gb(self.kv_bytes)} ({self.kv_len} positions){extra}")
     out = [f"host RAM       {host}", f"device memory  {device}"]
     if self.platform == "cpu":
@@ -217,8 +221,14 @@ def plan_memory(cfg: ModelConfig, dtype, *, store: str = "numpy", offload: bool 
     raise staging.StagingError("--host_cache_gb stages the experts the offload engine "
                                "fetches: it needs --policy")
   kv = jax.eval_shape(lambda: init_cache(cfg, 1, kv_len, dtype))
-  return MemoryPlan(store=store, offload=offload,
-                    dense_bytes=tree_nbytes(abstract_params(cfg, dtype)), expert_bytes=ebytes,
+  params = abstract_params(cfg, dtype)
+  # the engine's layer scan (a uniform model) stacks the layers' parameters: one more copy
+  # of them while the caller keeps its own (`decode.stack_params`)
+  from moejax.model import layer_stack
+  stacked = (tree_nbytes({k: v for k, v in params.items() if k.startswith("layers_")})
+             if offload and layer_stack.uniform(cfg) and host_cache_gb is None else 0)
+  return MemoryPlan(store=store, offload=offload, stacked_bytes=stacked,
+                    dense_bytes=tree_nbytes(params), expert_bytes=ebytes,
                     num_moe_layers=n_moe, num_experts=cfg.num_experts, cache_slots=int(slots),
                     kv_len=kv_len, kv_bytes=tree_nbytes(kv), prefill_bytes=prefill,
                     platform=platform or jax.devices()[0].platform,

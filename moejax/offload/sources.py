@@ -36,7 +36,7 @@ from moejax.cache.policy import HOST
 from moejax.io import quant
 from moejax.io import staging
 from moejax.io import store as store_lib
-from moejax.kernels import cpu_host, cpu_kernel
+from moejax.kernels import cpu_host, cpu_kernel, layer_view
 from moejax.model import experts as experts_lib
 from moejax.model import families
 from moejax.offload import expert_parallel
@@ -55,7 +55,7 @@ def _row(src, i, dtype, pinned):
   """src[i:i+1] on the device, as `dtype`.  The program store holds 16-bit floats as their
   uint16 bits (`program_store`): XLA CPU slices a bf16 array by converting all
   of it to f32 first, and hoists that convert of the whole store out of the copy loop."""
-  return as_dtype(to_device(jax.lax.dynamic_slice_in_dim(src, i, 1, axis=0), pinned), dtype)
+  return as_dtype(to_device(layer_view.rows(src, i, 1), pinned), dtype)
 
 
 def as_dtype(rows, dtype):
@@ -67,8 +67,7 @@ def as_dtype(rows, dtype):
 
 def _low_row(src, name, i, dtype, pinned, bits: int):
   """The dequantised row i of a low-precision program store (`io.quant` layout)."""
-  q, s = (to_device(jax.lax.dynamic_slice_in_dim(src[f"{name}.{x}"], i, 1, axis=0), pinned)
-          for x in "qs")
+  q, s = (to_device(layer_view.rows(src[f"{name}.{x}"], i, 1), pinned) for x in "qs")
   return quant.dequantize(q, s, bits, dtype)
 
 
@@ -93,22 +92,32 @@ def copy_rows(buffers: dict, store: dict, ids_J, slots_J, pinned,
   ids = jnp.sum(jnp.where(to_JxJ, ids_J[None, :], 0), axis=1)
   slots = jnp.sum(jnp.where(to_JxJ, slots_J[None, :], 0), axis=1)
   n = jnp.sum(valid).astype(jnp.int32)
+  # slot buffers that are layer i of stacked ones (the engine's scan): the loop carries
+  # the stacks and writes at (i, slot) in place (`layer_view`); the store is read at
+  # (i, expert) the same way
+  v = layer_view.common(list(buffers.values()))
+  layer = None if v is None else v[1]
 
   def copy_one(j, bufs):
     bufs = dict(bufs)
     staged = store.rows(ids[j]) if isinstance(store, staging.Staged) else None
     for name, buf in bufs.items():
+      buf = buf if layer is None else layer_view.at(buf, layer)
       if staged is not None:   # through the host staging tier (`io.staging`)
         row = as_dtype(staged[name], buf.dtype)
       elif low_bits is None:   # 16-bit floats stay bits from the store to the slot
-        row = to_device(jax.lax.dynamic_slice_in_dim(store[name], ids[j], 1, axis=0), pinned)
+        row = to_device(layer_view.rows(store[name], ids[j], 1), pinned)
         row = row if row.dtype.itemsize == buf.dtype.itemsize else as_dtype(row, buf.dtype)
       else:
         row = _low_row(store, name, ids[j], buf.dtype, pinned, low_bits)
-      bufs[name] = resident_lib.write_rows(buf, row, slots[j])
+      new = resident_lib.write_rows(buf, row, slots[j])
+      bufs[name] = new if layer is None else layer_view.stack_at(new, layer)
     return bufs
 
-  return jax.lax.fori_loop(0, n, copy_one, dict(buffers))
+  if layer is None:
+    return jax.lax.fori_loop(0, n, copy_one, dict(buffers))
+  out = jax.lax.fori_loop(0, n, copy_one, dict(zip(buffers, v[0])))
+  return {name: layer_view.at(s, layer) for name, s in out.items()}
 
 
 def prompt_table(ctx, store: dict, x, dtypes: dict) -> dict:
@@ -273,26 +282,58 @@ def _put(host: np.ndarray, device, kind):
   return jax.device_put(host, jax.sharding.SingleDeviceSharding(device, memory_kind=kind))
 
 
-def program_store(store, device) -> tuple[dict, bool]:
+def program_stores(store, low_store, device, scan: bool, staged=None):
+  """The engine's host stores as its program takes them -> (sources, pinned, scan): with
+  `scan`, when `store` (and `low_store`) are one [L, E, ...] array per kind,
+  {"store": {name: [L, E, ...]}, "low": ...}; else (scan False) {MoE layer: {"store":
+  {name: [E, ...]}, "low": ...}} ("low" only with a low-precision store).  staged: the
+  host staging tier (`io.staging.StagingCache`), read per layer (`Staged`): unrolled."""
+  if staged is not None:
+    low = program_store(low_store, device)[0] if low_store is not None else None
+    return ({l: dict(store=staging.Staged(staged, l), **({"low": low[l]} if low else {}))
+             for l in store.moe_layers}, False, False)
+  if scan:
+    host, pinned = program_store(store, device, stacked=True)
+    low = (program_store(low_store, device, stacked=True)[0]
+           if low_store is not None and host is not None else None)
+    if host is not None and (low_store is None or low is not None):
+      return dict(store=host, **({"low": low} if low is not None else {})), pinned, True
+  host, pinned = program_store(store, device)
+  low = program_store(low_store, device)[0] if low_store is not None else None
+  return ({l: dict(store=v, **({"low": low[l]} if low else {})) for l, v in host.items()},
+          pinned, False)
+
+
+def program_store(store, device, stacked: bool = False) -> tuple[dict, bool]:
   """{MoE layer: {name: [E, ...] jax array}} for in-program copies, and whether the
-  arrays are in a host memory kind the program moves slices out of.  A store that
-  cannot be pinned falls back to the next memory (one warning line)."""
+  arrays are in a host memory kind the program moves slices out of.  stacked (the
+  engine's scan over layers): {name: [L, E, ...]} instead, one array per tensor kind over
+  the MoE layers (`io.store.layer_stacked`: the store's own memory, no copy; None when
+  its layers are not one array per kind).  A store that cannot be pinned falls back to
+  the next memory (one warning line)."""
   kinds = _memory_kinds(store, device)
   if not kinds:
     raise TransferError(f"{device} offers no host memory kind the decode program can read "
                         f"the expert store from (memory kinds: "
                         f"{', '.join(store_lib.memory_kinds(device))})")
+  if stacked:
+    whole = store_lib.layer_stacked(store)
+    if whole is None:
+      return None, False
+    parts = {"all": (whole, "the MoE layers")}
+  else:
+    parts = {l: (store.stacked(l), f"MoE layer {l}") for l in store.moe_layers}
   out = {}
   copied = 0
-  for l in store.moe_layers:
+  for key, (arrays, where) in parts.items():
     layer = {}
-    for name, arr in store.stacked(l).items():
+    for name, arr in arrays.items():
       try:
         host = np.asarray(arr)
         if host.dtype.itemsize == 2 and jnp.issubdtype(host.dtype, jnp.floating):
           host = host.view(np.uint16)     # the bits (`layer._row`): slicing bf16 costs on CPU
       except Exception as e:  # pylint: disable=broad-except  (a truncated or unreadable file)
-        raise TransferError(f"cannot read expert tensor '{name}' of MoE layer {l}: "
+        raise TransferError(f"cannot read expert tensor '{name}' of {where}: "
                             f"{type(e).__name__}: {e}") from e
       while True:
         try:
@@ -302,16 +343,16 @@ def program_store(store, device) -> tuple[dict, bool]:
           break
         except Exception as e:  # pylint: disable=broad-except  (pinning can fail for size)
           if len(kinds) == 1:
-            raise TransferError(f"cannot place expert tensor '{name}' of MoE layer {l} in "
+            raise TransferError(f"cannot place expert tensor '{name}' of {where} in "
                                 f"{kinds[0] or 'device'} memory: {type(e).__name__}: {e}") from e
           print(f"[moejax] warning: the expert store cannot be held in {kinds[0]} memory "
                 f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); using "
                 f"{kinds[1] or 'unpinned host (numpy)'} memory instead", file=sys.stderr)
           kinds = kinds[1:]
-    out[l] = layer
+    out[key] = layer
   jax.block_until_ready(out)
   if copied and store_lib.store_backend(store) == "mmap":
     print(f"[moejax] warning: {copied / 1e9:.2f} GB of the mapped expert store was copied "
           f"into RAM (jax wraps a host buffer in place only at 64-byte alignment)",
           file=sys.stderr)
-  return out, kinds[0] is not None
+  return (out["all"] if stacked else out), kinds[0] is not None

@@ -1,0 +1,105 @@
+"""One layer of a stacked [L, ...] array inside a scan over layers, read in place.
+
+Under a `lax.scan` (a while loop) over layers, XLA CPU copies a layer sliced out of a
+stacked operand into a buffer of its own before each custom call that reads it: a chain
+of `cpu_kernel.linear` calls over stacked [L, 4096, 2048] bf16 weights went from 72 to
+151 ms (docs/engine.md, "The layers as one scan").  So while the scan's body is traced
+(inside `tracing()`), `at(stack, i)` is stack[i] and is remembered as layer i of
+`stack`: a kernel wrapper handed that slice asks `common` and calls its `_at` variant on
+the whole stack and i (`cpu_kernel.linears`, `apply_experts`, `cpu_attention`,
+`cpu_host`), which reads the layer where it lies; the slice, unused, is dropped by XLA.
+Where no kernel reads it (another platform, MOEJAX_CPU_KERNEL=0, an XLA op) the slice is
+what it always was: a dynamic index.
+
+A carried stack (the KV cache, the slot buffers) is updated at (i, ...) in place in the
+loop's carry: `update` writes into the stack and returns the view of the new one, which
+`stack_at` hands back to the scan.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import jax
+import jax.numpy as jnp
+
+_local = threading.local()     # per tracing thread: views {id(slice): (slice, stack, i)}
+
+
+def _views() -> dict:
+  if not hasattr(_local, "views"):
+    _local.views, _local.depth = {}, 0
+  return _local.views
+
+
+@contextlib.contextmanager
+def tracing():
+  """Views made inside (on this thread) are remembered (a scan body's trace); forgotten
+  on leaving the outermost."""
+  _views()
+  _local.depth += 1
+  try:
+    yield
+  finally:
+    _local.depth -= 1
+    if _local.depth == 0:
+      _local.views.clear()
+
+
+def at(stack, i):
+  """stack[i] (i a traced int32 scalar), remembered as layer i of `stack` inside
+  `tracing()`."""
+  x = jax.lax.dynamic_index_in_dim(stack, i, keepdims=False)
+  _views()
+  if _local.depth:
+    _local.views[id(x)] = (x, stack, i)
+  return x
+
+
+def of(x):
+  """(stack, i) when x is `at(stack, i)`, else None."""
+  e = _views().get(id(x))
+  return (e[1], e[2]) if e is not None and e[0] is x else None
+
+
+def common(xs):
+  """([stack of each x], i) when every x is a view of the same layer i, else None."""
+  vs = [of(x) for x in xs]
+  if not vs or any(v is None for v in vs) or any(v[1] is not vs[0][1] for v in vs):
+    return None
+  return [v[0] for v in vs], vs[0][1]
+
+
+def stack_at(x, i):
+  """The stack x is layer i of (after `update`s), else None."""
+  v = of(x)
+  return v[0] if v is not None and v[1] is i else None
+
+
+def update(x, new, idx):
+  """`lax.dynamic_update_slice(x, new, idx)`; x a view: its stack updated at (i, *idx)
+  (in place in a loop's carry), and the view of the new stack returned.  16-bit floats
+  are updated as their uint16 bits (new may come as them; XLA's CPU backend runs a bf16
+  update in f32: it converted the whole array to f32 and back)."""
+  v = of(x)
+  base, off = (x, ()) if v is None else (v[0], (v[1],))
+  bits = base.dtype.itemsize == 2 and jnp.issubdtype(base.dtype, jnp.floating)
+  u16 = lambda a: jax.lax.bitcast_convert_type(a, jnp.uint16) if bits else a
+  if not (bits and new.dtype == jnp.uint16):   # rows of a 16-bit float array may come as bits
+    new = u16(new.astype(base.dtype))
+  new = new.reshape((1,) * len(off) + new.shape)
+  out = jax.lax.dynamic_update_slice(u16(base), new, off + tuple(idx))
+  out = jax.lax.bitcast_convert_type(out, base.dtype) if bits else out
+  return out if v is None else at(out, v[1])
+
+
+def rows(x, start, size: int):
+  """x[start:start + size] along its first axis; x a view: sliced from its stack at
+  (i, start), never the whole layer."""
+  v = of(x)
+  if v is None:
+    return jax.lax.dynamic_slice_in_dim(x, start, size, axis=0)
+  stack, i = v
+  zero = (0,) * (stack.ndim - 2)
+  return jax.lax.dynamic_slice(stack, (i, start) + zero, (1, size) + stack.shape[2:])[0]

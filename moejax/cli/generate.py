@@ -264,7 +264,9 @@ def main(_):
     union = min(1.0, cache_fraction() * FLAGS.expert_devices)   # the devices' one cache
     policy = (flagsets.resolve_auto(cfg, params, store, tok, union)
               if FLAGS.policy == "auto" else flagsets.named_policy())
-    return generate_offloaded(cfg, params, store, tok, ids, sp, dtype, seq, policy, preds)
+    held = [params]     # handed over: the engine keeps its own (stacked) copy of the layers
+    del params
+    return generate_offloaded(cfg, held, store, tok, ids, sp, dtype, seq, policy, preds)
   from moejax.model.sampler import Sampler
   sampler = Sampler(cfg, params, store.device_experts(dtype), max_len=seq, dtype=dtype)
   print("[moejax] every expert resident (no --policy)", file=sys.stderr)
@@ -331,9 +333,12 @@ def predictors(cfg, folder: str | None) -> dict:
     raise cli.UsageError(str(e)) from None
 
 
-def generate_offloaded(cfg, params, store, tok, ids, sp, dtype, seq, policy, preds):
+def generate_offloaded(cfg, held: list, store, tok, ids, sp, dtype, seq, policy, preds):
   """The OffloadEngine path under `policy` and --prefetch's `preds`: generates, then
-  prints the per-token statistics table."""
+  prints the per-token statistics table.  held: [params], handed over (emptied here), so
+  that once the engine has its copy (a scanned engine stacks the layers) the loaded
+  parameters are freed: no layer is held twice."""
+  params = held.pop()
   import jax
   from moejax.offload.calibrate import calibrated_link
   from moejax.offload.engine import EngineConfig, OffloadEngine
@@ -349,6 +354,7 @@ def generate_offloaded(cfg, params, store, tok, ids, sp, dtype, seq, policy, pre
                              expert_devices=FLAGS.expert_devices,
                              host_cache_gb=FLAGS.host_cache_gb)
   eng = OffloadEngine(cfg, params, store, config, low_store=low)
+  del params
   with eng:
     print(f"[moejax] {eng.describe()}", file=sys.stderr)
     if not link.emulated and jax.devices()[0].platform == "cpu":

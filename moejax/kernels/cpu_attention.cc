@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #include "cpu_bf16.h"
@@ -151,29 +152,26 @@ ffi::Error DecodeAttentionAtImpl(ffi::Buffer<ffi::S32> layer, ffi::AnyBuffer q, 
                              window, has_sinks, o);
 }
 
+// The decode attention's operands after what `b` binds first: q, k, v, q_pos [S32],
+// sinks [F32], its attributes -> o.
+template <typename B>
+auto attention_operands(B b) {
+  return std::move(b).template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Arg<ffi::Buffer<ffi::F32>>()
+      .template Attr<float>("scale")
+      .template Attr<int64_t>("window")
+      .template Attr<int64_t>("has_sinks")
+      .template Ret<ffi::AnyBuffer>();
+}
+
 }  // namespace
 
+// the layer of the stacked cache first (an int32 scalar)
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoejaxDecodeAttentionAt, DecodeAttentionAtImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Attr<float>("scale")
-                                  .Attr<int64_t>("window")
-                                  .Attr<int64_t>("has_sinks")
-                                  .Ret<ffi::AnyBuffer>());
+                              attention_operands(ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::S32>>()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoejaxDecodeAttention, DecodeAttentionImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Attr<float>("scale")
-                                  .Attr<int64_t>("window")
-                                  .Attr<int64_t>("has_sinks")
-                                  .Ret<ffi::AnyBuffer>());
+                              attention_operands(ffi::Ffi::Bind()));

@@ -13,6 +13,7 @@
 #include <memory>
 #include <mutex>
 #include <thread>
+#include <utility>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -122,30 +123,26 @@ inline void parallel_for(ffi::ThreadPool& pool, int64_t total, std::function<voi
   while (s->done.load(std::memory_order_acquire) < total) std::this_thread::yield();
 }
 
-// The binding of the expert kernels (cpu_kernel.cc's routed experts, cpu_host.cc's host
-// experts): XLA's intra-op pool; x, ids [S32], gates [F32], gate_up, down -> y.
+// The operands of the expert kernels (cpu_kernel.cc's routed experts, cpu_host.cc's host
+// experts) after what `b` binds first: x, ids [S32], gates [F32], gate_up, down -> y.
+template <typename B>
+inline auto experts_operands(B b) {
+  return std::move(b).template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Arg<ffi::Buffer<ffi::F32>>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>();
+}
+
+// The binding of the expert kernels: XLA's intra-op pool, then the operands.
 inline auto experts_binding() {
-  return ffi::Ffi::Bind()
-      .Ctx<ffi::ThreadPool>()
-      .Arg<ffi::AnyBuffer>()
-      .Arg<ffi::Buffer<ffi::S32>>()
-      .Arg<ffi::Buffer<ffi::F32>>()
-      .Arg<ffi::AnyBuffer>()
-      .Arg<ffi::AnyBuffer>()
-      .Ret<ffi::AnyBuffer>();
+  return experts_operands(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>());
 }
 
 // experts_binding with the layer of the stacked weights first (an int32 scalar).
 inline auto experts_at_binding() {
-  return ffi::Ffi::Bind()
-      .Ctx<ffi::ThreadPool>()
-      .Arg<ffi::Buffer<ffi::S32>>()
-      .Arg<ffi::AnyBuffer>()
-      .Arg<ffi::Buffer<ffi::S32>>()
-      .Arg<ffi::Buffer<ffi::F32>>()
-      .Arg<ffi::AnyBuffer>()
-      .Arg<ffi::AnyBuffer>()
-      .Ret<ffi::AnyBuffer>();
+  return experts_operands(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::S32>>());
 }
 
 }  // namespace moejax

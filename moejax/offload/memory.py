@@ -97,7 +97,9 @@ class MemoryPlan:
   kv_bytes: int
   prefill_bytes: int         # transient, at most
   platform: str = "cpu"      # the backend: "cpu" (device memory is host RAM) or an accelerator
-  stacked_bytes: int = 0     # the scanned engine's [L, ...] copy of the layers' parameters
+  stacked_bytes: int = 0     # the scanned engine's [L, ...] copy of the layers' parameters:
+                             # both are held while it is made (the programs then free
+                             # the loaded ones: generate, serve)
   host_cache_bytes: int = 0  # --host_cache_gb: the host staging tier, whole experts
 
   @property
@@ -162,8 +164,8 @@ class MemoryPlan:
     elif self.platform == "cpu" and self.offload and not self.prefill_bytes:
       extra = " (the prompt pass reads the store in place)"
     shared = self.platform == "cpu" and not self.offload     # experts counted as the store
-    stacked = (f" + the layers' parameters stacked for the scan {gb(self.stacked_bytes)}"
-               if self.stacked_bytes else "")
+    stacked = (f" + the layers' parameters stacked for the scan {gb(self.stacked_bytes)} "
+               "(both held while the engine is built)" if self.stacked_bytes else "")
     device = (f"{gb(self.device_bytes - (self.expert_cache_bytes if shared else 0))}"
               f" = dense parameters {gb(self.dense_bytes)}{stacked} + {cache} + "
               f"KV cache {gb(self.kv_bytes)} ({self.kv_len} positions){extra}")
@@ -222,8 +224,9 @@ def plan_memory(cfg: ModelConfig, dtype, *, store: str = "numpy", offload: bool 
                                "fetches: it needs --policy")
   kv = jax.eval_shape(lambda: init_cache(cfg, 1, kv_len, dtype))
   params = abstract_params(cfg, dtype)
-  # the engine's layer scan (a uniform model) stacks the layers' parameters: one more copy
-  # of them while the caller keeps its own (`decode.stack_params`)
+  # the engine's layer scan (a uniform model) stacks the layers' parameters
+  # (`decode.stack_params`): one more copy of them while the engine is built (the peak);
+  # moejax-generate and moejax-serve then drop the loaded ones
   from moejax.model import layer_stack
   stacked = (tree_nbytes({k: v for k, v in params.items() if k.startswith("layers_")})
              if offload and layer_stack.uniform(cfg) and host_cache_gb is None else 0)

@@ -77,6 +77,16 @@ class PromptScorer:
     self.dtype = jnp.dtype(dtype)
     self.model = Transformer(cfg, dtype)
 
+  def _layer_params(self, i):
+    """The parameters with layer i's as the model reads them: an engine whose layers run as
+    one scan holds them stacked [L, ...] under "layers" (`decode.stack_params`): layer i is
+    sliced out for this call only."""
+    if "layers" not in self.params:
+      return self.params
+    rest = {k: v for k, v in self.params.items() if k != "layers"}
+    return dict(rest, **{f"layers_{i}": jax.tree_util.tree_map(lambda a: a[i],
+                                                                self.params["layers"])})
+
   def _experts(self, i):
     if i not in self.store.layers:
       return None
@@ -92,7 +102,7 @@ class PromptScorer:
     toks[0, :t] = ids
     x = _embed(self.model, self.params, toks)
     for i in range(self.cfg.num_layers):
-      x = _layer(self.model, i, self.params, x, self._experts(i))
+      x = _layer(self.model, i, self._layer_params(i), x, self._experts(i))
     lp, top_ids, top_lp = jax.device_get(_head(self.model, self.params, x, jnp.asarray(toks),
                                                max(top, 1)))
     out = [None]

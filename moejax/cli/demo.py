@@ -51,6 +51,7 @@ flags.DEFINE_integer("eval_window", 128, "Tokens per perplexity window.")
 flags.DEFINE_integer("block", 8, "Tokens each engine decodes before the next one's turn.")
 flags.DEFINE_string("out_dir", "runs/demo", "Folder for demo.json and demo.png.")
 flags.adopt_module_key_flags(cli)
+flags.adopt_module_key_flags(flagsets)   # the shared flags this program defined there
 
 
 def check_flags():

@@ -94,6 +94,7 @@ flags.DEFINE_bool("stream", None, "Write the text to stdout token by token as it
 flags.DEFINE_bool("progress", None, "A progress bar on stderr while the weights load. Default: "
                   "on when stderr is a terminal.")
 flags.adopt_module_key_flags(cli)
+flags.adopt_module_key_flags(flagsets)   # the shared flags this program defined there
 
 
 def check_flags():

@@ -67,6 +67,7 @@ flags.DEFINE_boolean("request_policies", True, "Whether a request may choose its
                      "policy (moejax.policy, tau, admission_beta, eviction); false: those "
                      "fields are ignored and every request runs under --policy.")
 flags.adopt_module_key_flags(cli)
+flags.adopt_module_key_flags(flagsets)   # the shared flags this program defined there
 
 
 def check_flags(cfg):

@@ -30,6 +30,7 @@ flags.DEFINE_string("tokens_file", "", "The encoded training stream as .npy (sam
                     "the demo model's training writes <data_dir>/train_tokens.npy); default: "
                     "encode the corpus' train split (slow).")
 flags.adopt_module_key_flags(cli)
+flags.adopt_module_key_flags(flagsets)   # the shared flags this program defined there
 
 
 def main(_):

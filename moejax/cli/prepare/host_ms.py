@@ -32,6 +32,7 @@ flags.DEFINE_integer("iters", 50, "Timed calls per round.")
 flags.DEFINE_integer("rounds", 3, "Rounds; the figure is the median of their medians.")
 flags.DEFINE_string("out", "host_ms.json", "JSON results file (--host_ms=FILE reads it).")
 flags.adopt_module_key_flags(cli)
+flags.adopt_module_key_flags(flagsets)   # the shared flags this program defined there
 
 
 def width() -> tuple[int, int, str]:

@@ -142,11 +142,22 @@ def stack_layers(per: dict) -> dict:
     return per
   out = {l: {} for l in per}
   for k, a in first.items():
-    big = np.empty((len(per),) + a.shape, a.dtype)
+    big = empty_aligned((len(per),) + a.shape, a.dtype)
     for j, l in enumerate(per):
       big[j] = per[l][k]
       out[l][k] = big[j]
   return out
+
+
+def empty_aligned(shape, dtype, align: int = 64) -> np.ndarray:
+  """np.empty whose data starts on an `align`-byte boundary: jax's CPU backend takes a
+  numpy buffer without a copy only at 64-byte alignment (a stacked store copied into the
+  program would hold the experts twice)."""
+  dtype = np.dtype(dtype)
+  nbytes = int(np.prod(shape)) * dtype.itemsize
+  raw = np.empty(nbytes + align, np.uint8)
+  at = (-raw.ctypes.data) % align
+  return raw[at:at + nbytes].view(dtype).reshape(shape)
 
 
 def _root(a):

@@ -84,6 +84,14 @@ class Server:
       self.proc.kill()        # a server that never came up is not left running
       raise
 
+  def stop(self):
+    """Ends the server (killed if it has not ended 30 s after SIGTERM)."""
+    self.proc.terminate()
+    try:
+      self.proc.wait(30)
+    except subprocess.TimeoutExpired:
+      self.proc.kill()
+
   def client(self, **kw):
     return openai.OpenAI(base_url=self.url + "/v1", api_key=self.key, max_retries=0, **kw)
 
@@ -110,11 +118,7 @@ def server(tmp_path_factory):
   finally:
     for p in s.cli.values():
       p.kill()
-    s.proc.terminate()
-    try:
-      s.proc.wait(30)
-    except subprocess.TimeoutExpired:
-      s.proc.kill()
+    s.stop()
 
 
 def baseline(**kw):

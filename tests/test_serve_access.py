@@ -28,11 +28,7 @@ def server(tmp_path_factory):
   try:
     yield s
   finally:
-    s.proc.terminate()
-    try:
-      s.proc.wait(30)
-    except subprocess.TimeoutExpired:
-      s.proc.kill()
+    s.stop()
 
 
 def client(server, key):

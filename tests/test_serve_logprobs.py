@@ -2,7 +2,6 @@
 server started here: lm-evaluation-harness's local-completions log-likelihood request,
 checked against log-probabilities computed directly with the resident model."""
 
-import subprocess
 
 import numpy as np
 import pytest
@@ -22,11 +21,7 @@ def server(tmp_path_factory):
   try:
     yield s
   finally:
-    s.proc.terminate()
-    try:
-      s.proc.wait(30)
-    except subprocess.TimeoutExpired:
-      s.proc.kill()
+    s.stop()
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,7 @@ from moejax.model.model import Transformer
 from moejax.offload import decode
 from moejax.offload import link as link_lib
 from moejax.cache import policy as P
+from moejax.cache import initial as IN
 from moejax.cache import resident as R
 from moejax.offload import stats as stats_lib
 from moejax.offload.engine import EngineConfig, OffloadEngine
@@ -207,7 +208,7 @@ def test_profile_initial_contents(model):
   with OffloadEngine(cfg, params, store, config, counts=counts_) as eng:
     assert eng.initial == "profile"
     for layer, experts in eng.resident_sets().items():
-      top = R.profile_order(counts_[layer])[:eng.budget.slots]
+      top = IN.profile_order(counts_[layer])[:eng.budget.slots]
       assert experts == sorted(top)
     eng.prefill(PROMPT)
     for t in STREAM:

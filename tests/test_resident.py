@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from moejax.cache import initial as IN
 from moejax.cache import policy as P
 from moejax.cache import resident as R
 
@@ -112,14 +113,44 @@ def test_lfu_insertion_evicts_least_frequent():
 def test_slot_buffers_are_owned_copies_and_fill_takes_profile_order():
   src = {e: {k: v.copy() for k, v in HOST[e].items()} for e in range(E)}
   counts = np.array([1, 9, 0, 9, 4, 0, 2, 7])
-  order = R.profile_order(counts)
+  order = IN.profile_order(counts)
   assert order[:4] == [1, 3, 7, 4]                          # by count, ties by id
-  st = R.fill(R.init_state(E, 3, SPEC), order, lambda e: src[e], LRU, chunk=K)
+  st = IN.fill(R.init_state(E, 3, SPEC), order, lambda e: src[e], LRU, chunk=K)
   assert st.resident_experts() == [1, 3, 7]
   for e in range(E):                                        # scribble over the host copies
     for v in src[e].values():
       v[...] = 0
   check_consistent(st)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_stacked_buffers_hold_each_layers_filled_slots_and_zeros_after(dtype):
+  spec = {k: (shp, dtype) for k, (shp, _) in SPEC.items()}
+  host = lambda j, e: {k: (v + 10 * j).astype(np.float32) for k, v in HOST[e].items()}
+  sets = [[5, 2, -1, 7, 0], [-1, -1, -1, -1, -1], [1, 3, 4, 6, -1]]   # 5 slots a layer
+  bufs = IN.stacked_buffers(spec, 5 + 1 + K, sets, host, jax.devices()[0], chunk=3)
+  for k, b in bufs.items():
+    chex.assert_shape(b, (3, 8) + spec[k][0])
+    assert b.dtype == dtype
+    for j, slots in enumerate(sets):
+      for s in range(8):
+        want = (host(j, slots[s])[k] if s < 5 and slots[s] >= 0 else
+                np.zeros(spec[k][0], np.float32))
+        np.testing.assert_array_equal(np.asarray(b[j, s], np.float32),
+                                      np.asarray(jnp.asarray(want, dtype), np.float32))
+
+
+def test_fill_layer_resolves_auto_all_and_profile():
+  budget = R.make_budget(E, K, 100, 1, fraction=1.0)
+  assert IN.resolve_initial("auto", budget) == "all"
+  with pytest.raises(ValueError, match="initial must be"):
+    IN.resolve_initial("most", budget)
+  st = IN.fill_layer(R.init_state(E, E, SPEC), 0, "all", budget, HOST.__getitem__, LRU, K)
+  assert st.resident_experts() == list(range(E))
+  check_consistent(st)
+  with pytest.raises(ValueError, match="profile counts for MoE layer 3"):
+    IN.fill_layer(R.init_state(E, E, SPEC), 3, "profile", budget, HOST.__getitem__, LRU, K,
+                  {0: np.ones(E)})
 
 
 def test_trim_evicts_back_to_the_budget_in_eviction_order():

@@ -31,7 +31,6 @@ resident set back within S, so a budget below K slots really is that small.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -298,63 +297,3 @@ def trim(state: ResidentState, budget_slots: int,
 
 insert_jit = jax.jit(insert, static_argnames=("params",), donate_argnums=(0,))
 trim_jit = jax.jit(trim, static_argnames=("budget_slots", "params"), donate_argnums=(0,))
-
-
-def fill(state: ResidentState, expert_ids, get_expert,
-         params: policy_lib.CacheParams | policy_lib.PolicyParams,
-         chunk: int = 8) -> ResidentState:
-  """Loads `expert_ids` (most important first, at most num_slots) from the host.
-
-  get_expert(e) -> {name: host array}.  Used for the initial contents (e.g. the
-  most frequently routed experts of a profile run, or every expert).
-  """
-  ids = [int(e) for e in expert_ids][: state.num_slots]
-  if not ids:
-    return state
-  num_e = state.expert_slot.shape[0]
-  put = functools.partial(jax.device_put, device=next(iter(state.slot_expert.devices())))
-  for i in range(0, len(ids), chunk):
-    part = ids[i:i + chunk]
-    per = [get_expert(e) for e in part]
-    rows = {k: np.zeros((chunk,) + v.shape[1:], v.dtype) for k, v in state.buffers.items()}
-    for j, r in enumerate(per):
-      for k in rows:
-        rows[k][j] = np.asarray(r[k], dtype=rows[k].dtype)
-    jid = np.asarray(part + [-1] * (chunk - len(part)), np.int32)
-    in_use = np.zeros((num_e,), bool)
-    in_use[ids[:i]] = True
-    state, _ = insert_jit(state, put(jid), put(rows), put(in_use), params)
-    # one chunk in flight: queued calls would each hold their staged rows (16 x 75 MB
-    # for a Qwen3-30B-A3B layer filled whole)
-    jax.block_until_ready(state)
-  return state
-
-
-def profile_order(counts_E) -> list[int]:
-  """Experts by routing frequency (desc, ties by id): the profile initial contents."""
-  c = np.asarray(counts_E)
-  return [int(e) for e in np.lexsort((np.arange(len(c)), -c))]
-
-
-def fill_initial(states: dict, initial: str, budget: Budget, store, cache, cfg,
-                 profile_counts: dict | None = None) -> tuple[dict, str]:
-  """An engine's starting resident sets: "all" experts, "empty", the `profile_counts`'
-  most used ("profile"), or "auto" (all if the budget holds them, else empty).
-  -> ({MoE layer: filled state}, the resolved choice)."""
-  if initial == "auto":
-    initial = "all" if budget.all_resident else "empty"
-  if initial == "empty":
-    return states, initial
-  states = dict(states)
-  for l in states:
-    if initial == "all":
-      order = range(cfg.num_experts)
-    elif initial == "profile":
-      if profile_counts is None or l not in profile_counts:
-        raise ValueError(f"initial='profile' needs profile_counts for MoE layer {l}")
-      order = profile_order(profile_counts[l])[: budget.slots]
-    else:
-      raise ValueError(f"initial must be 'auto', 'empty', 'all' or 'profile', got {initial!r}")
-    states[l] = fill(states[l], order, functools.partial(store.get, l), cache,
-                     chunk=cfg.top_k)
-  return states, initial

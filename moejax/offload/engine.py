@@ -22,6 +22,7 @@ step inside one program; native link only, since an emulated link waits per toke
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 
 import jax
@@ -40,6 +41,7 @@ from moejax.offload import layer as layer_lib
 from moejax.offload import link as link_lib
 from moejax.cache import policy as policy_lib
 from moejax.prefetch import steps as pf_steps
+from moejax.cache import initial as initial_lib
 from moejax.cache import resident as resident_lib
 from moejax.offload import sources
 from moejax.offload.config import EngineConfig, check_policy
@@ -113,16 +115,22 @@ class OffloadEngine:
     first = store.get(self.moe_layers[0], 0)
     spec = {k: (np.shape(v), jnp.dtype(np.asarray(v).dtype)) for k, v in first.items()}
     rows = cfg.top_k if self.mode.on else 0      # prefetch rows after the scratch row
-    states = {l: jax.device_put(resident_lib.init_state(    # filled on one device first
-        cfg.num_experts, self.budget.physical, spec, extra_rows=rows), self.device)
-              for l in self.moe_layers}
-    self._states, self.initial = resident_lib.fill_initial(
-        states, config.initial, self.budget, store, policy.cache, cfg, counts)
+    init = lambda l: jax.device_put(resident_lib.init_state(    # filled on one device first
+        cfg.num_experts, self.budget.physical, spec, buffers=not scan, extra_rows=rows),
+        self.device)
+    self.initial = initial_lib.resolve_initial(config.initial, self.budget)
+    self._states = {l: initial_lib.fill_layer(init(l), l, self.initial, self.budget,
+                                              functools.partial(store.get, l), policy.cache,
+                                              cfg.top_k, counts) for l in self.moe_layers}
+    if scan:    # stacked [L, ...]: the resident sets, then the slot buffers filled in place
+      self._states = dataclasses.replace(
+          layer_stack.stack_states(cfg, self._states), buffers=initial_lib.stacked_buffers(
+              spec, self.budget.physical + 1 + rows,
+              [st.slot_expert for st in self._states.values()],
+              lambda j, e: store.get(self.moe_layers[j], e), self.device))
     if self.plan is not None:
       self._states = {l: expert_parallel.shard_state(self.plan, st)
                       for l, st in self._states.items()}
-    if scan:    # stacked [L, ...] (one copy of the slot buffers, the per-layer ones dropped)
-      self._states = layer_stack.stack_states(cfg, self._states)
     ctx = dataclasses.replace(ctx, all_resident=self.budget.all_resident and
                               self.initial == "all" and not self.mode.on)
     self._prog = decode.Program(ctx, jnp.dtype(dtype).name, max_len, scan)

@@ -52,6 +52,7 @@ from moejax.cache import step as step_lib
 from moejax.offload import layer as layer_lib
 from moejax.cache import policy as policy_lib
 from moejax.prefetch import steps as pf_steps
+from moejax.cache import initial as initial_lib
 from moejax.cache import resident as resident_lib
 from moejax.offload import decode as decode_lib
 from moejax.cache.step import STATS  # noqa: F401  (per-token statistics, summed over MoE layers)
@@ -82,23 +83,14 @@ class Setup:
 def init_states(cfg: ModelConfig, budget: resident_lib.Budget, policy: PolicyParams,
                 initial: str = "auto", profile_counts: dict | None = None) -> dict:
   """Every MoE layer's ResidentState (no slot buffers), filled as the engine fills it."""
-  if initial == "auto":
-    initial = "all" if budget.all_resident else "empty"
-  states = {}
-  for l in cfg.moe_layers:
-    st = resident_lib.init_state(cfg.num_experts, budget.physical, {}, buffers=False)
-    if initial == "all":
-      order = range(cfg.num_experts)
-    elif initial == "profile":
-      if profile_counts is None or l not in profile_counts:
-        raise EmulatorError(f"initial='profile' needs profile counts for MoE layer {l}")
-      order = resident_lib.profile_order(profile_counts[l])[: budget.slots]
-    elif initial == "empty":
-      order = []
-    else:
-      raise EmulatorError(f"--initial must be auto, empty, all or profile, got {initial!r}")
-    states[l] = resident_lib.fill(st, order, lambda e: {}, policy.cache, chunk=cfg.top_k)
-  return states
+  try:
+    initial = initial_lib.resolve_initial(initial, budget)
+    return {l: initial_lib.fill_layer(
+        resident_lib.init_state(cfg.num_experts, budget.physical, {}, buffers=False), l,
+        initial, budget, None, policy.cache, cfg.top_k, profile_counts)
+        for l in cfg.moe_layers}
+  except ValueError as e:
+    raise EmulatorError(str(e)) from None
 
 
 def _ctx(setup: Setup) -> layer_lib.Ctx:

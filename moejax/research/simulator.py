@@ -44,6 +44,7 @@ import numpy as np
 from moejax.model import routing
 from moejax.model.config import ModelConfig
 from moejax.cache import policy as policy_lib
+from moejax.cache import initial as initial_lib
 from moejax.cache import resident as resident_lib
 from moejax.cache import step as step_lib
 from moejax.cache.policy import PolicyParams
@@ -238,7 +239,7 @@ def profile_initial(logits_TxLxR, cfg: ModelConfig, slots: int) -> np.ndarray:
     ids, _, _ = jax.jit(routing.route, static_argnums=0)(cfg, jnp.asarray(logits_TxLxR[:, l],
                                                                           jnp.float32))
     counts = np.bincount(np.asarray(ids).reshape(-1), minlength=cfg.num_experts)
-    out.append(resident_lib.profile_order(counts)[:slots])
+    out.append(initial_lib.profile_order(counts)[:slots])
   return np.asarray(out, np.int32)
 
 

@@ -1,8 +1,9 @@
 // The dot products of the CPU kernels (cpu_kernel.cc): out[t, r] = w[r, :] . x[t, :] over
 // f32 or bf16 weight rows and f32 activations, for one token (decode) or a prompt's block.
-// Every (row, token) is summed the same way whatever the tile: 8 lanes over the row in
-// steps of 8 (fused multiply-adds), the lanes added in hsum's fixed tree, then the tail in
-// order. So a token's result has the same bits alone, in a prompt, or in any tile.
+// Every (row, token) is summed the same way whatever the tile: four 8-lane chains of fused
+// multiply-adds over the row's 8-element chunks (chain k: chunks k, k + 4, ...), added
+// pairwise, the lanes added in hsum's fixed tree, then the tail in order. So a token's
+// result has the same bits alone, in a prompt, or in any tile.
 #ifndef MOEJAX_CPU_DOT_H_
 #define MOEJAX_CPU_DOT_H_
 
@@ -52,6 +53,16 @@ inline float hsum(v8f v) {
 
 typedef float v4f __attribute__((vector_size(16)));
 
+// Chains of fused multiply-adds a row's dot keeps: chain k takes the 8-element chunks
+// k, k + C, k + 2C, ... in order; the chains are then added pairwise (chains_sum).
+constexpr int kChains = 4;
+template <int C, int R, int T>
+inline v8f chains_sum(const v8f (&a)[C][R][T], int r, int t) {
+  if constexpr (C == 1) return a[0][r][t];
+  else if constexpr (C == 2) return a[0][r][t] + a[1][r][t];
+  else return (a[0][r][t] + a[1][r][t]) + (a[2][r][t] + a[3][r][t]);
+}
+
 // a * b + c, fused where the CPU has FMA.  Written out rather than left to the compiler's
 // contraction (-ffp-contract=fast), which fused the scalar tail in some tile shapes and
 // not in others, so the same (row, token) came out with different bits.
@@ -86,31 +97,65 @@ inline v4f hsum4(v8f a, v8f b, v8f c, v8f d) {
 
 // out[t * os + r] = dot(w[r, :], x[t, :]) for R rows and T tokens; w rows and x rows
 // both have `len` contiguous elements.  Every (row, token) is summed the same way for any
-// R and T: 8 lanes over d in steps of 8, hsum's tree, then the tail in order.  R a
-// multiple of 4 sums four rows' lanes at once (hsum4).
+// R and T: kChains 8-lane accumulators over the row's chunks (chains_sum), then hsum's
+// tree, then the tail in order.  Four chains, not one: a single chain's FMA latency, not
+// memory, bounded a decoded token's row (docs/lab/runs/2026-12-06-engine4-chains).  A
+// tile of up to two (row, token) pairs keeps every chain live in one pass over the row; a
+// prompt's larger tile runs one pass a chain with R x T live accumulators (the registers
+// hold no more).  R a multiple of 4 sums four rows' lanes at once (hsum4).
 template <int R, int T, typename W>
 inline void micro(const W* w, const float* x, int64_t len, float* out, int64_t os) {
-  v8f acc[R][T];
-  for (int r = 0; r < R; ++r)
-    for (int t = 0; t < T; ++t) acc[r][t] = v8f{};
-  int64_t d = 0;
-  for (; d + 8 <= len; d += 8) {
-    v8f xv[T];
-    for (int t = 0; t < T; ++t) xv[t] = load8(x + t * len + d);
-    for (int r = 0; r < R; ++r) {
-      v8f wv = load8(w + r * len + d);
-      for (int t = 0; t < T; ++t) acc[r][t] = fma8(wv, xv[t], acc[r][t]);
+  constexpr int C = kChains;
+  const int64_t nc = len / 8, d = nc * 8;
+  v8f sum[R][T];
+  if constexpr (R * T * C <= 8) {   // every chain live: one pass over the row
+    v8f a[C][R][T];
+    for (int k = 0; k < C; ++k)
+      for (int r = 0; r < R; ++r)
+        for (int t = 0; t < T; ++t) a[k][r][t] = v8f{};
+    int64_t c = 0;
+    for (; c + C <= nc; c += C)
+      for (int t = 0; t < T; ++t)
+        for (int k = 0; k < C; ++k) {
+          const v8f xv = load8(x + t * len + (c + k) * 8);
+          for (int r = 0; r < R; ++r)
+            a[k][r][t] = fma8(load8(w + r * len + (c + k) * 8), xv, a[k][r][t]);
+        }
+    for (int k = 0; c < nc; ++c, ++k)
+      for (int t = 0; t < T; ++t)
+        for (int r = 0; r < R; ++r)
+          a[k][r][t] = fma8(load8(w + r * len + c * 8), load8(x + t * len + c * 8), a[k][r][t]);
+    for (int r = 0; r < R; ++r)
+      for (int t = 0; t < T; ++t) sum[r][t] = chains_sum(a, r, t);
+  } else {   // one pass a chain, R x T accumulators live (a prompt's tile)
+    v8f a[C][R][T];
+    for (int k = 0; k < C; ++k) {
+      v8f acc[R][T];
+      for (int r = 0; r < R; ++r)
+        for (int t = 0; t < T; ++t) acc[r][t] = v8f{};
+      for (int64_t c = k; c < nc; c += C) {
+        v8f xv[T];
+        for (int t = 0; t < T; ++t) xv[t] = load8(x + t * len + c * 8);
+        for (int r = 0; r < R; ++r) {
+          const v8f wv = load8(w + r * len + c * 8);
+          for (int t = 0; t < T; ++t) acc[r][t] = fma8(wv, xv[t], acc[r][t]);
+        }
+      }
+      for (int r = 0; r < R; ++r)
+        for (int t = 0; t < T; ++t) a[k][r][t] = acc[r][t];
     }
+    for (int r = 0; r < R; ++r)
+      for (int t = 0; t < T; ++t) sum[r][t] = chains_sum(a, r, t);
   }
   float s[T][R];
   for (int t = 0; t < T; ++t) {
     if constexpr (R % 4 == 0) {
       for (int r = 0; r < R; r += 4) {
-        const v4f q = hsum4(acc[r][t], acc[r + 1][t], acc[r + 2][t], acc[r + 3][t]);
+        const v4f q = hsum4(sum[r][t], sum[r + 1][t], sum[r + 2][t], sum[r + 3][t]);
         std::memcpy(&s[t][r], &q, sizeof(q));
       }
     } else {
-      for (int r = 0; r < R; ++r) s[t][r] = hsum(acc[r][t]);
+      for (int r = 0; r < R; ++r) s[t][r] = hsum(sum[r][t]);
     }
   }
   for (int r = 0; r < R; ++r)

@@ -8,8 +8,8 @@
 // program store, `transfer.program_store`); x and y are f32 or bf16, accumulated in f32.
 // A one-token expert is a stream of weight rows, each read once: the row dots here keep
 // four independent accumulators of the widest vectors the CPU has (AVX-512: 16 lanes;
-// else 8), where `rows_dot`'s decode path keeps one 8-lane chain, whose FMA latency, not
-// memory, bounded it (docs/policies.md, "Host compute"). Two phases on the calling thread
+// else 8): one chain's FMA latency, not memory, bounded a row (docs/policies.md, "Host
+// compute"). Two phases on the calling thread
 // and the kernel's decode helpers (cpu_threads.h): (expert, 32 rows of gate and up, then
 // their activations), then (64 output rows, over the K experts in order). Every output is
 // summed in a fixed order (per row: lanes, then the four accumulators, then the tail;

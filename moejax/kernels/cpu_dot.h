@@ -1,9 +1,10 @@
 // The dot products of the CPU kernels (cpu_kernel.cc): out[t, r] = w[r, :] . x[t, :] over
 // f32 or bf16 weight rows and f32 activations, for one token (decode) or a prompt's block.
-// Every (row, token) is summed the same way whatever the tile: four 8-lane chains of fused
-// multiply-adds over the row's 8-element chunks (chain k: chunks k, k + 4, ...), added
-// pairwise, the lanes added in hsum's fixed tree, then the tail in order. So a token's
-// result has the same bits alone, in a prompt, or in any tile.
+// Every (row, token) is summed the same way whatever the tile: 8-lane chains of fused
+// multiply-adds over the row's 8-element chunks (bf16 rows: four, chain k taking chunks
+// k, k + 4, ...; f32 rows: one), added pairwise, the lanes added in hsum's fixed tree,
+// then the tail in order. So a token's result has the same bits alone, in a prompt, or
+// in any tile.
 #ifndef MOEJAX_CPU_DOT_H_
 #define MOEJAX_CPU_DOT_H_
 
@@ -54,8 +55,13 @@ inline float hsum(v8f v) {
 typedef float v4f __attribute__((vector_size(16)));
 
 // Chains of fused multiply-adds a row's dot keeps: chain k takes the 8-element chunks
-// k, k + C, k + 2C, ... in order; the chains are then added pairwise (chains_sum).
-constexpr int kChains = 4;
+// k, k + C, k + 2C, ... in order; the chains are then added pairwise (chains_sum).  Four
+// for bf16 rows: one chain's FMA latency (16 bytes of weights an FMA) bounded a decoded
+// row, not memory.  One for f32 rows (32 bytes an FMA: memory bounds them), whose
+// prompt tiles (8 rows of 8 KB at Qwen3-30B-A3B's width) would not stay in L1 over four
+// passes: 4096 x 2048 f32 over 8 tokens took 3.3-3.4 ms with four, 1.6-2.0 with one.
+template <typename W>
+constexpr int kChains = sizeof(W) == 2 ? 4 : 1;
 template <int C, int R, int T>
 inline v8f chains_sum(const v8f (&a)[C][R][T], int r, int t) {
   if constexpr (C == 1) return a[0][r][t];
@@ -98,14 +104,13 @@ inline v4f hsum4(v8f a, v8f b, v8f c, v8f d) {
 // out[t * os + r] = dot(w[r, :], x[t, :]) for R rows and T tokens; w rows and x rows
 // both have `len` contiguous elements.  Every (row, token) is summed the same way for any
 // R and T: kChains 8-lane accumulators over the row's chunks (chains_sum), then hsum's
-// tree, then the tail in order.  Four chains, not one: a single chain's FMA latency, not
-// memory, bounded a decoded token's row (docs/lab/runs/2026-12-06-engine4-chains).  A
+// tree, then the tail in order (docs/lab/runs/2026-12-06-engine4-chains).  A
 // tile of up to two (row, token) pairs keeps every chain live in one pass over the row; a
 // prompt's larger tile runs one pass a chain with R x T live accumulators (the registers
 // hold no more).  R a multiple of 4 sums four rows' lanes at once (hsum4).
 template <int R, int T, typename W>
 inline void micro(const W* w, const float* x, int64_t len, float* out, int64_t os) {
-  constexpr int C = kChains;
+  constexpr int C = kChains<W>;
   const int64_t nc = len / 8, d = nc * 8;
   v8f sum[R][T];
   if constexpr (R * T * C <= 8) {   // every chain live: one pass over the row

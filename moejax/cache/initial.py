@@ -8,6 +8,7 @@ The engine and the emulator fill the same way (the emulator without buffers).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -15,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moejax.cache import policy as policy_lib
-from moejax.cache.resident import Budget, ResidentState, as_bits, insert_jit
+from moejax.cache.resident import Budget, ResidentState, as_bits, init_state, insert_jit
 
 
 def fill(state: ResidentState, expert_ids, get_expert,
@@ -113,3 +114,23 @@ def fill_layer(state: ResidentState, layer: int, initial: str, budget: Budget, g
       raise ValueError(f"initial='profile' needs profile counts for MoE layer {layer}")
     order = profile_order(profile_counts[layer])[: budget.slots]
   return fill(state, order, get_expert, cache, chunk=top_k)
+
+
+def engine_states(store, cfg, layers, budget: Budget, initial: str, cache, extra_rows: int,
+                  device, stacked: bool, counts: dict | None = None):
+  """An engine's starting ResidentStates, on `device`: {MoE layer: state}, or (stacked: a
+  scanned engine) one [L, ...] state whose slot buffers `stacked_buffers` writes in place
+  once every layer's resident set is decided.  extra_rows: rows after the scratch row
+  (speculative prefetch's)."""
+  first = store.get(layers[0], 0)
+  spec = {k: (np.shape(v), jnp.dtype(np.asarray(v).dtype)) for k, v in first.items()}
+  init = lambda: jax.device_put(init_state(cfg.num_experts, budget.physical, spec,
+                                           buffers=not stacked, extra_rows=extra_rows), device)
+  states = {l: fill_layer(init(), l, initial, budget, functools.partial(store.get, l), cache,
+                          cfg.top_k, counts) for l in layers}
+  if not stacked:
+    return states
+  meta = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *states.values())
+  return dataclasses.replace(meta, buffers=stacked_buffers(
+      spec, budget.physical + 1 + extra_rows, [st.slot_expert for st in states.values()],
+      lambda j, e: store.get(layers[j], e), device))

@@ -22,7 +22,6 @@ step inside one program; native link only, since an emulated link waits per toke
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 
 import jax
@@ -112,22 +111,11 @@ class OffloadEngine:
     self._srcs = (dict(host, **more(None)) if scan else   # one stacked tree, or per layer
                   [None if i not in host else dict(host[i], **more(i))
                    for i in range(cfg.num_layers)])
-    first = store.get(self.moe_layers[0], 0)
-    spec = {k: (np.shape(v), jnp.dtype(np.asarray(v).dtype)) for k, v in first.items()}
     rows = cfg.top_k if self.mode.on else 0      # prefetch rows after the scratch row
-    init = lambda l: jax.device_put(resident_lib.init_state(    # filled on one device first
-        cfg.num_experts, self.budget.physical, spec, buffers=not scan, extra_rows=rows),
-        self.device)
     self.initial = initial_lib.resolve_initial(config.initial, self.budget)
-    self._states = {l: initial_lib.fill_layer(init(l), l, self.initial, self.budget,
-                                              functools.partial(store.get, l), policy.cache,
-                                              cfg.top_k, counts) for l in self.moe_layers}
-    if scan:    # stacked [L, ...]: the resident sets, then the slot buffers filled in place
-      self._states = dataclasses.replace(
-          layer_stack.stack_states(cfg, self._states), buffers=initial_lib.stacked_buffers(
-              spec, self.budget.physical + 1 + rows,
-              [st.slot_expert for st in self._states.values()],
-              lambda j, e: store.get(self.moe_layers[j], e), self.device))
+    self._states = initial_lib.engine_states(store, cfg, self.moe_layers, self.budget,
+                                             self.initial, policy.cache, rows, self.device,
+                                             stacked=scan, counts=counts)
     if self.plan is not None:
       self._states = {l: expert_parallel.shard_state(self.plan, st)
                       for l, st in self._states.items()}

@@ -37,6 +37,13 @@ Cache = list  # list over layers of {"k": [B,S,Hkv,K], "v": [B,S,Hkv,K]}
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> Cache:
+  """An empty KV cache (and recurrent state), made by one compiled program: eagerly its
+  2L zero arrays were 2L dispatches, 8.8 ms of a 12-token demo prompt's 9.4 ms."""
+  return _empty_cache(cfg, batch, max_len, jnp.dtype(dtype))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def _empty_cache(cfg: ModelConfig, batch: int, max_len: int, dtype) -> Cache:
   return families.of(cfg).init_cache(cfg, batch, max_len, dtype)
 
 

@@ -44,11 +44,12 @@ class Record:
 
 
 def record(step, admitted) -> Record:
-  """A layer's `Record` from its step (`cache.step.Step`, one token) and the pending
-  admissions (`cache.step.Pending`) it consumed."""
+  """A layer's `Record` from its step (`cache.step.Step`) and the pending admissions
+  (`cache.step.Pending`) it consumed.  A batched step's per-token fields are its rows'
+  [B, K] flattened, [B K] in row order (B = 1: the token's [K])."""
   h, d = step.head, step.dec
-  return Record(d.ids[..., 0, :], d.action[..., 0, :], d.sub_ids[..., 0, :],
-                d.share[..., 0, :], h.fetched, admitted.admissions, step.pending.admissions,
+  flat = lambda a: a.reshape(a.shape[:-2] + (-1,))
+  return Record(flat(d.ids), flat(d.action), flat(d.sub_ids), flat(d.share), h.fetched, admitted.admissions, step.pending.admissions,
                 h.pf_ids, h.predicted, h.true_ids,
                 jnp.concatenate([admitted.admission_evicted, step.evicted], axis=-1),
                 h.pf_stats, h.rows, step.pending.admission_slots)
@@ -77,6 +78,26 @@ def record_counts(xp, rec: Record):
   """`counts` of a layer's (or stacked layers') `Record`."""
   return counts(xp, rec.actions, rec.share, rec.admissions, rec.admitted, rec.evicted,
                 rec.pf_stats)
+
+
+PER_STEP = ("admissions", "admitted", "evictions", "prefetches", "useful_prefetches",
+             "recall_hits", "predicted_calls")
+
+
+def row_counts(xp, rec: Record, valid_B):
+  """`counts` of a batched step's Record per row -> [..., B, len(STATS)]: each active
+  row's own (token, expert) counts (the row that waited first for an expert has its
+  FETCH); what is the step's (admissions, evictions, prefetch counts) shared equally by
+  its active rows, so the rows sum to `counts` with valid; inactive rows count zero."""
+  nb = valid_B.shape[-1]
+  per = lambda a: a.reshape(a.shape[:-1] + (nb, -1))
+  step = lambda a: xp.broadcast_to(a[..., None, :], a.shape[:-1] + (nb, a.shape[-1]))
+  c = counts(xp, per(rec.actions), per(rec.share), step(rec.admissions), step(rec.admitted),
+             step(rec.evicted), step(rec.pf_stats))
+  on = xp.asarray(valid_B, xp.float32)
+  shared = on / xp.maximum(xp.sum(on, axis=-1, keepdims=True), 1.0)
+  is_step = xp.asarray([s in PER_STEP for s in STATS])
+  return c * xp.where(is_step, shared[..., None], on[..., None])
 
 
 def layer_counts(step, prev):

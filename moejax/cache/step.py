@@ -41,7 +41,7 @@ import jax.numpy as jnp
 
 from moejax.cache import controls
 from moejax.cache.counting import (STATS, Record, counts, layer_counts, record,  # noqa: F401
-                                   record_counts, step_counts)
+                                   record_counts, row_counts, step_counts)
 from moejax.cache import policy as policy_lib
 from moejax.cache import resident as resident_lib
 from moejax.cache.policy import FETCH, FETCH_LOW

@@ -33,20 +33,21 @@ import numpy as np
 from moejax.cache import resident as resident_lib
 from moejax.cache import step as step_lib
 from moejax.io import staging
-from moejax.model import layer_stack, routing
+from moejax.model import families, layer_stack, routing
 from moejax.model.config import ModelConfig
 from moejax.model.model import Transformer, init_cache
-from moejax.model.sampler import sample_loop
+from moejax.model.sampler import bucket, sample_loop
 from moejax.offload import layer as layer_lib
 from moejax.offload import sources
 
 
 # ------------------------------------------------------------------ a token, a prompt
-def empty_carry(ctx: layer_lib.Ctx, dtype, max_len: int, states, scan: bool):
-  """(cache, states, carried) of a new stream, laid out for `layer_stack.run_layers`."""
+def empty_carry(ctx: layer_lib.Ctx, dtype, max_len: int, states, scan: bool, rows: int = 1):
+  """(cache, states, carried) of a new stream (or of `rows` decoded together, sharing
+  the states), laid out for `layer_stack.run_layers`."""
   cfg = ctx.cfg
-  cache = init_cache(cfg, 1, max_len, dtype)
-  carried = {l: layer_lib.LayerCarry.none(cfg) for l in cfg.moe_layers}
+  cache = init_cache(cfg, rows, max_len, dtype)
+  carried = {l: layer_lib.LayerCarry.none(cfg, rows) for l in cfg.moe_layers}
   if scan and layer_stack.uniform(cfg):
     stack = lambda xs: jax.tree_util.tree_map(lambda *a: jnp.stack(a), *xs)
     return stack(cache), states, stack([carried[l] for l in cfg.moe_layers])
@@ -58,18 +59,23 @@ def _apply(mod, p, *args, method):
 
 
 def decode_token(ctx: layer_lib.Ctx, dtype, params, layers, srcs, carry, token, pos, key,
-                 scan: bool, whole: bool = False):
+                 scan: bool, whole: bool = False, valid_B=None):
   """One decoded token of one stream -> (carry, logits [V], `cache.step.Record` stacked
-  over MoE layers).  whole: the engine's scan (`layer_stack.scan_whole`)."""
+  over MoE layers).  whole: the engine's scan (`layer_stack.scan_whole`).  Rows decoded
+  together (token, pos: [B], each row at its own position; valid_B: the active rows):
+  one batched step per MoE layer on the shared states -> logits [B, V], the Record's
+  per-token fields [L, B K]."""
   cfg = ctx.cfg
   model = Transformer(cfg, dtype)
-  x = model.apply({"params": params}, token.reshape(1, 1), method="embed")
+  x = model.apply({"params": params}, token.reshape(-1, 1), method="embed")
   stream = layer_lib.Stream.start(x, cfg, dtype)
-  layer_fn = functools.partial(layer_lib.decode_layer, ctx, pos.reshape(1, 1), key)
+  layer_fn = functools.partial(layer_lib.decode_layer, ctx, pos.reshape(-1, 1), key,
+                               valid_B=valid_B)
   stream, per_layer, (heads, admitted) = layer_stack.run_layers(
       cfg, dtype, layer_fn, layers, srcs, stream,
       layer_stack.zip_carry(cfg, *carry, scan=scan), scan=scan, whole=whole)
-  logits = model.apply({"params": params}, stream.x[:, -1], method="logits")[0]
+  logits = model.apply({"params": params}, stream.x[:, -1], method="logits")
+  logits = logits if jnp.ndim(token) else logits[0]
   carry, steps = _tails(ctx, layer_stack.unzip_carry(cfg, per_layer, scan=scan), heads)
   return carry, logits, step_lib.record(steps, admitted)
 
@@ -164,6 +170,15 @@ class Program:
   scan: bool = False
 
 
+def per_layer(prog: Program, moe_layers, states) -> dict:
+  """{MoE layer: ResidentState} of states as `prog` takes them (a scanned program's
+  stacked [L, ...] ones sliced)."""
+  if not prog.scan:
+    return states
+  return {l: jax.tree_util.tree_map(lambda a, j=j: a[j], states)
+          for j, l in enumerate(moe_layers)}
+
+
 def stack_params(cfg: ModelConfig, params) -> dict:
   """The parameters as a scanned program takes them: the layers' trees stacked [L, ...]
   under "layers" (one copy), the rest as they are."""
@@ -177,11 +192,12 @@ def _layers(prog: Program, params):
   return [params[f"layers_{i}"] for i in range(prog.ctx.cfg.num_layers)]
 
 
-def _decode(prog: Program, params, srcs, carry, token, pos):
+def _decode(prog: Program, params, srcs, carry, token, pos, valid_B=None):
   ctx = prog.ctx
   carry, logits, records = decode_token(ctx, jnp.dtype(prog.dtype), params,
                                         _layers(prog, params), srcs, carry, token, pos,
-                                        jax.random.PRNGKey(0), scan=prog.scan, whole=prog.scan)
+                                        jax.random.PRNGKey(0), scan=prog.scan, whole=prog.scan,
+                                        valid_B=valid_B)
   packed = pack(records)
   _layouts(prog)[packed.shape] = jax.tree_util.tree_map(
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), records)
@@ -210,7 +226,9 @@ def _replicated(ctx: layer_lib.Ctx, x):
 @functools.lru_cache(maxsize=None)
 def step_fn(prog: Program):
   """The jitted decode step of `prog`: fn(params, srcs, carry, token, pos) -> (carry,
-  logits [V], the `cache.step.Record` [L, ...] packed: `pack`), the carry donated.  One function per program, so a
+  logits [V], the `cache.step.Record` [L, ...] packed: `pack`), the carry donated; of B
+  rows decoded together: fn(params, srcs, carry, tokens [B], pos [B], valid [B]) (a carry
+  of `empty_carry(rows=B)`: one compile per B) -> logits [B, V].  One function per program, so a
   call hashes no static argument (the model config's hash is ~25 us a call)."""
   return jax.jit(functools.partial(_decode, prog), donate_argnums=(2,))
 
@@ -239,6 +257,20 @@ def prefill(prog: Program, params, srcs, states, tokens_P, length, decay_pow):
                                     _layers(prog, params), srcs, states, tokens_P, length,
                                     decay_pow, scan=prog.scan, whole=prog.scan)
   return _replicated(ctx, logits), carry, _replicated(ctx, outs)
+
+
+def prompt_bucket(prog: Program, t: int) -> int:
+  """The padded length a t-token prompt runs at (a recurrent family: t itself)."""
+  if families.of(prog.ctx.cfg).has_recurrent_state(prog.ctx.cfg):
+    return t
+  return min(bucket(t), prog.max_len)
+
+
+def compile_prompts(prog: Program, params, srcs, states, prompt_lengths):
+  """Compiles (runs nothing) `prefill` for the bucket of each of `prompt_lengths`."""
+  for t in sorted({min(int(t), prog.max_len - 1) for t in prompt_lengths if t >= 1}):
+    prefill.lower(prog, params, srcs, states, np.zeros((prompt_bucket(prog, t),), np.int32),
+                  np.int32(t), np.float32(1.0)).compile()
 
 
 # ------------------------------------------------------------------ the record, packed

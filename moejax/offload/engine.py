@@ -8,15 +8,14 @@
     logits = eng.decode_step(tok, lazy=True)   # a device array; the record is read later
     ids = eng.generate(prompt_ids, SamplingParams(...))   # on-device loop, or per token
     eng.stats(skip=16); eng.resident_sets()    # summary of the records; resident ids
+    rows = eng.batched(8)        # several sequences at once (`batch.Batched`)
 
 A decode step is ONE jitted program (`decode.step_fn`): every layer, and in each MoE
 layer the one per-layer sequence (`layer.moe_layer`) with its copies from the host
-store made inside the program.  The host dispatches it and, to build the token's
-record, reads its small decisions (`cache.step.Record`); with `lazy=True` (or in
-`generate`'s loop) that read happens later, behind the device.  An emulated link
-(`link.LinkClock`) makes the host wait out, after each token, the time its copies
-would have taken.  Two paths: per-token steps, and `generate`'s while_loop (the same
-step inside one program; native link only, since an emulated link waits per token).
+store made inside the program.  The host dispatches it and reads the token's small
+decisions (`cache.step.Record`); with `lazy=True` (or in `generate`'s while_loop, native
+link only) that read happens later, behind the device.  An emulated link
+(`link.LinkClock`) makes the host wait out, after each token, its copies' time.
 """
 
 from __future__ import annotations
@@ -31,9 +30,10 @@ import numpy as np
 from moejax.io import quant
 from moejax.io import staging
 from moejax.kernels import cpu_kernel
-from moejax.model import families, layer_stack
+from moejax.model import layer_stack
 from moejax.prefetch import speculation
 from moejax.model.config import ModelConfig
+from moejax.offload import batch as batch_lib
 from moejax.offload import decode
 from moejax.offload import expert_parallel
 from moejax.offload import layer as layer_lib
@@ -124,7 +124,7 @@ class OffloadEngine:
     self._prog = decode.Program(ctx, jnp.dtype(dtype).name, max_len, scan)
     self._step = decode.step_fn(self._prog)
     self._clock = link_lib.LinkClock(self.link, nbytes, self.moe_layers, expert_devices)
-    self._low_nbytes = self.low_store.expert_nbytes() if self.low_store else 0
+    self.low_nbytes = self.low_store.expert_nbytes() if self.low_store else 0
     self._carry = None            # (KV cache, states, pending) once a prompt ran
     self.end_index = 0
     self._records: list[TokenRecord] = []
@@ -133,6 +133,19 @@ class OffloadEngine:
     self._loops: dict = {}        # (steps, temperature, top_p, stop shape) -> compiled loop
     self.prefill_record: TokenRecord | None = None
     self._failed: BaseException | None = None
+    self._batch = None            # the `batch.Batched` the states were handed to
+
+  program = property(lambda self: self._prog, doc="The programs' static part (`decode.Program`).")
+  sources = property(lambda self: self._srcs, doc="The MoE layers' expert sources, as passed.")
+
+  def batched(self, max_batch: int) -> batch_lib.Batched:
+    """A `batch.Batched` decoder of up to `max_batch` sequences at once under this
+    engine's policy, budget, link and resident experts, which it takes over: the engine
+    itself decodes no more (a server's continuous batch)."""
+    self._check(), self._read_deferred(), self._build_records()
+    self._batch = batch_lib.Batched(self, self._live_states(), max_batch)
+    self._carry = self._states = None
+    return self._batch
 
   def describe(self) -> str:
     pf = (f"; prefetch {self.mode.prefetch}, speculative {self.mode.speculative}"
@@ -155,16 +168,14 @@ class OffloadEngine:
   def states(self) -> dict:
     """The per-MoE-layer ResidentStates (read-only; of a scanned program, sliced out of
     the stacked ones)."""
-    st = self._live_states()
-    if not self._prog.scan:
-      return st
-    return {l: jax.tree_util.tree_map(lambda a, j=j: a[j], st)
-            for j, l in enumerate(self.moe_layers)}
+    return decode.per_layer(self._prog, self.moe_layers, self._live_states())
 
   def _live_states(self):
     """The states as the programs take them ({layer: state}, or stacked [L, ...])."""
     if self._srcs is None:
       raise sources.TransferError("the engine is closed")
+    if self._batch is not None:
+      raise RuntimeError("this engine's resident experts decode in a batch (`batched`)")
     return self._carry[1] if self._carry is not None else self._states
 
   def resident_sets(self) -> dict[int, list[int]]:
@@ -202,11 +213,8 @@ class OffloadEngine:
     # throwaway copy of the slot buffers is made (Qwen3-30B-A3B: 1.2 GB a layer at 25%)
     self._step.lower(self.params, self._srcs, self._new_carry(self._live_states()), np.int32(0),
                      np.int32(0)).compile()
-    recurrent = families.of(self.cfg).has_recurrent_state(self.cfg)
-    for t in sorted({min(int(t), self.max_len - 1) for t in prompt_lengths if t >= 1}):
-      tb = t if recurrent else min(bucket(t), self.max_len)
-      decode.prefill.lower(self._prog, self.params, self._srcs, self._live_states(),
-                           np.zeros((tb,), np.int32), np.int32(t), np.float32(1.0)).compile()
+    decode.compile_prompts(self._prog, self.params, self._srcs, self._live_states(),
+                           prompt_lengths)
 
   def set_policy(self, policy: policy_lib.PolicyParams | str):
     """Decodes from now on under `policy`, keeping the resident sets, the budget and the
@@ -259,9 +267,7 @@ class OffloadEngine:
     if t + 1 > self.max_len:
       raise ValueError(f"prompt of {t} tokens does not fit max_len={self.max_len}")
     t0 = time.perf_counter()
-    recurrent = families.of(self.cfg).has_recurrent_state(self.cfg)
-    tb = t if recurrent else min(bucket(t), self.max_len)
-    toks = np.zeros((tb,), np.int32)
+    toks = np.zeros((decode.prompt_bucket(self._prog, t),), np.int32)
     toks[:t] = prompt_ids
     states = self._live_states()
     self._carry = None
@@ -276,14 +282,14 @@ class OffloadEngine:
     if self.link.emulated:   # each layer waits for the missing experts its prompt used
       n_l = np.sum(np.asarray(copied) >= 0, axis=-1)
       none = np.zeros_like(n_l)
-      waits = self._wait_link(t0, f"the {t}-token prompt", n_l, none, none)
+      waits = self.charge_link(t0, f"the {t}-token prompt", n_l, none, none)
       self._clock.reset()
     self.prefill_record = prefill_record(t, self.moe_layers, copied, evicted,
                                          self.store.expert_nbytes(), time.perf_counter() - t0)
     self.prefill_record.wait_s = waits.get("wait_s", 0.0)
     return np.asarray(out)
 
-  def _wait_link(self, t0: float, what: str, fetches, admissions, prefetches) -> dict:
+  def charge_link(self, t0: float, what: str, fetches, admissions, prefetches) -> dict:
     """Sleeps out the emulated link's time for copies counted per MoE layer (`LinkClock`)
     since t0 -> its waits; past `transfer_timeout_s` the engine stops with TransferTimeout."""
     compute = time.perf_counter() - t0
@@ -326,8 +332,8 @@ class OffloadEngine:
     rec = np.array(rec)           # its own memory, not a view holding the device buffer
     waits = {}
     if self.link.emulated:
-      waits = self._wait_link(t0, f"the token at position {self.end_index - 1}", *link_counts(
-          self._unpack(rec), self._low_nbytes / self.store.expert_nbytes(), self.plan))
+      waits = self.charge_link(t0, f"the token at position {self.end_index - 1}", *link_counts(
+          self._unpack(rec), self.low_nbytes / self.store.expert_nbytes(), self.plan))
     self._unbuilt.append((rec, time.perf_counter() - t0, waits))
     return jnp.asarray(out) if lazy else out
 
@@ -347,7 +353,7 @@ class OffloadEngine:
     itself only keeps its small numpy arrays)."""
     eb = self.store.expert_nbytes()
     for packed, wall, waits in self._unbuilt:
-      rec = build_record(self._unpack(packed), self.moe_layers, eb, self._low_nbytes, self.plan)
+      rec = build_record(self._unpack(packed), self.moe_layers, eb, self.low_nbytes, self.plan)
       rec.finish(wall, **waits)
       self._records.append(rec)
     self._unbuilt.clear()

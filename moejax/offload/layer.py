@@ -89,8 +89,9 @@ class LayerCarry:
   last: step_lib.Prediction
 
   @classmethod
-  def none(cls, cfg: ModelConfig) -> "LayerCarry":
-    return cls(step_lib.Pending.none(cfg.top_k), step_lib.Prediction.none(cfg))
+  def none(cls, cfg: ModelConfig, rows: int = 1) -> "LayerCarry":
+    """Nothing pending, for a stream or for `rows` decoded together (B K pending)."""
+    return cls(step_lib.Pending.none(cfg.top_k * rows), step_lib.Prediction.none(cfg))
 
 
 def attend_route(mdl, x, pos, cache, end):
@@ -104,31 +105,38 @@ def dense(mdl, x, pos, cache, end):
   return mdl.dense_residual(h), cache
 
 
-def decode_layer(ctx: Ctx, pos_11, key, mod, sparse: bool, p, src, stream: Stream, per_layer,
-                 i):
-  """One layer of one decoded token, as `layer_stack.run_layers` calls it:
+def _end(pos_Bx1):
+  """The KV-cache end index of B rows: one position (B = 1), or one per row."""
+  return pos_Bx1[0, 0] if pos_Bx1.shape[0] == 1 else pos_Bx1[:, 0]
+
+
+def decode_layer(ctx: Ctx, pos_Bx1, key, mod, sparse: bool, p, src, stream: Stream, per_layer,
+                 i, valid_B=None):
+  """One layer of one decoded token, or of B rows decoded together (x [B, 1, D], each row
+  at its own position, `valid_B` the active ones), as `layer_stack.run_layers` calls it:
   per_layer = (KV cache, ResidentState, LayerCarry) -> (stream, per_layer, out): out is
   None for a dense layer, else (Head, the Pending this token consumed)."""
   cache, state, carried = per_layer
   if not sparse:
-    x, cache = mod.apply({"params": p}, stream.x, pos_11, cache, pos_11[0, 0], method=dense)
+    x, cache = mod.apply({"params": p}, stream.x, pos_Bx1, cache, _end(pos_Bx1), method=dense)
     return dataclasses.replace(stream, x=x), (cache, state, carried), None
-  stream, cache, state, carried, out = moe_layer(ctx, mod, p, src, stream, pos_11, cache, state,
-                                                 carried, jax.random.fold_in(key, i))
+  stream, cache, state, carried, out = moe_layer(ctx, mod, p, src, stream, pos_Bx1, cache, state,
+                                                 carried, jax.random.fold_in(key, i), valid_B)
   return stream, (cache, state, carried), out
 
 
-def moe_layer(ctx: Ctx, mod, p, src: dict, stream: Stream, pos_11, cache, state,
-              carried: LayerCarry, key):
-  """One MoE layer of one decoded token -> (stream, cache, state, carried, (head,
+def moe_layer(ctx: Ctx, mod, p, src: dict, stream: Stream, pos_Bx1, cache, state,
+              carried: LayerCarry, key, valid_B=None):
+  """One MoE layer of one decoded token (or of B rows sharing the layer's cache: one
+  batched step, `cache.step.policy_head`) -> (stream, cache, state, carried, (head,
   admitted)): the layer's `Head` (`policy_tail` runs after the last layer and gives the
   new pending inserts) and the Pending this token consumed (inserted at the previous
-  token's end: counted here, where it takes effect).  With prefetch, src has the
-  layer's predictor ("vectors", "est", "use_last")."""
+  token's end: counted here, where it takes effect).  With prefetch (one row only), src
+  has the layer's predictor ("vectors", "est", "use_last")."""
   cfg, rule = ctx.cfg, ctx.rule
   apply = lambda *a, method: mod.apply({"params": p}, *a, method=method)
-  h, moe_in, logits, cache = apply(stream.x, pos_11, cache, pos_11[0, 0], method=attend_route)
-  lg = logits.reshape(1, -1)
+  h, moe_in, logits, cache = apply(stream.x, pos_Bx1, cache, _end(pos_Bx1), method=attend_route)
+  lg = logits.reshape(pos_Bx1.shape[0], -1)
   prediction, last = carried.last, carried.last
   if ctx.spec_on:
     hybrid = ctx.prefetch == "hybrid"
@@ -137,7 +145,8 @@ def moe_layer(ctx: Ctx, mod, p, src: dict, stream: Stream, pos_11, cache, state,
         src["use_last"] if hybrid else None, stream.r_1xD, stream.d_D, stream.has,
         (last.logits_1xE, last.has), lg))
     last = step_lib.Prediction(lg.astype(jnp.float32), jnp.bool_(True))
-  state, head = step_lib.policy_head(rule, state, step_lib.route(cfg, lg), prediction, key)
+  state, head = step_lib.policy_head(rule, state, step_lib.route(cfg, lg), prediction, key,
+                                     valid_B)
   x, state = run_experts(ctx, mod, p, src, h, moe_in, state, head, carried.pending)
   if ctx.spec_on:
     stream = Stream(x, h.reshape(1, -1), pf.quasi_offset(head.dec.exec_ids[0],

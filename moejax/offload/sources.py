@@ -205,22 +205,24 @@ def host_experts(ctx, store: dict, dtypes: dict, moe_in, ids_K, gates_K, in_plac
 
 def run_experts(ctx, mod, p, src: dict, h, moe_in, state, head, carried):
   """The layer's experts and residual from the source -> (x, state) (ctx: `layer.Ctx`,
-  head: `cache.step.Head`).  The slots source first makes the copies the cache's metadata
-  already promises, in order: the previous token's executed prefetches into their slots
-  and its admissions and upgrades (`carried`, its `cache.step.Pending`), this token's
-  prefetches into their rows, its fetches (full, then low precision)."""
+  head: `cache.step.Head`), for one token or B rows (h [B, 1, D], the decision [B, K]).
+  The slots source first makes the copies the cache's metadata already promises, in
+  order: the previous token's executed prefetches into their slots and its admissions
+  and upgrades (`carried`, its `cache.step.Pending`), this token's prefetches into their
+  rows, its fetches (full, then low precision): each expert once, whatever the rows."""
   dec, k = head.dec, ctx.cfg.top_k
-  run = dec.exec_ids[0]
+  nb = dec.ids.shape[0]
+  run = dec.exec_ids
   low_on = ctx.policy.decision.low
   if ctx.source == "table":        # every expert on the device: by id; HOST exact
     if low_on:                     # a low-precision resident: its dequantised copy
       e = jnp.maximum(run, 0)
       low = (run >= 0) & state.low[e] & (state.expert_slot[e] >= 0)
       run = jnp.where(low, run + ctx.cfg.num_experts, run)
-    run = jnp.where(dec.action[0] == HOST, dec.ids[0], run)
-    w = jnp.where(run >= 0, dec.weights[0], 0.0)
-    x = mod.apply({"params": p}, h, moe_in, jnp.maximum(run, 0).reshape(1, 1, k),
-                  w.reshape(1, 1, k), src["table"], method="moe_residual")
+    run = jnp.where(dec.action == HOST, dec.ids, run)
+    w = jnp.where(run >= 0, dec.weights, 0.0)
+    x = mod.apply({"params": p}, h, moe_in, jnp.maximum(run, 0).reshape(nb, 1, k),
+                  w.reshape(nb, 1, k), src["table"], method="moe_residual")
     return x, state
   store, bufs = src["store"], state.buffers
   num_p = state.slot_expert.shape[0]
@@ -241,18 +243,23 @@ def run_experts(ctx, mod, p, src: dict, h, moe_in, state, head, carried):
                              jnp.where(head.fetch_low, head.fetch_slots, -1),
                              ctx.policy.decision.low_bits)
     state = dataclasses.replace(state, buffers=bufs)
-  w = jnp.where(head.rows >= 0, dec.weights[0], 0.0)
+  w = jnp.where(head.rows.reshape(nb, k) >= 0, dec.weights, 0.0)
   if ctx.ep is not None:           # each device its own slots' experts, then a psum
-    y = parallel_experts(ctx, moe_in.reshape(1, -1), head.rows[None], w[None], bufs)
+    y = parallel_experts(ctx, moe_in.reshape(nb, -1), head.rows.reshape(nb, k), w, bufs)
     x = mod.apply({"params": p}, h, moe_in, y.reshape(h.shape), method="add_routed")
   else:
-    x = mod.apply({"params": p}, h, moe_in, jnp.maximum(head.rows, 0).reshape(1, 1, k),
-                  w.reshape(1, 1, k), bufs, method="moe_residual")
-  if ctx.policy.decision.host:    # read where the store lives (the CPU backend's host memory)
-    host = dec.action[0] == HOST
-    wh = jnp.where(host, dec.weights[0], 0.0)
-    e = jnp.where(host, dec.ids[0], 0)
-    y = host_experts(ctx, store, {n: b.dtype for n, b in bufs.items()}, moe_in, e, wh)
+    x = mod.apply({"params": p}, h, moe_in, jnp.maximum(head.rows, 0).reshape(nb, 1, k),
+                  w.reshape(nb, 1, k), bufs, method="moe_residual")
+  if ctx.policy.decision.host or nb > 1:   # read where the store lives: HOST experts, and
+    # (rows decoded together) an expert fetched for the step that found every slot held
+    # by an expert the step executes: used from the store, not kept (docs/design.md)
+    host = dec.action == HOST
+    spill = (head.rows.reshape(nb, k) < 0) & (dec.exec_ids >= 0) & ~host
+    wh = jnp.where(host | spill, dec.weights, 0.0)
+    e = jnp.where(host, dec.ids, jnp.where(spill, dec.exec_ids, 0))
+    dtypes = {n: b.dtype for n, b in bufs.items()}
+    y = jnp.concatenate([host_experts(ctx, store, dtypes, moe_in[b], e[b], wh[b])
+                         for b in range(nb)])
     x = x + y.reshape(x.shape).astype(x.dtype)
   return x, state
 

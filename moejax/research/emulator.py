@@ -77,6 +77,7 @@ class Setup:
   prefetch: str = "none"         # speculative prefetch predictor (prefetch.PREFETCH)
   speculative: str = "off"       # prefetch.SPECULATIVE
   keep: bool = True              # executed prefetches enter the cache (False: streaming)
+  batch: int = 1                 # streams sharing one cache, decoded together (`shared_batch`)
 
 
 # ------------------------------------------------------------------ state
@@ -223,7 +224,7 @@ def make(cfg: ModelConfig, params, store, policy: PolicyParams | str, *,
          profile_counts: dict | None = None, control: Control | None = None,
          detail: bool = False, stacked: tuple | None = None, prefetch: str = "none",
          speculative: str = "off", predictors: dict | None = None,
-         streaming: bool = False, low_store=None) -> Emulation:
+         streaming: bool = False, low_store=None, batch: int = 1) -> Emulation:
   """An Emulation of `policy` with the engine's budget and initial cache contents.
 
   `stacked`: `stack_layers(cfg, params, store.to_device(dtype))`, to share one
@@ -232,6 +233,8 @@ def make(cfg: ModelConfig, params, store, policy: PolicyParams | str, *,
   engine's (`prefetch="oracle"` is the engine's check only).  A policy that fetches
   low-precision copies computes them dequantised (`low_store`, default: quantised now):
   the table holds 2E experts per layer, e's copy at E + e (`sources.run_experts`).
+  batch: streams decoded together B at a time, sharing every layer's cache
+  (`research.shared_batch`), without prefetch, control rules or detail.
   """
   mode = pf_steps.Mode(prefetch, speculative, keep=not streaming)
   if prefetch == "oracle" or (mode.on and control is not None):
@@ -239,6 +242,9 @@ def make(cfg: ModelConfig, params, store, policy: PolicyParams | str, *,
                         "without a control rule")
   if isinstance(policy, str):
     policy = policy_lib.make_policy(policy)
+  if batch < 1 or (batch > 1 and (mode.on or control is not None or detail)):
+    raise EmulatorError(f"--batch={batch}: a batch of streams sharing the cache is >= 1 and runs "
+                        "without prefetch, control rules or detail")
   if max_len < 2:
     raise EmulatorError(f"--max_len must be >= 2, got {max_len}")
   budget = resident_lib.make_budget(cfg.num_experts, cfg.top_k, store.expert_nbytes(),
@@ -261,7 +267,7 @@ def make(cfg: ModelConfig, params, store, policy: PolicyParams | str, *,
       cfg, init_states(cfg, budget, policy, initial, profile_counts))
   setup = Setup(cfg, policy, budget.physical, max_len,
                 budget.slots if budget.staging else None, jnp.dtype(dtype).name, control,
-                detail, prefetch, speculative, not streaming)
+                detail, prefetch, speculative, not streaming, batch)
   return Emulation(setup, params, *stacked, states, budget)
 
 
@@ -292,6 +298,9 @@ def run_streams(em: Emulation, tokens_BxT: np.ndarray, pos_T: np.ndarray,
                         f"windows of at most --max_len tokens")
   b, t = tokens_BxT.shape
   targets_BxT = np.asarray(targets_BxT, np.int32)
+  if em.setup.batch > 1:
+    from moejax.research import shared_batch   # it builds on this module
+    return shared_batch.run_streams(em, tokens_BxT, pos_T, targets_BxT, seed, chunk, on_chunk)
   logits, carry = prefill(em.setup, em.params, em.layers, em.table, em.states,
                           tokens_BxT[:, :1], np.ones((b,), np.int32))
   first = -np.asarray(jax.nn.log_softmax(logits))[np.arange(b), targets_BxT[:, 0]]

@@ -1,5 +1,7 @@
-"""Continuous batching with every expert resident (`moejax-serve --policy=none
---max_batch=N`): up to N requests decode together, one token of each per step.
+"""Continuous batching (`moejax-serve --max_batch=N`): up to N requests decode together,
+one token of each per step, with every expert resident (`Resident`, --policy=none) or
+under an offload policy (`Offloaded`: `offload.batch.Batched`, the rows sharing the
+resident experts, each missed expert copied once per step for every row that needs it).
 
 On a CPU a decode step reads every weight it uses once, whether it serves 1 token or 8,
 so a step of 8 rows costs little more than a step of 1 and the server's throughput grows
@@ -13,10 +15,14 @@ batch: the step is compiled for N rows once, whatever the rows hold.
 
 Each row samples with its own parameters, seed (the key schedule of `sampler.token_loop`),
 penalties and log-probabilities, so a request's tokens are those it gets decoded alone:
-its greedy text equals its text at --max_batch=1 (tests/test_serve_batch.py).  The offload
-engine still decodes one request at a time; with --policy=none every request runs the
-resident model, so requests carry no policy (their policy fields are ignored and listed in
-usage.moejax.ignored).
+its greedy text equals its text at --max_batch=1 (tests/test_serve_batch.py); under an
+offload policy that holds with fetch_all, and otherwise a row's experts depend on what
+the other rows' tokens left in the cache.  With --policy=none requests carry no policy
+(their policy fields are ignored and listed in usage.moejax.ignored).  Under an offload
+policy the batch runs one policy at a time: a request whose policy differs from the
+running rows' waits (and the requests behind it with it) until those rows finish, then
+the batch switches (`Batched.set_policy`; its first use compiles, reported apart in
+usage.moejax.compile_ms).  One step's rows share one program, so one policy per step.
 """
 
 from __future__ import annotations
@@ -69,8 +75,10 @@ class Resident:
   def new_cache(self):
     return init_cache(self.sampler.cfg, self.max_batch, self.max_len, self.dtype)
 
-  def step(self, cache, tokens_B, pos_B):
-    """One token of every row -> (logits [B, V] on the host, cache)."""
+  def step(self, cache, tokens_B, pos_B, valid_B=None):
+    """One token of every row -> (logits [B, V] on the host, cache); a free row decodes at
+    position 0, unread (valid_B is not needed)."""
+    del valid_B
     s = self.sampler
     logits, cache = decode_logits(s.model, s.params, s.experts, cache, tokens_B, pos_B)
     return np.asarray(logits), cache
@@ -87,6 +95,77 @@ class Resident:
       _, cache = self.prompt([0] * n, cache, 0)
     zeros = np.zeros(self.max_batch, np.int32)
     jax.block_until_ready(self.step(cache, zeros, zeros))
+
+  last_prompt_fetches = None
+
+  def use_policy(self, policy) -> float:
+    return 0.0
+
+  def take_records(self) -> list:
+    return []
+
+  def usage(self, row: "Row", ttft_s, tps) -> dict:
+    return {"policy": POLICY, "decode_steps": max(len(row.times) - 1, 0),
+            "tpot_ms": None if tps is None else round(1e3 / tps, 3),
+            "ttft_ms": None if ttft_s is None else round(1e3 * ttft_s, 3),
+            "decode_tokens_per_s": None if tps is None else round(tps, 3),
+            "queue_ms": round(1e3 * (row.t0 - row.job.created), 3), "compile_ms": 0.0}
+
+
+class Offloaded:
+  """What an offload policy with --max_batch > 1 loads: the engine's `Batched` decoder
+  (its state lives there; the cache argument the loop passes is a placeholder)."""
+
+  def __init__(self, engine, max_batch: int):
+    self.engine, self.max_batch = engine, max_batch
+    self.batch = engine.batched(max_batch)
+    self.warm = ()
+    self.seen = [engine.policy]          # policies whose programs are compiled
+
+  params = property(lambda self: self.engine.params)
+  dtype = property(lambda self: self.engine.dtype)
+  max_len = property(lambda self: self.engine.max_len)
+  store = property(lambda self: self.engine.store)
+  policy = property(lambda self: self.engine.policy)
+
+  def describe(self) -> str:
+    return f"{self.engine.describe()}; up to {self.max_batch} requests a step"
+
+  def new_cache(self):
+    self.batch.reset()
+
+  def step(self, cache, tokens_B, pos_B, valid_B):
+    return self.batch.step(tokens_B, valid_B), cache
+
+  def prompt(self, ids: list[int], cache, row: int):
+    return self.batch.prompt(ids, row), cache
+
+  @property
+  def last_prompt_fetches(self):
+    return self.batch.last_prompt_fetches
+
+  def warmup(self, prompt_lengths=()):
+    self.warm = tuple(prompt_lengths)
+    self.batch.warmup(prompt_lengths)
+
+  def use_policy(self, policy) -> float:
+    """Switches the batch (no row running) to `policy` -> seconds spent compiling it."""
+    self.batch.set_policy(policy)
+    if policy in self.seen:
+      return 0.0
+    t0 = time.perf_counter()
+    self.batch.warmup(self.warm)
+    self.seen.append(policy)
+    return time.perf_counter() - t0
+
+  def take_records(self) -> list:
+    return self.batch.take_records()
+
+  def usage(self, row: "Row", ttft_s, tps) -> dict:
+    from moejax.offload.stats import summarize
+    return protocol.offload_usage(summarize(row.records, self.engine.cfg), self.engine,
+                                  self.policy, ttft_s, tps, row.t0 - row.job.created,
+                                  row.compile_s, prompt_fetches=row.prompt_fetches)
 
 
 
@@ -105,6 +184,9 @@ class Row:
     self.counts = None
     self.end: str | None = None
     self.shared = 0            # rows decoded in its steps, summed (usage: batch_mean)
+    self.records: list = []    # its decode steps' `stats.TokenRecord`s (offload policies)
+    self.compile_s = 0.0       # its policy's first use compiled the batch's programs
+    self.prompt_fetches = None
 
   def pick(self, logits_V) -> int:
     """The next token from its step's logits: `token_loop`'s key schedule and `next_token`
@@ -148,26 +230,37 @@ class Row:
     return None
 
 
-def serve(q: queue.Queue, res: Resident, tok, metrics, scorer) -> None:
-  """The engine thread's loop under --policy=none: admits queued requests into free rows
-  at each token boundary (blocking only when no row is busy), then decodes one step of
-  every busy row.  Returns when the worker is stopped (None in its queue `q`); scorer():
-  the prompt scorer (`logprobs.PromptScorer`, made on first use)."""
+def serve(q: queue.Queue, res, tok, metrics, scorer) -> None:
+  """The engine thread's loop over a batch (`Resident` or `Offloaded`): admits queued
+  requests into free rows at each token boundary (blocking only when no row is busy), then
+  decodes one step of every busy row.  A request under another policy than the batch's
+  waits for the busy rows to finish (module docstring).  Returns when the worker is
+  stopped (None in its queue `q`); scorer(): the prompt scorer (`logprobs.PromptScorer`,
+  made on first use)."""
   cache = res.new_cache()
   rows: list[Row | None] = [None] * res.max_batch
   tokens = np.zeros(res.max_batch, np.int32)
   pos = np.zeros(res.max_batch, np.int32)
+  held = None                                      # a request waiting for its policy
   while True:
     for b in range(res.max_batch):                 # admissions, into the free rows
       if rows[b] is not None:
         continue
-      try:
-        job = q.get(block=not any(rows))
-      except queue.Empty:
-        break
+      if held is not None:
+        if any(rows):
+          break
+        job, held = held, None
+      else:
+        try:
+          job = q.get(block=not any(rows))
+        except queue.Empty:
+          break
       if job is None:
         _stop_all(rows)
         return
+      if res.policy is not None and job.policy != res.policy and any(rows):
+        held = job
+        break
       start = time.perf_counter()
       metrics.waited(start - job.created)
       if job.cancel.is_set():
@@ -179,7 +272,13 @@ def serve(q: queue.Queue, res: Resident, tok, metrics, scorer) -> None:
         continue
       row = Row(job, tok, start)
       try:
+        if res.policy is not None and job.policy != res.policy:
+          row.compile_s = res.use_policy(job.policy)
+          if row.compile_s:
+            metrics.compiled(row.compile_s)
+          row.t0 = time.perf_counter()
         logits, cache = res.prompt(job.prompt_ids, cache, b)
+        row.prompt_fetches = res.last_prompt_fetches
         if job.sp.max_new_tokens == 0:
           row.end = "length"
         else:
@@ -189,14 +288,14 @@ def serve(q: queue.Queue, res: Resident, tok, metrics, scorer) -> None:
         _fail(metrics, row, e)
         continue
       if row.end is not None:
-        _finish(metrics, row, scorer)
+        _finish(metrics, res, row, scorer)
       else:
         rows[b], tokens[b], pos[b] = row, row.out[-1], row.pos - 1
     busy = [b for b, r in enumerate(rows) if r is not None]
     if not busy:
       continue
     try:
-      logits, cache = res.step(cache, tokens, pos)
+      logits, cache = res.step(cache, tokens, pos, np.asarray([r is not None for r in rows]))
     except Exception as e:  # pylint: disable=broad-except
       for b in busy:
         _fail(metrics, rows[b], e)
@@ -204,18 +303,20 @@ def serve(q: queue.Queue, res: Resident, tok, metrics, scorer) -> None:
       cache = res.new_cache()
       continue
     now = time.perf_counter()
-    for b in busy:
+    for b, rec in zip(busy, res.take_records() or [None] * len(busy)):
       row = rows[b]
       row.shared += len(busy)
+      if rec is not None:
+        row.records.append(rec)
       row.end = row.emit(row.pick(logits[b]), now)
       if row.end is None:
         tokens[b], pos[b] = row.out[-1], row.pos - 1
       else:
-        _finish(metrics, row, scorer)
+        _finish(metrics, res, row, scorer)
         rows[b], tokens[b], pos[b] = None, 0, 0
 
 
-def _finish(metrics, row: Row, scorer) -> None:
+def _finish(metrics, res, row: Row, scorer) -> None:
   job = row.job
   if row.end == "cancelled":
     metrics.outcome("cancelled")
@@ -230,13 +331,8 @@ def _finish(metrics, row: Row, scorer) -> None:
   t = row.times
   ttft = t[0] - row.t0 if t else None
   tps = (len(t) - 1) / (t[-1] - t[0]) if len(t) > 1 and t[-1] > t[0] else None
-  metrics.finished(len(row.out), ttft, tps, [])
-  usage = {"policy": POLICY, "decode_steps": max(len(t) - 1, 0),
-           "tpot_ms": None if tps is None else round(1e3 / tps, 3),
-           "ttft_ms": None if ttft is None else round(1e3 * ttft, 3),
-           "decode_tokens_per_s": None if tps is None else round(tps, 3),
-           "queue_ms": round(1e3 * (row.t0 - job.created), 3), "compile_ms": 0.0,
-           "batch_mean": round(row.shared / max(len(t) - 1, 1), 3)}
+  metrics.finished(len(row.out), ttft, tps, row.records)
+  usage = dict(res.usage(row, ttft, tps), batch_mean=round(row.shared / max(len(t) - 1, 1), 3))
   prompt_lps = scorer()(job.prompt_ids, job.logprobs or 0) if job.score_prompt else None
   metrics.outcome(row.end)
   job.sink("done", Result(row.out, row.end, len(job.prompt_ids), usage,

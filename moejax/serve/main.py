@@ -8,10 +8,11 @@ uvicorn.)  POST /v1/completions and /v1/chat/completions (chat only where the
 checkpoint's tokenizer_config.json has a chat template), GET /v1/models, /health
 (200 once the model is loaded and compiled, 503 before), /metrics (Prometheus).
 
-One engine decodes one request at a time (batch 1); the others wait in a FIFO queue
-of --max_queue (429 with Retry-After when full).  --policy=none keeps every expert
-resident and decodes up to --max_batch requests together, each joining at the next token
-(continuous batching, moejax.serve.batching).  The expert cache (--cache_fraction
+One engine decodes one request at a time (batch 1), or up to --max_batch requests
+together, each joining at the next token (continuous batching, moejax.serve.batching),
+under the offload policy (the rows share the resident experts) or with every expert
+resident (--policy=none); the others wait in a FIFO queue of --max_queue (429 with
+Retry-After when full).  The expert cache (--cache_fraction
 or --cache_bytes) is shared by every request and persists across them; a request may
 choose its own miss policy, tau, admission and eviction in the extension object
 {"moejax": {"policy": "speed"}} (docs/serve.md); each policy compiles once
@@ -48,9 +49,10 @@ flags.DEFINE_string("policy", "quality", "The default offload policy: a preset (
                     "speed, baseline) or a miss rule (fetch_all, threshold, first_choice, "
                     "substitute_all, host); a request may choose another. none: every expert "
                     "resident (no offload engine), requests decoded together (--max_batch).")
-flags.DEFINE_integer("max_batch", 1, "With --policy=none: requests decoded together, one "
-                     "token of each per step; a request joins at the next token (continuous "
-                     "batching). The offload engine decodes one request at a time.")
+flags.DEFINE_integer("max_batch", 1, "Requests decoded together, one token of each per step; "
+                     "a request joins at the next token (continuous batching). Under an "
+                     "offload policy the rows share the resident experts; a request under "
+                     "another policy waits for the running rows to finish.")
 flags.DEFINE_integer("max_len", None, "The KV cache: the longest prompt + max_tokens of a "
                      "request. Default: the model's limit, at most 2048.")
 flags.DEFINE_integer("max_queue", 16, "Requests that may wait for the engine; beyond: 429.")
@@ -101,10 +103,9 @@ def check_flags(cfg):
                              "expert resident: drop it")
     check_batch(cfg, max_len)
     return max_len, warm, None
-  if FLAGS.max_batch > 1:
-    raise cli.UsageError(f"--max_batch={FLAGS.max_batch} decodes requests together with every "
-                         "expert resident (--policy=none); the offload engine decodes one "
-                         "request at a time: drop --max_batch, or use --policy=none")
+  if FLAGS.max_batch > 1 and FLAGS.host_cache_gb is not None:
+    raise cli.UsageError(f"--max_batch={FLAGS.max_batch} with --host_cache_gb: the host staging "
+                         "tier reads one sequence's experts; drop one of the two")
   if FLAGS.host_cache_gb is not None:   # a size or store that cannot work: before loading
     import jax.numpy as jnp
     from moejax.io import staging
@@ -114,18 +115,23 @@ def check_flags(cfg):
   from moejax.cache.policy import make_policy
   policy = make_policy(FLAGS.policy, tau=FLAGS.tau, admission_beta=FLAGS.admission_beta,
                        eviction=FLAGS.eviction)
+  if FLAGS.max_batch > 1:
+    check_batch(cfg, max_len, offload=True)
   return max_len, warm, policy
 
 
-def check_batch(cfg, max_len: int) -> None:
-  """--max_batch rows of --max_len KV cache beside the resident model must fit in the
-  memory there is (host RAM on the CPU backend, the device's elsewhere): else one line
-  naming the largest --max_batch that fits."""
+def check_batch(cfg, max_len: int, offload: bool = False) -> None:
+  """--max_batch rows of --max_len KV cache beside the model (resident, or the offload
+  engine's plan) must fit in the memory there is (host RAM on the CPU backend, the
+  device's elsewhere): else one line naming the largest --max_batch that fits."""
   import jax
   import jax.numpy as jnp
   from moejax.offload import memory
+  fraction = 0.25 if FLAGS.cache_fraction is None else FLAGS.cache_fraction
   plan = memory.plan_memory(cfg, jnp.dtype(FLAGS.dtype), store=FLAGS.store or "numpy",
-                            offload=False, kv_len=max_len)
+                            offload=offload, kv_len=max_len,
+                            cache_fraction=None if FLAGS.cache_bytes else fraction,
+                            cache_bytes=FLAGS.cache_bytes)
   dev = jax.devices()[0]
   if dev.platform == "cpu":
     need, have, where = plan.anon_bytes, memory.available_ram(), "RAM available"
@@ -137,7 +143,8 @@ def check_batch(cfg, max_len: int) -> None:
   fits = 1 + max(have - need, 0) // max(plan.kv_bytes, 1) if need <= have else 0
   if FLAGS.max_batch > fits:
     raise cli.UsageError(
-        f"--max_batch={FLAGS.max_batch}: the resident model ({memory.gb(need)} with one "
+        f"--max_batch={FLAGS.max_batch}: the {'offloaded' if offload else 'resident'} model "
+        f"({memory.gb(need)} with one "
         f"request's KV cache of {memory.gb(plan.kv_bytes)} at --max_len={max_len}) and "
         f"{FLAGS.max_batch} rows need more than the {memory.gb(have)} of {where}; the "
         f"largest --max_batch that fits is {fits}" + (" (none: lower --max_len)" if not fits
@@ -196,6 +203,9 @@ def loader(folder, tok, template, max_len, warm, policy):
                                cache_bytes=FLAGS.cache_bytes, link=link, max_len=max_len,
                                dtype=dtype, host_cache_gb=FLAGS.host_cache_gb)
     eng = OffloadEngine(cfg, params, store, config)
+    if FLAGS.max_batch > 1:       # requests decoded together on the engine's experts
+      from moejax.serve.batching import Offloaded
+      eng = Offloaded(eng, FLAGS.max_batch)
     print(f"[moejax] {eng.describe()}; KV cache {max_len} positions", file=sys.stderr)
     eng.warmup(prompt_lengths=warm)
     print(f"[moejax] ready: loaded and compiled in {time.time() - t0:.1f} s", file=sys.stderr,

@@ -243,10 +243,14 @@ def completion_prompt(body: Any, tok) -> list[int]:
   raise bad("'prompt' must be a string or a list of token ids", "prompt")
 
 
-def offload_usage(stats: dict, eng, policy, ttft_s, tps, queue_s, compile_s=0.0) -> dict:
+def offload_usage(stats: dict, eng, policy, ttft_s, tps, queue_s, compile_s=0.0,
+                  prompt_fetches=None) -> dict:
   """`usage.moejax`: the request's offload statistics (per decode step); compile_s: the
-  policy's first use compiled its programs, before the timed part (not in ttft, tpot)."""
+  policy's first use compiled its programs, before the timed part (not in ttft, tpot).
+  prompt_fetches: the experts its prompt copied (default: the engine's last prompt's)."""
   n = stats.get("tokens", 0)
+  if prompt_fetches is None and eng.prefill_record:
+    prompt_fetches = float(eng.prefill_record["fetches"])
   f = lambda k: round(float(stats[k]), 6) if n else None
   return {
       "policy": policy.describe(), "link": eng.link.describe(),
@@ -260,7 +264,7 @@ def offload_usage(stats: dict, eng, policy, ttft_s, tps, queue_s, compile_s=0.0)
       "decode_tokens_per_s": None if tps is None else round(tps, 3),
       "queue_ms": round(1e3 * queue_s, 3),
       "compile_ms": round(1e3 * compile_s, 3),
-      "prompt_fetches": float(eng.prefill_record["fetches"]) if eng.prefill_record else None,
+      "prompt_fetches": prompt_fetches,
   }
 
 

@@ -1,5 +1,5 @@
-"""The engine's thread: one request at a time (batch 1) from a bounded FIFO queue, or under
---policy=none several at once (continuous batching: `batching.serve`).
+"""The engine's thread: one request at a time (batch 1) from a bounded FIFO queue, or with
+--max_batch > 1 several at once (continuous batching: `batching.serve`).
 
     w = Worker(load, metrics, max_queue=16)   # load() -> Loaded (runs on the thread)
     w.start()                                 # loads and compiles, then serves
@@ -161,8 +161,8 @@ class Worker:
         self._on_fail(e)
       return
     self.ready.set()
-    if self.loaded.engine.policy is None:   # --policy=none: continuous batching
-      from moejax.serve import batching
+    from moejax.serve import batching
+    if isinstance(self.loaded.engine, (batching.Resident, batching.Offloaded)):   # --max_batch
       batching.serve(self._q, self.loaded.engine, self.loaded.tok, self.metrics, self._scorer_of)
       return
     while True:

@@ -1,0 +1,203 @@
+"""Rows decoded together under an offload policy: up to B sequences, each at its own
+position with its own KV-cache row, sharing every MoE layer's resident experts.
+
+  b = engine.batched(8)                  # the engine's policy, budget, link and experts
+  logits_V = b.prompt(prompt_ids, row=3)     # an exact prompt into row 3
+  logits_BxV = b.step(tokens_B, valid_B)     # one token of every active row
+  b.set_policy("speed")                      # between steps (validated as the engine's)
+
+A step is the engine's own decode program over B rows (`decode.step_fn` with rows: one
+compile per B, whatever the rows hold): per MoE layer ONE batched cache step
+(`cache.step.policy_head` with the rows' routers): each (row, expert) is decided by the
+policy on its own, the experts waited for are the union over the rows and each is
+copied once, the substitutes are resident or fetched this step, usage and admission add
+over the rows; then every row's experts run from the slot buffers.  A free row (valid
+False) decodes at position 0, unread, and decides nothing.  Speculative prefetch predicts
+one token's next layer: a batch runs without it.
+
+A prompt runs alone, as `OffloadEngine.prefill` (exact; the missing experts it used
+most are inserted into the shared cache), and its KV cache is written into its row.
+An emulated link is charged per step for the step's copies and per prompt for its own.
+
+Records (`records`): per active row of a step a `stats.TokenRecord`: its own experts'
+actions (hits, fetches: the row that waited first for an expert has its FETCH), and the
+step's wall time and waits, as that row's token experienced them; what belongs to the step
+(admissions, evictions) is shared equally by its active rows, so sums over rows are the
+step's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moejax.cache.counting import PER_STEP
+from moejax.cache.policy import FETCH, FETCH_LOW
+from moejax.kernels import cpu_kernel
+from moejax.offload import decode
+from moejax.offload.stats import TokenRecord, build_record, link_counts
+
+_PER_ROW = ("ids", "actions", "substitutes", "share", "rows", "true_ids")
+
+
+class Batched:
+  """B sequences decoded together on an engine's resident experts (module docstring);
+  made by `OffloadEngine.batched`, which hands its states over."""
+
+  def __init__(self, engine, states, max_batch: int):
+    if max_batch < 1:
+      raise ValueError(f"--max_batch must be >= 1, got {max_batch}")
+    if engine.mode.on:
+      raise ValueError(f"--prefetch={engine.mode.prefetch}: speculative prefetch predicts one "
+                       "token's next layer; batched decoding (--max_batch > 1) runs without it")
+    self.engine, self.max_batch = engine, max_batch
+    self.records: list[TokenRecord] = []     # per active row of each step, in order
+    self.last_prompt_fetches: float | None = None    # experts the last prompt copied
+    self._carry = (None, states, None)
+    self.reset()
+
+  def reset(self):
+    """Every row free: a new KV cache, nothing pending; the resident experts stay."""
+    eng = self.engine
+    if self._carry is None:
+      raise RuntimeError("the batch's resident experts were lost in a failed step")
+    cache, _, pending = decode.empty_carry(eng.program.ctx, eng.dtype, eng.max_len, {},
+                                           scan=eng.program.scan, rows=self.max_batch)
+    self._carry = (cache, self._carry[1], pending)
+    self.pos = np.zeros(self.max_batch, np.int32)      # each row's next position
+
+  @property
+  def policy(self):
+    return self.engine.policy
+
+  def set_policy(self, policy):
+    """Decodes from the next step under `policy` (`OffloadEngine.set_policy`: the same
+    checks, the resident sets kept)."""
+    self.engine.set_policy(policy)
+
+  @property
+  def states(self):
+    """The shared per-MoE-layer ResidentStates, as the engine's programs take them."""
+    return self._carry[1]
+
+  def resident_sets(self) -> dict[int, list[int]]:
+    """{MoE layer: resident experts} after the last step or prompt."""
+    eng = self.engine
+    return {l: s.resident_experts()
+            for l, s in decode.per_layer(eng.program, eng.moe_layers, self.states).items()}
+
+  def take_records(self) -> list[TokenRecord]:
+    out, self.records = self.records, []
+    return out
+
+  # -------------------------------------------------------------- programs
+  def warmup(self, prompt_lengths=()):
+    """Compiles the B-row step and the prompt pass of each length's bucket (nothing runs)."""
+    eng = self.engine
+    zeros = np.zeros(self.max_batch, np.int32)
+    decode.step_fn(eng.program).lower(eng.params, eng.sources, self._carry, zeros, zeros,
+                                      zeros.astype(bool)).compile()
+    decode.compile_prompts(eng.program, eng.params, eng.sources, self.states, prompt_lengths)
+
+  def prompt(self, prompt_ids, row: int) -> np.ndarray:
+    """The exact prompt of the sequence that joins at `row` -> its last logits [V]; its
+    experts enter the shared cache as `OffloadEngine.prefill`'s do."""
+    eng = self.engine
+    t = len(prompt_ids)
+    if not 0 <= row < self.max_batch:
+      raise ValueError(f"row {row} is not in a batch of {self.max_batch}")
+    if t < 1 or t + 1 > eng.max_len:
+      raise ValueError(f"a prompt of {t} tokens does not fit max_len={eng.max_len}")
+    t0 = time.perf_counter()
+    toks = np.zeros((decode.prompt_bucket(eng.program, t),), np.int32)
+    toks[:t] = prompt_ids
+    cache, states, pending = self._carry
+    self._carry = None
+    decay = np.float32(float(eng.policy.lfu_decay) ** np.float64(t))
+    logits, (cache_1, states, _), (copied, _) = decode.prefill(
+        eng.program, eng.params, eng.sources, states, toks, np.int32(t), decay)
+    self._carry = (put_row(cache, cache_1, np.int32(row)), states, pending)
+    self.pos[row] = t
+    out, copied = jax.device_get((logits, copied))
+    self.last_prompt_fetches = float(np.sum(np.asarray(copied) >= 0))
+    if eng.link.emulated:
+      n_l = np.sum(np.asarray(copied) >= 0, axis=-1)
+      eng.charge_link(t0, f"the {t}-token prompt of row {row}", n_l, 0 * n_l, 0 * n_l)
+    return np.asarray(out)
+
+  def step(self, tokens_B, valid_B) -> np.ndarray:
+    """One token of every active row (valid_B), each at its position -> logits [B, V]
+    (numpy); the rows' records are appended to `records`."""
+    eng = self.engine
+    valid = np.asarray(valid_B, bool)
+    if valid.shape != (self.max_batch,) or np.shape(tokens_B) != (self.max_batch,):
+      raise ValueError(f"a step takes {self.max_batch} tokens and flags, got "
+                       f"{np.shape(tokens_B)} and {valid.shape}")
+    if np.any(self.pos[valid] >= eng.max_len):
+      raise ValueError(f"max_len={eng.max_len} reached")
+    pos = np.where(valid, self.pos, 0).astype(np.int32)
+    t0 = time.perf_counter()
+    with cpu_kernel.decoding():
+      carry, self._carry = self._carry, None      # donated: lost if the step fails
+      self._carry, logits, packed = decode.step_fn(eng.program)(
+          eng.params, eng.sources, carry, np.asarray(tokens_B, np.int32), pos, valid)
+      logits, packed = jax.device_get((logits, packed))
+    rec = decode.unpack(packed, decode.record_like(eng.program, np.shape(packed)))
+    waits = {}
+    if eng.link.emulated:
+      low = eng.low_nbytes / eng.store.expert_nbytes()
+      waits = eng.charge_link(t0, "a batch step", *link_counts(rec, low))
+    wall = time.perf_counter() - t0
+    self.records.extend(row_records(rec, valid, eng.moe_layers, eng.store.expert_nbytes(),
+                                    eng.low_nbytes, wall, waits))
+    self.pos[valid] += 1
+    return np.asarray(logits)
+
+
+def row_records(rec, valid_B, moe_layers, expert_bytes: int, low_bytes: int, wall_s: float,
+                waits: dict) -> list[TokenRecord]:
+  """A step's `stats.TokenRecord` per active row, from its numpy `cache.step.Record`
+  (per-token fields [L, B K]): the row's own actions, the step's time, and the step's
+  admissions and evictions shared by its n active rows (1/n each)."""
+  nb = valid_B.shape[0]
+  n = int(np.sum(valid_B))
+  out = []
+  for b in np.flatnonzero(valid_B):
+    part = {f: getattr(rec, f).reshape(getattr(rec, f).shape[:-1] + (nb, -1))[..., b, :]
+            for f in _PER_ROW}
+    mine = np.isin(part["actions"], (FETCH, FETCH_LOW))
+    part["fetched"] = np.where(mine, part["ids"], -1)
+    r = build_record(dataclasses.replace(rec, **part), moe_layers, expert_bytes, low_bytes)
+    for k in PER_STEP:     # the step's, shared by its rows (`counting.row_counts`)
+      setattr(r, k, getattr(r, k) / n)
+    r.finish(wall_s, **waits)
+    out.append(r)
+  return out
+
+
+def _row_axis(shape_B, shape_1) -> int:
+  """The row axis of a batch's cache leaf: where its shape differs from a sequence's (a
+  scanned program's cache is [L, B, ...], an unrolled one's [B, ...]); 0 when B = 1."""
+  return next((i for i, (a, b) in enumerate(zip(shape_B, shape_1)) if a != b), 0)
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def put_row(cache_B, cache_1, row):
+  """A sequence's KV cache (batch 1) written into row `row` of a batch's cache."""
+  def one(c, r):
+    return jax.lax.dynamic_update_slice_in_dim(c, r.astype(c.dtype), row,
+                                               _row_axis(c.shape, r.shape))
+  return jax.tree_util.tree_map(one, cache_B, cache_1)
+
+
+def stack_rows(caches, like):
+  """B sequences' caches stacked on a leading axis ([B, ...] leaves of batch-1 caches) as
+  one batch cache laid out as `like` (its abstract value)."""
+  def one(c, l):
+    return jnp.concatenate(list(c), axis=_row_axis(l.shape, c.shape[1:]))
+  return jax.tree_util.tree_map(one, caches, like)

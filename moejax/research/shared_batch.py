@@ -1,0 +1,118 @@
+"""The exact emulator with B streams sharing every MoE layer's cache: a batch decoded
+together, as the engine's `offload.batch.Batched` decodes one (`emulator.make(batch=B)`).
+
+Streams are taken B at a time (the stream count a multiple of B).  In a group, each
+stream's first token is a one-token prompt, run one after another into the shared states
+(as requests join the engine's batch: `offload.decode.prompt_pass`); then each token
+position of the group's B streams is ONE decoded step of B rows
+(`offload.decode.decode_token` with B rows: per MoE layer one batched cache step), teacher
+forced.  Groups are independent (vmapped).  Per stream, the statistics of its row of each
+step (`cache.counting.row_counts`: its own expert calls; the step's admissions and
+evictions shared by the B rows).  B = 1 is the plain emulator's streams, decision for
+decision.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moejax.cache import step as step_lib
+from moejax.offload import batch as batch_lib
+from moejax.offload import decode as decode_lib
+from moejax.research import emulator as E
+
+
+def _prompts(setup, params, layers, table, states, tokens_B, decay):
+  """One group's one-token prompts, one after another into the shared states -> (logits
+  [B, V], the group's carry: a B-row cache, the states, nothing pending)."""
+  ps = E._prefill_setup(setup)
+
+  def one(st, tok):
+    logits, (cache, st, _) = E._prefill_one(ps, params, layers, table, st, tok[None],
+                                            jnp.int32(1), decay)
+    return st, (logits, cache)
+  states, (logits, caches) = jax.lax.scan(one, states, tokens_B)
+  like, _, pending = jax.eval_shape(lambda: decode_lib.empty_carry(
+      E._ctx(setup), jnp.dtype(setup.dtype), setup.max_len, {}, True, rows=tokens_B.shape[0]))
+  pending = jax.tree_util.tree_map(lambda a: jnp.full(a.shape, -1, a.dtype), pending)
+  return logits, (batch_lib.stack_rows(caches, like), states, pending)
+
+
+@functools.partial(jax.jit, static_argnames=("setup",))
+def prefill(setup, params, layers, table, states, tokens_GxB, decay):
+  """Every group's prompts (each group from its own copy of `states`)."""
+  one = functools.partial(_prompts, setup, params, layers, table, states, decay=decay)
+  return jax.vmap(one)(tokens_GxB)
+
+
+@functools.partial(jax.jit, static_argnames=("setup",), donate_argnums=(4,))
+def teacher_forced(setup, params, layers, table, carry, tokens_GxBxT, pos_T, targets_GxBxT,
+                   seed_G):
+  """Feeds every group's B streams a token per step -> (carry, {"nll": [G, B, T],
+  "stats": [G, B, T, len(STATS)]})."""
+
+  def one(carry, toks, tgts, seed):
+    base = jax.random.PRNGKey(seed)
+    nb = toks.shape[0]
+
+    def body(c, xs):
+      tok, p, tgt, t = xs
+      c, logits, rec = decode_lib.decode_token(
+          E._ctx(setup), jnp.dtype(setup.dtype), params, layers, table, c, tok,
+          jnp.full((nb,), p, jnp.int32), jax.random.fold_in(base, t), scan=True)
+      nll = -jax.nn.log_softmax(logits)[jnp.arange(nb), tgt]
+      stats = jnp.sum(step_lib.row_counts(jnp, rec, jnp.ones((nb,), bool)), axis=0)
+      return c, dict(nll=nll, stats=stats)
+
+    c, out = jax.lax.scan(body, carry, (toks.T, pos_T, tgts.T, jnp.arange(toks.shape[1])))
+    return c, {k: jnp.moveaxis(v, 0, 1) for k, v in out.items()}
+
+  return jax.vmap(one)(carry, tokens_GxBxT, targets_GxBxT, seed_G)
+
+
+def run_streams(em, tokens_NxT, pos_T, targets_NxT, seed: int, chunk: int, on_chunk):
+  """`emulator.run_streams` of streams in groups of `em.setup.batch` sharing the cache
+  (the inputs checked there) -> the same numpy dict, per stream."""
+  b = em.setup.batch
+  n, t = tokens_NxT.shape
+  if n % b:
+    raise E.EmulatorError(f"{n} streams do not split into batches of {b}: use a stream count "
+                          f"that is a multiple of --batch")
+  g = n // b
+  grp = lambda a: np.asarray(a).reshape((g, b) + np.shape(a)[1:])
+  decay = np.float32(float(em.setup.policy.lfu_decay))
+  logits, carry = prefill(em.setup, em.params, em.layers, em.table, em.states,
+                          grp(tokens_NxT[:, 0]), decay)
+  logits = np.asarray(logits).reshape(n, -1)
+  first = -np.asarray(jax.nn.log_softmax(logits))[np.arange(n), targets_NxT[:, 0]]
+  seeds = np.arange(g, dtype=np.int32) + 7919 * seed
+  c = chunk or (t - 1)
+  if (t - 1) % max(c, 1):
+    raise E.EmulatorError(f"T - 1 = {t - 1} decoded tokens is not a multiple of chunk={c}")
+  outs, compile_s, run_s, step = [], 0.0, 0.0, None
+  for at in range(1, t, max(c, 1)):
+    args = (em.params, em.layers, em.table, carry, grp(tokens_NxT[:, at:at + c]),
+            pos_T[at:at + c], grp(targets_NxT[:, at:at + c]), seeds + at)
+    if step is None:
+      t0 = time.perf_counter()
+      step = teacher_forced.lower(em.setup, *args).compile()
+      compile_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    carry, out = step(*args)
+    outs.append({k: np.asarray(v).reshape((n,) + v.shape[2:]) for k, v in
+                 jax.device_get(out).items()})
+    run_s += time.perf_counter() - t0
+    if on_chunk is not None:
+      on_chunk(n * c)
+  out = {k: np.concatenate([o[k] for o in outs], axis=1) for k in outs[0]} if outs else {
+      "nll": np.zeros((n, 0), np.float32),
+      "stats": np.zeros((n, 0, len(step_lib.STATS)), np.float32)}
+  out["nll"] = np.concatenate([first[:, None], out["nll"]], axis=1)
+  out["first_logits"] = logits
+  out["compile_s"], out["run_s"] = compile_s, run_s
+  return out

@@ -50,6 +50,8 @@ flags.DEFINE_float("cache_fraction", 0.25, "Share of each layer's experts reside
 flags.DEFINE_string("out", "runs/emulate", "Output folder.")
 flags.DEFINE_integer("max_tokens", 32768, "Tokens over all streams (0: every document).")
 flags.DEFINE_integer("streams", 16, "Independent streams (vmapped).")
+flags.DEFINE_integer("batch", 1, "Streams decoded together B at a time, sharing each layer's "
+                     "expert cache, as a server's batch (--streams a multiple of it).")
 flags.DEFINE_integer("window", 256, "Attention window: the context resets every N tokens.")
 flags.DEFINE_integer("max_doc_tokens", 1024, "Documents are cut to this many tokens (0: uncut).")
 flags.DEFINE_list("sets", ["stdlib", "humaneval"], "Documents: stdlib (held-out) and/or humaneval.")
@@ -66,6 +68,9 @@ def check_flags():
     raise app.UsageError(f"--sets: choose from stdlib, humaneval; got {FLAGS.sets}")
   if not FLAGS.policies:
     raise app.UsageError("--policies is empty")
+  if FLAGS.batch < 1 or FLAGS.streams % FLAGS.batch:
+    raise app.UsageError(f"--batch={FLAGS.batch}: --streams={FLAGS.streams} must be a positive "
+                         "multiple of it")
   for n in ("max_tokens", "streams", "window", "chunk"):
     if getattr(FLAGS, n) < (0 if n == "max_tokens" else 1):
       raise app.UsageError(f"--{n} must be positive, got {getattr(FLAGS, n)}")
@@ -142,13 +147,13 @@ def main(argv):
   st = make_streams(tok)
   runner = R.Runner(cfg, params, store, st, FLAGS.out, max_len=FLAGS.window,
                     chunk=FLAGS.chunk)
-  tag = streams_tag(st)
+  tag = streams_tag(st) + (f"_b{FLAGS.batch}" if FLAGS.batch > 1 else "")
   print(f"{st.tokens.shape[0]} streams x {st.tokens.shape[1]} tokens, {st.num_docs} documents; "
         f"{budget.describe()}")
   runs, lows = {}, {}
   for s in specs:
     pol = parsed[s][0]
-    kw = {}
+    kw = {"batch": FLAGS.batch} if FLAGS.batch > 1 else {}
     if pol.decision.low:
       bits = pol.decision.low_bits
       if bits not in lows:
@@ -158,7 +163,7 @@ def main(argv):
                          cache_fraction=FLAGS.cache_fraction, **kw)
   base = runs["fetch_all"]
   res = {"model_dir": FLAGS.model_dir, "cache_fraction": FLAGS.cache_fraction,
-         "budget": budget.as_dict(), "policies": {},
+         "budget": budget.as_dict(), "policies": {}, "batch": FLAGS.batch,
          "streams": dict(num_streams=int(st.tokens.shape[0]), length=int(st.tokens.shape[1]),
                          documents=st.num_docs, window=FLAGS.window,
                          max_doc_tokens=FLAGS.max_doc_tokens, sets=FLAGS.sets, seed=FLAGS.seed)}

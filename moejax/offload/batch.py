@@ -36,11 +36,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moejax.cache.counting import PER_STEP
+from moejax.cache import step as step_lib
 from moejax.cache.policy import FETCH, FETCH_LOW
 from moejax.kernels import cpu_kernel
 from moejax.offload import decode
-from moejax.offload.stats import TokenRecord, build_record, link_counts
+from moejax.offload.stats import TokenRecord, from_counts, layer_records, link_counts
 
 _PER_ROW = ("ids", "actions", "substitutes", "share", "rows", "true_ids")
 
@@ -56,8 +56,9 @@ class Batched:
       raise ValueError(f"--prefetch={engine.mode.prefetch}: speculative prefetch predicts one "
                        "token's next layer; batched decoding (--max_batch > 1) runs without it")
     self.engine, self.max_batch = engine, max_batch
-    self.records: list[TokenRecord] = []     # per active row of each step, in order
+    self._steps: list[tuple] = []     # (numpy Record, valid [B], wall_s, waits) per step
     self.last_prompt_fetches: float | None = None    # experts the last prompt copied
+    self._bytes = (engine.moe_layers, engine.store.expert_nbytes(), engine.low_nbytes)
     self._carry = (None, states, None)
     self.reset()
 
@@ -66,9 +67,7 @@ class Batched:
     eng = self.engine
     if self._carry is None:
       raise RuntimeError("the batch's resident experts were lost in a failed step")
-    cache, _, pending = decode.empty_carry(eng.program.ctx, eng.dtype, eng.max_len, {},
-                                           scan=eng.program.scan, rows=self.max_batch)
-    self._carry = (cache, self._carry[1], pending)
+    self._carry = eng.new_carry(self._carry[1], rows=self.max_batch)
     self.pos = np.zeros(self.max_batch, np.int32)      # each row's next position
 
   @property
@@ -91,9 +90,17 @@ class Batched:
     return {l: s.resident_experts()
             for l, s in decode.per_layer(eng.program, eng.moe_layers, self.states).items()}
 
-  def take_records(self) -> list[TokenRecord]:
-    out, self.records = self.records, []
-    return out
+  @property
+  def records(self) -> list[TokenRecord]:
+    """Per active row of each step since the last `take_records`, in order (rows by
+    index), with their per-layer decisions (`stats.LayerRecord`)."""
+    return [r for st in self._steps for r in row_records(*st, self._bytes, layers=True)]
+
+  def take_records(self, layers: bool = True) -> list[TokenRecord]:
+    """`records`, handed over and forgotten; layers=False: counts and times only (a
+    server's per-request figures: no per-layer id lists to build)."""
+    steps, self._steps = self._steps, []
+    return [r for st in steps for r in row_records(*st, self._bytes, layers=layers)]
 
   # -------------------------------------------------------------- programs
   def warmup(self, prompt_lengths=()):
@@ -152,29 +159,29 @@ class Batched:
     if eng.link.emulated:
       low = eng.low_nbytes / eng.store.expert_nbytes()
       waits = eng.charge_link(t0, "a batch step", *link_counts(rec, low))
-    wall = time.perf_counter() - t0
-    self.records.extend(row_records(rec, valid, eng.moe_layers, eng.store.expert_nbytes(),
-                                    eng.low_nbytes, wall, waits))
+    self._steps.append((rec, valid, time.perf_counter() - t0, waits))
     self.pos[valid] += 1
     return np.asarray(logits)
 
 
-def row_records(rec, valid_B, moe_layers, expert_bytes: int, low_bytes: int, wall_s: float,
-                waits: dict) -> list[TokenRecord]:
+def row_records(rec, valid_B, wall_s: float, waits: dict, layout, layers: bool = True
+                ) -> list[TokenRecord]:
   """A step's `stats.TokenRecord` per active row, from its numpy `cache.step.Record`
-  (per-token fields [L, B K]): the row's own actions, the step's time, and the step's
-  admissions and evictions shared by its n active rows (1/n each)."""
+  (per-token fields [L, B K]) -> the row's own counts (`counting.row_counts`: the step's
+  admissions and evictions shared by its active rows), the step's time; layers: also
+  the row's per-layer decisions.  layout: (MoE layers, an expert's bytes, a
+  low-precision copy's)."""
+  moe_layers, expert_bytes, low_bytes = layout
   nb = valid_B.shape[0]
-  n = int(np.sum(valid_B))
+  c_BxS = np.sum(step_lib.row_counts(np, rec, valid_B), axis=0, dtype=np.float64)
   out = []
   for b in np.flatnonzero(valid_B):
-    part = {f: getattr(rec, f).reshape(getattr(rec, f).shape[:-1] + (nb, -1))[..., b, :]
-            for f in _PER_ROW}
-    mine = np.isin(part["actions"], (FETCH, FETCH_LOW))
-    part["fetched"] = np.where(mine, part["ids"], -1)
-    r = build_record(dataclasses.replace(rec, **part), moe_layers, expert_bytes, low_bytes)
-    for k in PER_STEP:     # the step's, shared by its rows (`counting.row_counts`)
-      setattr(r, k, getattr(r, k) / n)
+    r = from_counts(c_BxS[b], expert_bytes, low_bytes)
+    if layers:
+      part = {f: getattr(rec, f).reshape(getattr(rec, f).shape[:-1] + (nb, -1))[..., b, :]
+              for f in _PER_ROW}
+      part["fetched"] = np.where(np.isin(part["actions"], (FETCH, FETCH_LOW)), part["ids"], -1)
+      r.layers = layer_records(dataclasses.replace(rec, **part), moe_layers)
     r.finish(wall_s, **waits)
     out.append(r)
   return out

@@ -211,7 +211,7 @@ class OffloadEngine:
     self._check()
     # lowered and compiled, not run: the calls that follow reuse the executables, and no
     # throwaway copy of the slot buffers is made (Qwen3-30B-A3B: 1.2 GB a layer at 25%)
-    self._step.lower(self.params, self._srcs, self._new_carry(self._live_states()), np.int32(0),
+    self._step.lower(self.params, self._srcs, self.new_carry(self._live_states()), np.int32(0),
                      np.int32(0)).compile()
     decode.compile_prompts(self._prog, self.params, self._srcs, self._live_states(),
                            prompt_lengths)
@@ -252,9 +252,10 @@ class OffloadEngine:
       return jax.device_put(tree, self.device)
     return expert_parallel.replicate(self.plan, tree)
 
-  def _new_carry(self, states):
+  def new_carry(self, states, rows: int = 1):
+    """(an empty KV cache of `rows`, states, nothing pending) on the engine's device(s)."""
     cache, _, pending = decode.empty_carry(self._prog.ctx, self.dtype, self.max_len, {},
-                                           scan=self._prog.scan)
+                                           scan=self._prog.scan, rows=rows)
     return self._put(cache), states, self._put(pending)
 
   def prefill(self, prompt_ids) -> np.ndarray:

@@ -119,24 +119,34 @@ def build_record(rec, moe_layers, expert_bytes: int, low_bytes: int = 0,
   full-precision fetches, `fetches_low` low-precision ones (`low_bytes` each); `fetched`
   lists both.  plan: an `expert_parallel.Plan`, whose devices' hits are counted
   (`device_hits`)."""
-  c = step_lib.record_counts(np, rec)
-  tot = dict(zip(step_lib.STATS, np.sum(c, axis=0, dtype=np.float64).tolist()))
+  out = from_counts(np.sum(step_lib.record_counts(np, rec), axis=0, dtype=np.float64),
+                    expert_bytes, low_bytes)
+  if plan is not None:     # a hit's row is its global slot
+    hits = per_device(rec.actions == HIT, rec.rows, plan.devices)
+    out.device_hits = tuple(np.sum(hits, axis=0, dtype=np.float64).tolist())
+  out.layers = layer_records(rec, moe_layers)
+  return out
+
+
+def from_counts(c_S, expert_bytes: int, low_bytes: int = 0) -> TokenRecord:
+  """A TokenRecord of a token's `cache.step.STATS` counts (summed over MoE layers)."""
+  tot = dict(zip(step_lib.STATS, np.asarray(c_S, np.float64).tolist()))
   out = TokenRecord(**{k: tot[k] for k in step_lib.STATS if k != "first_substituted"})
   out.misses = out.expert_calls - out.hits
   out.fetch_low_bytes = out.fetches_low * low_bytes
   out.fetch_bytes = out.fetches * expert_bytes + out.fetch_low_bytes
   out.prefetch_bytes = out.prefetches * expert_bytes
   out.wasted_bytes = (out.prefetches - out.useful_prefetches) * expert_bytes
-  if plan is not None:     # a hit's row is its global slot
-    hits = per_device(rec.actions == HIT, rec.rows, plan.devices)
-    out.device_hits = tuple(np.sum(hits, axis=0, dtype=np.float64).tolist())
+  return out
+
+
+def layer_records(rec, moe_layers) -> dict[int, LayerRecord]:
+  """{MoE layer: LayerRecord} of a numpy `cache.step.Record` [L, ...]."""
   ints = {name: np.asarray(getattr(rec, name)).astype(np.int64).tolist()
           for name in _LAYER_IDS}
-  for j, l in enumerate(moe_layers):
-    out.layers[l] = LayerRecord(**{
-        name: tuple(v[j]) if name in _DENSE else tuple(e for e in v[j] if e >= 0)
-        for name, v in ints.items()})
-  return out
+  return {l: LayerRecord(**{
+      name: tuple(v[j]) if name in _DENSE else tuple(e for e in v[j] if e >= 0)
+      for name, v in ints.items()}) for j, l in enumerate(moe_layers)}
 
 
 def link_counts(rec, low_ratio: float = 0.0, plan=None):

@@ -159,7 +159,7 @@ class Offloaded:
     return time.perf_counter() - t0
 
   def take_records(self) -> list:
-    return self.batch.take_records()
+    return self.batch.take_records(layers=False)
 
   def usage(self, row: "Row", ttft_s, tps) -> dict:
     from moejax.offload.stats import summarize

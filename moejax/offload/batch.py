@@ -38,7 +38,6 @@ import numpy as np
 
 from moejax.cache import step as step_lib
 from moejax.cache.policy import FETCH, FETCH_LOW
-from moejax.kernels import cpu_kernel
 from moejax.offload import decode
 from moejax.offload.stats import TokenRecord, from_counts, layer_records, link_counts
 
@@ -149,11 +148,10 @@ class Batched:
       raise ValueError(f"max_len={eng.max_len} reached")
     pos = np.where(valid, self.pos, 0).astype(np.int32)
     t0 = time.perf_counter()
-    with cpu_kernel.decoding():
-      carry, self._carry = self._carry, None      # donated: lost if the step fails
-      self._carry, logits, packed = decode.step_fn(eng.program)(
-          eng.params, eng.sources, carry, np.asarray(tokens_B, np.int32), pos, valid)
-      logits, packed = jax.device_get((logits, packed))
+    carry, self._carry = self._carry, None      # donated: lost if the step fails
+    self._carry, logits, packed = decode.step_fn(eng.program)(
+        eng.params, eng.sources, carry, np.asarray(tokens_B, np.int32), pos, valid)
+    logits, packed = jax.device_get((logits, packed))
     rec = decode.unpack(packed, decode.record_like(eng.program, np.shape(packed)))
     waits = {}
     if eng.link.emulated:

@@ -383,7 +383,7 @@ def run(stack: contextlib.ExitStack, watch):
         expert_transfer_ms=1e3 * link.transfer_time(ebytes) if link.emulated else copy_ms,
         presets=rows)
     print(table(rows, link.describe(), sampler_ms))
-  result["layer_scan"] = {str(k if isinstance(k, str) else "/".join(k)): r._prog.scan
+  result["layer_scan"] = {str(k if isinstance(k, str) else "/".join(k)): r.program.scan
                           for k, r in runners.items() if hasattr(r, "_prog")}
   if FLAGS.unrolled:   # after / before: the scanned engine over the unrolled one, per round
     pairs = {"all_resident": ("all_resident", "unrolled/all_resident")}

@@ -14,6 +14,7 @@ import pytest
 from moejax.io.loader import expert_shapes
 from moejax.io.store import ExpertStore, LayerExperts
 from moejax.kernels import cpu_kernel
+from moejax.offload import decode
 from moejax.model.config import ModelConfig
 from moejax.model.model import Transformer
 from moejax.model.sampler import SamplingParams
@@ -42,7 +43,7 @@ def _model(layers: int, dtype=jnp.bfloat16, sparse=None):
 def _run(cfg, params, store, scan: bool, policy: str, **kw):
   eng = OffloadEngine(cfg, params, store, EngineConfig.make(
       policy, cache_fraction=kw.pop("fraction", 0.25), dtype="bfloat16", layer_scan=scan, **kw))
-  assert eng._prog.scan == scan
+  assert eng.program.scan == scan
   logits = [eng.prefill(PROMPT)] + [eng.decode_step(t) for t in STREAM]
   recs = [{k: v for k, v in r.__dict__.items() if "wall" not in k and not k.endswith("_s")}
           for r in eng.records]
@@ -76,8 +77,8 @@ def _custom_calls(layers: int, scan: bool) -> dict:
   cfg, params, store = _model(layers)
   eng = OffloadEngine(cfg, params, store, EngineConfig.make("quality", dtype="bfloat16",
                                                             layer_scan=scan))
-  hlo = eng._step.lower(eng.params, eng._srcs, eng._new_carry(eng._live_states()),
-                        np.int32(0), np.int32(0)).as_text()
+  hlo = decode.step_fn(eng.program).lower(eng.params, eng.sources, eng.new_carry(),
+                                          np.int32(0), np.int32(0)).as_text()
   names = re.findall(r"custom_call @(moejax_\w+)", hlo)
   return {n: names.count(n) for n in set(names)}, hlo
 
@@ -95,9 +96,9 @@ def test_the_scanned_step_does_not_grow_with_depth():
 
 def test_what_keeps_unrolling():
   cfg, params, store = _model(3, sparse=(True, False, True))      # a dense layer
-  assert not OffloadEngine(cfg, params, store, EngineConfig.make("quality"))._prog.scan
+  assert not OffloadEngine(cfg, params, store, EngineConfig.make("quality")).program.scan
   cfg, params, store = _model(2)
   apart = ExpertStore({l: LayerExperts(8, stacked={k: np.array(v) for k, v in
                                                    store.stacked(l).items()}) for l in (0, 1)}, 2)
-  assert not OffloadEngine(cfg, params, apart, EngineConfig.make("quality"))._prog.scan
-  assert OffloadEngine(cfg, params, store, EngineConfig.make("quality"))._prog.scan
+  assert not OffloadEngine(cfg, params, apart, EngineConfig.make("quality")).program.scan
+  assert OffloadEngine(cfg, params, store, EngineConfig.make("quality")).program.scan

@@ -39,6 +39,14 @@ def model_dir(default: str | None = None, what: str = "Hugging Face model folder
   _define("string", "model_dir", default, f"{what}. Default: {where}.")
 
 
+def tokens_file() -> None:
+  """--tokens_file: the encoded training stream (the prefetch predictors' programs)."""
+  _define("string", "tokens_file", "", "The encoded training stream as .npy (same tokenizer; "
+          "the demo model's training writes <data_dir>/train_tokens.npy; the held-out stream "
+          "is heldout_python.npy beside it when there); default: encode the corpus' train "
+          "split (slow).")
+
+
 def dtype() -> None:
   """--dtype: the compute/parameter dtype."""
   _define("enum", "dtype", "float32", "Compute/parameter dtype.",

@@ -8,7 +8,7 @@
     logits = eng.decode_step(tok, lazy=True)   # a device array; the record is read later
     ids = eng.generate(prompt_ids, SamplingParams(...))   # on-device loop, or per token
     eng.stats(skip=16); eng.resident_sets()    # summary of the records; resident ids
-    rows = eng.batched(8)        # several sequences at once (`batch.Batched`)
+    rows = eng.batched(8)                  # several sequences at once (`batch.Batched`)
 
 A decode step is ONE jitted program (`decode.step_fn`): every layer, and in each MoE
 layer the one per-layer sequence (`layer.moe_layer`) with its copies from the host
@@ -139,9 +139,8 @@ class OffloadEngine:
   sources = property(lambda self: self._srcs, doc="The MoE layers' expert sources, as passed.")
 
   def batched(self, max_batch: int) -> batch_lib.Batched:
-    """A `batch.Batched` decoder of up to `max_batch` sequences at once under this
-    engine's policy, budget, link and resident experts, which it takes over: the engine
-    itself decodes no more (a server's continuous batch)."""
+    """A `batch.Batched` decoder of up to `max_batch` sequences at once on this engine's
+    policy, budget, link and resident experts, handed over (the engine decodes no more)."""
     self._check(), self._read_deferred(), self._build_records()
     self._batch = batch_lib.Batched(self, self._live_states(), max_batch)
     self._carry = self._states = None
@@ -161,8 +160,8 @@ class OffloadEngine:
   def __enter__(self):
     return self
 
-  def __exit__(self, exc_type, exc, tb):
-    self.close()
+  def __exit__(self, *exc):
+    return self.close()
 
   @property
   def states(self) -> dict:
@@ -211,7 +210,7 @@ class OffloadEngine:
     self._check()
     # lowered and compiled, not run: the calls that follow reuse the executables, and no
     # throwaway copy of the slot buffers is made (Qwen3-30B-A3B: 1.2 GB a layer at 25%)
-    self._step.lower(self.params, self._srcs, self.new_carry(self._live_states()), np.int32(0),
+    self._step.lower(self.params, self._srcs, self.new_carry(), np.int32(0),
                      np.int32(0)).compile()
     decode.compile_prompts(self._prog, self.params, self._srcs, self._live_states(),
                            prompt_lengths)
@@ -252,8 +251,9 @@ class OffloadEngine:
       return jax.device_put(tree, self.device)
     return expert_parallel.replicate(self.plan, tree)
 
-  def new_carry(self, states, rows: int = 1):
-    """(an empty KV cache of `rows`, states, nothing pending) on the engine's device(s)."""
+  def new_carry(self, states=None, rows: int = 1):
+    """(an empty KV cache of `rows`, states (default: the live ones), nothing pending)."""
+    states = self._live_states() if states is None else states
     cache, _, pending = decode.empty_carry(self._prog.ctx, self.dtype, self.max_len, {},
                                            scan=self._prog.scan, rows=rows)
     return self._put(cache), states, self._put(pending)

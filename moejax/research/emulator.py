@@ -303,30 +303,40 @@ def run_streams(em: Emulation, tokens_BxT: np.ndarray, pos_T: np.ndarray,
     return shared_batch.run_streams(em, tokens_BxT, pos_T, targets_BxT, seed, chunk, on_chunk)
   logits, carry = prefill(em.setup, em.params, em.layers, em.table, em.states,
                           tokens_BxT[:, :1], np.ones((b,), np.int32))
-  first = -np.asarray(jax.nn.log_softmax(logits))[np.arange(b), targets_BxT[:, 0]]
   seeds = np.arange(b, dtype=np.int32) + 7919 * seed
+  inputs = lambda at, c: (tokens_BxT[:, at:at + c], pos_T[at:at + c],
+                          targets_BxT[:, at:at + c], seeds + at)
+  return decode_chunks(teacher_forced, em, carry, inputs, logits, targets_BxT, chunk,
+                       on_chunk)
+
+
+def decode_chunks(program, em: Emulation, carry, inputs, logits_NxV, targets_NxT, chunk: int,
+                  on_chunk, unpack=lambda out: out) -> dict:
+  """The decoded tokens 1..T-1 of N streams after their prompts (logits_NxV), by the jitted
+  `program(setup, params, layers, table, carry, *inputs(at, c))` over `chunk` tokens a call
+  (compiled once; `unpack` makes a call's output per stream) -> `run_streams`'s dict."""
+  n, t = targets_NxT.shape
+  first = -np.asarray(jax.nn.log_softmax(logits_NxV))[np.arange(n), targets_NxT[:, 0]]
   c = chunk or (t - 1)
   if (t - 1) % max(c, 1):
     raise EmulatorError(f"T - 1 = {t - 1} decoded tokens is not a multiple of chunk={c}")
-  outs, compile_s, run_s = [], 0.0, 0.0
-  step = None
+  outs, compile_s, run_s, step = [], 0.0, 0.0, None
   for at in range(1, t, max(c, 1)):
-    args = (em.params, em.layers, em.table, carry, tokens_BxT[:, at:at + c], pos_T[at:at + c],
-            targets_BxT[:, at:at + c], seeds + at)
+    args = (em.params, em.layers, em.table, carry) + inputs(at, c)
     if step is None:
       t0 = time.perf_counter()
-      step = teacher_forced.lower(em.setup, *args).compile()
+      step = program.lower(em.setup, *args).compile()
       compile_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     carry, out = step(*args)
-    outs.append(jax.device_get(out))
+    outs.append(unpack(jax.device_get(out)))
     run_s += time.perf_counter() - t0
     if on_chunk is not None:
-      on_chunk(b * c)
+      on_chunk(n * c)
   out = {k: np.concatenate([o[k] for o in outs], axis=1) for k in outs[0]} if outs else {
-      "nll": np.zeros((b, 0), np.float32),
-      "stats": np.zeros((b, 0, len(STATS)), np.float32)}
+      "nll": np.zeros((n, 0), np.float32),
+      "stats": np.zeros((n, 0, len(STATS)), np.float32)}
   out["nll"] = np.concatenate([first[:, None], out["nll"]], axis=1)
-  out["first_logits"] = np.asarray(logits)
+  out["first_logits"] = np.asarray(logits_NxV)
   out["compile_s"], out["run_s"] = compile_s, run_s
   return out

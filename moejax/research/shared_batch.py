@@ -15,7 +15,6 @@ decision.
 from __future__ import annotations
 
 import functools
-import time
 
 import jax
 import jax.numpy as jnp
@@ -79,7 +78,7 @@ def run_streams(em, tokens_NxT, pos_T, targets_NxT, seed: int, chunk: int, on_ch
   """`emulator.run_streams` of streams in groups of `em.setup.batch` sharing the cache
   (the inputs checked there) -> the same numpy dict, per stream."""
   b = em.setup.batch
-  n, t = tokens_NxT.shape
+  n = tokens_NxT.shape[0]
   if n % b:
     raise E.EmulatorError(f"{n} streams do not split into batches of {b}: use a stream count "
                           f"that is a multiple of --batch")
@@ -88,31 +87,9 @@ def run_streams(em, tokens_NxT, pos_T, targets_NxT, seed: int, chunk: int, on_ch
   decay = np.float32(float(em.setup.policy.lfu_decay))
   logits, carry = prefill(em.setup, em.params, em.layers, em.table, em.states,
                           grp(tokens_NxT[:, 0]), decay)
-  logits = np.asarray(logits).reshape(n, -1)
-  first = -np.asarray(jax.nn.log_softmax(logits))[np.arange(n), targets_NxT[:, 0]]
   seeds = np.arange(g, dtype=np.int32) + 7919 * seed
-  c = chunk or (t - 1)
-  if (t - 1) % max(c, 1):
-    raise E.EmulatorError(f"T - 1 = {t - 1} decoded tokens is not a multiple of chunk={c}")
-  outs, compile_s, run_s, step = [], 0.0, 0.0, None
-  for at in range(1, t, max(c, 1)):
-    args = (em.params, em.layers, em.table, carry, grp(tokens_NxT[:, at:at + c]),
-            pos_T[at:at + c], grp(targets_NxT[:, at:at + c]), seeds + at)
-    if step is None:
-      t0 = time.perf_counter()
-      step = teacher_forced.lower(em.setup, *args).compile()
-      compile_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    carry, out = step(*args)
-    outs.append({k: np.asarray(v).reshape((n,) + v.shape[2:]) for k, v in
-                 jax.device_get(out).items()})
-    run_s += time.perf_counter() - t0
-    if on_chunk is not None:
-      on_chunk(n * c)
-  out = {k: np.concatenate([o[k] for o in outs], axis=1) for k in outs[0]} if outs else {
-      "nll": np.zeros((n, 0), np.float32),
-      "stats": np.zeros((n, 0, len(step_lib.STATS)), np.float32)}
-  out["nll"] = np.concatenate([first[:, None], out["nll"]], axis=1)
-  out["first_logits"] = logits
-  out["compile_s"], out["run_s"] = compile_s, run_s
-  return out
+  inputs = lambda at, c: (grp(tokens_NxT[:, at:at + c]), pos_T[at:at + c],
+                          grp(targets_NxT[:, at:at + c]), seeds + at)
+  unpack = lambda out: {k: np.asarray(v).reshape((n,) + v.shape[2:]) for k, v in out.items()}
+  return E.decode_chunks(teacher_forced, em, carry, inputs, np.asarray(logits).reshape(n, -1),
+                         targets_NxT, chunk, unpack=unpack, on_chunk=on_chunk)

@@ -121,12 +121,13 @@ class Offloaded:
     self.batch = engine.batched(max_batch)
     self.warm = ()
     self.seen = [engine.policy]          # policies whose programs are compiled
+    # what the prompt scorer and the loop read, as `Resident` has them
+    self.params, self.dtype, self.store = engine.params, engine.dtype, engine.store
+    self.max_len = engine.max_len
 
-  params = property(lambda self: self.engine.params)
-  dtype = property(lambda self: self.engine.dtype)
-  max_len = property(lambda self: self.engine.max_len)
-  store = property(lambda self: self.engine.store)
-  policy = property(lambda self: self.engine.policy)
+  @property
+  def policy(self):
+    return self.engine.policy
 
   def describe(self) -> str:
     return f"{self.engine.describe()}; up to {self.max_batch} requests a step"

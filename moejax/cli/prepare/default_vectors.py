@@ -26,9 +26,7 @@ flags.DEFINE_integer("windows", 256, "Training windows to average over.")
 flags.DEFINE_integer("seq", 256, "Window length.")
 flags.DEFINE_integer("batch", 8, "Windows per jitted pass.")
 flags.DEFINE_integer("seed", 0, "Window sampling seed.")
-flags.DEFINE_string("tokens_file", "", "The encoded training stream as .npy (same tokenizer; "
-                    "the demo model's training writes <data_dir>/train_tokens.npy); default: "
-                    "encode the corpus' train split (slow).")
+flagsets.tokens_file()
 flags.adopt_module_key_flags(cli)
 flags.adopt_module_key_flags(flagsets)   # the shared flags this program defined there
 

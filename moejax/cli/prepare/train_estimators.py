@@ -41,9 +41,7 @@ flags.DEFINE_list("domains", list(corpus.DOMAINS),
 flags.DEFINE_integer("held_windows", 32, "Held-out stdlib windows.")
 flags.DEFINE_integer("hidden", 64, "Estimator hidden width.")
 flags.DEFINE_integer("epochs", 8, "Maximum epochs per estimator.")
-flags.DEFINE_string("tokens_file", "", "The encoded training stream as .npy (see "
-                    "moejax-default-vectors --tokens_file; the held-out stream is "
-                    "heldout_python.npy beside it when there); default: encode the train split.")
+flagsets.tokens_file()
 flags.DEFINE_bool("previous_input", True,
                   "The estimators also take the previous token's router probabilities at the "
                   "predicted layer (moejax.estimators.model); --noprevious_input: q alone.")

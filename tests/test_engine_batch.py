@@ -118,6 +118,7 @@ def test_fetch_all_rows_equal_each_decoded_alone(request, which, policy, fractio
     assert t_a == t_b
     np.testing.assert_allclose(l_b, l_a, atol=2e-5, rtol=0)
   assert len(recs) == 5 * len(PROMPTS)              # one record per active row and step
+  assert all(r.rows == len(PROMPTS) for r in recs)  # the step's active rows
   if fraction < 1:
     assert sum(r.fetches for r in recs) > 0        # the batch really missed
 

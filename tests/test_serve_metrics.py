@@ -44,6 +44,16 @@ def test_expert_calls_are_exact_integers():
   assert sum(calls.values()) == 3 * 64 + 8
 
 
+def test_a_batch_steps_wait_counts_once():
+  """Rows of one batch step each carry the step's wait (as their request saw it); the
+  server's total counts the step once."""
+  m = metrics_lib.Metrics()
+  step = [TokenRecord(expert_calls=8.0, hits=8.0, wait_s=0.25, rows=4) for _ in range(4)]
+  m.finished(4, 0.01, 100.0, step[:2])       # two requests of the batch
+  m.finished(4, 0.01, 100.0, step[2:])
+  assert float(sample(m.render(), "moejax_fetch_wait_seconds_total")) == 0.25
+
+
 def test_every_answer_is_counted():
   from moejax.cache.policy import make_policy
   from moejax.io.tokenizer import Tokenizer

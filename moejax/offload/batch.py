@@ -181,6 +181,7 @@ def row_records(rec, valid_B, wall_s: float, waits: dict, layout, layers: bool =
       part["fetched"] = np.where(np.isin(part["actions"], (FETCH, FETCH_LOW)), part["ids"], -1)
       r.layers = layer_records(dataclasses.replace(rec, **part), moe_layers)
     r.finish(wall_s, **waits)
+    r.rows = int(np.sum(valid_B))
     out.append(r)
   return out
 

@@ -91,6 +91,7 @@ class TokenRecord:
   compute_s: float = 0.0          # the rest of wall_s
   wall_s: float = 0.0
   tokens: int = 1                 # prompt length for the prefill record
+  rows: int = 1                   # rows decoded in the token's step (a batch: they share its waits)
   device_hits: tuple = ()         # expert-parallel: hits served from each device's slots
   layers: dict[int, LayerRecord] = dataclasses.field(default_factory=dict)
 

@@ -18,7 +18,8 @@ counters and gauges need no client library.  Counts are integers, rendered exact
   moejax_policy_compile_seconds_total     ... their compile time (outside the requests'
                                           ttft and tpot)
   moejax_expert_hit_rate                  hits / expert calls over every decode step
-  moejax_fetch_wait_seconds_total         decode time spent waiting for expert fetches
+  moejax_fetch_wait_seconds_total         decode time spent waiting for expert fetches (a
+                                          batch's step counted once, not once a row)
   moejax_expert_calls_total{action}       hit, substituted, fetched (waited; full
                                           precision), other (low-precision fetches,
                                           dropped, computed on the host); they sum to
@@ -80,7 +81,7 @@ class Metrics:
   def finished(self, tokens: int, ttft_s: float | None, decode_tps: float | None, records):
     """A request's figures; `records`: its decode steps' `TokenRecord`s."""
     calls = expert_calls(records)
-    wait_s = sum(r.wait_s for r in records)
+    wait_s = sum(r.wait_s / r.rows for r in records)   # a batch's step waited once
     with self._lock:
       self.tokens += tokens
       if ttft_s is not None:

@@ -200,3 +200,27 @@ def test_batch_errors(uniform):
   em = E.make(cfg, params, store, "quality", max_len=MAX_LEN, batch=2)
   with pytest.raises(E.EmulatorError, match="multiple of --batch"):
     E.run_streams(em, np.zeros((3, 4), np.int32), np.arange(4), np.zeros((3, 4), np.int32))
+
+
+def test_an_emulated_link_waits_once_a_step_for_its_fetches(uniform):
+  """Each step waits out the link's time of the union of its rows' fetches (each expert
+  once); every row of the step reports that wait; the prompts' copies are charged too."""
+  from moejax.offload import link as link_lib
+  cfg, params, store = uniform
+  link = link_lib.parse_link("1MB/s,100us")
+  per = link.transfer_time(store.expert_nbytes()) - link.latency_s
+  with OffloadEngine(cfg, params, store, EngineConfig.make(
+      "baseline", max_len=MAX_LEN, cache_fraction=0.25, link=link)) as eng:
+    b = eng.batched(3)
+    lg = [b.prompt(p, r) for r, p in enumerate(PROMPTS)]
+    for _ in range(3):
+      lg = b.step(np.argmax(np.stack(lg), -1), np.ones(3, bool))
+    recs = b.records
+  steps = [recs[i:i + 3] for i in range(0, len(recs), 3)]
+  assert sum(r.fetches for r in recs) > 0
+  for rows in steps:
+    assert len({r.wait_s for r in rows}) == 1          # the step's wait, as each row saw it
+    fetched = [sorted({e for r in rows for e in r.layers[l].fetched}) for l in eng.moe_layers]
+    want = sum(len(f) * per + (link.latency_s if f else 0.0) for f in fetched)
+    assert rows[0].wait_s == pytest.approx(want, rel=1e-9, abs=1e-12)
+    assert rows[0].wall_s >= rows[0].wait_s

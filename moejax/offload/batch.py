@@ -130,9 +130,9 @@ class Batched:
     self._carry = (put_row(cache, cache_1, np.int32(row)), states, pending)
     self.pos[row] = t
     out, copied = jax.device_get((logits, copied))
-    self.last_prompt_fetches = float(np.sum(np.asarray(copied) >= 0))
+    n_l = np.sum(np.asarray(copied) >= 0, axis=-1)      # experts copied per MoE layer
+    self.last_prompt_fetches = float(np.sum(n_l))
     if eng.link.emulated:
-      n_l = np.sum(np.asarray(copied) >= 0, axis=-1)
       eng.charge_link(t0, f"the {t}-token prompt of row {row}", n_l, 0 * n_l, 0 * n_l)
     return np.asarray(out)
 

@@ -139,8 +139,7 @@ class OffloadEngine:
   sources = property(lambda self: self._srcs, doc="The MoE layers' expert sources, as passed.")
 
   def batched(self, max_batch: int) -> batch_lib.Batched:
-    """A `batch.Batched` decoder of up to `max_batch` sequences at once on this engine's
-    policy, budget, link and resident experts, handed over (the engine decodes no more)."""
+    """`batch.Batched`: up to `max_batch` sequences at once on this engine's experts."""
     self._check(), self._read_deferred(), self._build_records()
     self._batch = batch_lib.Batched(self, self._live_states(), max_batch)
     self._carry = self._states = None
@@ -160,8 +159,8 @@ class OffloadEngine:
   def __enter__(self):
     return self
 
-  def __exit__(self, *exc):
-    return self.close()
+  def __exit__(self, exc_type, exc, tb):
+    self.close()
 
   @property
   def states(self) -> dict:

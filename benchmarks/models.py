@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -49,6 +50,20 @@ def bench_config(layers: int = 8) -> ModelConfig:
                      num_experts=64, top_k=8, moe_intermediate_size=256, intermediate_size=1024,
                      sparse_layers=(True,) * layers, norm_topk_prob=True,
                      qk_norm="head", max_position_embeddings=4096).validate()
+
+
+def demo_shape(layers: int) -> ModelConfig:
+  """The demo model's shape (bench_offload's random-weight model) with `layers` (0: 8)."""
+  return ModelConfig(model_type="qwen3_moe", vocab_size=8192, hidden_size=128,
+                     num_layers=layers or 8, num_heads=4, num_kv_heads=2, head_dim=32,
+                     num_experts=64, top_k=8, moe_intermediate_size=32, intermediate_size=512,
+                     sparse_layers=(True,) * (layers or 8), qk_norm="head",
+                     norm_topk_prob=True).validate()
+
+
+def qwen3_30b_shape(layers: int) -> ModelConfig:
+  """wide_bf16's layers (Qwen3-30B-A3B's width) with the real vocabulary of 151,936."""
+  return dataclasses.replace(wide_config(layers or 4), vocab_size=151936).validate()
 
 
 GGUF_DIR = os.path.join(os.path.expanduser("~"), ".cache", "moejax", "gguf")   # bench_scale's too

@@ -26,20 +26,12 @@ and the OffloadEngine with every expert resident.  The timed tokens are cut into
 order), so the load of a shared machine falls on all alike.  A runner's time per token
 is the median over rounds of its round's mean (ms per token).
 
-Per preset and link:
-  tpot_ms            time per token (median over rounds, above)
-  tpot_over_sampler  tpot_ms / sampler_tpot_ms (the Sampler's figure from this run)
-  lower_bound_ms     sampler_tpot_ms + (waited fetches per token) x expert_copy_ms
-                     + (emulated link only) the link's waits per token (the records'
-                     wait_s + admission_wait_s + prefetch_wait_s): the time of the same
-                     decisions with no overhead beyond the Sampler's decode step, the
-                     fetches' in-program copies and the emulated link's waits.
-                     expert_copy_ms: one expert's in-program copy from this run's store
-                     into a slot buffer, measured here (`launch.bench_transfer`): the
-                     lesser of one jitted call copying one expert (dispatch included)
-                     and the per-copy time of a jitted loop of copies.
-  tpot_over_lower_bound, and the engine's per-token statistics (`stats`: means over
-  the timed tokens' records).
+Per preset and link: tpot_ms (the median above), tpot_over_sampler, lower_bound_ms (the
+same decisions with no overhead beyond the Sampler's step, the fetches' in-program copies,
+each one expert's copy from this run's store into a slot buffer as measured here the way
+`launch.bench_transfer` does, and an emulated link's waits: the JSON's "lower_bound" spells
+it out), tpot_over_lower_bound, and the engine's per-token statistics (`stats`: means over
+the timed tokens' records).
 Every time names its link.  Figures are wall-clock on a shared machine.  --unrolled: every
 engine also with its layers unrolled (`layer_scan=False`), in the same rounds
 (`scan_over_unrolled`: the layer scan's before/after).
@@ -49,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import itertools
 import json
 import os
 import sys
@@ -60,15 +53,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks import models as bench_models
 from benchmarks.transfer import expert_copy_seconds
-from moejax.model.config import ModelConfig
 from moejax.io.loader import init_random, load_model
 from moejax.offload import calibrate
 from moejax.offload.engine import EngineConfig, OffloadEngine
-from moejax.io.store import BACKENDS, StoreBackendError, make_store
+from moejax.io.store import BACKENDS, ExpertStore, StoreBackendError, make_store
 from moejax.offload.link import parse_link
 from moejax.model.sampler import Sampler, SamplingParams
-from moejax.io.store import ExpertStore
 from moejax.kernels import cpu_kernel
 
 FLAGS = flags.FLAGS
@@ -111,27 +103,9 @@ LOWER_BOUND = ("sampler_tpot_ms + fetches_per_token x expert_copy_ms + (emulated
                "from this run's store into a slot buffer")
 
 
-def demo_shape(layers: int) -> ModelConfig:
-  return ModelConfig(model_type="qwen3_moe", vocab_size=8192, hidden_size=128,
-                     num_layers=layers or 8, num_heads=4, num_kv_heads=2, head_dim=32,
-                     num_experts=64, top_k=8, moe_intermediate_size=32, intermediate_size=512,
-                     sparse_layers=(True,) * (layers or 8), qk_norm="head",
-                     norm_topk_prob=True).validate()
-
-
-def qwen3_30b_shape(layers: int) -> ModelConfig:
-  n = layers or 4
-  return ModelConfig(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048,
-                     num_layers=n, num_heads=32, num_kv_heads=4, head_dim=128,
-                     num_experts=128, top_k=8, moe_intermediate_size=768,
-                     intermediate_size=6144, sparse_layers=(True,) * n, qk_norm="head",
-                     norm_topk_prob=True).validate()
-
-
 def load(dtype):
   """(cfg, params, store, token stream source, description)."""
   if FLAGS.model == "wide_bf16":
-    from benchmarks import models as bench_models
     d = bench_models.wide_dir(FLAGS.wide_layers, FLAGS.wide_root or bench_models.WIDE_DIR)
     bench_models.save_wide(d, FLAGS.wide_layers)
     cfg, params, store = load_model(d, dtype=dtype, mmap=FLAGS.store != "numpy")
@@ -140,7 +114,8 @@ def load(dtype):
     cfg, params, store = load_model(FLAGS.model_dir, dtype=dtype)
     tok_path = os.path.join(FLAGS.model_dir, "tokenizer.json")
     return cfg, params, store, tok_path if os.path.exists(tok_path) else None, FLAGS.model_dir
-  cfg = demo_shape(FLAGS.layers) if FLAGS.shape == "demo" else qwen3_30b_shape(FLAGS.layers)
+  cfg = (bench_models.demo_shape if FLAGS.shape == "demo" else bench_models.qwen3_30b_shape)(
+      FLAGS.layers)
   params, exps = init_random(cfg, seed=0, dtype=dtype)
   # random routers are nearly uniform; widen them so routing has a real model's skew
   params = jax.tree_util.tree_map_with_path(
@@ -246,16 +221,13 @@ def run(stack: contextlib.ExitStack, watch):
   dtype = jnp.dtype("bfloat16" if FLAGS.model == "wide_bf16" else FLAGS.dtype)
   platform = jax.devices()[0].platform
   presets = list(FLAGS.presets)
-  if platform != "cpu" and "host" in presets:
+  skip = ("it computes misses on the host CPU, which needs the CPU backend" if platform != "cpu"
+          else "the engine cannot compute host experts from a pinned_host store yet (XLA's CPU "
+          "dot refuses a pinned_host operand); use --store=numpy or mmap"
+          if FLAGS.store == "pinned_host" else None)
+  if skip and "host" in presets:
     presets.remove("host")
-    print("[bench_offload] 'host' skipped: it computes misses on the host CPU, which needs "
-          "the CPU backend", file=sys.stderr)
-  if FLAGS.store == "pinned_host" and "host" in presets:
-    # the engine's host experts read the store in place, and XLA's CPU dot refuses a
-    # pinned_host operand (memory_space mismatch in dot_general) at the first compile
-    presets.remove("host")
-    print("[bench_offload] 'host' skipped: the engine cannot compute host experts from a "
-          "pinned_host store yet (use --store=numpy or mmap)", file=sys.stderr)
+    print(f"[bench_offload] 'host' skipped: {skip}", file=sys.stderr)
   t0 = time.perf_counter()
   cfg, params, store, tok_path, desc = load(dtype)
   load_s = time.perf_counter() - t0
@@ -299,14 +271,12 @@ def run(stack: contextlib.ExitStack, watch):
   mk = lambda pol, link, f, scan=True: make_engine(stack, cfg, params, store, pol, link, stream,
                                                     counts, dtype, f, scan)
   runners = {"sampler": sampler, "all_resident": mk("baseline", links[FLAGS.links[0]], 1.0)}
-  for spec, link in links.items():
-    for preset in presets:
-      runners[(spec, preset)] = mk(preset, link, FLAGS.cache_fraction)
   if FLAGS.unrolled:   # the same engines with their layers unrolled, in the same rounds
     runners["unrolled/all_resident"] = mk("baseline", links[FLAGS.links[0]], 1.0, False)
-    for spec, link in links.items():
-      for preset in presets:
-        runners[("unrolled", spec, preset)] = mk(preset, link, FLAGS.cache_fraction, False)
+  for (spec, link), preset, scan in itertools.product(links.items(), presets,
+                                                      (True, False) if FLAGS.unrolled else (True,)):
+    runners[(spec, preset) if scan else ("unrolled", spec, preset)] = mk(
+        preset, link, FLAGS.cache_fraction, scan)
   print(f"[bench_offload] {runners[(FLAGS.links[0], presets[0])].describe()}", file=sys.stderr)
   t0 = time.time()
   rounds = run_rounds(runners, stream)
@@ -345,11 +315,9 @@ def run(stack: contextlib.ExitStack, watch):
                          "run alone)",
                  "plans": plans(cfg, dtype, len(stream) + 8, presets)},
   }
-  result["memory"]["sum_of_plans_anon_bytes"] = (
-      result["memory"]["plans"]["sampler"]["anon_bytes"]
-      + result["memory"]["plans"]["all_resident"]["anon_bytes"]
-      + sum(result["memory"]["plans"][p]["anon_bytes"] for p in presets) * len(links))
   mem = result["memory"]
+  mem["sum_of_plans_anon_bytes"] = sum(p["anon_bytes"] * (len(links) if k in presets else 1)
+                                       for k, p in mem["plans"].items())
   print(f"load {load_s:.1f} s; compile (decode step): " + ", ".join(
       f"{k} {v:.1f} s" for k, v in result["compile_s"].items()) + f"; peak anonymous RSS "
       f"{mem['peak_anon_bytes'] / 1e9:.2f} GB for all runners at once (their plans sum to "
@@ -384,7 +352,7 @@ def run(stack: contextlib.ExitStack, watch):
         presets=rows)
     print(table(rows, link.describe(), sampler_ms))
   result["layer_scan"] = {str(k if isinstance(k, str) else "/".join(k)): r.program.scan
-                          for k, r in runners.items() if hasattr(r, "_prog")}
+                          for k, r in runners.items() if hasattr(r, "program")}
   if FLAGS.unrolled:   # after / before: the scanned engine over the unrolled one, per round
     pairs = {"all_resident": ("all_resident", "unrolled/all_resident")}
     pairs.update({f"{spec}/{p}": ((spec, p), ("unrolled", spec, p)) for spec in links

@@ -31,7 +31,7 @@ run_one() {   # file, log dir: never fails (the status goes to <log>.rc)
   { echo "== $1"; cat "$log"; } | cat
 }
 export -f run_one
-SLOW="tests/test_prefetch.py tests/test_parity_gpt_oss.py tests/test_engine.py
+SLOW="tests/test_prefetch.py tests/test_parity_gpt_oss.py tests/test_engine.py tests/test_engine_programs.py
 tests/test_simulator.py tests/test_emulator.py tests/test_demo_cli.py tests/test_generate_cli.py
 tests/test_packaging.py tests/test_compile_cache.py tests/test_serve_logprobs.py tests/test_interrupts.py"
 files=()

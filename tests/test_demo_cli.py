@@ -60,8 +60,8 @@ def test_demo_usage_errors():
   for args, needle in ((["--presets=quality,baseline"], "must start with baseline"),
                        (["--max_new_tokens=1"], "--max_new_tokens must be >= 2"),
                        (["--presets=baseline,quality,quality"], "names a preset twice"),
-                       (["--eval_tokens=-1"], "--eval_tokens must be >= 0"),
-                       (["--block=0"], "--block must be >= 1, got 0"),
+                       (["--eval_tokens=-1"], "flag --eval_tokens=-1: -1 is not a non-negative integer"),
+                       (["--block=0"], "flag --block=0: 0 is not a positive integer"),
                        (["--model_dir=/nonexistent"], "has no config.json")):
     proc = subprocess.run([sys.executable, "-m", "launch.demo", *args], cwd=REPO,
                           capture_output=True, text=True, timeout=300)

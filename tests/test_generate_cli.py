@@ -119,9 +119,9 @@ def test_sampling_flags_with_greedy():
     (["--policy=quality", "--cache_bytes=10", "--dry_run"], "--cache_bytes=10 holds 0 expert slots"),
     (["--policy=quality", "--link=fast", "--dry_run"], "--link='fast': cannot parse"),
     (["--policy=nope"], "--policy: unknown policy or preset 'nope'"),
-    (["--max_new_tokens=0"], "--max_new_tokens must be >= 1"),
+    (["--max_new_tokens=0"], "flag --max_new_tokens=0: 0 is not a positive integer"),
     (["--max_len=1"], "--max_len must be >= 2, got 1"),
-    (["--temperature=-1"], "--temperature must be >= 0, got -1.0"),
+    (["--temperature=-1"], "flag --temperature=-1: -1.0 is not a non-negative number"),
     (["--temperature=1", "--top_p=1.5"], "--top_p must be in (0, 1], got 1.5"),
     (["--random_model", "--prompt="], "--prompt encodes to no tokens"),
 ])
@@ -169,8 +169,31 @@ def test_parse_errors_are_one_line_exit_2(args, needle):
 def test_help_exits_0_and_lists_the_flags():
   rc, out, _ = run("--help")
   assert rc == 0
-  for f in ("--model_dir", "--policy", "--store", "--cache_bytes", "--max_len", "--verbose"):
+  for f in ("--model_dir", "--policy", "--store", "--cache_bytes", "--max_len", "--verbose",
+            "--lam", "--expert_devices", "--profile"):    # own, flagsets' groups, cli.app's
     assert f in out, f
+  assert "(a positive integer)" in out                  # --max_new_tokens' bound, in its help
+
+
+@pytest.mark.parametrize("module,asked,not_asked", [
+    ("launch.serve", ("--cache_fraction", "--store", "--dtype", "--[no]verbose"), ("--lam",)),
+    ("launch.host_ms", ("--model_dir", "--iters", "--[no]verbose"), ("--cache_fraction",)),
+])
+def test_help_lists_the_shared_flags_a_program_asked_for_and_no_others(module, asked, not_asked):
+  proc = subprocess.run([sys.executable, "-m", module, "--help"], cwd=REPO,
+                        capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr
+  for f in asked:
+    assert f in proc.stdout, f
+  for f in not_asked:
+    assert f not in proc.stdout, f
+
+
+def test_a_bound_in_a_flag_declaration_is_a_one_line_usage_error():
+  proc = subprocess.run([sys.executable, "-m", "launch.host_ms", "--iters=0"], cwd=REPO,
+                        capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+  assert "flag --iters=0: 0 is not a positive integer" in proc.stderr.splitlines()[0]
 
 
 # ------------------------------------------------------------------ checkpoint errors

@@ -101,7 +101,7 @@ def test_a_timeout_and_the_metrics(server):
 @pytest.mark.parametrize("args,match", [
     (["--policy=quality", "--max_batch=2", "--store=mmap", "--host_cache_gb=1"],
      "--max_batch=2 with --host_cache_gb"),
-    (["--policy=none", "--max_batch=0"], "--max_batch must be >= 1"),
+    (["--policy=none", "--max_batch=0"], "flag --max_batch=0: 0 is not a positive integer"),
     (["--policy=none", "--cache_fraction=0.5"], "--cache_fraction sets the offload engine"),
     (["--policy=none", "--max_batch=100000000", "--max_len=4096"],
      "the largest --max_batch that fits is"),

@@ -82,7 +82,8 @@ def print_help(full: bool = False):
     app.usage(shorthelp=not full, writeto_stdout=True)
     return
   doc = (module.__doc__ or "").strip()
-  text = f"{doc}\n\nflags:\n{FLAGS.module_help(module.__name__)}\n"
+  own = FLAGS.module_help(module.__name__)
+  text = f"{doc}\n\nflags:\n{own}\n{FLAGS.module_help(__name__)}\n"   # + --verbose
   text += "\n(--helpfull lists every flag, absl's own included)\n"
   sys.stdout.write(text)
   sys.stdout.flush()

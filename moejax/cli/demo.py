@@ -46,12 +46,11 @@ flags.DEFINE_list("presets", list(PRESETS), "Presets or miss rules to compare; b
                   "first (the exact model, and the speed-up reference).")
 flags.DEFINE_float("cache_fraction", 0.25, "Share of each layer's experts resident.")
 flags.DEFINE_integer("eval_tokens", 512, "Held-out tokens (in windows of --eval_window) for "
-                     "the perplexity column.")
-flags.DEFINE_integer("eval_window", 128, "Tokens per perplexity window.")
-flags.DEFINE_integer("block", 8, "Tokens each engine decodes before the next one's turn.")
+                     "the perplexity column.", lower_bound=0)
+flags.DEFINE_integer("eval_window", 128, "Tokens per perplexity window.", lower_bound=2)
+flags.DEFINE_integer("block", 8, "Tokens each engine decodes before the next one's turn.",
+                     lower_bound=1)
 flags.DEFINE_string("out_dir", "runs/demo", "Folder for demo.json and demo.png.")
-flags.adopt_module_key_flags(cli)
-flags.adopt_module_key_flags(flagsets)   # the shared flags this program defined there
 
 
 def check_flags():
@@ -62,10 +61,6 @@ def check_flags():
     raise cli.UsageError(f"--presets={','.join(FLAGS.presets)} names a preset twice")
   if FLAGS.max_new_tokens < 2:
     raise cli.UsageError(f"--max_new_tokens must be >= 2, got {FLAGS.max_new_tokens}")
-  if FLAGS.eval_tokens < 0 or FLAGS.eval_window < 2:
-    raise cli.UsageError("--eval_tokens must be >= 0 and --eval_window >= 2")
-  if FLAGS.block < 1:
-    raise cli.UsageError(f"--block must be >= 1, got {FLAGS.block}")
   if FLAGS.model_dir is None:
     FLAGS.model_dir = cli.demo_model_dir()
   elif not os.path.exists(os.path.join(FLAGS.model_dir, "config.json")):

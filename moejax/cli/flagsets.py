@@ -17,17 +17,19 @@ from absl import flags
 from moejax.cli import app as cli
 
 FLAGS = flags.FLAGS
+flags.disclaim_key_flags()   # a flag defined here is a key flag of the program that asks for it
 
 DEMO = "./ckpts/demo"
 
 
-def _define(kind, name: str, default, help_text: str, enum_values=None) -> None:
-  if name in FLAGS:
+def _define(kind, name: str, default, help_text: str, enum_values=None, **bounds) -> None:
+  if name in FLAGS:              # defined by another program in this process: claim it too
+    flags.declare_key_flag(name)
     return
   if enum_values is not None:
     flags.DEFINE_enum(name, default, enum_values, help_text)
   else:
-    getattr(flags, f"DEFINE_{kind}")(name, default, help_text)
+    getattr(flags, f"DEFINE_{kind}")(name, default, help_text, **bounds)
 
 
 def model_dir(default: str | None = None, what: str = "Hugging Face model folder "
@@ -86,6 +88,34 @@ def engine() -> None:
   _define("enum", "eviction", None, "With a policy: eviction rule (default: the preset's; "
           "least_stale: SpecMD's Least-Stale, see moejax.cache.policy).",
           enum_values=["lru", "lfu", "least_stale"])
+
+
+def policy_knobs() -> None:
+  """The knobs of a named policy's miss rules, of --policy=auto and of expert parallelism:
+  the flags the checks below read (--lam, --host_ms, --tau_low, --low_bits, --ppl_budget,
+  --tpot_budget_ms, --profile, --expert_devices)."""
+  _define("float", "lam", None, "With --policy=cost: milliseconds a token is worth one "
+          "percentage point of perplexity (0 never waits). Default 1. Times come from "
+          "--profile's link and this model's expert bytes (default: a Qwen3-30B-A3B expert "
+          "over the RTX 3090 profile's PCIe link), quality from the demo model's calibration "
+          "(moejax/cache/cost.py).")
+  _define("string", "host_ms", None, "With --policy=cost: offer the host option, one expert "
+          "computed on the host CPU in this many ms, measured: a number, or the JSON of "
+          "moejax-host-ms (its host_ms). Without it no host option.")
+  _define("float", "tau_low", None, "With --policy=threshold_low: share at or above which a "
+          "miss below --tau fetches its low-precision copy (default 0.02).")
+  _define("enum", "low_bits", None, "With --policy=fetch_low, threshold_low or cost: the "
+          "low-precision copies, int8 per row or int4 per group of 32 (default 8); made once "
+          "and cached in ~/.cache/moejax/quant/<checkpoint hash>/.", enum_values=["8", "4"])
+  _define("float", "ppl_budget", None, "With --policy=auto: the largest perplexity increase "
+          "over fetch_all, in percent (e.g. 1.0).")
+  _define("float", "tpot_budget_ms", None, "With --policy=auto and --profile: the longest "
+          "projected time per token (ms) of this model on that hardware profile.")
+  _define("string", "profile", None, "Hardware profile (moejax/offload/hardware.py) of the "
+          "cost model and of auto-tuning: rtx3090, rtx4090, a100, h100, h200, gh200.")
+  _define("integer", "expert_devices", 1, "With --policy: spread each MoE layer's expert "
+          "slots over N devices (expert parallelism; the cache budget is per device). On a "
+          "CPU-only machine the N host devices are provided here.", lower_bound=1)
 
 
 def check_auto_flags():

@@ -37,42 +37,28 @@ OFFLOAD_FLAGS = ("cache_fraction", "cache_bytes", "link", "tau", "admission_beta
 flagsets.model_dir()
 flagsets.dtype()
 flagsets.engine()
+flagsets.policy_knobs()
 flags.DEFINE_bool("random_model", False, "Use a small random-weight Qwen3-MoE built on the "
                   "spot (its output is noise; for trying the flags) instead of --model_dir.")
 flags.DEFINE_string("prompt", "def fibonacci(n):", "Prompt text.")
-flags.DEFINE_integer("max_new_tokens", 64, "Tokens to generate (>= 1).")
-flags.DEFINE_float("temperature", 0.0, "0 = greedy; > 0 samples.")
+flags.DEFINE_integer("max_new_tokens", 64, "Tokens to generate.", lower_bound=1)
+flags.DEFINE_float("temperature", 0.0, "0 = greedy; > 0 samples.", lower_bound=0.0)
 flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass, in (0, 1] (with --temperature > 0).")
 flags.DEFINE_integer("seed", 0, "Sampling seed (with --temperature > 0).")
 flags.DEFINE_integer("max_len", None, "Longest sequence (prompt + new tokens). Default: the "
                      "model's own limit (max_position_embeddings); larger values warn. The KV "
                      "cache is sized to what the prompt and --max_new_tokens need.")
+flags.DEFINE_bool("stream", None, "Write the text to stdout token by token as it is generated. "
+                  "Default: on when stdout is a terminal. With --policy and a native link, "
+                  "streaming decodes token by token instead of in one on-device loop.")
+flags.DEFINE_bool("progress", None, "A progress bar on stderr while the weights load. Default: "
+                  "on when stderr is a terminal.")
 flags.DEFINE_bool("dry_run", False, "Print the model and the memory it needs, then exit.")
 flags.DEFINE_string("policy", None, "Offload policy: a preset (quality, speed, baseline) or a "
                     "miss rule (fetch_all, threshold, first_choice, substitute_all, host), or "
                     "auto (tuned to --ppl_budget or --tpot_budget_ms on the calibration text "
                     "that ships with moejax, before generating; moejax.research.autotune). "
                     "Unset: every expert resident, no offloading.")
-flags.DEFINE_float("lam", None, "With --policy=cost: milliseconds a token is worth one "
-                   "percentage point of perplexity (>= 0; 0 never waits). Default 1. Times come "
-                   "from --profile's link and this model's expert bytes (default: a Qwen3-30B-A3B "
-                   "expert over the RTX 3090 profile's PCIe link), quality from the demo "
-                   "model's calibration (moejax/cache/cost.py).")
-flags.DEFINE_string("host_ms", None, "With --policy=cost: offer the host option, one expert "
-                    "computed on the host CPU in this many ms, measured: a number, or the JSON "
-                    "of moejax-host-ms (its host_ms). Without it no host option.")
-flags.DEFINE_float("tau_low", None, "With --policy=threshold_low: share at or above which a "
-                   "miss below --tau fetches its low-precision copy (default 0.02).")
-flags.DEFINE_enum("low_bits", None, ["8", "4"], "With --policy=fetch_low, threshold_low or cost: "
-                  "the low-precision copies, int8 per row or int4 per group of 32 (default 8); "
-                  "made once and cached in ~/.cache/moejax/quant/<checkpoint hash>/.")
-flags.DEFINE_float("ppl_budget", None, "With --policy=auto: the largest perplexity increase "
-                   "over fetch_all, in percent (e.g. 1.0).")
-flags.DEFINE_float("tpot_budget_ms", None, "With --policy=auto and --profile: the longest "
-                   "projected time per token (ms) of this model on that hardware profile.")
-if "profile" not in FLAGS:   # one --profile for auto-tuning and the cost model
-  flags.DEFINE_string("profile", None, "Hardware profile (moejax/offload/hardware.py): "
-                      "rtx3090, rtx4090, a100, h100, h200, gh200.")
 flags.DEFINE_enum("prefetch", None, ["none", "reuse", "quasi", "previous", "hybrid"],
                   "With --policy: speculative prefetch of the next layer's predicted experts "
                   "(previous: the experts that layer chose at the previous token; quasi, "
@@ -83,18 +69,8 @@ flags.DEFINE_enum("speculative", None, ["off", "predicted_weights", "true_router
                   "a wrong prediction (predicted or true router weights).")
 flags.DEFINE_string("estimators", None, "With --prefetch=quasi/hybrid: the folder holding "
                     "default_vectors/ and the estimators (default: <model_dir>-estimators).")
-flags.DEFINE_integer("expert_devices", 1, "With --policy: spread each MoE layer's expert slots "
-                     "over N devices (expert parallelism; the cache budget is per device). On a "
-                     "CPU-only machine the N host devices are provided here.")
 flags.DEFINE_bool("streaming", None, "With --policy: no expert cache; each layer's experts are "
                   "streamed in and none is kept across tokens.")
-flags.DEFINE_bool("stream", None, "Write the text to stdout token by token as it is generated. "
-                  "Default: on when stdout is a terminal. With --policy and a native link, "
-                  "streaming decodes token by token instead of in one on-device loop.")
-flags.DEFINE_bool("progress", None, "A progress bar on stderr while the weights load. Default: "
-                  "on when stderr is a terminal.")
-flags.adopt_module_key_flags(cli)
-flags.adopt_module_key_flags(flagsets)   # the shared flags this program defined there
 
 
 def check_flags():
@@ -116,17 +92,11 @@ def check_flags():
                          "--prefetch=reuse, quasi, previous or hybrid")
   if FLAGS.streaming and (cli.given("cache_fraction") or cli.given("cache_bytes")):
     raise cli.UsageError("--streaming keeps no expert cache: drop --cache_fraction/--cache_bytes")
-  if FLAGS.max_new_tokens < 1:
-    raise cli.UsageError(f"--max_new_tokens must be >= 1, got {FLAGS.max_new_tokens}")
-  if FLAGS.expert_devices < 1:
-    raise cli.UsageError(f"--expert_devices must be >= 1, got {FLAGS.expert_devices}")
   if FLAGS.expert_devices > 1 and FLAGS.prefetch not in (None, "none"):
     raise cli.UsageError("--expert_devices > 1 with --prefetch: speculative prefetch is not "
                          "expert-parallel yet; drop one of them")
   if FLAGS.max_len is not None and FLAGS.max_len < 2:
     raise cli.UsageError(f"--max_len must be >= 2, got {FLAGS.max_len}")
-  if FLAGS.temperature < 0:
-    raise cli.UsageError(f"--temperature must be >= 0, got {FLAGS.temperature}")
   if not 0.0 < FLAGS.top_p <= 1.0:
     raise cli.UsageError(f"--top_p must be in (0, 1], got {FLAGS.top_p}")
   if FLAGS.temperature == 0 and (cli.given("top_p") or cli.given("seed")):

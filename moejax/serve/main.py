@@ -44,7 +44,8 @@ flagsets.engine()
 flags.DEFINE_string("model_name", None, "The model id clients send (default: the folder's "
                     "name).")
 flags.DEFINE_string("host", "127.0.0.1", "Address to listen on (0.0.0.0: every interface).")
-flags.DEFINE_integer("port", 8000, "Port to listen on (0: a free one, printed at start).")
+flags.DEFINE_integer("port", 8000, "Port to listen on (0: a free one, printed at start).",
+                     lower_bound=0, upper_bound=65535)
 flags.DEFINE_string("policy", "quality", "The default offload policy: a preset (quality, "
                     "speed, baseline) or a miss rule (fetch_all, threshold, first_choice, "
                     "substitute_all, host); a request may choose another. none: every expert "
@@ -52,12 +53,13 @@ flags.DEFINE_string("policy", "quality", "The default offload policy: a preset (
 flags.DEFINE_integer("max_batch", 1, "Requests decoded together, one token of each per step; "
                      "a request joins at the next token (continuous batching). Under an "
                      "offload policy the rows share the resident experts; a request under "
-                     "another policy waits for the running rows to finish.")
+                     "another policy waits for the running rows to finish.", lower_bound=1)
 flags.DEFINE_integer("max_len", None, "The KV cache: the longest prompt + max_tokens of a "
                      "request. Default: the model's limit, at most 2048.")
-flags.DEFINE_integer("max_queue", 16, "Requests that may wait for the engine; beyond: 429.")
+flags.DEFINE_integer("max_queue", 16, "Requests that may wait for the engine; beyond: 429.",
+                     lower_bound=1)
 flags.DEFINE_integer("max_policies", 8, "Distinct policies the server compiles (each is "
-                     "its own program); a request for one more gets a 400.")
+                     "its own program); a request for one more gets a 400.", lower_bound=1)
 flags.DEFINE_float("request_timeout_s", 600.0, "A request's longest time, queue included "
                    "(a request may ask for less: moejax.timeout_s).")
 flags.DEFINE_list("warm_prompt_tokens", ["16", "32", "64", "128"], "Prompt lengths whose "
@@ -68,21 +70,14 @@ flags.DEFINE_string("api_key", None, "Every route but /health then needs 'Author
 flags.DEFINE_boolean("request_policies", True, "Whether a request may choose its offload "
                      "policy (moejax.policy, tau, admission_beta, eviction); false: those "
                      "fields are ignored and every request runs under --policy.")
-flags.adopt_module_key_flags(cli)
-flags.adopt_module_key_flags(flagsets)   # the shared flags this program defined there
 
 
 def check_flags(cfg):
   if cli.given("cache_fraction") and cli.given("cache_bytes"):
     raise cli.UsageError("--cache_fraction and --cache_bytes both set the expert budget; "
                          "give one")
-  for name in ("max_queue", "max_policies"):
-    if FLAGS[name].value < 1:
-      raise cli.UsageError(f"--{name} must be >= 1, got {FLAGS[name].value}")
   if not FLAGS.request_timeout_s > 0:
     raise cli.UsageError(f"--request_timeout_s must be > 0, got {FLAGS.request_timeout_s}")
-  if not 0 <= FLAGS.port < 65536:
-    raise cli.UsageError(f"--port must be in [0, 65535], got {FLAGS.port}")
   limit = cfg.max_position_embeddings
   max_len = FLAGS.max_len if FLAGS.max_len is not None else min(limit, 2048)
   if max_len < 2:
@@ -92,8 +87,6 @@ def check_flags(cfg):
   except ValueError:
     raise cli.UsageError(f"--warm_prompt_tokens must be integers, got "
                          f"{','.join(FLAGS.warm_prompt_tokens)}") from None
-  if FLAGS.max_batch < 1:
-    raise cli.UsageError(f"--max_batch must be >= 1, got {FLAGS.max_batch}")
   warm = [w for w in warm if 1 <= w < max_len]
   if FLAGS.policy == "none":
     for name in ("cache_fraction", "cache_bytes", "tau", "admission_beta", "eviction",

@@ -27,8 +27,6 @@ flags.DEFINE_integer("seq", 256, "Window length.")
 flags.DEFINE_integer("batch", 8, "Windows per jitted pass.")
 flags.DEFINE_integer("seed", 0, "Window sampling seed.")
 flagsets.tokens_file()
-flags.adopt_module_key_flags(cli)
-flags.adopt_module_key_flags(flagsets)   # the shared flags this program defined there
 
 
 def main(_):

@@ -24,15 +24,14 @@ from moejax.cli import flagsets
 FLAGS = flags.FLAGS
 flagsets.model_dir(what="A model folder: the experts' width from its config.json (instead of "
                    "--hidden and --inter)", where="--hidden and --inter")
-flags.DEFINE_integer("hidden", 2048, "Hidden size D (without --model_dir).")
-flags.DEFINE_integer("inter", 768, "Expert intermediate size I (without --model_dir).")
+flags.DEFINE_integer("hidden", 2048, "Hidden size D (without --model_dir).", lower_bound=1)
+flags.DEFINE_integer("inter", 768, "Expert intermediate size I (without --model_dir).",
+                     lower_bound=1)
 flags.DEFINE_integer("experts", 16, "Experts in the store, rotated through (16 at Qwen3-30B-"
-                     "A3B's width: 150 MB, above the last-level cache).")
-flags.DEFINE_integer("iters", 50, "Timed calls per round.")
-flags.DEFINE_integer("rounds", 3, "Rounds; the figure is the median of their medians.")
+                     "A3B's width: 150 MB, above the last-level cache).", lower_bound=1)
+flags.DEFINE_integer("iters", 50, "Timed calls per round.", lower_bound=1)
+flags.DEFINE_integer("rounds", 3, "Rounds (the figure: their medians' median).", lower_bound=1)
 flags.DEFINE_string("out", "host_ms.json", "JSON results file (--host_ms=FILE reads it).")
-flags.adopt_module_key_flags(cli)
-flags.adopt_module_key_flags(flagsets)   # the shared flags this program defined there
 
 
 def width() -> tuple[int, int, str]:
@@ -47,9 +46,6 @@ def width() -> tuple[int, int, str]:
 
 
 def main(_):
-  for name in ("hidden", "inter", "experts", "iters", "rounds"):
-    if FLAGS[name].value < 1:
-      raise cli.UsageError(f"--{name} must be >= 1, got {FLAGS[name].value}")
   d, inter, source = width()
   from moejax.research import host_time
   res = host_time.host_ms(d, inter, FLAGS.experts, FLAGS.iters, FLAGS.rounds)

@@ -50,8 +50,6 @@ flags.DEFINE_float("topk_weight", 0.0,
                    "(moejax.estimators.train; 0: KL alone).")
 flags.DEFINE_float("drift_threshold", 0.0,
                    "Use an estimator only where held-out drift (1 - exact match) is >= this.")
-flags.adopt_module_key_flags(cli)
-flags.adopt_module_key_flags(flagsets)   # the shared flags this program defined there
 
 SEQ = 256   # window length of the recorded pairs
 

@@ -50,6 +50,7 @@ CASES = [  # B, T, H, G, K, S, window, sinks
     (1, 1, 8, 4, 64, 40, None, False),     # decode, grouped heads
     (2, 3, 4, 2, 16, 33, 5, True),         # several queries, window, sinks
     (1, 1, 4, 4, 20, 17, None, True),      # head dim not a multiple of 8
+    (8, 1, 4, 2, 32, 300, None, True),     # a batch's rows over a long cache: on the pool
 ]
 
 

@@ -34,9 +34,10 @@ def alone(s: Sampler, prompt, n: int) -> list[int]:
   return s.generate(list(prompt), SamplingParams(max_new_tokens=n))
 
 
-def together(s: Sampler, prompts, joins, n: int, batch: int) -> dict:
+def together(s: Sampler, prompts, joins, n: int, batch: int, fit: bool = False) -> dict:
   """Greedy tokens of each prompt decoded in one batch of `batch` rows; prompt i joins row i
-  before step joins[i]; rows without a sequence decode as free rows."""
+  before step joins[i]; rows without a sequence decode as free rows (fit: each prompt's
+  cache sized to its bucket, filling its row's first positions)."""
   sp = SamplingParams()
   cache = init_cache(CFG, batch, MAX_LEN, s.dtype)
   tok, pos = np.zeros(batch, np.int32), np.zeros(batch, np.int32)
@@ -45,7 +46,7 @@ def together(s: Sampler, prompts, joins, n: int, batch: int) -> dict:
   while any(len(v) < n for v in out.values()):
     for i, p in enumerate(prompts):
       if joins[i] == step:
-        logits, row = s.prefill(np.asarray([p], np.int32))
+        logits, row = s.prefill(np.asarray([p], np.int32), fit=fit)
         cache = put_row(cache, row, np.int32(i))
         tok[i], pos[i] = int(jnp.argmax(logits[0])), len(p)
         out[i].append(int(tok[i]))
@@ -59,11 +60,11 @@ def together(s: Sampler, prompts, joins, n: int, batch: int) -> dict:
   return out
 
 
-@pytest.mark.parametrize("kernel", [True, False])
-def test_each_row_decodes_as_its_sequence_alone(sampler, kernel):
+@pytest.mark.parametrize("kernel,fit", [(True, False), (False, False), (True, True)])
+def test_each_row_decodes_as_its_sequence_alone(sampler, kernel, fit):
   with cpu_kernel.enabled(kernel):
     want = [alone(sampler, p, N_NEW) for p in PROMPTS]
-    got = together(sampler, PROMPTS, joins=(0, 0, 2, 3), n=N_NEW, batch=6)  # 2 rows free
+    got = together(sampler, PROMPTS, joins=(0, 0, 2, 3), n=N_NEW, batch=6, fit=fit)
   for i, p in enumerate(PROMPTS):
     assert got[i] == want[i], (i, p)
 
@@ -87,3 +88,16 @@ def test_put_row_writes_only_its_row(sampler):
   for new, r in zip(jax.tree_util.tree_leaves(out), jax.tree_util.tree_leaves(row)):
     np.testing.assert_array_equal(np.asarray(new[1]), np.asarray(r[0]))
     assert not np.asarray(new[0]).any() and not np.asarray(new[2]).any()
+
+
+def test_a_shorter_row_fills_its_first_positions_and_leaves_the_rest(sampler):
+  """A prompt cache of its bucket (fit) goes to the row's first positions; the row's later
+  positions and the other rows keep what they held (here: ones)."""
+  cache = jax.tree_util.tree_map(jnp.ones_like, init_cache(CFG, 3, MAX_LEN, jnp.float32))
+  _, row = sampler.prefill(np.asarray([[4, 5, 6]], np.int32), fit=True)
+  p = jax.tree_util.tree_leaves(row)[0].shape[1]
+  assert p < MAX_LEN
+  out = put_row(cache, row, np.int32(2))
+  for new, r in zip(jax.tree_util.tree_leaves(out), jax.tree_util.tree_leaves(row)):
+    np.testing.assert_array_equal(np.asarray(new[2, :p]), np.asarray(r[0]))
+    assert (np.asarray(new[2, p:]) == 1).all() and (np.asarray(new[:2]) == 1).all()

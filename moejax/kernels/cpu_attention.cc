@@ -20,6 +20,7 @@
 #include "cpu_bf16.h"
 #include "cpu_dot.h"
 #include "cpu_layer.h"
+#include "cpu_threads.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -30,49 +31,47 @@ using moejax::dot_row;
 using moejax::to_bf16;
 using moejax::to_f32;
 
+// One query (token t, head h) of one row: o[vd] = softmax over the visible positions.
 template <typename C>
-void attend(const float* q, const C* kc, const C* vc, int64_t s_len, int64_t g_num,
-            int64_t kd, int64_t vd, int64_t group, int64_t hq, const int32_t* qpos,
-            int64_t t_len, float scale, int64_t window, const float* sinks, float* out) {
-  std::vector<float> score(s_len), acc(vd);
-  for (int64_t t = 0; t < t_len; ++t) {
-    const int64_t pos = qpos[t];
-    int64_t hi = std::min<int64_t>(pos, s_len - 1), lo = window > 0 ? pos - window + 1 : 0;
-    lo = std::max<int64_t>(lo, 0);
-    const bool none = hi < lo;   // nothing visible: XLA's masked softmax is uniform over S
-    if (none) {
-      lo = 0;
-      hi = s_len - 1;
-    }
-    for (int64_t h = 0; h < hq; ++h) {
-      const int64_t g = h / group;
-      const float* qh = q + (t * hq + h) * kd;
-      float m = -std::numeric_limits<float>::infinity();
-      for (int64_t j = lo; j <= hi; ++j) {
-        const float s = none ? 0.0f : dot_row(kc + (j * g_num + g) * kd, qh, kd) * scale;
-        score[j] = s;
-        m = std::max(m, s);
-      }
-      const float sink = sinks ? sinks[h] : -std::numeric_limits<float>::infinity();
-      m = std::max(m, sink);
-      float denom = sinks ? std::exp(sink - m) : 0.0f;
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t j = lo; j <= hi; ++j) {
-        const float e = std::exp(score[j] - m);
-        denom += e;
-        const C* vj = vc + (j * g_num + g) * vd;
-        for (int64_t d = 0; d < vd; ++d) acc[d] += e * to_f32(vj[d]);
-      }
-      float* o = out + (t * hq + h) * vd;
-      for (int64_t d = 0; d < vd; ++d) o[d] = acc[d] / denom;
-    }
+void attend_head(const float* qh, const C* kc, const C* vc, int64_t s_len, int64_t g_num,
+                 int64_t kd, int64_t vd, int64_t g, int64_t pos, float scale, int64_t window,
+                 const float* sink_h, float* score, float* acc, float* o) {
+  int64_t hi = std::min<int64_t>(pos, s_len - 1), lo = window > 0 ? pos - window + 1 : 0;
+  lo = std::max<int64_t>(lo, 0);
+  const bool none = hi < lo;   // nothing visible: XLA's masked softmax is uniform over S
+  if (none) {
+    lo = 0;
+    hi = s_len - 1;
   }
+  float m = -std::numeric_limits<float>::infinity();
+  for (int64_t j = lo; j <= hi; ++j) {
+    const float s = none ? 0.0f : dot_row(kc + (j * g_num + g) * kd, qh, kd) * scale;
+    score[j] = s;
+    m = std::max(m, s);
+  }
+  const float sink = sink_h ? *sink_h : -std::numeric_limits<float>::infinity();
+  m = std::max(m, sink);
+  float denom = sink_h ? std::exp(sink - m) : 0.0f;
+  std::fill(acc, acc + vd, 0.0f);
+  for (int64_t j = lo; j <= hi; ++j) {
+    const float e = std::exp(score[j] - m);
+    denom += e;
+    const C* vj = vc + (j * g_num + g) * vd;
+    for (int64_t d = 0; d < vd; ++d) acc[d] += e * to_f32(vj[d]);
+  }
+  for (int64_t d = 0; d < vd; ++d) o[d] = acc[d] / denom;
 }
 
-ffi::Error DecodeAttentionCore(ffi::AnyBuffer q, const moejax::Slab& k, const moejax::Slab& v,
+// Rows x tokens x heads queries are independent: below this many multiply-adds (about
+// 20 us) they run on the calling thread, above it on the pool (a batch's rows, a long
+// context's heads).
+constexpr int64_t kAttentionSerialMacs = 1 << 16;
+
+ffi::Error DecodeAttentionCore(ffi::ThreadPool pool, ffi::AnyBuffer q, const moejax::Slab& k,
+                               const moejax::Slab& v,
                                ffi::Buffer<ffi::S32> qpos, ffi::Buffer<ffi::F32> sinks,
                                float scale, int64_t window, int64_t has_sinks,
-                               ffi::Result<ffi::AnyBuffer> o) {
+                               ffi::Result<ffi::AnyBuffer> o_) {
   // leading dims (batch, and a vmap's axis in front) are flattened into N
   auto qd = q.dimensions(), pd = qpos.dimensions();
   const auto& kd = k.dims;
@@ -97,58 +96,74 @@ ffi::Error DecodeAttentionCore(ffi::AnyBuffer q, const moejax::Slab& k, const mo
   const bool c_bf16 = k.type == ffi::DataType::BF16;
   if ((!q_bf16 && q.element_type() != ffi::DataType::F32) ||
       (!c_bf16 && k.type != ffi::DataType::F32) ||
-      v.type != k.type || o->element_type() != q.element_type())
+      v.type != k.type || o_->element_type() != q.element_type())
     return ffi::Error::InvalidArgument("moejax_decode_attention: f32 or bf16 only");
-  std::vector<float> qf(t_len * hq * kdim), of(t_len * hq * vdim);
-  for (int64_t b = 0; b < n; ++b) {
-    const int64_t qn = t_len * hq * kdim;
+  const int64_t qn = t_len * hq * kdim, on = t_len * hq * vdim;
+  const int64_t kn = s_len * g_num * kdim, vn = s_len * g_num * vdim;
+  // sinks [H], or [R, H] when a vmap broadcast them (rows over the leading axis)
+  const int64_t sink_rows = has_sinks ? sinks.element_count() / hq : 0;
+  int64_t macs = 0;
+  for (int64_t i = 0; i < n * t_len; ++i)
+    macs += (std::min<int64_t>(qpos.typed_data()[i], s_len - 1) + 1) * hq * (kdim + vdim);
+  // one item: the query (row b, token t, head h), in its own row of qf and of
+  std::vector<float> qf(n * qn), of(n * on);
+  auto item = [&](int64_t it, float* score, float* acc) {
+    const int64_t b = it / (t_len * hq), t = (it / hq) % t_len, h = it % hq;
+    const int64_t qi = (b * t_len + t) * hq + h;
+    float* qh = qf.data() + qi * kdim;
     if (q_bf16) {
-      const uint16_t* src = static_cast<const uint16_t*>(q.untyped_data()) + b * qn;
-      for (int64_t i = 0; i < qn; ++i) qf[i] = to_f32(src[i]);
+      const uint16_t* src = static_cast<const uint16_t*>(q.untyped_data()) + qi * kdim;
+      for (int64_t i = 0; i < kdim; ++i) qh[i] = to_f32(src[i]);
     } else {
-      std::memcpy(qf.data(), static_cast<const float*>(q.untyped_data()) + b * qn,
-                  qn * sizeof(float));
+      std::memcpy(qh, static_cast<const float*>(q.untyped_data()) + qi * kdim,
+                  kdim * sizeof(float));
     }
-    const int64_t kn = s_len * g_num * kdim, vn = s_len * g_num * vdim;
-    const int32_t* pos = qpos.typed_data() + b * t_len;
-    // sinks [H], or [R, H] when a vmap broadcast them (rows over the leading axis)
-    const int64_t sink_rows = has_sinks ? sinks.element_count() / hq : 0;
-    const float* sk = has_sinks ? sinks.typed_data() + (b * sink_rows / n) * hq : nullptr;
+    const float* sk = has_sinks ? sinks.typed_data() + (b * sink_rows / n) * hq + h : nullptr;
+    const int64_t pos = qpos.typed_data()[b * t_len + t], g = h / (hq / g_num);
+    float* o = of.data() + qi * vdim;
     if (c_bf16)
-      attend(qf.data(), static_cast<const uint16_t*>(k.data) + b * kn,
-             static_cast<const uint16_t*>(v.data) + b * vn, s_len, g_num, kdim, vdim,
-             hq / g_num, hq, pos, t_len, scale, window, sk, of.data());
+      attend_head(qh, static_cast<const uint16_t*>(k.data) + b * kn,
+                  static_cast<const uint16_t*>(v.data) + b * vn, s_len, g_num, kdim, vdim, g,
+                  pos, scale, window, sk, score, acc, o);
     else
-      attend(qf.data(), static_cast<const float*>(k.data) + b * kn,
-             static_cast<const float*>(v.data) + b * vn, s_len, g_num, kdim, vdim,
-             hq / g_num, hq, pos, t_len, scale, window, sk, of.data());
-    const int64_t on = t_len * hq * vdim;
+      attend_head(qh, static_cast<const float*>(k.data) + b * kn,
+                  static_cast<const float*>(v.data) + b * vn, s_len, g_num, kdim, vdim, g,
+                  pos, scale, window, sk, score, acc, o);
     if (q_bf16) {
-      uint16_t* dst = static_cast<uint16_t*>(o->untyped_data()) + b * on;
-      for (int64_t i = 0; i < on; ++i) dst[i] = to_bf16(of[i]);
+      uint16_t* dst = static_cast<uint16_t*>(o_->untyped_data()) + qi * vdim;
+      for (int64_t i = 0; i < vdim; ++i) dst[i] = to_bf16(o[i]);
     } else {
-      std::memcpy(static_cast<float*>(o->untyped_data()) + b * on, of.data(),
-                  on * sizeof(float));
+      std::memcpy(static_cast<float*>(o_->untyped_data()) + qi * vdim, o, vdim * sizeof(float));
     }
+  };
+  const int64_t items = n * t_len * hq;
+  if (macs < kAttentionSerialMacs || items < 2) {
+    std::vector<float> score(s_len), acc(vdim);
+    for (int64_t it = 0; it < items; ++it) item(it, score.data(), acc.data());
+  } else {
+    moejax::parallel_for(pool, items, [&](int64_t it) {
+      std::vector<float> score(s_len), acc(vdim);
+      item(it, score.data(), acc.data());
+    }, true);
   }
   return ffi::Error::Success();
 }
 
-ffi::Error DecodeAttentionImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                                ffi::Buffer<ffi::S32> qpos, ffi::Buffer<ffi::F32> sinks,
                                float scale, int64_t window, int64_t has_sinks,
                                ffi::Result<ffi::AnyBuffer> o) {
-  return DecodeAttentionCore(q, moejax::slab(k, -1), moejax::slab(v, -1), qpos, sinks, scale,
+  return DecodeAttentionCore(pool, q, moejax::slab(k, -1), moejax::slab(v, -1), qpos, sinks, scale,
                              window, has_sinks, o);
 }
 
 // Over layer `layer` of a stacked cache: k [L, ..., S, G, K], v [L, ..., S, G, V].
-ffi::Error DecodeAttentionAtImpl(ffi::Buffer<ffi::S32> layer, ffi::AnyBuffer q, ffi::AnyBuffer k,
+ffi::Error DecodeAttentionAtImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> layer, ffi::AnyBuffer q, ffi::AnyBuffer k,
                                  ffi::AnyBuffer v, ffi::Buffer<ffi::S32> qpos,
                                  ffi::Buffer<ffi::F32> sinks, float scale, int64_t window,
                                  int64_t has_sinks, ffi::Result<ffi::AnyBuffer> o) {
   const int64_t l = moejax::layer_of(layer);
-  return DecodeAttentionCore(q, moejax::slab(k, l), moejax::slab(v, l), qpos, sinks, scale,
+  return DecodeAttentionCore(pool, q, moejax::slab(k, l), moejax::slab(v, l), qpos, sinks, scale,
                              window, has_sinks, o);
 }
 
@@ -171,7 +186,8 @@ auto attention_operands(B b) {
 
 // the layer of the stacked cache first (an int32 scalar)
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoejaxDecodeAttentionAt, DecodeAttentionAtImpl,
-                              attention_operands(ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::S32>>()));
+                              attention_operands(
+                                  ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::S32>>()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoejaxDecodeAttention, DecodeAttentionImpl,
-                              attention_operands(ffi::Ffi::Bind()));
+                              attention_operands(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));

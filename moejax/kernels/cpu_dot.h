@@ -204,7 +204,10 @@ template <typename W>
 void rows_dot(const W* w, int64_t rows, int64_t len, const float* x, int64_t nt, float* out,
               int64_t os) {
   if (nt == 1) {
-    for (int64_t r = 0; r < rows; ++r) micro<1, 1>(w + r * len, x, len, out + r, os);
+    int64_t r = 0;
+    if constexpr (kChains<W> == 1)   // f32: four rows' chains interleaved hide the FMA latency
+      for (; r + 4 <= rows; r += 4) micro<4, 1>(w + r * len, x, len, out + r, os);
+    for (; r < rows; ++r) micro<1, 1>(w + r * len, x, len, out + r, os);
     return;
   }
   // f32: 8 rows x 2 tokens; bf16: 4 rows x 8 tokens, fewer weight conversions per FMA

@@ -47,13 +47,18 @@ def _empty_cache(cfg: ModelConfig, batch: int, max_len: int, dtype) -> Cache:
   return families.of(cfg).init_cache(cfg, batch, max_len, dtype)
 
 
-@functools.partial(jax.jit, donate_argnums=(0,))
-def put_row(cache_B: Cache, cache_1: Cache, row) -> Cache:
-  """A batch-1 cache (a sequence's prompt pass) written into row `row` of a batch's cache
-  of the same length, which is donated: a sequence joins a batch decoded together."""
-  return jax.tree_util.tree_map(
-      lambda c, r: jax.lax.dynamic_update_slice_in_dim(c, r.astype(c.dtype), row, 0),
-      cache_B, cache_1)
+@functools.partial(jax.jit, donate_argnums=(0,), static_argnums=(3,))
+def put_row(cache_B: Cache, cache_1: Cache, row, axis: int = 0) -> Cache:
+  """A batch-1 cache (a sequence's prompt pass) written into row `row` of a batch's cache,
+  which is donated: a sequence joins a batch decoded together.  cache_1 may be shorter
+  than the batch's (a prompt pass sized to its bucket): it fills the row's first
+  positions, and the rest, never read before the row's decode writes them, is left.
+  axis: the row axis (1: a scanned program's caches stacked [L, B, ...])."""
+  def one(c, r):
+    start = [0] * c.ndim
+    start[axis] = row
+    return jax.lax.dynamic_update_slice(c, r.astype(c.dtype), start)
+  return jax.tree_util.tree_map(one, cache_B, cache_1)
 
 
 class DecoderLayer(nn.Module):

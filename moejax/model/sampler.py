@@ -210,8 +210,9 @@ class Sampler:
     self.dtype = dtype
     self.model = Transformer(cfg, dtype)
 
-  def prefill(self, prompt_BxT: np.ndarray):
-    """Returns (last-position logits [B, V], cache)."""
+  def prefill(self, prompt_BxT: np.ndarray, fit: bool = False):
+    """Returns (last-position logits [B, V], cache); fit: a cache of the prompt's bucket,
+    not of max_len (for `model.put_row` into a batch's longer cache)."""
     b, t = prompt_BxT.shape
     if t + 1 > self.max_len:
       raise ValueError(f"prompt of {t} tokens does not fit max_len={self.max_len}")
@@ -219,7 +220,7 @@ class Sampler:
     tb = t if families.of(self.cfg).has_recurrent_state(self.cfg) else min(bucket(t), self.max_len)
     padded = np.zeros((b, tb), np.int32)
     padded[:, :t] = prompt_BxT
-    cache = init_cache(self.cfg, b, self.max_len, self.dtype)
+    cache = init_cache(self.cfg, b, tb if fit else self.max_len, self.dtype)
     return prefill_logits(self.model, self.params, self.experts, cache, jnp.asarray(padded),
                           np.int32(t - 1))
 

@@ -29,7 +29,6 @@ step's.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 
 import jax
@@ -38,6 +37,7 @@ import numpy as np
 
 from moejax.cache import step as step_lib
 from moejax.cache.policy import FETCH, FETCH_LOW
+from moejax.model.model import put_row
 from moejax.offload import decode
 from moejax.offload.stats import TokenRecord, from_counts, layer_records, link_counts
 
@@ -108,7 +108,8 @@ class Batched:
     zeros = np.zeros(self.max_batch, np.int32)
     decode.step_fn(eng.program).lower(eng.params, eng.sources, self._carry, zeros, zeros,
                                       zeros.astype(bool)).compile()
-    decode.compile_prompts(eng.program, eng.params, eng.sources, self.states, prompt_lengths)
+    decode.compile_prompts(eng.program, eng.params, eng.sources, self.states, prompt_lengths,
+                           fit=True)
 
   def prompt(self, prompt_ids, row: int) -> np.ndarray:
     """The exact prompt of the sequence that joins at `row` -> its last logits [V]; its
@@ -126,8 +127,10 @@ class Batched:
     self._carry = None
     decay = np.float32(float(eng.policy.lfu_decay) ** np.float64(t))
     logits, (cache_1, states, _), (copied, _) = decode.prefill(
-        eng.program, eng.params, eng.sources, states, toks, np.int32(t), decay)
-    self._carry = (put_row(cache, cache_1, np.int32(row)), states, pending)
+        decode.fitted(eng.program, len(toks)), eng.params, eng.sources, states, toks, np.int32(t),
+        decay)
+    self._carry = (put_row(cache, cache_1, np.int32(row), 1 if eng.program.scan else 0),
+                   states, pending)
     self.pos[row] = t
     out, copied = jax.device_get((logits, copied))
     n_l = np.sum(np.asarray(copied) >= 0, axis=-1)      # experts copied per MoE layer
@@ -190,15 +193,6 @@ def _row_axis(shape_B, shape_1) -> int:
   """The row axis of a batch's cache leaf: where its shape differs from a sequence's (a
   scanned program's cache is [L, B, ...], an unrolled one's [B, ...]); 0 when B = 1."""
   return next((i for i, (a, b) in enumerate(zip(shape_B, shape_1)) if a != b), 0)
-
-
-@functools.partial(jax.jit, donate_argnums=(0,))
-def put_row(cache_B, cache_1, row):
-  """A sequence's KV cache (batch 1) written into row `row` of a batch's cache."""
-  def one(c, r):
-    return jax.lax.dynamic_update_slice_in_dim(c, r.astype(c.dtype), row,
-                                               _row_axis(c.shape, r.shape))
-  return jax.tree_util.tree_map(one, cache_B, cache_1)
 
 
 def stack_rows(caches, like):

@@ -266,11 +266,19 @@ def prompt_bucket(prog: Program, t: int) -> int:
   return min(bucket(t), prog.max_len)
 
 
-def compile_prompts(prog: Program, params, srcs, states, prompt_lengths):
-  """Compiles (runs nothing) `prefill` for the bucket of each of `prompt_lengths`."""
+def fitted(prog: Program, bucket: int) -> Program:
+  """`prog` with its KV cache sized to a prompt's bucket: a batch's joining prompt fills
+  its row's first positions (`model.put_row`), with no full-length cache to fill and copy."""
+  return dataclasses.replace(prog, max_len=bucket)
+
+
+def compile_prompts(prog: Program, params, srcs, states, prompt_lengths, fit: bool = False):
+  """Compiles (runs nothing) `prefill` for the bucket of each of `prompt_lengths` (fit:
+  its `fitted` program)."""
   for t in sorted({min(int(t), prog.max_len - 1) for t in prompt_lengths if t >= 1}):
-    prefill.lower(prog, params, srcs, states, np.zeros((prompt_bucket(prog, t),), np.int32),
-                  np.int32(t), np.float32(1.0)).compile()
+    p = prompt_bucket(prog, t)
+    prefill.lower(fitted(prog, p) if fit else prog, params, srcs, states,
+                  np.zeros((p,), np.int32), np.int32(t), np.float32(1.0)).compile()
 
 
 # ------------------------------------------------------------------ the record, packed

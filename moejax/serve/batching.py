@@ -6,8 +6,9 @@ resident experts, each missed expert copied once per step for every row that nee
 On a CPU a decode step reads every weight it uses once, whether it serves 1 token or 8,
 so a step of 8 rows costs little more than a step of 1 and the server's throughput grows
 with the batch (docs/serve.md has the figures).  A request joins at the next token
-boundary: its prompt pass runs alone (batch 1, bucketed lengths as ever) and its KV cache
-is written into a free row of the batch's cache (`model.put_row`); each row decodes at its
+boundary: its prompt pass runs alone (batch 1, bucketed lengths as ever, its KV cache
+sized to the bucket) and fills the first positions of a free row of the batch's cache
+(`model.put_row`); each row decodes at its
 own position (`Sampler.decode_step` with a position per row), and a free row decodes at
 position 0, unread.  A request leaves when it stops, reaches its max_tokens, is
 cancelled or times out; its row is free at the next step.  One program serves every
@@ -85,7 +86,7 @@ class Resident:
 
   def prompt(self, ids: list[int], cache, row: int):
     """A joining request's prompt pass into `row` -> (its last logits [V], cache)."""
-    logits, cache_1 = self.sampler.prefill(np.asarray([ids], np.int32))
+    logits, cache_1 = self.sampler.prefill(np.asarray([ids], np.int32), fit=True)
     return logits[0], put_row(cache, cache_1, np.int32(row))
 
   def warmup(self, prompt_lengths=()):

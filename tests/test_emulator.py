@@ -127,7 +127,7 @@ def test_agrees_with_engine_on_models_with_several_layer_kinds(family, fraction,
   full attention, a dense layer), glm4_moe (a dense first layer, a sigmoid group router),
   qwen3_moe with one slot per layer below top-2 (a staging slot, trimmed after every
   token): the same logits, decisions, admissions, evictions and final resident sets."""
-  from tests.test_engine import FAMILY_PROMPT, FAMILY_STREAM, family_model
+  from tests.test_engine_programs import FAMILY_PROMPT, FAMILY_STREAM, family_model
   cfg, params, store, _ = family_model(family, tmp_path_factory)
   assert not all(cfg.sparse_layers)                  # a dense layer among the MoE layers
   toks = FAMILY_PROMPT + FAMILY_STREAM + FAMILY_PROMPT

@@ -107,7 +107,10 @@ ffi::Error DecodeAttentionCore(ffi::ThreadPool pool, ffi::AnyBuffer q, const moe
     macs += (std::min<int64_t>(qpos.typed_data()[i], s_len - 1) + 1) * hq * (kdim + vdim);
   // one item: the query (row b, token t, head h), in its own row of qf and of
   std::vector<float> qf(n * qn), of(n * on);
-  auto item = [&](int64_t it, float* score, float* acc) {
+  auto item = [&](int64_t it) {
+    thread_local std::vector<float> score, acc;   // this thread's scratch, kept across calls
+    score.resize(s_len);
+    acc.resize(vdim);
     const int64_t b = it / (t_len * hq), t = (it / hq) % t_len, h = it % hq;
     const int64_t qi = (b * t_len + t) * hq + h;
     float* qh = qf.data() + qi * kdim;
@@ -124,11 +127,11 @@ ffi::Error DecodeAttentionCore(ffi::ThreadPool pool, ffi::AnyBuffer q, const moe
     if (c_bf16)
       attend_head(qh, static_cast<const uint16_t*>(k.data) + b * kn,
                   static_cast<const uint16_t*>(v.data) + b * vn, s_len, g_num, kdim, vdim, g,
-                  pos, scale, window, sk, score, acc, o);
+                  pos, scale, window, sk, score.data(), acc.data(), o);
     else
       attend_head(qh, static_cast<const float*>(k.data) + b * kn,
                   static_cast<const float*>(v.data) + b * vn, s_len, g_num, kdim, vdim, g,
-                  pos, scale, window, sk, score, acc, o);
+                  pos, scale, window, sk, score.data(), acc.data(), o);
     if (q_bf16) {
       uint16_t* dst = static_cast<uint16_t*>(o_->untyped_data()) + qi * vdim;
       for (int64_t i = 0; i < vdim; ++i) dst[i] = to_bf16(o[i]);
@@ -138,33 +141,31 @@ ffi::Error DecodeAttentionCore(ffi::ThreadPool pool, ffi::AnyBuffer q, const moe
   };
   const int64_t items = n * t_len * hq;
   if (macs < kAttentionSerialMacs || items < 2) {
-    std::vector<float> score(s_len), acc(vdim);
-    for (int64_t it = 0; it < items; ++it) item(it, score.data(), acc.data());
+    for (int64_t it = 0; it < items; ++it) item(it);
   } else {
-    moejax::parallel_for(pool, items, [&](int64_t it) {
-      std::vector<float> score(s_len), acc(vdim);
-      item(it, score.data(), acc.data());
-    }, true);
+    moejax::parallel_for(pool, items, item, true);
   }
   return ffi::Error::Success();
 }
 
-ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                               ffi::Buffer<ffi::S32> qpos, ffi::Buffer<ffi::F32> sinks,
-                               float scale, int64_t window, int64_t has_sinks,
+ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                               ffi::AnyBuffer v, ffi::Buffer<ffi::S32> qpos,
+                               ffi::Buffer<ffi::F32> sinks, float scale, int64_t window,
+                               int64_t has_sinks,
                                ffi::Result<ffi::AnyBuffer> o) {
-  return DecodeAttentionCore(pool, q, moejax::slab(k, -1), moejax::slab(v, -1), qpos, sinks, scale,
-                             window, has_sinks, o);
+  return DecodeAttentionCore(pool, q, moejax::slab(k, -1), moejax::slab(v, -1), qpos, sinks,
+                             scale, window, has_sinks, o);
 }
 
 // Over layer `layer` of a stacked cache: k [L, ..., S, G, K], v [L, ..., S, G, V].
-ffi::Error DecodeAttentionAtImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> layer, ffi::AnyBuffer q, ffi::AnyBuffer k,
-                                 ffi::AnyBuffer v, ffi::Buffer<ffi::S32> qpos,
-                                 ffi::Buffer<ffi::F32> sinks, float scale, int64_t window,
-                                 int64_t has_sinks, ffi::Result<ffi::AnyBuffer> o) {
+ffi::Error DecodeAttentionAtImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> layer,
+                                 ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                                 ffi::Buffer<ffi::S32> qpos, ffi::Buffer<ffi::F32> sinks,
+                                 float scale, int64_t window, int64_t has_sinks,
+                                 ffi::Result<ffi::AnyBuffer> o) {
   const int64_t l = moejax::layer_of(layer);
-  return DecodeAttentionCore(pool, q, moejax::slab(k, l), moejax::slab(v, l), qpos, sinks, scale,
-                             window, has_sinks, o);
+  return DecodeAttentionCore(pool, q, moejax::slab(k, l), moejax::slab(v, l), qpos, sinks,
+                             scale, window, has_sinks, o);
 }
 
 // The decode attention's operands after what `b` binds first: q, k, v, q_pos [S32],
@@ -186,8 +187,9 @@ auto attention_operands(B b) {
 
 // the layer of the stacked cache first (an int32 scalar)
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoejaxDecodeAttentionAt, DecodeAttentionAtImpl,
-                              attention_operands(
-                                  ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::S32>>()));
+                              attention_operands(ffi::Ffi::Bind()
+                                                     .Ctx<ffi::ThreadPool>()
+                                                     .Arg<ffi::Buffer<ffi::S32>>()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoejaxDecodeAttention, DecodeAttentionImpl,
                               attention_operands(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));

@@ -1,6 +1,7 @@
 """The host-expert kernel (kernels/cpu_host.cc): the XLA reference expert on odd shapes,
-each weight layout (f32, bf16, bf16 as uint16 bits), zero gates skipped, and the engine's
-HOST call (`sources.host_experts`) through it."""
+each weight layout (f32, bf16, bf16 as uint16 bits), zero gates skipped, B rows in one
+call equal to one call per row, and the engine's HOST call (`sources.host_experts`)
+through it."""
 
 import types
 
@@ -67,6 +68,35 @@ def test_zero_gates_are_skipped_and_ids_clamped():
   chex.assert_trees_all_close(got, want, atol=1e-5, rtol=0)
   zero = fn(x, jnp.array([2], jnp.int32), jnp.array([0.0]), nan, experts_lib.xla_experts)
   chex.assert_trees_all_equal(zero, jnp.zeros_like(x))
+
+
+@pytest.mark.parametrize("layout, xdt", [("f32", jnp.float32), ("bits", jnp.bfloat16)])
+def test_rows_in_one_call_equal_one_call_per_row(layout, xdt):
+  rng = np.random.default_rng(3)
+  w = _weights(rng, 7, 72, 40, layout)
+  x = jnp.asarray(rng.normal(size=(5, 72)), xdt)
+  ids = jnp.asarray(rng.integers(0, 7, (5, 3)), jnp.int32)
+  gates = jnp.asarray(rng.random((5, 3)) + 0.1, jnp.float32)
+  gates = gates.at[2].set(0.0).at[4, 1].set(0.0)       # a row with no expert, a zero gate
+  fn = jax.jit(cpu_host.host_experts, static_argnums=4)
+  got = fn(x, ids, gates, w, experts_lib.xla_experts)
+  chex.assert_shape(got, (5, 72))
+  for b in range(5):     # the same bits as the row alone: the other rows change nothing
+    chex.assert_trees_all_equal(got[b], fn(x[b], ids[b], gates[b], w, experts_lib.xla_experts))
+  chex.assert_trees_all_equal(got[2], jnp.zeros((72,), xdt))
+  want = experts_lib.xla_experts(f32(x), ids, gates, _as_f32(w))
+  tol = 1e-5 if xdt == jnp.float32 else 1e-2
+  chex.assert_trees_all_close(f32(got), want, atol=tol * float(jnp.max(jnp.abs(want))), rtol=0)
+  cfg = ModelConfig(model_type="qwen3_moe", vocab_size=64, hidden_size=72, num_layers=1,
+                    num_heads=4, num_kv_heads=2, head_dim=8, num_experts=7, top_k=3,
+                    moe_intermediate_size=40, intermediate_size=48, sparse_layers=(True,),
+                    qk_norm="head").validate()
+  ctx = types.SimpleNamespace(pinned=False, cfg=cfg)     # the engine's call: the sliced path
+  dtypes = {n: (jnp.float32 if layout == "f32" else jnp.bfloat16) for n in w}
+  sliced = jax.jit(lambda s, xx, i, g: sources.host_experts(ctx, s, dtypes, xx, i, g,
+                                                            in_place=False))(w, x, ids, gates)
+  chex.assert_trees_all_close(f32(got), f32(sliced), atol=tol * float(jnp.max(jnp.abs(want))),
+                              rtol=0)
 
 
 @pytest.mark.parametrize("layout", ["f32", "bits"])

@@ -1,19 +1,23 @@
-// One token through K SwiGLU experts read in place from the host store, for the offload
-// engine's HOST misses (`sources.host_experts`), through jax.ffi:
+// Rows of tokens, each through its K SwiGLU experts read in place from the host store, for
+// the offload engine's HOST misses and a batch's spilled fetches (`sources.host_experts`),
+// through jax.ffi:
 //
-//   y = sum_j gates[j] * down[e_j] @ (silu(gate[e_j] @ x) * up[e_j] @ x),  e_j = ids[j]
+//   y[b] = sum_j gates[b, j] * down[e] @ (silu(gate[e] @ x[b]) * up[e] @ x[b]),  e = ids[b, j]
 //
-// over the j with gates[j] != 0 only (a zero gate: the expert is not read at all).
+// over the (b, j) with gates[b, j] != 0 only (a zero gate: the expert is not read at all;
+// a row with none gets zeros, and a call with none costs no thread wake-up). x [D] with ids
+// and gates [K] is one row; x [B, D] with [B, K] is B rows in one call.
 // gate_up [E, 2I, D] and down [E, D, I] are f32, bf16, or bf16 held as uint16 bits (the
 // program store, `transfer.program_store`); x and y are f32 or bf16, accumulated in f32.
 // A one-token expert is a stream of weight rows, each read once: the row dots here keep
 // four independent accumulators of the widest vectors the CPU has (AVX-512: 16 lanes;
 // else 8): one chain's FMA latency, not memory, bounded a row (docs/policies.md, "Host
 // compute"). Two phases on the calling thread
-// and the kernel's decode helpers (cpu_threads.h): (expert, 32 rows of gate and up, then
-// their activations), then (64 output rows, over the K experts in order). Every output is
-// summed in a fixed order (per row: lanes, then the four accumulators, then the tail;
-// over experts: j = 0..K-1), so the bits do not depend on the threads.
+// and the kernel's decode helpers (cpu_threads.h): ((row, expert) pair, 32 rows of gate and
+// up, then their activations), then (row, 64 output rows, over its experts in order). Every
+// output is summed in a fixed order (per row: lanes, then the four accumulators, then the
+// tail; over a row's experts: j = 0..K-1), so the bits depend neither on the threads nor
+// on the other rows of the call.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -145,32 +149,43 @@ inline float dot_in(const W* w, const float* x, const uint16_t* xb, int64_t n) {
 
 inline float silu_mul(float g, float u) { return g / (1.0f + std::exp(-g)) * u; }
 
+// The work of one call: n (row, expert) pairs, pair p = (row[p], ids[p], gates[p]),
+// row b's pairs at start[b] .. start[b + 1] - 1 in the order of its j.
+struct Pairs {
+  std::vector<int64_t> row, ids, start;
+  std::vector<float> gates;
+};
+
 template <typename W>
-void run(ffi::ThreadPool& pool, const float* x, const uint16_t* xb, const int64_t* ids, const float* gates,
-         int64_t k, int64_t d, int64_t inter, const void* gate_up, const void* down,
+void run(ffi::ThreadPool& pool, const float* x, const uint16_t* xb, const Pairs& pr,
+         int64_t rows, int64_t d, int64_t inter, const void* gate_up, const void* down,
          float* y) {
   const W* gu = static_cast<const W*>(gate_up);
   const W* dn = static_cast<const W*>(down);
-  std::vector<float> a(k * inter);
+  const int64_t n = static_cast<int64_t>(pr.ids.size());
+  std::vector<float> a(n * inter);
   const int64_t c1 = (inter + kActRows - 1) / kActRows;
-  moejax::parallel_for(pool, k * c1, [&](int64_t q) {
-    const int64_t j = q / c1, r0 = (q % c1) * kActRows, nr = std::min(kActRows, inter - r0);
-    const W* g = gu + ids[j] * 2 * inter * d + r0 * d;
+  moejax::parallel_for(pool, n * c1, [&](int64_t q) {
+    const int64_t p = q / c1, r0 = (q % c1) * kActRows, nr = std::min(kActRows, inter - r0);
+    const W* g = gu + pr.ids[p] * 2 * inter * d + r0 * d;
     const W* u = g + inter * d;
+    const float* xr = x + pr.row[p] * d;
+    const uint16_t* xbr = xb == nullptr ? nullptr : xb + pr.row[p] * d;
     float gs[kActRows];
-    for (int64_t r = 0; r < nr; ++r) gs[r] = dot_in(g + r * d, x, xb, d);
+    for (int64_t r = 0; r < nr; ++r) gs[r] = dot_in(g + r * d, xr, xbr, d);
     for (int64_t r = 0; r < nr; ++r)
-      a[j * inter + r0 + r] = silu_mul(gs[r], dot_in(u + r * d, x, xb, d));
+      a[p * inter + r0 + r] = silu_mul(gs[r], dot_in(u + r * d, xr, xbr, d));
   }, true);
   const int64_t c2 = (d + kOutRows - 1) / kOutRows;
-  moejax::parallel_for(pool, c2, [&](int64_t q) {
-    const int64_t r0 = q * kOutRows, nr = std::min(kOutRows, d - r0);
+  moejax::parallel_for(pool, rows * c2, [&](int64_t q) {
+    const int64_t b = q / c2, r0 = (q % c2) * kOutRows, nr = std::min(kOutRows, d - r0);
     float acc[kOutRows] = {};
-    for (int64_t j = 0; j < k; ++j) {
-      const W* w = dn + ids[j] * d * inter + r0 * inter;
-      for (int64_t r = 0; r < nr; ++r) acc[r] += gates[j] * dot(w + r * inter, &a[j * inter], inter);
+    for (int64_t p = pr.start[b]; p < pr.start[b + 1]; ++p) {
+      const W* w = dn + pr.ids[p] * d * inter + r0 * inter;
+      for (int64_t r = 0; r < nr; ++r)
+        acc[r] += pr.gates[p] * dot(w + r * inter, &a[p * inter], inter);
     }
-    std::copy(acc, acc + nr, y + r0);
+    std::copy(acc, acc + nr, y + b * d + r0);
   }, true);
 }
 
@@ -182,40 +197,52 @@ ffi::Error HostExpertsCore(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<f
   const auto& gud = gate_up.dims;
   const auto& dnd = down.dims;
   const auto wt = gate_up.type, xt = x.element_type();
-  const int64_t k = static_cast<int64_t>(ids.element_count());
+  const int64_t all_k = static_cast<int64_t>(ids.element_count());
+  const auto xd = x.dimensions();
   if (gud.size() != 3 || dnd.size() != 3 || !act_ok(xt) || y->element_type() != xt ||
-      !(act_ok(wt) || wt == ffi::DataType::U16) || down.type != wt ||
-      gates.element_count() != ids.element_count())
+      !(act_ok(wt) || wt == ffi::DataType::U16) || down.type != wt || xd.size() < 1 ||
+      xd.size() > 2 || gates.element_count() != ids.element_count())
     return ffi::Error::InvalidArgument(
-        "moejax_host_experts: expected x [D] (f32/bf16), ids [K], gates [K], gate_up "
-        "[E,2I,D] and down [E,D,I] (f32, bf16 or uint16 bf16 bits)");
+        "moejax_host_experts: expected x [D] or [B, D] (f32/bf16), ids and gates [K] or "
+        "[B, K], gate_up [E,2I,D] and down [E,D,I] (f32, bf16 or uint16 bf16 bits)");
   const int64_t e = gud[0], inter = gud[1] / 2, d = gud[2];
-  if (static_cast<int64_t>(x.element_count()) != d || dnd[0] != e || dnd[1] != d ||
-      dnd[2] != inter || gud[1] != 2 * inter)
+  const int64_t rows = xd.size() == 2 ? xd[0] : 1;
+  if (xd.back() != d || dnd[0] != e || dnd[1] != d || dnd[2] != inter ||
+      gud[1] != 2 * inter || rows < 1 || all_k % rows != 0)
     return ffi::Error::InvalidArgument("moejax_host_experts: expert shapes do not match x");
-  std::vector<float> xs(d), out(d);
-  const bool x_bf16 = xt == ffi::DataType::BF16;
-  for (int64_t i = 0; i < d; ++i)
-    xs[i] = x_bf16 ? to_f32(static_cast<const uint16_t*>(x.untyped_data())[i])
-                   : static_cast<const float*>(x.untyped_data())[i];
-  // the experts with a nonzero gate (the engine passes its K slots, the ones not computed
-  // on the host with gate 0), ids clamped like XLA's dynamic indexing
-  std::vector<int64_t> ex;
-  std::vector<float> gs;
-  for (int64_t j = 0; j < k; ++j) {
-    if (gates.typed_data()[j] == 0.0f) continue;
-    ex.push_back(std::min<int64_t>(std::max<int64_t>(ids.typed_data()[j], 0), e - 1));
-    gs.push_back(gates.typed_data()[j]);
+  const int64_t k = all_k / rows;
+  // the (row, expert) pairs with a nonzero gate (the engine passes its K slots, the ones not
+  // computed on the host with gate 0), ids clamped like XLA's dynamic indexing
+  Pairs pr;
+  pr.start.push_back(0);
+  for (int64_t b = 0; b < rows; ++b) {
+    for (int64_t j = 0; j < k; ++j) {
+      const float g = gates.typed_data()[b * k + j];
+      if (g == 0.0f) continue;
+      pr.row.push_back(b);
+      pr.ids.push_back(std::min<int64_t>(std::max<int64_t>(ids.typed_data()[b * k + j], 0),
+                                         e - 1));
+      pr.gates.push_back(g);
+    }
+    pr.start.push_back(static_cast<int64_t>(pr.ids.size()));
   }
-  const int64_t n = static_cast<int64_t>(ex.size());
-  const uint16_t* xb = x_bf16 ? static_cast<const uint16_t*>(x.untyped_data()) : nullptr;
-  if (n > 0 && wt == ffi::DataType::F32)
-    run<float>(pool, xs.data(), nullptr, ex.data(), gs.data(), n, d, inter, gate_up.data,
-               down.data, out.data());
-  else if (n > 0)
-    run<uint16_t>(pool, xs.data(), xb, ex.data(), gs.data(), n, d, inter, gate_up.data,
-                  down.data, out.data());
-  for (int64_t i = 0; i < d; ++i) {
+  const int64_t m = rows * d;
+  const bool x_bf16 = xt == ffi::DataType::BF16;
+  std::vector<float> out(m, 0.0f);
+  if (!pr.ids.empty()) {
+    std::vector<float> xs(m);
+    for (int64_t i = 0; i < m; ++i)
+      xs[i] = x_bf16 ? to_f32(static_cast<const uint16_t*>(x.untyped_data())[i])
+                     : static_cast<const float*>(x.untyped_data())[i];
+    const uint16_t* xb = x_bf16 ? static_cast<const uint16_t*>(x.untyped_data()) : nullptr;
+    if (wt == ffi::DataType::F32)
+      run<float>(pool, xs.data(), nullptr, pr, rows, d, inter, gate_up.data, down.data,
+                 out.data());
+    else
+      run<uint16_t>(pool, xs.data(), xb, pr, rows, d, inter, gate_up.data, down.data,
+                    out.data());
+  }
+  for (int64_t i = 0; i < m; ++i) {
     if (x_bf16) static_cast<uint16_t*>(y->untyped_data())[i] = to_bf16(out[i]);
     else static_cast<float*>(y->untyped_data())[i] = out[i];
   }

@@ -1,4 +1,4 @@
-"""One token through K experts read in place from the offload engine's host store, as one
+"""Tokens through their K experts read in place from the offload engine's host store, as one
 CPU custom call (``cpu_host.cc``, built and registered with the other kernels by
 ``cpu_kernel``): the engine's HOST misses on the CPU backend (``offload.sources``).
 
@@ -24,8 +24,9 @@ _WEIGHTS = _ACT + (jnp.dtype(jnp.uint16),)
 
 def supports(x, w: dict) -> bool:
   """Plain SwiGLU experts ({"gate_up" [E, 2I, D], "down" [E, D, I]}, f32, bf16 or bf16
-  bits) and an f32/bf16 token: the kernel can compute them (when `cpu_kernel.available()`)."""
-  if set(w) != {"gate_up", "down"} or jnp.dtype(x.dtype) not in _ACT:
+  bits) and f32/bf16 tokens x [D] or [B, D]: the kernel can compute them (when
+  `cpu_kernel.available()`)."""
+  if set(w) != {"gate_up", "down"} or jnp.dtype(x.dtype) not in _ACT or x.ndim not in (1, 2):
     return False
   gu, dn = w["gate_up"], w["down"]
   return (jnp.dtype(gu.dtype) in _WEIGHTS and gu.dtype == dn.dtype and gu.ndim == 3
@@ -33,29 +34,29 @@ def supports(x, w: dict) -> bool:
           and gu.shape[1] == 2 * dn.shape[2] and gu.shape[0] == dn.shape[0])
 
 
-def _call(x_D, ids_K, gates_K, gate_up, down):
-  return jax.ffi.ffi_call(cpu_kernel.HOST_EXPERTS_TARGET,
-                          jax.ShapeDtypeStruct(x_D.shape, x_D.dtype))(
-                              x_D, ids_K.astype(jnp.int32), gates_K.astype(jnp.float32),
-                              gate_up, down)
+def _call(x, ids, gates, gate_up, down):
+  return jax.ffi.ffi_call(cpu_kernel.HOST_EXPERTS_TARGET, jax.ShapeDtypeStruct(x.shape, x.dtype))(
+      x, ids.astype(jnp.int32), gates.astype(jnp.float32), gate_up, down)
 
 
-def host_experts(x_D, ids_K, gates_K, w: dict, xla_fn):
-  """sum_j gates[j] * expert_{ids[j]}(x) [D] of one token x [D], experts read in place
-  from `w`: the kernel on the CPU, elsewhere `xla_fn(x [1, D], ids [1, K], gates [1, K],
-  w)` (`apply_experts`' signature, one row). Call it only
-  when `supports(x, w)` and `cpu_kernel.available()`.  A store that is one
-  layer of a stacked one (`layer_view.at`) is read there in place."""
+def host_experts(x, ids, gates, w: dict, xla_fn):
+  """sum_j gates[.., j] * expert_{ids[.., j]}(x) of one token x [D] (ids, gates [K]) or of
+  B tokens x [B, D] (ids, gates [B, K]) in one call, experts read in place from `w`: the
+  kernel on the CPU, elsewhere `xla_fn(x [B, D], ids [B, K], gates [B, K], w)`
+  (`apply_experts`' signature). Call it only when `supports(x, w)` and
+  `cpu_kernel.available()`.  A store that is one layer of a stacked one
+  (`layer_view.at`) is read there in place."""
+  def xla(x, i, g, w):
+    rows = lambda a: a.reshape((-1,) + a.shape[-1:])
+    return xla_fn(rows(x), rows(i), rows(g), w).reshape(x.shape).astype(x.dtype)
   v = layer_view.common([w["gate_up"], w["down"]])
   if v is not None:
     (gu, dn), i = v
     at = lambda x, ids, g, i, gu, dn: jax.ffi.ffi_call(
         cpu_kernel.HOST_EXPERTS_AT_TARGET, jax.ShapeDtypeStruct(x.shape, x.dtype))(
             i.astype(jnp.int32), x, ids.astype(jnp.int32), g.astype(jnp.float32), gu, dn)
-    return jax.lax.platform_dependent(
-        x_D, ids_K, gates_K, i, gu, dn, cpu=at,
-        default=lambda x, ids, g, *_: xla_fn(x[None], ids[None], g[None], w)[0].astype(x.dtype))
+    return jax.lax.platform_dependent(x, ids, gates, i, gu, dn, cpu=at,
+                                      default=lambda x, ids, g, *_: xla(x, ids, g, w))
   return jax.lax.platform_dependent(
-      x_D, ids_K, gates_K, w["gate_up"], w["down"], cpu=_call,
-      default=lambda x, i, g, gu, dn: xla_fn(x[None], i[None], g[None], {
-          "gate_up": gu, "down": dn})[0].astype(x.dtype))
+      x, ids, gates, w["gate_up"], w["down"], cpu=_call,
+      default=lambda x, i, g, gu, dn: xla(x, i, g, {"gate_up": gu, "down": dn}))

@@ -185,22 +185,27 @@ def parallel_experts(ctx, x_TxD, rows_TxK, w_TxK, bufs: dict, dtypes: dict | Non
       x_TxD, rows_TxK, w_TxK, bufs, None if dtypes is None else local)
 
 
-def host_experts(ctx, store: dict, dtypes: dict, moe_in, ids_K, gates_K, in_place=True):
-  """One token's HOST experts (gate 0: none) computed from the store where it lives ->
-  [1, D]: on the CPU backend the kernel reads them in place (`cpu_host`); else (or
+def host_experts(ctx, store: dict, dtypes: dict, moe_in, ids_BxK, gates_BxK, in_place=True):
+  """Tokens' HOST experts (gate 0: none) computed from the store where it lives -> [B, D]
+  (moe_in: B tokens of D; ids, gates [B, K], or [K] for one): on the CPU backend the
+  kernel reads them in place, every row in one call (`cpu_host`); else (or
   in_place=False: launch/bench_host's 'before') each is sliced out as `dtypes` (the slot
   buffers') and run by `apply_experts`."""
-  def sliced(x_1xD, ids_1xK, gates_1xK, w):
-    k = ids_1xK.shape[1]
-    rows = {name: jnp.concatenate([_row(v, ids_1xK[0, j], dtypes[name], ctx.pinned)
-                                   for j in range(k)]) for name, v in w.items()}
-    return experts_lib.apply_experts(x_1xD, jnp.arange(k)[None], gates_1xK, rows,
+  k = ids_BxK.shape[-1]
+  ids, gates = ids_BxK.reshape(-1, k), gates_BxK.reshape(-1, k)
+  x = moe_in.reshape(ids.shape[0], -1)
+
+  def sliced(x_BxD, ids_BxK, gates_BxK, w):
+    nb = ids_BxK.shape[0]
+    rows = {name: jnp.concatenate([_row(v, ids_BxK[b, j], dtypes[name], ctx.pinned)
+                                   for b in range(nb) for j in range(k)])
+            for name, v in w.items()}
+    return experts_lib.apply_experts(x_BxD, jnp.arange(nb * k).reshape(nb, k), gates_BxK, rows,
                                      swiglu=families.of(ctx.cfg).swiglu(ctx.cfg))
-  x = moe_in.reshape(-1)
   if (in_place and not ctx.pinned and cpu_host.supports(x, store) and cpu_kernel.available()
       and all(store[n].dtype.itemsize == jnp.dtype(t).itemsize for n, t in dtypes.items())):
-    return cpu_host.host_experts(x, ids_K, gates_K, store, sliced).reshape(1, -1)
-  return sliced(x[None], ids_K[None], gates_K[None], store)
+    return cpu_host.host_experts(x, ids, gates, store, sliced)
+  return sliced(x, ids, gates, store)
 
 
 def run_experts(ctx, mod, p, src: dict, h, moe_in, state, head, carried):
@@ -258,8 +263,7 @@ def run_experts(ctx, mod, p, src: dict, h, moe_in, state, head, carried):
     wh = jnp.where(host | spill, dec.weights, 0.0)
     e = jnp.where(host, dec.ids, jnp.where(spill, dec.exec_ids, 0))
     dtypes = {n: b.dtype for n, b in bufs.items()}
-    y = jnp.concatenate([host_experts(ctx, store, dtypes, moe_in[b], e[b], wh[b])
-                         for b in range(nb)])
+    y = host_experts(ctx, store, dtypes, moe_in, e, wh)     # every row in one call
     x = x + y.reshape(x.shape).astype(x.dtype)
   return x, state
 

@@ -164,13 +164,17 @@ def token_loop(logits_V, decode, sp: SamplingParams, key, on_token=None, pick=No
   callers that take each token as it comes): token i is sampled from the last logits with
   the next split of `key` (as `sample_loop`), then `decode(token, i)` gives the next
   logits.  pick(logits, key) -> token id replaces `next_token` (the server's penalties and
-  log-probabilities).  Runs inside `cpu_kernel.decoding()`."""
+  log-probabilities).  Greedy (temperature 0) reads no key: none is split (a dispatch a
+  token).  Runs inside `cpu_kernel.decoding()`."""
   if pick is None:
     pick = lambda lg, k: int(next_token(lg, k, float(sp.temperature), float(sp.top_p)))
   out = []
   with cpu_kernel.decoding():
     for i in range(sp.max_new_tokens):
-      key, sub = jax.random.split(key)
+      if sp.temperature > 0:
+        key, sub = jax.random.split(key)
+      else:
+        sub = key
       tid = pick(logits_V, sub)
       out.append(tid)
       if on_token:

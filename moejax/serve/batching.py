@@ -175,7 +175,7 @@ class Row:
 
   def __init__(self, job, tok, t0: float):
     self.job, self.t0 = job, t0
-    self.key = jax.random.PRNGKey(job.seed)
+    self.key = None            # made at the first sampled token: a greedy row never reads it
     self.text = StopText(tok, job.stops)
     self.out: list[int] = []
     self.times: list[float] = []
@@ -194,7 +194,9 @@ class Row:
     (with penalties: `next_token_penalized`, as `serve.decoding`)."""
     sp: SamplingParams = self.job.sp
     greedy = sp.temperature == 0.0 and not self.penalized
-    if not greedy:             # a greedy row's key is never read: no split (a dispatch)
+    if not greedy:             # a greedy row's key is never read: no key, no split (dispatches)
+      if self.key is None:
+        self.key = jax.random.PRNGKey(self.job.seed)
       self.key, sub = jax.random.split(self.key)
     if self.penalized:
       if self.counts is None:

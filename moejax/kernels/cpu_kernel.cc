@@ -4,6 +4,7 @@
 //
 // with gate_up[e] = [gate; up] of shape [2I, D] and down[e] of shape [D, I], read in
 // place (the table or the offload engine's slot buffers; no copy of a selected expert).
+// Pairs whose gate is 0 are skipped (they add nothing).
 // The (token, expert) pairs are sorted by expert and cut into blocks of up to kBlock
 // tokens. In a prompt each block is one work item (both matmuls of one expert for its
 // tokens), ~N*K/kBlock items shared between the calling thread and XLA's intra-op thread
@@ -187,18 +188,24 @@ ffi::Error ExpertFfnCore(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi
   p->down = down.data;
   p->w_bf16 = weights_bf16(gate_up.type);
 
-  // counting sort of the pairs by expert (ids clamped like XLA's dynamic indexing)
+  // counting sort of the pairs by expert (ids clamped like XLA's dynamic indexing); a pair
+  // whose gate is 0 is not computed (its output stays 0: an offload step's pairs served
+  // elsewhere, a batch's inactive rows)
   const int64_t pairs = p->n * p->k, ne = p->num_experts;
   std::vector<int64_t> count(ne + 1, 0);
-  std::vector<int64_t> expert_of(pairs);
+  std::vector<int64_t> expert_of(pairs, -1);
+  int64_t live = 0;
   for (int64_t i = 0; i < pairs; ++i) {
+    if (p->gates[i] == 0.0f) continue;
     expert_of[i] = std::min<int64_t>(std::max<int64_t>(p->ids[i], 0), ne - 1);
     ++count[expert_of[i] + 1];
+    ++live;
   }
   for (int64_t e = 0; e < ne; ++e) count[e + 1] += count[e];
-  p->order.resize(pairs);
+  p->order.resize(live);
   std::vector<int64_t> fill(count.begin(), count.end() - 1);
-  for (int64_t i = 0; i < pairs; ++i) p->order[fill[expert_of[i]]++] = i;
+  for (int64_t i = 0; i < pairs; ++i)
+    if (expert_of[i] >= 0) p->order[fill[expert_of[i]]++] = i;
   for (int64_t e = 0; e < ne; ++e)
     for (int64_t b = count[e]; b < count[e + 1]; b += kBlock)
       p->items.push_back({e, b, std::min(b + kBlock, count[e + 1])});

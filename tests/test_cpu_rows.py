@@ -1,5 +1,5 @@
 """The row-wise CPU kernels (cpu_rows): RMSNorm, the softmax router rule, top-k, a
-weighted bincount and the bf16 embedding lookup, each pinned by a hand-checked case,
+weighted bincount, the bf16 embedding lookup and the KV cache's in-place row write, each pinned by a hand-checked case,
 compared with XLA's ops (f32 and bf16, odd widths, ties), under vmap and grad, and
 compiled to one custom call where XLA needs several thunks (or splits a tiny lookup over
 its thread pool)."""
@@ -227,3 +227,24 @@ def test_bin_sum_hand_checked_and_matches_the_one_hot_sum():
   want = jnp.sum(jnp.where(ids[..., :, None] == jnp.arange(128), w[..., :, None], 0.0), axis=-2)
   got = jax.jit(jax.vmap(jax.vmap(lambda i, x: cpu_rows.bin_sum(i, x, 128))))(ids, w)
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))   # distinct ids: exact
+
+
+def test_write_rows_is_a_dynamic_update_slice_in_place():
+  rng = np.random.default_rng(4)
+  cache = jnp.asarray(rng.normal(size=(3, 10, 2, 4)), jnp.bfloat16)
+  rows = jnp.asarray(rng.normal(size=(2, 3, 2, 4)), jnp.bfloat16)
+  dus = lambda c, r, b, s: jax.lax.dynamic_update_slice(c, r, (b, s, 0, 0))
+  fn = jax.jit(lambda c, r, b, s: cpu_rows.write_rows(c, r, b, s, lambda c, r: dus(c, r, b, s)))
+  assert _custom_calls(fn, cache, rows, 0, 0) == 1
+  for b, s in ((0, 0), (1, 4), (1, 9), (-1, -2), (5, 20)):     # clamped as XLA clamps
+    chex.assert_trees_all_equal(fn(cache, rows, b, s), dus(cache, rows, b, s))
+  # under vmap (one call per element) and through the model's cache write, a row each
+  got = jax.jit(jax.vmap(fn, in_axes=(0, 0, None, 0)))(cache[:, None], rows[:1].repeat(3, 0)[:, None],
+                                                      0, jnp.array([0, 5, 7]))
+  want = jax.vmap(dus, in_axes=(0, 0, None, 0))(cache[:, None], rows[:1].repeat(3, 0)[:, None],
+                                                0, jnp.array([0, 5, 7]))
+  chex.assert_trees_all_equal(got, want)
+  ends = jnp.array([2, 0, 9])
+  got = jax.jit(layers.write_cache)(cache, rows[:1, :1].repeat(3, 0), ends)
+  want = jnp.stack([dus(cache[i:i + 1], rows[:1, :1], 0, int(ends[i]))[0] for i in range(3)])
+  chex.assert_trees_all_equal(got, want)

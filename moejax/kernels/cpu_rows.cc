@@ -185,12 +185,50 @@ ffi::Error TakeRowsImpl(ffi::Buffer<ffi::S32> ids, ffi::AnyBuffer table,
   return ffi::Error::Success();
 }
 
+// out = lax.dynamic_update_slice(cache, rows, (b, s, 0, ...)) for a cache [B, S, ...] and
+// rows [b, t, ...] with the same trailing dims, written in place: `out` is `cache`'s
+// buffer (input_output_aliases). The start is clamped as XLA clamps it. A 16-bit float KV
+// cache's update in XLA was a loop over the whole cache at every decode step (its CPU
+// backend updates bf16 through f32, or its uint16 view fused with the bitcasts back).
+ffi::Error WriteRowsImpl(ffi::AnyBuffer cache, ffi::AnyBuffer rows, ffi::Buffer<ffi::S32> start,
+                         ffi::Result<ffi::AnyBuffer> out) {
+  auto cd = cache.dimensions(), rd = rows.dimensions();
+  const size_t width = ffi::ByteWidth(cache.element_type());
+  bool ok = cd.size() >= 2 && cd.size() == rd.size() && start.element_count() == 2 &&
+            rows.element_type() == cache.element_type() &&
+            out->element_type() == cache.element_type() && rd[0] <= cd[0] && rd[1] <= cd[1];
+  for (size_t i = 2; ok && i < cd.size(); ++i) ok = cd[i] == rd[i];
+  if (!ok)
+    return ffi::Error::InvalidArgument(
+        "moejax_write_rows: expected a cache [B,S,...], rows [b,t,...] of its dtype and "
+        "trailing dims, and a start (b, s)");
+  int64_t row = 1;
+  for (size_t i = 2; i < cd.size(); ++i) row *= cd[i];
+  const int64_t b0 = std::clamp<int64_t>(start.typed_data()[0], 0, cd[0] - rd[0]);
+  const int64_t s0 = std::clamp<int64_t>(start.typed_data()[1], 0, cd[1] - rd[1]);
+  char* dst = static_cast<char*>(out->untyped_data());
+  if (dst != cache.untyped_data())   // not aliased (never expected): the rest copied first
+    std::memcpy(dst, cache.untyped_data(), cache.size_bytes());
+  const char* src = static_cast<const char*>(rows.untyped_data());
+  const int64_t line = rd[1] * row * static_cast<int64_t>(width);   // t rows of one b
+  for (int64_t b = 0; b < rd[0]; ++b)
+    std::memcpy(dst + ((b0 + b) * cd[1] + s0) * row * width, src + b * line, line);
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoejaxTakeRows, TakeRowsImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoejaxWriteRows, WriteRowsImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::AnyBuffer>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoejaxRmsNorm, RmsNormImpl,

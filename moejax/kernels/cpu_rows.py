@@ -1,5 +1,5 @@
-"""An RMSNorm, the softmax router rule, a top-k, a weighted bincount and the bf16
-embedding lookup as one CPU custom call each (``cpu_rows.cc``, built and registered with
+"""An RMSNorm, the softmax router rule, a top-k, a weighted bincount, the bf16
+embedding lookup and a KV cache's in-place row write as one CPU custom call each (``cpu_rows.cc``, built and registered with
 the expert kernel by ``cpu_kernel``).
 
 XLA's CPU backend compiles an RMSNorm to 3-4 thunks and softmax + top-k + renormalisation
@@ -163,3 +163,24 @@ def take_rows(table_VxD, ids, cpu_xla_fn):
   xla_fn = lambda i, t: jnp.take(t, i, axis=0)
   rows = _kernel_or_xla(_take_caller, xla_fn, ids.reshape(-1).astype(jnp.int32), table_VxD)
   return rows.reshape(ids.shape + table_VxD.shape[1:])
+
+
+def _write_call(cache, rows, start):
+  return jax.ffi.ffi_call(cpu_kernel.WRITE_ROWS_TARGET, jax.ShapeDtypeStruct(cache.shape, cache.dtype),
+                          input_output_aliases={0: 0}, vmap_method="sequential")(
+                              cache, rows, start)
+
+
+def write_rows(cache, rows, b, s, xla_fn):
+  """`lax.dynamic_update_slice(cache, rows, (b, s, 0, ...))` of a cache [B, S, ...] and rows
+  [b, t, ...] with its trailing dims, in place in the cache's buffer: the kernel on CPU,
+  else `xla_fn(cache, rows)`.  For 16-bit float caches, which XLA's CPU backend updated
+  with a pass over the whole cache (docs/lab/notes/cpu_speed.md); decode only (no
+  gradient)."""
+  if (not cpu_kernel.available() or cache.ndim < 2 or cache.ndim != rows.ndim
+      or rows.shape[2:] != cache.shape[2:] or rows.dtype != cache.dtype):
+    return xla_fn(cache, rows)
+  wrap = lambda i, n: jnp.where(jnp.asarray(i, jnp.int32) < 0, i + n, i).astype(jnp.int32)
+  start = jnp.stack([wrap(b, cache.shape[0]), wrap(s, cache.shape[1])])   # as lax wraps them
+  return jax.lax.platform_dependent(cache, rows, start, cpu=_write_call,
+                                    default=lambda c, r, _: xla_fn(c, r))

@@ -234,7 +234,7 @@ def test_write_rows_is_a_dynamic_update_slice_in_place():
   cache = jnp.asarray(rng.normal(size=(3, 10, 2, 4)), jnp.bfloat16)
   rows = jnp.asarray(rng.normal(size=(2, 3, 2, 4)), jnp.bfloat16)
   dus = lambda c, r, b, s: jax.lax.dynamic_update_slice(c, r, (b, s, 0, 0))
-  fn = jax.jit(lambda c, r, b, s: cpu_rows.write_rows(c, r, b, s, lambda c, r: dus(c, r, b, s)))
+  fn = jax.jit(lambda c, r, b, s: cpu_rows.write_rows(c, r, (b, s), lambda c, r: dus(c, r, b, s)))
   assert _custom_calls(fn, cache, rows, 0, 0) == 1
   for b, s in ((0, 0), (1, 4), (1, 9), (-1, -2), (5, 20)):     # clamped as XLA clamps
     chex.assert_trees_all_equal(fn(cache, rows, b, s), dus(cache, rows, b, s))
@@ -248,3 +248,14 @@ def test_write_rows_is_a_dynamic_update_slice_in_place():
   got = jax.jit(layers.write_cache)(cache, rows[:1, :1].repeat(3, 0), ends)
   want = jnp.stack([dus(cache[i:i + 1], rows[:1, :1], 0, int(ends[i]))[0] for i in range(3)])
   chex.assert_trees_all_equal(got, want)
+  # a stack [L, B, S, ...] at (l, b, s), and rows at one leading index
+  stack = jnp.asarray(rng.normal(size=(2, 3, 10, 2, 4)), jnp.bfloat16)
+  dus3 = lambda c, r, i: jax.lax.dynamic_update_slice(c, r, tuple(i) + (0, 0))
+  for i in ((1, 2, 4), (0, 0, 9), (-1, 1, 0)):
+    r = rows[None, :, :2]
+    got = jax.jit(lambda c, r: cpu_rows.write_rows(c, r, i, lambda c, r: dus3(c, r, i)))(stack, r)
+    chex.assert_trees_all_equal(got, dus3(stack, r, i))
+  one = rows[:1, :1]
+  got = jax.jit(lambda c, r: cpu_rows.write_rows(c, r, (2,), lambda c, r: dus(c, r, 2, 0)))(
+      cache, jnp.broadcast_to(one, (1, 10, 2, 4)))
+  chex.assert_trees_all_equal(got, dus(cache, jnp.broadcast_to(one, (1, 10, 2, 4)), 2, 0))

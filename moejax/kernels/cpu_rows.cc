@@ -185,34 +185,45 @@ ffi::Error TakeRowsImpl(ffi::Buffer<ffi::S32> ids, ffi::AnyBuffer table,
   return ffi::Error::Success();
 }
 
-// out = lax.dynamic_update_slice(cache, rows, (b, s, 0, ...)) for a cache [B, S, ...] and
-// rows [b, t, ...] with the same trailing dims, written in place: `out` is `cache`'s
-// buffer (input_output_aliases). The start is clamped as XLA clamps it. A 16-bit float KV
-// cache's update in XLA was a loop over the whole cache at every decode step (its CPU
-// backend updates bf16 through f32, or its uint16 view fused with the bitcasts back).
-ffi::Error WriteRowsImpl(ffi::AnyBuffer cache, ffi::AnyBuffer rows, ffi::Buffer<ffi::S32> start,
+// out = lax.dynamic_update_slice(x, rows, (i0, .., ik-1, 0, ...)) for rows whose dims from
+// k on are x's (a KV cache [B, S, ...] at (b, s); a stacked one [L, B, S, ...] at (l, b, s);
+// slot buffers [L, P, ...] at (l, slot)), written in place: `out` is `x`'s buffer
+// (input_output_aliases). The start is clamped as XLA clamps it. XLA's CPU backend updated a
+// 16-bit float array through f32, or its uint16 view fused with the bitcasts back: a loop
+// over the whole array (a KV cache at every decode step).
+ffi::Error WriteRowsImpl(ffi::AnyBuffer x, ffi::AnyBuffer rows, ffi::Buffer<ffi::S32> start,
                          ffi::Result<ffi::AnyBuffer> out) {
-  auto cd = cache.dimensions(), rd = rows.dimensions();
-  const size_t width = ffi::ByteWidth(cache.element_type());
-  bool ok = cd.size() >= 2 && cd.size() == rd.size() && start.element_count() == 2 &&
-            rows.element_type() == cache.element_type() &&
-            out->element_type() == cache.element_type() && rd[0] <= cd[0] && rd[1] <= cd[1];
-  for (size_t i = 2; ok && i < cd.size(); ++i) ok = cd[i] == rd[i];
+  auto xd = x.dimensions(), rd = rows.dimensions();
+  const size_t k = start.element_count();
+  const int64_t width = static_cast<int64_t>(ffi::ByteWidth(x.element_type()));
+  bool ok = k >= 1 && k <= xd.size() && xd.size() == rd.size() &&
+            rows.element_type() == x.element_type() && out->element_type() == x.element_type();
+  for (size_t i = 0; ok && i < xd.size(); ++i) ok = i < k ? rd[i] <= xd[i] : rd[i] == xd[i];
   if (!ok)
     return ffi::Error::InvalidArgument(
-        "moejax_write_rows: expected a cache [B,S,...], rows [b,t,...] of its dtype and "
-        "trailing dims, and a start (b, s)");
-  int64_t row = 1;
-  for (size_t i = 2; i < cd.size(); ++i) row *= cd[i];
-  const int64_t b0 = std::clamp<int64_t>(start.typed_data()[0], 0, cd[0] - rd[0]);
-  const int64_t s0 = std::clamp<int64_t>(start.typed_data()[1], 0, cd[1] - rd[1]);
+        "moejax_write_rows: expected rows of x's dtype, no larger than x in its first k dims "
+        "and equal to it after them, and a start of k indices");
+  int64_t row = width, outer = 1;              // bytes after the k dims; row blocks
+  for (size_t i = k; i < xd.size(); ++i) row *= xd[i];
+  for (size_t i = 0; i + 1 < k; ++i) outer *= rd[i];
+  std::vector<int64_t> s0(k);
+  for (size_t i = 0; i < k; ++i)
+    s0[i] = std::clamp<int64_t>(start.typed_data()[i], 0, xd[i] - rd[i]);
   char* dst = static_cast<char*>(out->untyped_data());
-  if (dst != cache.untyped_data())   // not aliased (never expected): the rest copied first
-    std::memcpy(dst, cache.untyped_data(), cache.size_bytes());
+  if (dst != x.untyped_data())   // not aliased (never expected): the rest copied first
+    std::memcpy(dst, x.untyped_data(), x.size_bytes());
   const char* src = static_cast<const char*>(rows.untyped_data());
-  const int64_t line = rd[1] * row * static_cast<int64_t>(width);   // t rows of one b
-  for (int64_t b = 0; b < rd[0]; ++b)
-    std::memcpy(dst + ((b0 + b) * cd[1] + s0) * row * width, src + b * line, line);
+  const int64_t block = rd[k - 1] * row;       // contiguous in both: dim k-1's rows
+  for (int64_t o = 0; o < outer; ++o) {
+    int64_t at = 0, rest = o;
+    std::vector<int64_t> j(k, 0);
+    for (size_t i = k - 1; i-- > 0;) {          // o as an index over rows' dims 0..k-2
+      j[i] = rest % rd[i];
+      rest /= rd[i];
+    }
+    for (size_t i = 0; i < k; ++i) at = at * xd[i] + s0[i] + j[i];
+    std::memcpy(dst + at * row, src + o * block, block);
+  }
   return ffi::Error::Success();
 }
 

@@ -171,16 +171,17 @@ def _write_call(cache, rows, start):
                               cache, rows, start)
 
 
-def write_rows(cache, rows, b, s, xla_fn):
-  """`lax.dynamic_update_slice(cache, rows, (b, s, 0, ...))` of a cache [B, S, ...] and rows
-  [b, t, ...] with its trailing dims, in place in the cache's buffer: the kernel on CPU,
-  else `xla_fn(cache, rows)`.  For 16-bit float caches, which XLA's CPU backend updated
-  with a pass over the whole cache (docs/lab/notes/cpu_speed.md); decode only (no
-  gradient)."""
-  if (not cpu_kernel.available() or cache.ndim < 2 or cache.ndim != rows.ndim
-      or rows.shape[2:] != cache.shape[2:] or rows.dtype != cache.dtype):
-    return xla_fn(cache, rows)
+def write_rows(x, rows, start, xla_fn):
+  """`lax.dynamic_update_slice(x, rows, (*start, 0, ...))` for rows whose dims after the
+  len(start) indexed ones are x's (a KV cache [B, S, ...] at (b, s), a stack of them at
+  (l, b, s)), in place in x's buffer: the kernel on CPU, else `xla_fn(x, rows)`.  For 16-bit
+  float arrays, which XLA's CPU backend updated with a pass over the whole array
+  (docs/lab/notes/cpu_speed.md); decode only (no gradient)."""
+  k = len(start)
+  if (not cpu_kernel.available() or not 1 <= k <= x.ndim or x.ndim != rows.ndim
+      or rows.shape[k:] != x.shape[k:] or rows.dtype != x.dtype):
+    return xla_fn(x, rows)
   wrap = lambda i, n: jnp.where(jnp.asarray(i, jnp.int32) < 0, i + n, i).astype(jnp.int32)
-  start = jnp.stack([wrap(b, cache.shape[0]), wrap(s, cache.shape[1])])   # as lax wraps them
-  return jax.lax.platform_dependent(cache, rows, start, cpu=_write_call,
+  at = jnp.stack([wrap(i, n) for i, n in zip(start, x.shape)])   # as lax wraps them
+  return jax.lax.platform_dependent(x, rows, at, cpu=_write_call,
                                     default=lambda c, r, _: xla_fn(c, r))

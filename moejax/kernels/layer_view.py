@@ -23,6 +23,7 @@ import threading
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 _local = threading.local()     # per tracing thread: views {id(slice): (slice, stack, i)}
 
@@ -82,6 +83,7 @@ def update(x, new, idx):
   (in place in a loop's carry), and the view of the new stack returned.  16-bit floats
   are updated as their uint16 bits (new may come as them; XLA's CPU backend runs a bf16
   update in f32: it converted the whole array to f32 and back)."""
+  from moejax.kernels import cpu_rows   # (cpu_rows imports cpu_kernel, which imports us)
   v = of(x)
   base, off = (x, ()) if v is None else (v[0], (v[1],))
   bits = base.dtype.itemsize == 2 and jnp.issubdtype(base.dtype, jnp.floating)
@@ -89,9 +91,25 @@ def update(x, new, idx):
   if not (bits and new.dtype == jnp.uint16):   # rows of a 16-bit float array may come as bits
     new = u16(new.astype(base.dtype))
   new = new.reshape((1,) * len(off) + new.shape)
-  out = jax.lax.dynamic_update_slice(u16(base), new, off + tuple(idx))
-  out = jax.lax.bitcast_convert_type(out, base.dtype) if bits else out
+  start = off + tuple(idx)
+
+  def xla(b, n):
+    out = jax.lax.dynamic_update_slice(u16(b), u16(n), start)
+    return jax.lax.bitcast_convert_type(out, base.dtype) if bits else out
+  if bits:   # on the CPU written in place by a kernel: XLA fused the update of the uint16
+    # view with the bitcasts into a loop over the whole stack (a KV cache at every step)
+    k = base.ndim      # the indexed dims: up to the last that is not a whole one at 0
+    while k > 1 and new.shape[k - 1] == base.shape[k - 1] and _zero(start[k - 1]):
+      k -= 1
+    out = cpu_rows.write_rows(base, jax.lax.bitcast_convert_type(new, base.dtype), start[:k],
+                              xla)
+  else:
+    out = xla(base, new)
   return out if v is None else at(out, v[1])
+
+
+def _zero(i) -> bool:
+  return isinstance(i, (int, np.integer)) and int(i) == 0
 
 
 def rows(x, start, size: int):

@@ -123,7 +123,7 @@ def _write(cache_arr, new, idx):
     u16 = lambda a: jax.lax.bitcast_convert_type(a, jnp.uint16)
     bits = lambda c, n: jax.lax.bitcast_convert_type(
         jax.lax.dynamic_update_slice(u16(c), u16(n), idx), jnp.bfloat16)
-    return cpu_rows.write_rows(cache_arr, new, idx[0], idx[1], bits)
+    return cpu_rows.write_rows(cache_arr, new, idx[:2], bits)
   return jax.lax.dynamic_update_slice(cache_arr, new, idx)
 
 

@@ -1,8 +1,8 @@
 """The row-wise CPU kernels (cpu_rows): RMSNorm, the softmax router rule, top-k, a
-weighted bincount, the bf16 embedding lookup and the KV cache's in-place row write, each pinned by a hand-checked case,
-compared with XLA's ops (f32 and bf16, odd widths, ties), under vmap and grad, and
-compiled to one custom call where XLA needs several thunks (or splits a tiny lookup over
-its thread pool)."""
+weighted bincount, the bf16 embedding lookup and the KV cache's in-place row write, each
+pinned by a hand-checked case, compared with XLA's ops (f32 and bf16, odd widths, ties),
+under vmap and grad, and compiled to one custom call where XLA needs several thunks (or
+splits a tiny lookup over its thread pool)."""
 
 import chex
 import jax
@@ -239,10 +239,10 @@ def test_write_rows_is_a_dynamic_update_slice_in_place():
   for b, s in ((0, 0), (1, 4), (1, 9), (-1, -2), (5, 20)):     # clamped as XLA clamps
     chex.assert_trees_all_equal(fn(cache, rows, b, s), dus(cache, rows, b, s))
   # under vmap (one call per element) and through the model's cache write, a row each
-  got = jax.jit(jax.vmap(fn, in_axes=(0, 0, None, 0)))(cache[:, None], rows[:1].repeat(3, 0)[:, None],
-                                                      0, jnp.array([0, 5, 7]))
-  want = jax.vmap(dus, in_axes=(0, 0, None, 0))(cache[:, None], rows[:1].repeat(3, 0)[:, None],
-                                                0, jnp.array([0, 5, 7]))
+  one_each = rows[:1].repeat(3, 0)[:, None]
+  got = jax.jit(jax.vmap(fn, in_axes=(0, 0, None, 0)))(cache[:, None], one_each, 0,
+                                                      jnp.array([0, 5, 7]))
+  want = jax.vmap(dus, in_axes=(0, 0, None, 0))(cache[:, None], one_each, 0, jnp.array([0, 5, 7]))
   chex.assert_trees_all_equal(got, want)
   ends = jnp.array([2, 0, 9])
   got = jax.jit(layers.write_cache)(cache, rows[:1, :1].repeat(3, 0), ends)

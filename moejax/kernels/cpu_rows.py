@@ -1,6 +1,6 @@
-"""An RMSNorm, the softmax router rule, a top-k, a weighted bincount, the bf16
-embedding lookup and a KV cache's in-place row write as one CPU custom call each (``cpu_rows.cc``, built and registered with
-the expert kernel by ``cpu_kernel``).
+"""An RMSNorm, the softmax router rule, a top-k, a weighted bincount, the bf16 embedding
+lookup and a KV cache's in-place row write as one CPU custom call each (``cpu_rows.cc``,
+built and registered with the expert kernel by ``cpu_kernel``).
 
 XLA's CPU backend compiles an RMSNorm to 3-4 thunks and softmax + top-k + renormalisation
 to about 6, each with a fixed cost of about a microsecond; on a small model that is a
@@ -165,10 +165,9 @@ def take_rows(table_VxD, ids, cpu_xla_fn):
   return rows.reshape(ids.shape + table_VxD.shape[1:])
 
 
-def _write_call(cache, rows, start):
-  return jax.ffi.ffi_call(cpu_kernel.WRITE_ROWS_TARGET, jax.ShapeDtypeStruct(cache.shape, cache.dtype),
-                          input_output_aliases={0: 0}, vmap_method="sequential")(
-                              cache, rows, start)
+def _write_call(x, rows, start):
+  return jax.ffi.ffi_call(cpu_kernel.WRITE_ROWS_TARGET, jax.ShapeDtypeStruct(x.shape, x.dtype),
+                          input_output_aliases={0: 0}, vmap_method="sequential")(x, rows, start)
 
 
 def write_rows(x, rows, start, xla_fn):

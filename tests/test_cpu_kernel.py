@@ -1,4 +1,5 @@
-"""The C++ CPU expert kernel: a hand-checked case, agreement with XLA's dispatch, gradients."""
+"""The C++ CPU expert kernel: a hand-checked case, agreement with XLA's dispatch, zero-gate
+pairs skipped, gradients."""
 
 import chex
 import jax
@@ -27,6 +28,22 @@ def test_hand_checked_single_expert():
   y = _kernel(x, jnp.array([[0]], jnp.int32), jnp.array([[0.5]]), {"gate_up": gu, "down": dn})
   a = 1.0 / (1.0 + np.exp(-1.0)) * 2.0
   chex.assert_trees_all_close(np.asarray(y), np.array([[0.5 * 2 * a, 0.5 * 3 * a]]), rtol=1e-6)
+
+
+@pytest.mark.parametrize("n", [2, 40])      # decode items and prompt blocks
+def test_pairs_with_gate_zero_are_not_computed(n):
+  rng = np.random.default_rng(7)
+  w = {"gate_up": jnp.asarray(rng.normal(size=(4, 12, 16)) * 0.3, jnp.float32),
+       "down": jnp.asarray(rng.normal(size=(4, 16, 6)) * 0.3, jnp.float32)}
+  x = jnp.asarray(rng.normal(size=(n, 16)), jnp.float32)
+  ids = jnp.asarray(rng.integers(0, 3, (n, 3)), jnp.int32).at[:, 1].set(3)
+  gates = jnp.asarray(rng.random((n, 3)) + 0.1, jnp.float32).at[:, 1].set(0.0)
+  nan = dict(w, gate_up=w["gate_up"].at[3].set(jnp.nan))    # expert 3: gate 0 wherever used
+  got = _kernel(x, ids, gates, nan)
+  chex.assert_tree_all_finite(got)
+  chex.assert_trees_all_equal(got, _kernel(x, ids, gates, w))
+  none = _kernel(x, ids, jnp.zeros_like(gates), nan)        # every gate 0: zeros
+  chex.assert_trees_all_equal(none, jnp.zeros_like(x))
 
 
 @pytest.mark.parametrize("n, e, d, inter, k", [(1, 16, 64, 32, 4),      # decode

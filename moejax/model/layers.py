@@ -118,8 +118,8 @@ def _write(cache_arr, new, idx):
   if cache_arr.dtype == jnp.bfloat16:
     # XLA's CPU backend runs a bf16 update in f32 (the whole cache converted to f32 and
     # back at every decode step), and an update of its uint16 view fused with the bitcasts
-    # into a loop over the whole cache (0.34 ms a layer at 2,048 positions): on the CPU a
-    # kernel writes the rows in place; elsewhere the bits are updated
+    # into a loop over the whole cache (wide_bf16's Sampler at max_len 256: 0.39 ms a
+    # token): on the CPU a kernel writes the rows in place; elsewhere the bits are updated
     u16 = lambda a: jax.lax.bitcast_convert_type(a, jnp.uint16)
     bits = lambda c, n: jax.lax.bitcast_convert_type(
         jax.lax.dynamic_update_slice(u16(c), u16(n), idx), jnp.bfloat16)

@@ -186,16 +186,10 @@ def write_rows(buf, rows, at):
   the buffer is donated); rows of a 16-bit float buffer may come as their bits.  16-bit
   floats are written as their uint16 bits: XLA's CPU backend converted a bf16 buffer to
   f32 and back around the update (8 Qwen3-30B-A3B experts into a [129, 1536, 2048]
-  buffer: 1.5 s as bf16, 5 ms as bits).  A buffer that is one layer of stacked ones
-  (`layer_view.at`) is written there in place."""
-  if layer_view.of(buf) is not None:
-    return layer_view.update(buf, rows, (at,) + (0,) * (buf.ndim - 1))
-  if buf.dtype.itemsize == 2 and jnp.issubdtype(buf.dtype, jnp.floating):
-    if rows.dtype != jnp.uint16:
-      rows = as_bits(rows.astype(buf.dtype))
-    bits = jax.lax.dynamic_update_slice_in_dim(as_bits(buf), rows, at, axis=0)
-    return jax.lax.bitcast_convert_type(bits, buf.dtype)
-  return jax.lax.dynamic_update_slice_in_dim(buf, rows.astype(buf.dtype), at, axis=0)
+  buffer: 1.5 s as bf16, 5 ms as bits), in place by a kernel on the CPU
+  (`layer_view.update`).  A buffer that is one layer of stacked ones (`layer_view.at`) is
+  written there in place."""
+  return layer_view.update(buf, rows, (at,) + (0,) * (buf.ndim - 1))
 
 
 def as_bits(x):

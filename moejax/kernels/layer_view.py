@@ -79,10 +79,11 @@ def stack_at(x, i):
 
 
 def update(x, new, idx):
-  """`lax.dynamic_update_slice(x, new, idx)`; x a view: its stack updated at (i, *idx)
-  (in place in a loop's carry), and the view of the new stack returned.  16-bit floats
-  are updated as their uint16 bits (new may come as them; XLA's CPU backend runs a bf16
-  update in f32: it converted the whole array to f32 and back)."""
+  """`lax.dynamic_update_slice(x, new, idx)`, the one row writer of the caches and slot
+  buffers; x a view: its stack updated at (i, *idx) (in place in a loop's carry), and the
+  view of the new stack returned.  16-bit floats (new may come as their uint16 bits) are
+  written in place by `cpu_rows.write_rows` on the CPU, elsewhere as uint16 bits (XLA's
+  CPU backend runs a bf16 update in f32, converting the whole array to f32 and back)."""
   from moejax.kernels import cpu_rows   # (cpu_rows imports cpu_kernel, which imports us)
   v = of(x)
   base, off = (x, ()) if v is None else (v[0], (v[1],))

@@ -9,8 +9,8 @@ with the batch (docs/serve.md has the figures).  A request joins at the next tok
 boundary: its prompt pass runs alone (batch 1, bucketed lengths as ever, its KV cache
 sized to the bucket) and fills the first positions of a free row of the batch's cache
 (`model.put_row`); each row decodes at its own position (`Sampler.decode_step` with a
-position per row), and a free row decodes at position 0, unread.  A request leaves when it stops, reaches its max_tokens, is
-cancelled or times out; its row is free at the next step.  One program serves every
+position per row), and a free row decodes at position 0, unread.  A request leaves when it
+stops, reaches its max_tokens, is cancelled or times out; its row is free at the next step.  One program serves every
 batch: the step is compiled for N rows once, whatever the rows hold.
 
 Each row samples with its own parameters, seed (the key schedule of `sampler.token_loop`),

@@ -51,6 +51,8 @@ CASES = [  # B, T, H, G, K, S, window, sinks
     (2, 3, 4, 2, 16, 33, 5, True),         # several queries, window, sinks
     (1, 1, 4, 4, 20, 17, None, True),      # head dim not a multiple of 8
     (8, 1, 4, 2, 32, 300, None, True),     # a batch's rows over a long cache: on the pool
+    (1, 1, 32, 4, 128, 600, None, False),  # Qwen3-30B-A3B's heads: 8 a group, one call
+    (2, 2, 24, 2, 20, 70, 9, True),        # 12 a group: 8 heads read together, then 4
 ]
 
 
@@ -78,6 +80,25 @@ def test_matches_xla_attention(b, t, h, g, kd, s, window, sinks, dtype):
   for i in range(2):
     chex.assert_trees_all_close(f32(gv[i]), f32(_kernel(qs[i], ks[i], vs[i], pos,
                                                         kd ** -0.5, window, sk)), atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_a_query_gets_the_same_bits_in_any_call(dtype):
+  # heads are read a group at a time and positions 8 at a time: a (row, token)'s output
+  # must not depend on the other rows and tokens of the call
+  rng = np.random.default_rng(7)
+  b, t, h, g, kd, s = 3, 4, 12, 2, 24, 50
+  q = jnp.asarray(rng.standard_normal((b, t, h, kd)), dtype)
+  k = jnp.asarray(rng.standard_normal((b, s, g, kd)), dtype)
+  v = jnp.asarray(rng.standard_normal((b, s, g, kd)), dtype)
+  pos = jnp.asarray(rng.integers(0, s, (b, t)), jnp.int32)
+  sk = jnp.asarray(rng.standard_normal(h), jnp.float32)
+  whole = np.asarray(_kernel(q, k, v, pos, 0.3, None, sk), np.float32)
+  for r in range(b):
+    for i in range(t):
+      one = _kernel(q[r:r + 1, i:i + 1], k[r:r + 1], v[r:r + 1], pos[r:r + 1, i:i + 1], 0.3,
+                    None, sk)
+      np.testing.assert_array_equal(np.asarray(one, np.float32)[0, 0], whole[r, i])
 
 
 def test_decode_uses_the_kernel_prefill_does_not():

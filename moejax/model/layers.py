@@ -170,7 +170,14 @@ def cached_attention(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, positions_BxT, cache, end_
   kv, k_pos, cache = read_cache(cache, {"k": k_BxTxGxK, "v": v_BxTxGxK}, positions_BxT,
                                 end_index)
   keys, values = kv["k"], kv["v"]
-  if cache is not None:
+  t = q_BxTxHxK.shape[1]
+  if (cache is not None and isinstance(end_index, int) and end_index == 0 and t > 1
+      and all(isinstance(a, jax.Array) for a in (keys, values))):
+    # a prompt from position 0: the cache holds nothing before it, so its first t
+    # positions (the keys as the cache stores them) are all a query can see; a softmax
+    # over the whole max_len would mask the rest at a cost that grows with max_len
+    keys, values, k_pos = keys[:, :t], values[:, :t], k_pos[:, :t]
+  elif cache is not None:
     if cpu_attention.supports(q_BxTxHxK, keys, values):   # decode on CPU: the kernel
       o = cpu_attention.decode_attention(
           q_BxTxHxK, keys, values, positions_BxT, scale, window, sinks_H,

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moejax.kernels import cpu_kernel, cpu_rows
+from moejax.kernels import cpu_kernel, cpu_rows, layer_view
 from moejax.model import layers, routing
 from moejax.model.config import ModelConfig
 
@@ -259,3 +259,35 @@ def test_write_rows_is_a_dynamic_update_slice_in_place():
   got = jax.jit(lambda c, r: cpu_rows.write_rows(c, r, (2,), lambda c, r: dus(c, r, 2, 0)))(
       cache, jnp.broadcast_to(one, (1, 10, 2, 4)))
   chex.assert_trees_all_equal(got, dus(cache, jnp.broadcast_to(one, (1, 10, 2, 4)), 2, 0))
+
+
+def test_copy_rows_copies_a_block_from_one_buffer_into_another_in_place():
+  rng = np.random.default_rng(5)
+  # slot buffers [L, P, ...] and a store [L, E, ...]; a 2.4 MB block is copied in 2 pieces
+  for shape in ((3, 4, 6), (96, 128, 96)):
+    buf = jnp.asarray(rng.normal(size=(2, 5) + shape), jnp.bfloat16)
+    store = jnp.asarray(rng.normal(size=(2, 7) + shape), jnp.bfloat16)
+    bits = jax.lax.bitcast_convert_type(store, jnp.uint16)      # a store of bf16 bits
+
+    def want(b, s, d_at, s_at):
+      blk = jax.lax.dynamic_slice(s, s_at + (0,) * len(shape), (1, 1) + shape)
+      blk = jax.lax.bitcast_convert_type(blk, b.dtype) if blk.dtype != b.dtype else blk
+      return jax.lax.dynamic_update_slice(b, blk, d_at + (0,) * len(shape))
+    for src in (store, bits):
+      for d_at, s_at in (((1, 3), (0, 6)), ((0, 0), (1, 2)), ((1, 9), (1, 20))):   # clamped
+        fn = jax.jit(lambda b, s: cpu_rows.copy_rows(b, d_at, s, s_at,
+                                                     lambda b, s: want(b, s, d_at, s_at)))
+        assert _custom_calls(fn, buf, src) == 1
+        chex.assert_trees_all_equal(fn(buf, src), want(buf, store, d_at, s_at))
+  # through layer_view.copy_row: a plain buffer, and views of stacks in a scan's body
+  got = jax.jit(lambda b, s: layer_view.copy_row(b, 2, s, 5))(buf[0], store[0])
+  chex.assert_trees_all_equal(got, buf[0].at[2].set(store[0, 5]))
+
+  def body(b, i):
+    with layer_view.tracing():
+      new = layer_view.copy_row(layer_view.at(b, i), 4 - i, layer_view.at(store, i), 2 * i + 1)
+      out = layer_view.stack_at(new, i)
+      assert out is not None
+      return out, None
+  got, _ = jax.jit(lambda b: jax.lax.scan(body, b, jnp.arange(2)))(buf)
+  chex.assert_trees_all_equal(got, buf.at[0, 4].set(store[0, 1]).at[1, 3].set(store[1, 3]))

@@ -54,6 +54,7 @@ RMS_NORM_TARGET = "moejax_rms_norm"              # cpu_rows.cc, wrapped by cpu_r
 ROUTE_SOFTMAX_TARGET = "moejax_route_softmax"    # cpu_rows.cc, wrapped by cpu_rows.py
 TAKE_ROWS_TARGET = "moejax_take_rows"            # cpu_rows.cc, wrapped by cpu_rows.py
 WRITE_ROWS_TARGET = "moejax_write_rows"          # cpu_rows.cc, wrapped by cpu_rows.py
+COPY_ROWS_TARGET = "moejax_copy_rows"            # cpu_rows.cc, wrapped by cpu_rows.py
 TOP_K_TARGET = "moejax_top_k"                    # cpu_rows.cc, wrapped by cpu_rows.py
 BIN_SUM_TARGET = "moejax_bin_sum"                # cpu_rows.cc, wrapped by cpu_rows.py
 HOST_EXPERTS_TARGET = "moejax_host_experts"      # cpu_host.cc, wrapped by cpu_host.py
@@ -82,6 +83,7 @@ def _load() -> bool:
                            (ROUTE_SOFTMAX_TARGET, lib.MoejaxRouteSoftmax),
                            (TAKE_ROWS_TARGET, lib.MoejaxTakeRows),
                            (WRITE_ROWS_TARGET, lib.MoejaxWriteRows),
+                           (COPY_ROWS_TARGET, lib.MoejaxCopyRows),
                            (TOP_K_TARGET, lib.MoejaxTopK),
                            (BIN_SUM_TARGET, lib.MoejaxBinSum),
                            (HOST_EXPERTS_TARGET, lib.MoejaxHostExperts),

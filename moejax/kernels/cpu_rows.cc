@@ -3,8 +3,8 @@
 // bincount and a bf16 embedding lookup (take_rows). XLA's CPU
 // emitters do not fuse a reduction with its elementwise consumers, so each of them
 // compiles to 3-6 thunks, each with a fixed cost of a microsecond or so; a decode step of a
-// small model has hundreds (docs/speed.md). All run on the calling thread: a decode
-// step's rows are a few hundred floats.
+// small model has hundreds (docs/speed.md). All run on the calling thread (a decode
+// step's rows are a few hundred floats) but copy_rows, whose block is a whole expert.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "cpu_bf16.h"
+#include "cpu_threads.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -227,6 +228,54 @@ ffi::Error WriteRowsImpl(ffi::AnyBuffer x, ffi::AnyBuffer rows, ffi::Buffer<ffi:
   return ffi::Error::Success();
 }
 
+// out = dst with src's block at src_start written at dst_start, in place (out is dst's
+// buffer): a block is one index of each of the first kd (ks) dims and all of the rest, which
+// are the same in both (slot buffers [L, P, ...] at (l, slot), an expert store [L, E, ...]
+// at (l, e)); starts clamped as XLA clamps them. One stored expert into its slot is one
+// copy from the store's buffer: XLA slices it out into a buffer of its own first, and the
+// update then copies it again. A block of a megabyte or more is split over the pool.
+constexpr int64_t kCopyPiece = 1 << 20;
+
+int64_t block_at(ffi::Span<const int64_t> dims, const int32_t* start, size_t k) {
+  int64_t at = 0;
+  for (size_t i = 0; i < k; ++i)
+    at = at * dims[i] + std::clamp<int64_t>(start[i], 0, dims[i] - 1);
+  return at;
+}
+
+ffi::Error CopyRowsImpl(ffi::ThreadPool pool, ffi::AnyBuffer dst, ffi::AnyBuffer src,
+                        ffi::Buffer<ffi::S32> dst_start, ffi::Buffer<ffi::S32> src_start,
+                        ffi::Result<ffi::AnyBuffer> out) {
+  auto dd = dst.dimensions(), sd = src.dimensions();
+  const size_t kd = dst_start.element_count(), ks = src_start.element_count();
+  bool ok = kd >= 1 && kd <= dd.size() && ks >= 1 && ks <= sd.size() &&
+            dd.size() - kd == sd.size() - ks &&
+            ffi::ByteWidth(dst.element_type()) == ffi::ByteWidth(src.element_type()) &&
+            out->element_type() == dst.element_type();
+  for (size_t i = 0; ok && kd + i < dd.size(); ++i) ok = dd[kd + i] == sd[ks + i];
+  if (!ok)
+    return ffi::Error::InvalidArgument(
+        "moejax_copy_rows: expected blocks of the same shape and byte width after the kd and "
+        "ks indexed dims");
+  int64_t block = static_cast<int64_t>(ffi::ByteWidth(dst.element_type()));
+  for (size_t i = kd; i < dd.size(); ++i) block *= dd[i];
+  char* o = static_cast<char*>(out->untyped_data());
+  if (o != dst.untyped_data())   // not aliased (never expected): the rest copied first
+    std::memcpy(o, dst.untyped_data(), dst.size_bytes());
+  char* to = o + block_at(dd, dst_start.typed_data(), kd) * block;
+  const char* from =
+      static_cast<const char*>(src.untyped_data()) + block_at(sd, src_start.typed_data(), ks) * block;
+  const int64_t pieces = std::max<int64_t>(1, block / kCopyPiece);
+  const int64_t piece = (block + pieces - 1) / pieces;
+  auto one = [&](int64_t i) {
+    const int64_t a = i * piece, n = std::min(block, a + piece) - a;
+    if (n > 0) std::memcpy(to + a, from + a, n);
+  };
+  if (pieces == 1) one(0);
+  else moejax::parallel_for(pool, pieces, one, true);
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoejaxTakeRows, TakeRowsImpl,
@@ -268,3 +317,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoejaxRouteSoftmax, RouteSoftmaxImpl,
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoejaxCopyRows, CopyRowsImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>());

@@ -109,6 +109,31 @@ def update(x, new, idx):
   return out if v is None else at(out, v[1])
 
 
+def copy_row(dst, at_row, src, row):
+  """`update(dst, rows(src, row, 1), (at_row, 0, ...))`: src's row `row` written at row
+  `at_row` of dst, either a view of a stack (layer i, as `rows` and `update` read them);
+  on the CPU one copy from src's buffer into dst's, in place (`cpu_rows.copy_rows`), where
+  XLA would slice the row out into a buffer of its own and then copy it again."""
+  from moejax.kernels import cpu_rows
+  vd, vs = of(dst), of(src)
+  dbase, doff = (dst, ()) if vd is None else (vd[0], (vd[1],))
+  sbase, soff = (src, ()) if vs is None else (vs[0], (vs[1],))
+  d_at, s_at = doff + (at_row,), soff + (row,)
+
+  def xla(d, s):
+    block = jax.lax.dynamic_slice(s, s_at + (0,) * (s.ndim - len(s_at)),
+                                  (1,) * len(s_at) + s.shape[len(s_at):])
+    block = block.reshape((1,) * len(d_at) + d.shape[len(d_at):])
+    if block.dtype != d.dtype:
+      block = jax.lax.bitcast_convert_type(block, d.dtype)
+    return jax.lax.dynamic_update_slice(d, block, d_at + (0,) * (d.ndim - len(d_at)))
+  if (not cpu_rows.cpu_kernel.available() or dbase.dtype.itemsize != sbase.dtype.itemsize
+      or dbase.shape[len(d_at):] != sbase.shape[len(s_at):]):
+    return update(dst, rows(src, row, 1), (at_row,) + (0,) * (dst.ndim - 1))
+  out = cpu_rows.copy_rows(dbase, d_at, sbase, s_at, xla)
+  return out if vd is None else at(out, vd[1])
+
+
 def _zero(i) -> bool:
   return isinstance(i, (int, np.integer)) and int(i) == 0
 

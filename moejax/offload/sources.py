@@ -104,13 +104,16 @@ def copy_rows(buffers: dict, store: dict, ids_J, slots_J, pinned,
     for name, buf in bufs.items():
       buf = buf if layer is None else layer_view.at(buf, layer)
       if staged is not None:   # through the host staging tier (`io.staging`)
-        row = as_dtype(staged[name], buf.dtype)
-      elif low_bits is None:   # 16-bit floats stay bits from the store to the slot
+        new = resident_lib.write_rows(buf, as_dtype(staged[name], buf.dtype), slots[j])
+      elif low_bits is not None:
+        new = resident_lib.write_rows(buf, _low_row(store, name, ids[j], buf.dtype, pinned,
+                                                    low_bits), slots[j])
+      elif not pinned and store[name].dtype.itemsize == buf.dtype.itemsize:
+        new = layer_view.copy_row(buf, slots[j], store[name], ids[j])   # one copy, in place
+      else:                    # 16-bit floats stay bits from the store to the slot
         row = to_device(layer_view.rows(store[name], ids[j], 1), pinned)
         row = row if row.dtype.itemsize == buf.dtype.itemsize else as_dtype(row, buf.dtype)
-      else:
-        row = _low_row(store, name, ids[j], buf.dtype, pinned, low_bits)
-      new = resident_lib.write_rows(buf, row, slots[j])
+        new = resident_lib.write_rows(buf, row, slots[j])
       bufs[name] = new if layer is None else layer_view.stack_at(new, layer)
     return bufs
 

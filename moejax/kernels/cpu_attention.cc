@@ -154,7 +154,7 @@ void attend_group(const float* q, const C* kc, const C* vc, int64_t s_len,
     hi = s_len - 1;
   }
   const float ninf = -std::numeric_limits<float>::infinity();
-  // score[j * 8 + i]: head i's logit of position j (lanes from nh on unused), then its
+  // score[j * 8 + i]: head i's logit of position j (lanes from NH on unused), then its
   // exp(logit - max)
   v8f mv = v8f{} + ninf;
   const int64_t row_bytes = kd * static_cast<int64_t>(sizeof(C));

@@ -120,16 +120,11 @@ def copy_row(dst, at_row, src, row):
   sbase, soff = (src, ()) if vs is None else (vs[0], (vs[1],))
   d_at, s_at = doff + (at_row,), soff + (row,)
 
-  def xla(d, s):
+  def xla(d, s):   # elsewhere (and when the kernel does not apply): slice, then update
     block = jax.lax.dynamic_slice(s, s_at + (0,) * (s.ndim - len(s_at)),
                                   (1,) * len(s_at) + s.shape[len(s_at):])
     block = block.reshape((1,) * len(d_at) + d.shape[len(d_at):])
-    if block.dtype != d.dtype:
-      block = jax.lax.bitcast_convert_type(block, d.dtype)
-    return jax.lax.dynamic_update_slice(d, block, d_at + (0,) * (d.ndim - len(d_at)))
-  if (not cpu_rows.cpu_kernel.available() or dbase.dtype.itemsize != sbase.dtype.itemsize
-      or dbase.shape[len(d_at):] != sbase.shape[len(s_at):]):
-    return update(dst, rows(src, row, 1), (at_row,) + (0,) * (dst.ndim - 1))
+    return update(d, block, d_at + (0,) * (d.ndim - len(d_at)))
   out = cpu_rows.copy_rows(dbase, d_at, sbase, s_at, xla)
   return out if vd is None else at(out, vd[1])
 

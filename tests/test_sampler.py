@@ -119,3 +119,29 @@ def test_loop_compiles_once_per_bucket(demo, monkeypatch):
   assert out == s2.generate(other, SamplingParams(0.9, 0.5, 15, (7,)), seed=2)
   with pytest.raises(AssertionError, match="traced > 1"):   # a new bucket would retrace
     s.generate_loop(prompt, SamplingParams(0.7, 0.9, 40), seed=1)
+
+
+def test_a_prompts_padding_goes_to_no_expert():
+  """`Transformer.hidden(valid_BxT=...)`: a bucket's padding positions route to no expert
+  (the kernels skip their pairs), and the prompt's own positions keep their bits."""
+  from moejax.model.model import Transformer
+  cfg = ModelConfig(model_type="qwen3_moe", vocab_size=50, hidden_size=32, num_layers=2,
+                    num_heads=4, num_kv_heads=2, head_dim=8, num_experts=8, top_k=2,
+                    moe_intermediate_size=8, intermediate_size=64,
+                    sparse_layers=(True, True), qk_norm="head").validate()
+  params, exps = init_random(cfg, seed=1, scale=0.5)
+  experts = ExpertStore.from_stacked(exps).to_device()
+  model = Transformer(cfg, jnp.float32)
+  toks = jnp.asarray(np.random.default_rng(0).integers(1, 50, (1, 16)), jnp.int32)
+  hidden = lambda **kw: model.apply({"params": params}, toks, experts, method=Transformer.hidden,
+                                    **kw)[0]
+  x_all = np.asarray(hidden())
+  x_pad = np.asarray(hidden(valid_BxT=jnp.arange(16)[None] < 9))
+  np.testing.assert_array_equal(x_pad[:, :9], x_all[:, :9])
+  assert np.all(np.abs(x_pad[:, 9:] - x_all[:, 9:]).max(axis=-1) > 1e-3)
+  # the Sampler's prompt pass pads 9 tokens to 16 with this mask: the last logits of the
+  # unpadded forward (another program: to float32 rounding)
+  s = Sampler(cfg, params, experts, max_len=32)
+  logits, _ = s.prefill(np.asarray(toks[:, :9]))
+  ref = model.apply({"params": params}, toks[:, :9], experts)[0][:, -1]
+  np.testing.assert_allclose(np.asarray(logits), np.asarray(ref), rtol=1e-5, atol=1e-6)

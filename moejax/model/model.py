@@ -94,12 +94,14 @@ class DecoderLayer(nn.Module):
   def dense_residual(self, h_BxTxD):
     return h_BxTxD + self.mlp(self.post_attention_layernorm(h_BxTxD))
 
-  def __call__(self, x_BxTxD, positions_BxT, cache, end_index, expert_weights):
+  def __call__(self, x_BxTxD, positions_BxT, cache, end_index, expert_weights, valid_BxT=None):
     h, cache = self.attend(x_BxTxD, positions_BxT, cache, end_index)
     if not self.sparse:
       return self.dense_residual(h), cache, None
     moe_in, logits = self.route_logits(h)
     ids, gates, _ = routing.route(self.cfg, logits)
+    if valid_BxT is not None:   # a prompt's padding goes to no expert (`Transformer.hidden`)
+      gates = gates * valid_BxT[..., None].astype(gates.dtype)
     return self.moe_residual(h, moe_in, ids, gates, expert_weights), cache, logits
 
   def moe_residual(self, h_BxTxD, moe_in_BxTxD, ids_BxTxK, gates_BxTxK, expert_weights):
@@ -161,8 +163,12 @@ class Transformer(nn.Module):
                                               positions_BxT)
     return self.logits(x), new_cache, router_logits
 
-  def hidden(self, tokens_BxT, expert_weights, cache=None, end_index=0, positions_BxT=None):
-    """The forward before the final norm and LM head: (x [B,T,D], new cache, router logits)."""
+  def hidden(self, tokens_BxT, expert_weights, cache=None, end_index=0, positions_BxT=None,
+             valid_BxT=None):
+    """The forward before the final norm and LM head: (x [B,T,D], new cache, router logits).
+    valid_BxT: a padded prompt's own tokens; the others (its bucket's padding) go to no
+    expert: the expert kernels skip a pair whose gate is 0, and no position reads a later
+    one, so the valid positions keep their bits."""
     b, t = tokens_BxT.shape
     if positions_BxT is None:   # end_index: a scalar, or [B] (each row at its own position)
       positions_BxT = jnp.broadcast_to(jnp.reshape(end_index, (-1, 1)) + jnp.arange(t), (b, t))
@@ -170,7 +176,7 @@ class Transformer(nn.Module):
     new_cache, router_logits = [], []
     for i, layer in enumerate(self.layers):
       x, ci, rl = layer(x, positions_BxT, None if cache is None else cache[i], end_index,
-                        expert_weights[i])
+                        expert_weights[i], valid_BxT)
       new_cache.append(ci)
       router_logits.append(rl)
     return x, (None if cache is None else new_cache), router_logits

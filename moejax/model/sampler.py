@@ -98,8 +98,9 @@ def prefill_logits(model: Transformer, params, experts, cache, tokens_BxT, last)
   """The prompt through the model: (logits [B, V] at position `last` only, cache).
 
   The LM head runs on one position: over a whole prompt it costs more than the layers."""
+  valid_BxT = jnp.broadcast_to(jnp.arange(tokens_BxT.shape[1]) <= last, tokens_BxT.shape)
   x_BxTxD, cache, _ = model.apply({"params": params}, tokens_BxT, experts, cache, 0,
-                                  method=Transformer.hidden)
+                                  valid_BxT=valid_BxT, method=Transformer.hidden)
   x_Bx1xD = jax.lax.dynamic_slice_in_dim(x_BxTxD, last, 1, axis=1)
   return model.apply({"params": params}, x_Bx1xD, method=Transformer.logits)[:, 0], cache
 

@@ -127,6 +127,11 @@ def prompt_pass(ctx: layer_lib.Ctx, dtype, max_len: int, params, layers, srcs, s
       return x, (cache, st, pending), None
     h, moe_in, logits, cache = _apply(mod, p, x, pos, cache, 0, method=layer_lib.attend_route)
     ids, gates, _ = routing.route(cfg, logits.reshape(plen, -1))   # [P, router_width]
+    # The bucket's padding positions go to no expert: a pair whose gate is 0 is skipped by
+    # the expert kernels, and no valid position reads a later one, so the prompt's own
+    # positions keep their bits (a 9-token prompt in a bucket of 16: 7 tokens of experts
+    # fewer; a 300-token one in 512: 212).
+    gates = gates * valid[:, None]
     if ctx.ep is not None:   # each device its share of the layer's experts, then a psum
       y = sources.parallel_experts(ctx, moe_in.reshape(plen, -1), ids, gates, src["store"],
                                    {n: b.dtype for n, b in st.buffers.items()})

@@ -90,7 +90,7 @@ def test_agrees_with_engine_on_demo_model(demo, name):
   policy = POLICIES[name]
   ref, records, final = engine_run(cfg, params, store, policy, toks)
   logits, out = emulator_run(cfg, params, store, policy, toks)
-  np.testing.assert_allclose(logits, ref, atol=1e-5, rtol=0)
+  np.testing.assert_allclose(logits, ref, atol=1e-5, rtol=2e-6)   # float32 rounding
   assert_same_decisions(cfg, records, out)
   assert final == {l: sorted(int(e) for e in out["slot_expert"][0, -1, j] if e >= 0)
                    for j, l in enumerate(cfg.moe_layers)}

@@ -26,9 +26,9 @@ def demo():
   return load_model(DEMO, dtype=jnp.float32, mmap=True, progress=False)
 
 
-def greedy(cfg, params, store, dtype, host_cache_bytes, tokens=8):
+def greedy(cfg, params, store, dtype, host_cache_bytes, tokens=8, **kw):
   conf = EngineConfig.make("quality", cache_fraction=0.25, max_len=64, link="native",
-                           dtype=dtype, host_cache_bytes=host_cache_bytes)
+                           dtype=dtype, host_cache_bytes=host_cache_bytes, **kw)
   with OffloadEngine(cfg, params, store, conf) as eng:
     lg, out = eng.prefill(list(range(1, 9))), []
     for _ in range(tokens):

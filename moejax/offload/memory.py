@@ -24,7 +24,8 @@ Where each byte lives (the tiers, docs/engine.md "Memory tiers"):
                   drops the rest under pressure: file-backed, never counted as owned;
   device memory   dense parameters, the expert cache, the KV cache and, on an
                   accelerator, the prompt pass's transient copy of one layer (on the CPU
-                  backend the prompt pass reads the store in place: no copy).
+                  backend the prompt pass reads the store in place: no copy; without the
+                  CPU kernels, one expert at a time).
 
 `MemoryPlan.anon_bytes` is what a run's anonymous RSS should stay within (plus the
 runtime's own few hundred MB: jax, XLA's executables, Python).  What a run really holds
@@ -211,7 +212,8 @@ def plan_memory(cfg: ModelConfig, dtype, *, store: str = "numpy", offload: bool 
                                   nbytes=cache_bytes)
     slots = budget.physical + 1                      # + the scratch row
     platform = platform or jax.devices()[0].platform
-    # the CPU backend's prompt pass reads the store in place (`sources.prompt_table`)
+    # the CPU backend's prompt pass reads the store in place (`sources.prompt_table`), or
+    # without the kernels one expert at a time (`sources.reads_one_at_a_time`)
     plain = set(families.of(cfg).expert_shapes(cfg)) == {"gate_up", "down"} and not mxfp4
     prefill = 0 if platform == "cpu" and plain else cfg.num_experts * ebytes
     if host_cache_gb is not None:

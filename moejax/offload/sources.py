@@ -127,20 +127,45 @@ def prompt_table(ctx, store: dict, x, dtypes: dict) -> dict:
   """The expert table a prompt pass computes its (token, expert) pairs from.  On the CPU
   backend (a store in the device's own memory) it is the store itself: the routed kernel
   reads the rows it needs in place, 16-bit floats as their bits, so no step holds a copy
-  of the layer (Qwen3-30B-A3B: 1.2 GB a layer).  Elsewhere (or without the kernel) the
-  layer is moved to the device, as `dtypes`, for this call only: the plan's transient
-  "prefill" bytes."""
+  of the layer (Qwen3-30B-A3B: 1.2 GB a layer).  Elsewhere the layer is moved to the
+  device, as `dtypes`, for this call only: the plan's transient "prefill" bytes.  (The CPU
+  backend without the kernel takes `one_at_a_time` instead: see `reads_one_at_a_time`.)"""
   if not ctx.pinned and cpu_kernel.supports(x, store) and cpu_kernel.available():
     return store
   return {n: as_dtype(to_device(v, ctx.pinned), dtypes[n]) for n, v in store.items()}
 
 
+def reads_one_at_a_time(ctx, store: dict, x) -> bool:
+  """Whether a prompt pass on `store` runs its experts one at a time (`one_at_a_time`):
+  the CPU backend without the routed kernel (MOEJAX_CPU_KERNEL=0, or no C++ compiler).
+  A table there was XLA's: it converted the whole store and kept it (an 806 MB
+  per-expert checkpoint of 4 layers: 1.39 GB of anonymous memory in the prompt pass,
+  against 0.39 GB with the kernel); one expert at a time holds one expert."""
+  return (not ctx.pinned and jax.default_backend() == "cpu"
+          and not (cpu_kernel.supports(x, store) and cpu_kernel.available()))
+
+
+def store_prompt_experts(ctx, store: dict, x_PxD, ids_PxK, gates_PxK, dtypes: dict):
+  """A prompt's routed experts [P, D] from the store, one expert at a time (`one_at_a_time`;
+  16-bit floats sliced as their bits, as `copy_rows` reads them)."""
+  num_e = next(iter(store.values())).shape[0]
+  rows = lambda e: {n: _row(store[n], e, dtypes[n], ctx.pinned) for n in dtypes}
+  return one_at_a_time(ctx, rows, num_e, x_PxD, ids_PxK, gates_PxK)
+
+
 def staged_prompt_experts(ctx, store: staging.Staged, x_PxD, ids_PxK, gates_PxK, dtypes: dict):
-  """A prompt's routed experts [P, D] from a host staging tier (`io.staging`): the experts
-  its tokens route to, one at a time, each read through the tier and run on every token
-  with that token's gate for it (0: not routed).  No table of the layer is built: XLA CPU
-  kept every layer's table alive at once (4 x 1.2 GB at 4 real-width layers, measured)."""
-  num_e = store.cache.num_experts
+  """A prompt's routed experts [P, D] from a host staging tier (`io.staging`), one expert
+  at a time (`one_at_a_time`), each read through the tier.  No table of the layer is
+  built: XLA CPU kept every layer's table alive at once (4 x 1.2 GB at 4 real-width
+  layers, measured)."""
+  rows = lambda e: {n: as_dtype(r, dtypes[n]) for n, r in store.rows(e).items()}
+  return one_at_a_time(ctx, rows, store.cache.num_experts, x_PxD, ids_PxK, gates_PxK)
+
+
+def one_at_a_time(ctx, rows, num_e: int, x_PxD, ids_PxK, gates_PxK):
+  """A prompt's routed experts [P, D]: the experts its tokens route to, one at a time
+  (rows(e): expert e's tables [1, ...]), each run on every token with that token's gate
+  for it (0: not routed)."""
   used_E = jnp.any(ids_PxK.reshape(-1, 1) == jnp.arange(num_e), axis=0)
   order_E = jnp.argsort(~used_E, stable=True).astype(jnp.int32)    # the used ones first
   swiglu = families.of(ctx.cfg).swiglu(ctx.cfg)
@@ -148,10 +173,8 @@ def staged_prompt_experts(ctx, store: staging.Staged, x_PxD, ids_PxK, gates_PxK,
 
   def one(j, y_PxD):
     e = order_E[j]
-    rows = store.rows(e)
     w_Px1 = jnp.sum(jnp.where(ids_PxK == e, gates_PxK, 0.0), axis=1, keepdims=True)
-    y = experts_lib.apply_experts(x_PxD, zero_Px1, w_Px1.astype(gates_PxK.dtype),
-                                  {n: as_dtype(r, dtypes[n]) for n, r in rows.items()},
+    y = experts_lib.apply_experts(x_PxD, zero_Px1, w_Px1.astype(gates_PxK.dtype), rows(e),
                                   swiglu=swiglu)
     return y_PxD + y.astype(jnp.float32)
   y = jax.lax.fori_loop(0, jnp.sum(used_E).astype(jnp.int32), one,

@@ -137,12 +137,13 @@ def prompt_table(ctx, store: dict, x, dtypes: dict) -> dict:
 
 def reads_one_at_a_time(ctx, store: dict, x) -> bool:
   """Whether a prompt pass on `store` runs its experts one at a time (`one_at_a_time`):
-  the CPU backend without the routed kernel (MOEJAX_CPU_KERNEL=0, or no C++ compiler).
+  on the CPU backend, a store the routed kernel would read in place (plain SwiGLU, the
+  plan's no-copy case) when the kernel is off (MOEJAX_CPU_KERNEL=0, or no C++ compiler).
   A table there was XLA's: it converted the whole store and kept it (an 806 MB
   per-expert checkpoint of 4 layers: 1.39 GB of anonymous memory in the prompt pass,
   against 0.39 GB with the kernel); one expert at a time holds one expert."""
   return (not ctx.pinned and jax.default_backend() == "cpu"
-          and not (cpu_kernel.supports(x, store) and cpu_kernel.available()))
+          and cpu_kernel.supports(x, store) and not cpu_kernel.available())
 
 
 def store_prompt_experts(ctx, store: dict, x_PxD, ids_PxK, gates_PxK, dtypes: dict):

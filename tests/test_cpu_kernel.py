@@ -279,3 +279,29 @@ def test_linear_f32_kernel_only_for_large_weights(monkeypatch):
   f = lambda x, w: cpu_kernel.linear(x, w)                     # a new function: a new trace
   assert cpu_kernel.LINEAR_TARGET in jax.jit(f).lower(x, small).as_text()
   chex.assert_trees_all_close(jax.jit(f)(x, small), x @ small.T, rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_prompt_rows_take_the_kernel_up_to_its_limit():
+  """bf16 x of up to LINEAR_MAX_TOKENS_BF16 rows goes to the kernel (XLA's GEMM converts
+  the whole weight to f32 at every call), f32 of more than LINEAR_MAX_TOKENS to XLA; in the
+  kernel each row has the bits it gets alone."""
+  rng = np.random.default_rng(4)
+  w = jnp.asarray(rng.normal(size=(96, 72)), jnp.bfloat16)
+  lowered = lambda n, dt: jax.jit(cpu_kernel.linear).lower(
+      jnp.zeros((n, 72), dt), w.astype(dt)).as_text()
+  n = cpu_kernel.LINEAR_MAX_TOKENS_BF16
+  assert cpu_kernel.LINEAR_TARGET in lowered(n, jnp.bfloat16)
+  assert cpu_kernel.LINEAR_TARGET not in lowered(n + 1, jnp.bfloat16)
+  with cpu_kernel.enabled(True):
+    old = cpu_kernel.LINEAR_MIN_F32_BYTES
+    cpu_kernel.LINEAR_MIN_F32_BYTES = 0
+    try:
+      assert cpu_kernel.LINEAR_TARGET not in jax.jit(lambda x, w: cpu_kernel.linear(x, w)).lower(
+          jnp.zeros((cpu_kernel.LINEAR_MAX_TOKENS + 1, 72)), w.astype(jnp.float32)).as_text()
+    finally:
+      cpu_kernel.LINEAR_MIN_F32_BYTES = old
+  x = jnp.asarray(rng.normal(size=(n, 72)), jnp.bfloat16)
+  whole = np.asarray(jax.jit(cpu_kernel.linear)(x, w), np.float32)
+  for i in (0, 17, n - 1):
+    alone = np.asarray(jax.jit(cpu_kernel.linear)(x[i:i + 1], w), np.float32)
+    np.testing.assert_array_equal(whole[i:i + 1], alone)

@@ -44,6 +44,11 @@ from moejax.kernels import layer_view
 TARGET = "moejax_expert_ffn"
 LINEAR_TARGET = "moejax_linear"
 LINEAR_MAX_TOKENS = 16   # up to this many rows of x: the kernel (decode); more: XLA's GEMM
+# bf16: XLA's GEMM converts the whole weight to f32 at every call (~9 ms for 4096 x 2048),
+# so the kernel stays ahead longer: 4096 x 2048 bf16 at 32 / 64 / 128 rows, kernel 3.6 /
+# 6.7 / 14.3 ms against XLA's 11.8 / 10.7 / 15.1 (AVX512-BF16 EPYC; AVX2: 6.4 against
+# 12.1 at 64, 28 against 19 at 256)
+LINEAR_MAX_TOKENS_BF16 = 64
 # f32 projections with fewer weight bytes stay with XLA: its dot is as fast there, and the
 # custom call's fixed cost (argument marshalling, waking the thread pool) is not paid per
 # projection (docs/lab/notes/cpu_speed.md, "Which projections go to the kernel").  bf16 always
@@ -301,7 +306,8 @@ def linears(x_NxD, ws_OxD) -> tuple:
   ok = {jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)}
   dt = jnp.dtype(x_NxD.dtype)
   small_f32 = dt == jnp.float32 and sum(w.size * 4 for w in ws_OxD) < LINEAR_MIN_F32_BYTES
-  if (x_NxD.shape[0] <= LINEAR_MAX_TOKENS and dt in ok and not small_f32
+  most = LINEAR_MAX_TOKENS_BF16 if dt == jnp.bfloat16 else LINEAR_MAX_TOKENS
+  if (x_NxD.shape[0] <= most and dt in ok and not small_f32
       and all(jnp.dtype(w.dtype) == dt for w in ws_OxD) and available()):
     v = layer_view.common(ws_OxD)
     if v is not None:   # one layer of stacked weights, read in place (forward only)

@@ -281,7 +281,7 @@ def test_linear_f32_kernel_only_for_large_weights(monkeypatch):
   chex.assert_trees_all_close(jax.jit(f)(x, small), x @ small.T, rtol=1e-5, atol=1e-5)
 
 
-def test_bf16_prompt_rows_take_the_kernel_up_to_its_limit():
+def test_bf16_prompt_rows_take_the_kernel_up_to_its_limit(monkeypatch):
   """bf16 x of up to LINEAR_MAX_TOKENS_BF16 rows goes to the kernel (XLA's GEMM converts
   the whole weight to f32 at every call), f32 of more than LINEAR_MAX_TOKENS to XLA; in the
   kernel each row has the bits it gets alone."""
@@ -292,14 +292,9 @@ def test_bf16_prompt_rows_take_the_kernel_up_to_its_limit():
   n = cpu_kernel.LINEAR_MAX_TOKENS_BF16
   assert cpu_kernel.LINEAR_TARGET in lowered(n, jnp.bfloat16)
   assert cpu_kernel.LINEAR_TARGET not in lowered(n + 1, jnp.bfloat16)
-  with cpu_kernel.enabled(True):
-    old = cpu_kernel.LINEAR_MIN_F32_BYTES
-    cpu_kernel.LINEAR_MIN_F32_BYTES = 0
-    try:
-      assert cpu_kernel.LINEAR_TARGET not in jax.jit(lambda x, w: cpu_kernel.linear(x, w)).lower(
-          jnp.zeros((cpu_kernel.LINEAR_MAX_TOKENS + 1, 72)), w.astype(jnp.float32)).as_text()
-    finally:
-      cpu_kernel.LINEAR_MIN_F32_BYTES = old
+  monkeypatch.setattr(cpu_kernel, "LINEAR_MIN_F32_BYTES", 0)   # f32 by rows alone
+  assert cpu_kernel.LINEAR_TARGET not in jax.jit(lambda x, w: cpu_kernel.linear(x, w)).lower(
+      jnp.zeros((cpu_kernel.LINEAR_MAX_TOKENS + 1, 72)), w.astype(jnp.float32)).as_text()
   x = jnp.asarray(rng.normal(size=(n, 72)), jnp.bfloat16)
   whole = np.asarray(jax.jit(cpu_kernel.linear)(x, w), np.float32)
   for i in (0, 17, n - 1):

@@ -136,12 +136,11 @@ def prompt_pass(ctx: layer_lib.Ctx, dtype, max_len: int, params, layers, srcs, s
       y = sources.parallel_experts(ctx, moe_in.reshape(plen, -1), ids, gates, src["store"],
                                    {n: b.dtype for n, b in st.buffers.items()})
       x = _apply(mod, p, h, moe_in, y.reshape(h.shape), method="add_routed")
-    elif isinstance(src.get("store"), staging.Staged) or (
+    elif (staged := isinstance(src.get("store"), staging.Staged)) or (
         ctx.source != "table" and sources.reads_one_at_a_time(ctx, src["store"], moe_in)):
       # one expert at a time, no table
       dtypes = {n: b.dtype for n, b in st.buffers.items()}
-      run = (sources.staged_prompt_experts if isinstance(src["store"], staging.Staged)
-             else sources.store_prompt_experts)
+      run = sources.staged_prompt_experts if staged else sources.store_prompt_experts
       y = run(ctx, src["store"], moe_in.reshape(plen, -1), ids, gates, dtypes)
       x = _apply(mod, p, h, moe_in, y.reshape(h.shape), method="add_routed")
       table = src["store"]     # the inserted experts are read from the store (or tier) again

@@ -282,14 +282,17 @@ def test_linear_f32_kernel_only_for_large_weights(monkeypatch):
 
 
 def test_bf16_prompt_rows_take_the_kernel_up_to_its_limit(monkeypatch):
-  """bf16 x of up to LINEAR_MAX_TOKENS_BF16 rows goes to the kernel (XLA's GEMM converts
-  the whole weight to f32 at every call), f32 of more than LINEAR_MAX_TOKENS to XLA; in the
-  kernel each row has the bits it gets alone."""
+  """bf16 x of up to LINEAR_MAX_TOKENS_BF16 rows (LINEAR_MAX_TOKENS_BF16_WIDE where the
+  dots are 16 lanes wide) goes to the kernel (XLA's GEMM converts the whole weight to f32
+  at every call), f32 of more than LINEAR_MAX_TOKENS to XLA; in the kernel each row has
+  the bits it gets alone."""
   rng = np.random.default_rng(4)
   w = jnp.asarray(rng.normal(size=(96, 72)), jnp.bfloat16)
   lowered = lambda n, dt: jax.jit(cpu_kernel.linear).lower(
       jnp.zeros((n, 72), dt), w.astype(dt)).as_text()
-  n = cpu_kernel.LINEAR_MAX_TOKENS_BF16
+  assert cpu_kernel.lanes() in (8, 16)
+  n = (cpu_kernel.LINEAR_MAX_TOKENS_BF16_WIDE if cpu_kernel.lanes() == 16
+       else cpu_kernel.LINEAR_MAX_TOKENS_BF16)
   assert cpu_kernel.LINEAR_TARGET in lowered(n, jnp.bfloat16)
   assert cpu_kernel.LINEAR_TARGET not in lowered(n + 1, jnp.bfloat16)
   monkeypatch.setattr(cpu_kernel, "LINEAR_MIN_F32_BYTES", 0)   # f32 by rows alone

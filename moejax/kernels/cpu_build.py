@@ -1,6 +1,7 @@
 """Building the C++ CPU kernels (`cpu_kernel` loads them): the system compiler
-(``$CXX``, else c++, g++ or clang++), the instruction set ``-march=native`` resolves to,
-and the library's place in ``$MOEJAX_CACHE`` (default ``~/.cache/moejax/kernels``), keyed
+(``$CXX``, else c++, g++ or clang++), the instruction set ``-march=native`` resolves to
+(``$MOEJAX_CPU_MARCH`` names another target, e.g. ``x86-64-v3`` for the AVX2 kernels on
+an AVX-512 machine), and the library's place in ``$MOEJAX_CACHE`` (default ``~/.cache/moejax/kernels``), keyed
 by the sources, flags, compiler version and that instruction set (a cache shared between
 machines never loads a library built for another CPU).
 """
@@ -21,8 +22,14 @@ _SRCS = [os.path.join(_HERE, f) for f in ("cpu_kernel.cc", "cpu_attention.cc", "
                                            "cpu_host.cc")]
 _HEADERS = [os.path.join(_HERE, h)   # part of the build key
             for h in ("cpu_bf16.h", "cpu_dot.h", "cpu_layer.h", "cpu_threads.h")]
-_MARCH = "-march=native"
-_FLAGS = ["-O3", _MARCH, "-std=c++17", "-shared", "-fPIC"]
+
+
+def _march() -> str:
+  return "-march=" + (os.environ.get("MOEJAX_CPU_MARCH", "").strip() or "native")
+
+
+def _flags() -> list[str]:
+  return ["-O3", _march(), "-std=c++17", "-shared", "-fPIC"]
 
 
 class BuildError(RuntimeError):
@@ -62,7 +69,7 @@ def isa_of_driver_output(text: str) -> str:
     if "-target-cpu" in toks:                       # clang
       return " ".join(f"{t} {n}" for t, n in zip(toks, toks[1:])
                       if t in ("-target-cpu", "-target-feature", "-tune-cpu"))
-    if any(t.startswith("-march=") and t != _MARCH for t in toks):   # gcc
+    if any(t.startswith("-march=") and t != "-march=native" for t in toks):   # gcc
       return " ".join(t for t in toks if t.startswith("-m"))
   return ""
 
@@ -82,10 +89,10 @@ def _cpuinfo_isa() -> str:
 
 
 def target_isa(cxx: list[str]) -> str:
-  """What `-march=native` selects on this machine, as the compiler resolves it
-  (`cxx -march=native -### -E -`), else the CPU's flags (/proc/cpuinfo)."""
+  """What `-march=native` (or $MOEJAX_CPU_MARCH) selects on this machine, as the compiler
+  resolves it (`cxx -march=native -### -E -`), else the CPU's flags (/proc/cpuinfo)."""
   try:
-    res = subprocess.run([*cxx, _MARCH, "-###", "-E", "-"], stdin=subprocess.DEVNULL,
+    res = subprocess.run([*cxx, _march(), "-###", "-E", "-"], stdin=subprocess.DEVNULL,
                          capture_output=True, text=True, timeout=120)
     isa = isa_of_driver_output(res.stderr)
   except (OSError, subprocess.SubprocessError):
@@ -97,7 +104,7 @@ def cache_path(sources: bytes, cxx: list[str], version: str, isa: str) -> str:
   """The library's path in the cache: a hash of the sources, flags, compiler (command
   and version), jax's version and the target instruction set."""
   key = hashlib.sha256(sources)
-  for part in (*_FLAGS, *cxx, version, jax.__version__, isa):
+  for part in (*_flags(), *cxx, version, jax.__version__, isa):
     key.update(b"\0" + part.encode())
   return os.path.join(_cache_dir(), f"moejax_cpu_kernel_{key.hexdigest()[:16]}.so")
 
@@ -123,7 +130,7 @@ def build() -> str:
     return out
   os.makedirs(_cache_dir(), exist_ok=True)
   tmp = f"{out}.{os.getpid()}.tmp"
-  cmd = [*cxx, *_FLAGS, "-I", jax.ffi.include_dir(), "-I", _HERE, *_SRCS, "-o", tmp]
+  cmd = [*cxx, *_flags(), "-I", jax.ffi.include_dir(), "-I", _HERE, *_SRCS, "-o", tmp]
   try:
     res = subprocess.run(cmd, capture_output=True, text=True)
   except OSError as e:

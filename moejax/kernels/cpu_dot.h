@@ -52,6 +52,43 @@ inline float hsum(v8f v) {
   return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
 }
 
+// The dot products' vector: 16 lanes (one zmm) where the compiler targets AVX-512, else
+// 8.  Zen 5 and recent Intel cores run 512-bit FMAs at full width, so 16 lanes halve the
+// instructions per weight byte (a decoded row's widen + shift + FMA, a prompt tile's FMAs).
+// A row's sum depends on the lane count (its chunks are kLanes elements), so a library
+// built for AVX-512 and one built for AVX2 give different bits; on one machine every path
+// uses the one micro below, so a token's bits do not depend on the tile or the call.
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+#else
+constexpr int kLanes = 8;
+#endif
+typedef float vecf __attribute__((vector_size(kLanes * 4)));
+
+inline vecf loadv(const float* p) {
+  vecf v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline vecf loadv(const uint16_t* p) {
+#if defined(__AVX512F__)
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return reinterpret_cast<vecf>(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+#else
+  return load8(p);
+#endif
+}
+inline vecf fmav(vecf a, vecf b, vecf c);
+// A vector's lanes folded to 8 (lane i + lane i + 8), then hsum's tree.
+inline v8f fold8(vecf v) {
+#if defined(__AVX512F__)
+  return __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+         __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+  return v;
+#endif
+}
+
 typedef float v4f __attribute__((vector_size(16)));
 
 // Chains of fused multiply-adds a row's dot keeps: chain k takes the 8-element chunks
@@ -63,7 +100,7 @@ typedef float v4f __attribute__((vector_size(16)));
 template <typename W>
 constexpr int kChains = sizeof(W) == 2 ? 4 : 1;
 template <int C, int R, int T>
-inline v8f chains_sum(const v8f (&a)[C][R][T], int r, int t) {
+inline vecf chains_sum(const vecf (&a)[C][R][T], int r, int t) {
   if constexpr (C == 1) return a[0][r][t];
   else if constexpr (C == 2) return a[0][r][t] + a[1][r][t];
   else return (a[0][r][t] + a[1][r][t]) + (a[2][r][t] + a[3][r][t]);
@@ -79,6 +116,15 @@ inline v8f fma8(v8f a, v8f b, v8f c) {
                                                reinterpret_cast<__m256>(c)));
 #else
   return a * b + c;
+#endif
+}
+inline vecf fmav(vecf a, vecf b, vecf c) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<vecf>(_mm512_fmadd_ps(reinterpret_cast<__m512>(a),
+                                                reinterpret_cast<__m512>(b),
+                                                reinterpret_cast<__m512>(c)));
+#else
+  return fma8(a, b, c);
 #endif
 }
 inline float fma1(float a, float b, float c) {
@@ -103,54 +149,55 @@ inline v4f hsum4(v8f a, v8f b, v8f c, v8f d) {
 
 // out[t * os + r] = dot(w[r, :], x[t, :]) for R rows and T tokens; w rows and x rows
 // both have `len` contiguous elements.  Every (row, token) is summed the same way for any
-// R and T: kChains 8-lane accumulators over the row's chunks (chains_sum), then hsum's
-// tree, then the tail in order (docs/lab/runs/2026-12-06-engine4-chains).  A
-// tile of up to two (row, token) pairs keeps every chain live in one pass over the row; a
-// prompt's larger tile runs one pass a chain with R x T live accumulators (the registers
-// hold no more).  R a multiple of 4 sums four rows' lanes at once (hsum4).
+// R and T: kChains kLanes-wide accumulators over the row's kLanes-element chunks
+// (chains_sum), the lanes folded to 8 (fold8), then hsum's tree, then the tail in order
+// (docs/lab/runs/2026-12-06-engine4-chains).  A tile of up to two (row, token) pairs keeps
+// every chain live in one pass over the row; a prompt's larger tile runs one pass a chain
+// with R x T live accumulators (the registers hold no more).  R a multiple of 4 sums four
+// rows' lanes at once (hsum4).
 template <int R, int T, typename W>
 inline void micro(const W* w, const float* x, int64_t len, float* out, int64_t os) {
-  constexpr int C = kChains<W>;
-  const int64_t nc = len / 8, d = nc * 8;
+  constexpr int C = kChains<W>, L = kLanes;
+  const int64_t nc = len / L, d = nc * L;
   v8f sum[R][T];
   if constexpr (R * T * C <= 8) {   // every chain live: one pass over the row
-    v8f a[C][R][T];
+    vecf a[C][R][T];
     for (int k = 0; k < C; ++k)
       for (int r = 0; r < R; ++r)
-        for (int t = 0; t < T; ++t) a[k][r][t] = v8f{};
+        for (int t = 0; t < T; ++t) a[k][r][t] = vecf{};
     int64_t c = 0;
     for (; c + C <= nc; c += C)
       for (int t = 0; t < T; ++t)
         for (int k = 0; k < C; ++k) {
-          const v8f xv = load8(x + t * len + (c + k) * 8);
+          const vecf xv = loadv(x + t * len + (c + k) * L);
           for (int r = 0; r < R; ++r)
-            a[k][r][t] = fma8(load8(w + r * len + (c + k) * 8), xv, a[k][r][t]);
+            a[k][r][t] = fmav(loadv(w + r * len + (c + k) * L), xv, a[k][r][t]);
         }
     for (int k = 0; c < nc; ++c, ++k)
       for (int t = 0; t < T; ++t)
         for (int r = 0; r < R; ++r)
-          a[k][r][t] = fma8(load8(w + r * len + c * 8), load8(x + t * len + c * 8), a[k][r][t]);
+          a[k][r][t] = fmav(loadv(w + r * len + c * L), loadv(x + t * len + c * L), a[k][r][t]);
     for (int r = 0; r < R; ++r)
-      for (int t = 0; t < T; ++t) sum[r][t] = chains_sum(a, r, t);
+      for (int t = 0; t < T; ++t) sum[r][t] = fold8(chains_sum(a, r, t));
   } else {   // one pass a chain, R x T accumulators live (a prompt's tile)
-    v8f a[C][R][T];
+    vecf a[C][R][T];
     for (int k = 0; k < C; ++k) {
-      v8f acc[R][T];
+      vecf acc[R][T];
       for (int r = 0; r < R; ++r)
-        for (int t = 0; t < T; ++t) acc[r][t] = v8f{};
+        for (int t = 0; t < T; ++t) acc[r][t] = vecf{};
       for (int64_t c = k; c < nc; c += C) {
-        v8f xv[T];
-        for (int t = 0; t < T; ++t) xv[t] = load8(x + t * len + c * 8);
+        vecf xv[T];
+        for (int t = 0; t < T; ++t) xv[t] = loadv(x + t * len + c * L);
         for (int r = 0; r < R; ++r) {
-          const v8f wv = load8(w + r * len + c * 8);
-          for (int t = 0; t < T; ++t) acc[r][t] = fma8(wv, xv[t], acc[r][t]);
+          const vecf wv = loadv(w + r * len + c * L);
+          for (int t = 0; t < T; ++t) acc[r][t] = fmav(wv, xv[t], acc[r][t]);
         }
       }
       for (int r = 0; r < R; ++r)
         for (int t = 0; t < T; ++t) a[k][r][t] = acc[r][t];
     }
     for (int r = 0; r < R; ++r)
-      for (int t = 0; t < T; ++t) sum[r][t] = chains_sum(a, r, t);
+      for (int t = 0; t < T; ++t) sum[r][t] = fold8(chains_sum(a, r, t));
   }
   float s[T][R];
   for (int t = 0; t < T; ++t) {
@@ -212,8 +259,12 @@ void rows_dot(const W* w, int64_t rows, int64_t len, const float* x, int64_t nt,
     for (; r < rows; ++r) micro<1, 1>(w + r * len, x, len, out + r, os);
     return;
   }
-  // f32: 8 rows x 2 tokens; bf16: 4 rows x 8 tokens, fewer weight conversions per FMA
-  constexpr int64_t kR = sizeof(W) == 4 ? 8 : 4, kT = sizeof(W) == 4 ? 2 : 8;
+  // f32: 8 rows x 2 tokens; bf16: 4 rows x 8 tokens with 8 lanes, fewer weight conversions
+  // per FMA; 8 x 3 with 16 lanes, whose 24 accumulators, 3 tokens and a row fit AVX-512's
+  // 32 registers (4 x 8 spilled: a 4096 x 2048 linear over 64 tokens 3.5-3.8 ms against
+  // 3.0; docs/lab/runs/2026-12-06-avx512)
+  constexpr int64_t kR = sizeof(W) == 4 ? 8 : (kLanes == 16 ? 8 : 4);
+  constexpr int64_t kT = sizeof(W) == 4 ? 2 : (kLanes == 16 ? 3 : 8);
   int64_t r = 0;
   for (; r + kR <= rows; r += kR)
     for (int64_t t = 0; t < nt; t += kT)

@@ -29,7 +29,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kBlock = 32;  // tokens of one expert per work item
+constexpr int64_t kBlock = 64;  // tokens of one expert per work item
 constexpr int64_t kDecodeTokens = 16;  // calls of up to this many tokens: decode_phases
 
 using moejax::to_bf16;
@@ -206,9 +206,11 @@ ffi::Error ExpertFfnCore(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi
   std::vector<int64_t> fill(count.begin(), count.end() - 1);
   for (int64_t i = 0; i < pairs; ++i)
     if (expert_of[i] >= 0) p->order[fill[expert_of[i]]++] = i;
-  for (int64_t e = 0; e < ne; ++e)
-    for (int64_t b = count[e]; b < count[e + 1]; b += kBlock)
-      p->items.push_back({e, b, std::min(b + kBlock, count[e + 1])});
+  for (int64_t e = 0; e < ne; ++e) {   // an expert's pairs in equal blocks of <= kBlock
+    const int64_t c = count[e + 1] - count[e], nb = (c + kBlock - 1) / kBlock;
+    for (int64_t i = 0; i < nb; ++i)
+      p->items.push_back({e, count[e] + c * i / nb, count[e] + c * (i + 1) / nb});
+  }
   p->pair_out.assign(pairs * p->d, 0.0f);
 
   const Problem& prob = *p;
@@ -338,6 +340,9 @@ extern "C" void moejax_set_spin_us(int64_t us) {
 extern "C" void moejax_set_decoding(int on) { moejax::g_decoding = on != 0; }
 
 extern "C" int moejax_decoding() { return moejax::g_decoding.load() ? 1 : 0; }
+
+// The dot products' vector width in f32 lanes (cpu_dot.h): 16 with AVX-512, else 8.
+extern "C" int moejax_lanes() { return moejax::kLanes; }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoejaxLinear, LinearImpl,
                               ffi::Ffi::Bind()

@@ -49,6 +49,10 @@ LINEAR_MAX_TOKENS = 16   # up to this many rows of x: the kernel (decode); more:
 # 6.7 / 14.3 ms against XLA's 11.8 / 10.7 / 15.1 (AVX512-BF16 EPYC; AVX2: 6.4 against
 # 12.1 at 64, 28 against 19 at 256)
 LINEAR_MAX_TOKENS_BF16 = 64
+# ... and where the kernels' dots are 16 lanes wide (AVX-512), ahead of XLA's GEMM up to
+# 1024 rows: 4096 x 2048 bf16 at 128 / 512 / 1024 / 2048 rows, 6.1 / 24-28 / 46 / 125-147
+# ms against 13-14 / 27-30 / 48 / 87-92 (docs/lab/runs/2026-12-06-avx512)
+LINEAR_MAX_TOKENS_BF16_WIDE = 512
 # f32 projections with fewer weight bytes stay with XLA: its dot is as fast there, and the
 # custom call's fixed cost (argument marshalling, waking the thread pool) is not paid per
 # projection (docs/lab/notes/cpu_speed.md, "Which projections go to the kernel").  bf16 always
@@ -100,6 +104,7 @@ def _load() -> bool:
     lib.moejax_set_spin_us.argtypes = [ctypes.c_int64]
     lib.moejax_set_decoding.argtypes = [ctypes.c_int]
     lib.moejax_decoding.restype = ctypes.c_int
+    lib.moejax_lanes.restype = ctypes.c_int
     lib.moejax_set_decoding(int(_state["decoding"] > 0))
     _state["lib"] = lib
     return True
@@ -123,6 +128,12 @@ def available() -> bool:
     if _state["loaded"] is None:
       _state["loaded"] = _load()
     return _state["loaded"]
+
+
+def lanes() -> int:
+  """The kernels' dot products' vector width in f32 lanes: 16 where they were built for
+  AVX-512, 8 otherwise; 0 when the kernels are not used."""
+  return int(_state["lib"].moejax_lanes()) if available() else 0
 
 
 def set_spin_us(us: int) -> bool:
@@ -306,7 +317,8 @@ def linears(x_NxD, ws_OxD) -> tuple:
   ok = {jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)}
   dt = jnp.dtype(x_NxD.dtype)
   small_f32 = dt == jnp.float32 and sum(w.size * 4 for w in ws_OxD) < LINEAR_MIN_F32_BYTES
-  most = LINEAR_MAX_TOKENS_BF16 if dt == jnp.bfloat16 else LINEAR_MAX_TOKENS
+  most = ((LINEAR_MAX_TOKENS_BF16_WIDE if lanes() == 16 else LINEAR_MAX_TOKENS_BF16)
+          if dt == jnp.bfloat16 else LINEAR_MAX_TOKENS)
   if (x_NxD.shape[0] <= most and dt in ok and not small_f32
       and all(jnp.dtype(w.dtype) == dt for w in ws_OxD) and available()):
     v = layer_view.common(ws_OxD)

@@ -1,10 +1,12 @@
 // The dot products of the CPU kernels (cpu_kernel.cc): out[t, r] = w[r, :] . x[t, :] over
-// f32 or bf16 weight rows and f32 activations, for one token (decode) or a prompt's block.
-// Every (row, token) is summed the same way whatever the tile: 8-lane chains of fused
-// multiply-adds over the row's 8-element chunks (bf16 rows: four, chain k taking chunks
-// k, k + 4, ...; f32 rows: one), added pairwise, the lanes added in hsum's fixed tree,
-// then the tail in order. So a token's result has the same bits alone, in a prompt, or
-// in any tile.
+// f32 or bf16 weight rows and f32 or bf16 activations, for one token (decode) or a prompt's
+// block. Every (row, token) is summed the same way whatever the tile: chains of vector
+// steps over the row's chunks (bf16 rows: four, chain k taking chunks k, k + 4, ...; f32
+// rows: one), added pairwise, the lanes folded to 8 and added in hsum's fixed tree, then
+// the tail in order. A step is a 16-lane (AVX-512) or 8-lane fused multiply-add of widened
+// weights, or, for bf16 weights and a bf16 token on a CPU with AVX512-BF16, one vdpbf16ps
+// over 32 bf16 pairs (Step). So a token's result has the same bits alone, in a prompt, or
+// in any tile, on one machine; another instruction set gives other bits.
 #ifndef MOEJAX_CPU_DOT_H_
 #define MOEJAX_CPU_DOT_H_
 
@@ -127,6 +129,43 @@ inline vecf fmav(vecf a, vecf b, vecf c) {
   return fma8(a, b, c);
 #endif
 }
+// Whether bf16 weights meet a bf16 token as bf16 pairs (AVX512-BF16's vdpbf16ps, as
+// llama.cpp's bf16 dot): each lane adds a chunk's pair (2i, 2i + 1) of exact products,
+// 32 elements an instruction, with no widening of the weights.  Used where the token is
+// bf16 anyway (a bf16 model's projections and gate/up rows), so no precision is lost
+// against widening it; the sums differ from the widened path's in their order (and the
+// instruction flushes denormals), so on one machine every bf16-token dot takes it.
+#if defined(__AVX512BF16__)
+constexpr bool kPairs = true;
+inline vecf pairs_step(vecf acc, const uint16_t* w, const uint16_t* x) {
+  return reinterpret_cast<vecf>(_mm512_dpbf16_ps(
+      reinterpret_cast<__m512>(acc),
+      reinterpret_cast<__m512bh>(_mm512_loadu_si512(w)),
+      reinterpret_cast<__m512bh>(_mm512_loadu_si512(x))));
+}
+#else
+constexpr bool kPairs = false;
+#endif
+
+// One chunk of a dot: kLanes elements widened to f32 and fused (f32 tokens), or 32 bf16
+// pairs (bf16 tokens where kPairs).
+template <typename W, typename X>
+struct Step {
+  static constexpr int kChunk = kLanes;
+  static vecf x(const X* p) { return loadv(p); }
+  static vecf apply(vecf acc, const W* w, vecf xv) { return fmav(loadv(w), xv, acc); }
+};
+#if defined(__AVX512BF16__)
+template <>
+struct Step<uint16_t, uint16_t> {
+  static constexpr int kChunk = 32;
+  static const uint16_t* x(const uint16_t* p) { return p; }
+  static vecf apply(vecf acc, const uint16_t* w, const uint16_t* xp) {
+    return pairs_step(acc, w, xp);
+  }
+};
+#endif
+
 inline float fma1(float a, float b, float c) {
 #if defined(__FMA__)
   return std::fma(a, b, c);
@@ -155,9 +194,10 @@ inline v4f hsum4(v8f a, v8f b, v8f c, v8f d) {
 // every chain live in one pass over the row; a prompt's larger tile runs one pass a chain
 // with R x T live accumulators (the registers hold no more).  R a multiple of 4 sums four
 // rows' lanes at once (hsum4).
-template <int R, int T, typename W>
-inline void micro(const W* w, const float* x, int64_t len, float* out, int64_t os) {
-  constexpr int C = kChains<W>, L = kLanes;
+template <int R, int T, typename W, typename X>
+inline void micro(const W* w, const X* x, int64_t len, float* out, int64_t os) {
+  using S = Step<W, X>;
+  constexpr int C = kChains<W>, L = S::kChunk;
   const int64_t nc = len / L, d = nc * L;
   v8f sum[R][T];
   if constexpr (R * T * C <= 8) {   // every chain live: one pass over the row
@@ -169,14 +209,14 @@ inline void micro(const W* w, const float* x, int64_t len, float* out, int64_t o
     for (; c + C <= nc; c += C)
       for (int t = 0; t < T; ++t)
         for (int k = 0; k < C; ++k) {
-          const vecf xv = loadv(x + t * len + (c + k) * L);
+          const auto xv = S::x(x + t * len + (c + k) * L);
           for (int r = 0; r < R; ++r)
-            a[k][r][t] = fmav(loadv(w + r * len + (c + k) * L), xv, a[k][r][t]);
+            a[k][r][t] = S::apply(a[k][r][t], w + r * len + (c + k) * L, xv);
         }
     for (int k = 0; c < nc; ++c, ++k)
       for (int t = 0; t < T; ++t)
         for (int r = 0; r < R; ++r)
-          a[k][r][t] = fmav(loadv(w + r * len + c * L), loadv(x + t * len + c * L), a[k][r][t]);
+          a[k][r][t] = S::apply(a[k][r][t], w + r * len + c * L, S::x(x + t * len + c * L));
     for (int r = 0; r < R; ++r)
       for (int t = 0; t < T; ++t) sum[r][t] = fold8(chains_sum(a, r, t));
   } else {   // one pass a chain, R x T accumulators live (a prompt's tile)
@@ -186,12 +226,10 @@ inline void micro(const W* w, const float* x, int64_t len, float* out, int64_t o
       for (int r = 0; r < R; ++r)
         for (int t = 0; t < T; ++t) acc[r][t] = vecf{};
       for (int64_t c = k; c < nc; c += C) {
-        vecf xv[T];
-        for (int t = 0; t < T; ++t) xv[t] = loadv(x + t * len + c * L);
-        for (int r = 0; r < R; ++r) {
-          const vecf wv = loadv(w + r * len + c * L);
-          for (int t = 0; t < T; ++t) acc[r][t] = fmav(wv, xv[t], acc[r][t]);
-        }
+        decltype(S::x(x)) xv[T];
+        for (int t = 0; t < T; ++t) xv[t] = S::x(x + t * len + c * L);
+        for (int r = 0; r < R; ++r)
+          for (int t = 0; t < T; ++t) acc[r][t] = S::apply(acc[r][t], w + r * len + c * L, xv[t]);
       }
       for (int r = 0; r < R; ++r)
         for (int t = 0; t < T; ++t) a[k][r][t] = acc[r][t];
@@ -213,7 +251,7 @@ inline void micro(const W* w, const float* x, int64_t len, float* out, int64_t o
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < T; ++t) {
       float v = s[t][r];
-      for (int64_t j = d; j < len; ++j) v = fma1(to_f32(w[r * len + j]), x[t * len + j], v);
+      for (int64_t j = d; j < len; ++j) v = fma1(to_f32(w[r * len + j]), to_f32(x[t * len + j]), v);
       out[t * os + r] = v;
     }
 }
@@ -226,8 +264,8 @@ inline float dot_row(const W* w, const float* x, int64_t len) {
   return s;
 }
 
-template <int R, typename W>
-inline void micro_t(const W* w, const float* x, int64_t len, int64_t nt, float* out,
+template <int R, typename W, typename X>
+inline void micro_t(const W* w, const X* x, int64_t len, int64_t nt, float* out,
                     int64_t os) {
   switch (nt) {
     case 1: micro<R, 1>(w, x, len, out, os); break;
@@ -249,8 +287,8 @@ inline void micro_t(const W* w, const float* x, int64_t len, int64_t nt, float* 
 // tokens (a prompt's block) run in tiles of 8 rows x 2 tokens, which keep both FMA units
 // busy (docs/speed.md, "Prompt tiles").  micro sums every (row, token) the same way for
 // any tile, so the bits do not depend on the tile or on how many tokens a call has.
-template <typename W>
-void rows_dot(const W* w, int64_t rows, int64_t len, const float* x, int64_t nt, float* out,
+template <typename W, typename X>
+void rows_dot(const W* w, int64_t rows, int64_t len, const X* x, int64_t nt, float* out,
               int64_t os) {
   if (nt == 1) {
     int64_t r = 0;

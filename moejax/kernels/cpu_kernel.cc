@@ -10,7 +10,9 @@
 // tokens), ~N*K/kBlock items shared between the calling thread and XLA's intra-op thread
 // pool. A decode call (up to kDecodeTokens tokens) runs in finer items, 32 gate/up rows or
 // 64 down rows of one block, shared with helper threads that stay awake between calls
-// (Spinners). Weights and activations are f32 or bf16; products are accumulated in f32.
+// (Spinners). Weights and activations are f32 or bf16; products are accumulated in f32
+// (bf16 tokens meet bf16 gate/up rows as bf16 pairs where the CPU has AVX512-BF16:
+// cpu_dot.h's Step; the down rows take SwiGLU's f32 activations).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -63,6 +65,7 @@ struct Problem {
   const void* gate_up;
   const void* down;
   bool w_bf16;
+  bool pairs;  // bf16 tokens meet bf16 gate/up rows as bf16 pairs (cpu_dot.h, kPairs)
   std::vector<int64_t> order;  // pair indices (n * k + j) sorted by expert
   std::vector<Item> items;
   std::vector<float> pair_out;  // [n * k, d], gate applied
@@ -76,18 +79,41 @@ void gather_x(const Problem& p, int64_t first, int64_t count, float* xs) {
                 p.x_bf16, d, xs + t * d);
 }
 
+// xs16[t] = x[token of the t-th sorted pair from `first`], bf16 bits (p.pairs only).
+void gather_x16(const Problem& p, int64_t first, int64_t count, uint16_t* xs16) {
+  const uint16_t* x = static_cast<const uint16_t*>(p.x);
+  for (int64_t t = 0; t < count; ++t)
+    std::memcpy(xs16 + t * p.d, x + (p.order[first + t] / p.k) * p.d, p.d * sizeof(uint16_t));
+}
+
+// out[t, r] = gate_up[r, :] . x[t, :] for `rows` gate/up rows: bf16 pairs with xs16 (bf16
+// rows and tokens, p.pairs), else the widened dot with xs.
+template <typename W>
+void gate_up_dot(const Problem& p, const W* gu, int64_t rows, const float* xs,
+                 const uint16_t* xs16, int64_t nt, float* out, int64_t os) {
+  if constexpr (sizeof(W) == 2 && moejax::kPairs)
+    if (p.pairs) return rows_dot(gu, rows, p.d, xs16, nt, out, os);
+  rows_dot(gu, rows, p.d, xs, nt, out, os);
+}
+
 template <typename W>
 void run_item(const Problem& p, const Item& it) {
   const int64_t nt = it.end - it.begin, d = p.d, inter = p.inter;
   thread_local std::vector<float> xs, h, a, y;
-  xs.resize(nt * d);
+  thread_local std::vector<uint16_t> xs16;
   h.resize(nt * 2 * inter);
   a.resize(nt * inter);
   y.resize(nt * d);
-  gather_x(p, it.begin, nt, xs.data());
+  if (p.pairs) {
+    xs16.resize(nt * d);
+    gather_x16(p, it.begin, nt, xs16.data());
+  } else {
+    xs.resize(nt * d);
+    gather_x(p, it.begin, nt, xs.data());
+  }
   const W* gu = static_cast<const W*>(p.gate_up) + it.expert * 2 * inter * d;
   const W* dn = static_cast<const W*>(p.down) + it.expert * d * inter;
-  rows_dot(gu, 2 * inter, d, xs.data(), nt, h.data(), 2 * inter);
+  gate_up_dot(p, gu, 2 * inter, xs.data(), xs16.data(), nt, h.data(), 2 * inter);
   for (int64_t t = 0; t < nt; ++t)
     for (int64_t j = 0; j < inter; ++j)
       a[t * inter + j] = silu_mul(h[t * 2 * inter + j], h[t * 2 * inter + inter + j]);
@@ -109,8 +135,10 @@ constexpr int64_t kActChunk = 32, kDownChunk = 64;
 template <typename W>
 void decode_phases(ffi::ThreadPool& pool, Problem& p) {
   const int64_t d = p.d, inter = p.inter, rows = static_cast<int64_t>(p.order.size());
-  std::vector<float> xs(rows * d), a(rows * inter);
-  gather_x(p, 0, rows, xs.data());
+  std::vector<float> xs(p.pairs ? 0 : rows * d), a(rows * inter);
+  std::vector<uint16_t> xs16(p.pairs ? rows * d : 0);
+  if (p.pairs) gather_x16(p, 0, rows, xs16.data());
+  else gather_x(p, 0, rows, xs.data());
   const W* gate_up = static_cast<const W*>(p.gate_up);
   const W* down = static_cast<const W*>(p.down);
   const int64_t items = static_cast<int64_t>(p.items.size());
@@ -121,8 +149,10 @@ void decode_phases(ffi::ThreadPool& pool, Problem& p) {
     const int64_t nj = std::min(kActChunk, inter - j0);
     const W* gu = gate_up + it.expert * 2 * inter * d;
     float g[kActChunk * kBlock], u[kActChunk * kBlock];
-    rows_dot(gu + j0 * d, nj, d, &xs[it.begin * d], nt, g, nj);
-    rows_dot(gu + (inter + j0) * d, nj, d, &xs[it.begin * d], nt, u, nj);
+    const float* xt = p.pairs ? nullptr : xs.data() + it.begin * d;
+    const uint16_t* xt16 = p.pairs ? xs16.data() + it.begin * d : nullptr;
+    gate_up_dot(p, gu + j0 * d, nj, xt, xt16, nt, g, nj);
+    gate_up_dot(p, gu + (inter + j0) * d, nj, xt, xt16, nt, u, nj);
     for (int64_t t = 0; t < nt; ++t)
       for (int64_t j = 0; j < nj; ++j)
         a[(it.begin + t) * inter + j0 + j] = silu_mul(g[t * nj + j], u[t * nj + j]);
@@ -187,6 +217,7 @@ ffi::Error ExpertFfnCore(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi
   p->gate_up = gate_up.data;
   p->down = down.data;
   p->w_bf16 = weights_bf16(gate_up.type);
+  p->pairs = moejax::kPairs && p->x_bf16 && p->w_bf16;
 
   // counting sort of the pairs by expert (ids clamped like XLA's dynamic indexing); a pair
   // whose gate is 0 is not computed (its output stays 0: an offload step's pairs served
@@ -298,6 +329,9 @@ ffi::Error LinearCore(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArgs
     for (int64_t r0 = 0; r0 < wd[0]; r0 += kLinearRows)
       items.emplace_back(static_cast<int64_t>(i), r0);
   }
+  // bf16 x meets bf16 weights as bf16 pairs where the CPU has them (cpu_dot.h, kPairs)
+  const bool pairs = moejax::kPairs && x_bf16;
+  const uint16_t* x16 = static_cast<const uint16_t*>(x.untyped_data());
   std::vector<float> xs(n * d);
   to_f32_rows(x.untyped_data(), x_bf16, n * d, xs.data());
   int64_t bytes = 0;
@@ -305,8 +339,10 @@ ffi::Error LinearCore(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArgs
   auto run = [&](int64_t it) {
     Out& out = outs[items[it].first];
     const int64_t r0 = items[it].second, rows = std::min(kLinearRows, out.o - r0);
-    if (out.w_bf16) rows_dot(static_cast<const uint16_t*>(out.w) + r0 * d, rows, d,
-                             xs.data(), n, out.acc.data() + r0, out.o);
+    if (out.w_bf16 && pairs) rows_dot(static_cast<const uint16_t*>(out.w) + r0 * d, rows, d,
+                                      x16, n, out.acc.data() + r0, out.o);
+    else if (out.w_bf16) rows_dot(static_cast<const uint16_t*>(out.w) + r0 * d, rows, d,
+                                  xs.data(), n, out.acc.data() + r0, out.o);
     else rows_dot(static_cast<const float*>(out.w) + r0 * d, rows, d, xs.data(), n,
                   out.acc.data() + r0, out.o);
   };

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from moejax.model.config import ModelConfig
 from moejax.io.loader import init_random, load_model, save_hf
 from moejax.io.store import ExpertStore
+from moejax.kernels import cpu_kernel
 
 DEMO_DIR = "ckpts/demo"
 NAMES = ("bench_f32", "bench_bf16", "demo_f32", "demo_bf16", "wide_bf16")
@@ -33,7 +34,8 @@ def run_all(res: dict, names, bench_model, out: str, table) -> dict:
   and load average before and after; res is written to `out` after every model (a long
   run keeps what it measured); prints `table(res)`."""
   res = {"device": str(jax.devices()[0]), "cpu_count": os.cpu_count(),
-         "loadavg_start": os.getloadavg(), **res, "models": {}}
+         "cpu_kernels": cpu_kernel.describe(), "loadavg_start": os.getloadavg(), **res,
+         "models": {}}
   for name in names:
     res["models"][name] = bench_model(name)
     res["loadavg_end"] = os.getloadavg()

@@ -367,6 +367,7 @@ def run(stack: contextlib.ExitStack, watch):
         for n, v in result["scan_over_unrolled"].items()))
   first = result["links"][FLAGS.links[0]]
   result["link"], result["presets"] = first["link"], first["presets"]
+  result["cpu_kernels"] = cpu_kernel.describe()
   with open(FLAGS.out, "w") as f:
     json.dump(result, f, indent=2, default=float)
   print(f"[bench_offload] wrote {FLAGS.out}", file=sys.stderr)

@@ -48,6 +48,7 @@ import time
 from absl import flags
 
 from moejax.cli import app as cli
+from moejax.kernels import cpu_kernel
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("layers", 24, "Layers of the wide model.")
@@ -317,8 +318,8 @@ def main(argv):
          "cache_fraction": FLAGS.cache_fraction, "prompt_len": FLAGS.prompt_len,
          "prefill_len": FLAGS.prefill_len, "decode_tokens": FLAGS.decode_tokens,
          "warmup_tokens": FLAGS.warmup_tokens, "threads": FLAGS.threads,
-         "cpu_count": os.cpu_count(), "loadavg_start": os.getloadavg(),
-         "argv": sys.argv}
+         "cpu_count": os.cpu_count(), "cpu_kernels": cpu_kernel.describe(),
+         "loadavg_start": os.getloadavg(), "argv": sys.argv}
   t0 = time.perf_counter()
   bench_models.save_wide(model_dir, layers=FLAGS.layers, layout=FLAGS.layout)
   res["model_write_s"] = time.perf_counter() - t0

@@ -29,6 +29,7 @@ import numpy as np
 
 from benchmarks.serve import start_server, via_server
 from moejax.cli import app as cli
+from moejax.kernels import cpu_kernel
 
 FLAGS = flags.FLAGS
 PROMPTS = ("def fibonacci(n):", "import os\n\n\ndef read_config(path):", "class Stack:\n",
@@ -110,6 +111,7 @@ def run() -> int:
              clients=FLAGS.clients,
              requests_per_client=FLAGS.requests, max_new_tokens=FLAGS.max_new_tokens,
              max_batches=batches, rounds=FLAGS.rounds, cpu_count=os.cpu_count(),
+             cpu_kernels=cpu_kernel.describe(),
              load_avg_start=load_start, load_avg=os.getloadavg(),
              date=time.strftime("%Y-%m-%d %H:%M"), ratios_vs_first=ratios, runs=runs)
   with open(FLAGS.out, "w") as f:

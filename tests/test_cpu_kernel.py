@@ -206,13 +206,16 @@ def test_decode_calls_in_finer_items_give_the_same_bits_as_prompt_calls():
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_a_tokens_bits_do_not_depend_on_the_tile_it_lands_in(dtype):
-  """A prompt's rows run in tiles (f32: 8 rows x 2 tokens, bf16: 4 x 8), then 4-row and
-  single-row remainders; a row's length may have a tail beyond the 8 lanes. Each token of
-  a 41-token prompt call equals, bit for bit, the same token computed alone (the one-row
-  decode path): D=37 (tail 5, 37 down rows = 8+8+8+8+4+1), I=13 (26 gate/up rows)."""
+@pytest.mark.parametrize("d,inter", [(37, 13), (173, 70)])
+def test_a_tokens_bits_do_not_depend_on_the_tile_it_lands_in(dtype, d, inter):
+  """A prompt's rows run in tiles (f32: 8 rows x 2 tokens, bf16: 4 x 8, or 8 x 3 with 16
+  lanes), then 4-row and single-row remainders; a row's length may have a tail beyond the
+  lanes (or the 32-element chunks of bf16 pairs). Each token of a 41-token prompt call
+  equals, bit for bit, the same token computed alone (the one-row decode path): D=37
+  (tail 5, 37 down rows = 8+8+8+8+4+1), I=13 (26 gate/up rows); D=173 (five chunks of bf16
+  pairs, four chains and one more, tail 13), I=70."""
   rng = np.random.default_rng(11)
-  e, d, inter, k, n = 6, 37, 13, 3, 41
+  e, k, n = 6, 3, 41
   w = {"gate_up": jnp.asarray(rng.normal(size=(e, 2 * inter, d)), dtype),
        "down": jnp.asarray(rng.normal(size=(e, d, inter)), dtype)}
   x = jnp.asarray(rng.normal(size=(n, d)), dtype)
@@ -223,6 +226,18 @@ def test_a_tokens_bits_do_not_depend_on_the_tile_it_lands_in(dtype):
   alone = np.concatenate([np.asarray(fn(x[i:i + 1], ids[i:i + 1], g[i:i + 1], w))
                           for i in range(n)])
   chex.assert_trees_all_equal(prompt, alone)
+
+
+def test_describe_names_the_dots_this_build_runs():
+  """describe() (a benchmark's record) names the lane count, and bf16 pairs only where
+  the dots are 16 lanes wide (AVX512-BF16 implies AVX-512); "off" without the kernels."""
+  want = f"{cpu_kernel.lanes()}-lane dots"
+  assert cpu_kernel.describe() in (want, want + ", bf16 pairs")
+  if cpu_kernel.lanes() == 8:
+    assert "pairs" not in cpu_kernel.describe()
+  with cpu_kernel.enabled(False):
+    assert cpu_kernel.describe() == "off"
+    assert cpu_kernel.lanes() == 0
 
 
 def test_vmap_folds_the_batch_into_one_kernel_call(monkeypatch):

@@ -213,7 +213,7 @@ inline void micro(const W* w, const X* x, int64_t len, float* out, int64_t os) {
           for (int r = 0; r < R; ++r)
             a[k][r][t] = S::apply(a[k][r][t], w + r * len + (c + k) * L, xv);
         }
-    for (int k = 0; c < nc; ++c, ++k)
+    for (int k = 0; k < C && c < nc; ++c, ++k)   // fewer than C chunks left
       for (int t = 0; t < T; ++t)
         for (int r = 0; r < R; ++r)
           a[k][r][t] = S::apply(a[k][r][t], w + r * len + c * L, S::x(x + t * len + c * L));

@@ -374,11 +374,12 @@ extern "C" void moejax_set_spin_us(int64_t us) {
 
 // Whether a decode loop runs (cpu_kernel.decoding): the helpers spin after a job only then.
 extern "C" void moejax_set_decoding(int on) { moejax::g_decoding = on != 0; }
-
 extern "C" int moejax_decoding() { return moejax::g_decoding.load() ? 1 : 0; }
 
-// The dot products' vector width in f32 lanes (cpu_dot.h): 16 with AVX-512, else 8.
+// The dots' width in f32 lanes (16 with AVX-512, else 8) and whether bf16 tokens meet
+// bf16 rows as bf16 pairs (AVX512-BF16): cpu_dot.h's kLanes and kPairs.
 extern "C" int moejax_lanes() { return moejax::kLanes; }
+extern "C" int moejax_pairs() { return moejax::kPairs ? 1 : 0; }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoejaxLinear, LinearImpl,
                               ffi::Ffi::Bind()

@@ -105,6 +105,7 @@ def _load() -> bool:
     lib.moejax_set_decoding.argtypes = [ctypes.c_int]
     lib.moejax_decoding.restype = ctypes.c_int
     lib.moejax_lanes.restype = ctypes.c_int
+    lib.moejax_pairs.restype = ctypes.c_int
     lib.moejax_set_decoding(int(_state["decoding"] > 0))
     _state["lib"] = lib
     return True
@@ -134,6 +135,16 @@ def lanes() -> int:
   """The kernels' dot products' vector width in f32 lanes: 16 where they were built for
   AVX-512, 8 otherwise; 0 when the kernels are not used."""
   return int(_state["lib"].moejax_lanes()) if available() else 0
+
+
+def describe() -> str:
+  """What the CPU kernels' dots are here, for a benchmark's record (figures differ by
+  instruction set): e.g. "16-lane dots, bf16 pairs", or "off" where the kernels are not
+  used."""
+  if not available():
+    return "off"
+  pairs = ", bf16 pairs" if _state["lib"].moejax_pairs() else ""
+  return f"{lanes()}-lane dots{pairs}"
 
 
 def set_spin_us(us: int) -> bool:

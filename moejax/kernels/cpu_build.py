@@ -1,9 +1,10 @@
 """Building the C++ CPU kernels (`cpu_kernel` loads them): the system compiler
 (``$CXX``, else c++, g++ or clang++), the instruction set ``-march=native`` resolves to
 (``$MOEJAX_CPU_MARCH`` names another target, e.g. ``x86-64-v3`` for the AVX2 kernels on
-an AVX-512 machine), and the library's place in ``$MOEJAX_CACHE`` (default ``~/.cache/moejax/kernels``), keyed
-by the sources, flags, compiler version and that instruction set (a cache shared between
-machines never loads a library built for another CPU).
+an AVX-512 machine), and the library's place in ``$MOEJAX_CACHE`` (default
+``~/.cache/moejax/kernels``), keyed by the sources, flags, compiler version and that
+instruction set (a cache shared between machines never loads a library built for another
+CPU).
 """
 
 from __future__ import annotations

@@ -93,10 +93,10 @@ inline v8f fold8(vecf v) {
 
 typedef float v4f __attribute__((vector_size(16)));
 
-// Chains of fused multiply-adds a row's dot keeps: chain k takes the 8-element chunks
-// k, k + C, k + 2C, ... in order; the chains are then added pairwise (chains_sum).  Four
-// for bf16 rows: one chain's FMA latency (16 bytes of weights an FMA) bounded a decoded
-// row, not memory.  One for f32 rows (32 bytes an FMA: memory bounds them), whose
+// Chains of vector steps a row's dot keeps: chain k takes the chunks (Step::kChunk
+// elements) k, k + C, k + 2C, ... in order; the chains are then added pairwise
+// (chains_sum).  Four for bf16 rows: on the 8-lane build one chain's FMA latency (16 bytes
+// of weights an FMA) bounded a decoded row, not memory.  One for f32 rows (32 bytes an FMA: memory bounds them), whose
 // prompt tiles (8 rows of 8 KB at Qwen3-30B-A3B's width) would not stay in L1 over four
 // passes: 4096 x 2048 f32 over 8 tokens took 3.3-3.4 ms with four, 1.6-2.0 with one.
 template <typename W>

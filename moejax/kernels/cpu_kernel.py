@@ -49,9 +49,10 @@ LINEAR_MAX_TOKENS = 16   # up to this many rows of x: the kernel (decode); more:
 # 6.7 / 14.3 ms against XLA's 11.8 / 10.7 / 15.1 (AVX512-BF16 EPYC; AVX2: 6.4 against
 # 12.1 at 64, 28 against 19 at 256)
 LINEAR_MAX_TOKENS_BF16 = 64
-# ... and where the kernels' dots are 16 lanes wide (AVX-512), ahead of XLA's GEMM up to
-# 1024 rows: 4096 x 2048 bf16 at 128 / 512 / 1024 / 2048 rows, 6.1 / 24-28 / 46 / 125-147
-# ms against 13-14 / 27-30 / 48 / 87-92 (docs/lab/runs/2026-12-06-avx512)
+# ... and where the kernels' dots are 16 lanes wide (AVX-512), the longest prompt bucket:
+# 4096 x 2048 bf16 at 128 / 512 / 1024 / 2048 rows, 6.1 / 24-28 / 46 / 125-147 ms against
+# XLA's 13-14 / 27-30 / 48 / 87-92; with bf16 pairs (AVX512-BF16) 13.6 ms at 512
+# (docs/lab/runs/2026-12-06-avx512)
 LINEAR_MAX_TOKENS_BF16_WIDE = 512
 # f32 projections with fewer weight bytes stay with XLA: its dot is as fast there, and the
 # custom call's fixed cost (argument marshalling, waking the thread pool) is not paid per

@@ -329,11 +329,14 @@ ffi::Error LinearCore(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArgs
     for (int64_t r0 = 0; r0 < wd[0]; r0 += kLinearRows)
       items.emplace_back(static_cast<int64_t>(i), r0);
   }
-  // bf16 x meets bf16 weights as bf16 pairs where the CPU has them (cpu_dot.h, kPairs)
+  // bf16 x meets bf16 weights as bf16 pairs where the CPU has them (cpu_dot.h, kPairs);
+  // x is widened to f32 only for weights that do not take them
   const bool pairs = moejax::kPairs && x_bf16;
   const uint16_t* x16 = static_cast<const uint16_t*>(x.untyped_data());
-  std::vector<float> xs(n * d);
-  to_f32_rows(x.untyped_data(), x_bf16, n * d, xs.data());
+  bool widened = false;
+  for (const Out& out : outs) widened = widened || !(pairs && out.w_bf16);
+  std::vector<float> xs(widened ? n * d : 0);
+  if (widened) to_f32_rows(x.untyped_data(), x_bf16, n * d, xs.data());
   int64_t bytes = 0;
   for (const Out& out : outs) bytes += out.o * d * (out.w_bf16 ? 2 : 4);
   auto run = [&](int64_t it) {

@@ -291,3 +291,37 @@ def test_copy_rows_copies_a_block_from_one_buffer_into_another_in_place():
       return out, None
   got, _ = jax.jit(lambda b: jax.lax.scan(body, b, jnp.arange(2)))(buf)
   chex.assert_trees_all_equal(got, buf.at[0, 4].set(store[0, 1]).at[1, 3].set(store[1, 3]))
+
+
+def _resident_pages(a: np.ndarray) -> np.ndarray:
+  """Per page of a page-aligned mapping: whether it is in the page cache (mincore)."""
+  import ctypes, mmap   # pylint: disable=import-outside-toplevel,multiple-imports
+  libc = ctypes.CDLL(None, use_errno=True)
+  libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+  vec = np.zeros(-(-a.nbytes // mmap.PAGESIZE), np.uint8)
+  assert libc.mincore(a.ctypes.data, a.nbytes, vec.ctypes.data) == 0, ctypes.get_errno()
+  return (vec & 1).astype(bool)
+
+
+def test_will_need_reads_the_asked_blocks_of_a_mapped_file_and_only_those(tmp_path):
+  import os, time   # pylint: disable=import-outside-toplevel,multiple-imports
+  path = tmp_path / "store.bin"
+  np.arange(2 * 8 * 64 * 1024, dtype=np.float32).reshape(2, 8, 64, 1024).tofile(path)
+  fd = os.open(path, os.O_RDONLY)
+  os.fsync(fd)
+  os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+  os.close(fd)
+  mapped = np.memmap(path, np.float32, "r", shape=(2, 8, 64, 1024))   # blocks of 256 KB
+  if _resident_pages(mapped).any():
+    pytest.skip("this file system kept the file's pages after POSIX_FADV_DONTNEED")
+  store = jax.device_put(mapped)                 # the CPU client maps it in place
+  at = jnp.array([[1, 2], [0, 7], [1, 5]], jnp.int32)
+  assert int(jax.jit(cpu_rows.will_need)(store, at, jnp.int32(2))) == 2
+  want = np.zeros(16, bool)
+  want[[8 + 2, 7]] = True                        # (1, 2) and (0, 7); (1, 5) is past n
+  for _ in range(200):                           # the reads were queued, not waited for
+    got = _resident_pages(mapped).reshape(16, -1)
+    if got[want].all():
+      break
+    time.sleep(0.01)
+  assert got[want].all() and not got[~want].any(), got.any(axis=1)

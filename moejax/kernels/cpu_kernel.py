@@ -65,6 +65,7 @@ ROUTE_SOFTMAX_TARGET = "moejax_route_softmax"    # cpu_rows.cc, wrapped by cpu_r
 TAKE_ROWS_TARGET = "moejax_take_rows"            # cpu_rows.cc, wrapped by cpu_rows.py
 WRITE_ROWS_TARGET = "moejax_write_rows"          # cpu_rows.cc, wrapped by cpu_rows.py
 COPY_ROWS_TARGET = "moejax_copy_rows"            # cpu_rows.cc, wrapped by cpu_rows.py
+WILL_NEED_TARGET = "moejax_will_need"            # cpu_rows.cc, wrapped by cpu_rows.py
 TOP_K_TARGET = "moejax_top_k"                    # cpu_rows.cc, wrapped by cpu_rows.py
 BIN_SUM_TARGET = "moejax_bin_sum"                # cpu_rows.cc, wrapped by cpu_rows.py
 HOST_EXPERTS_TARGET = "moejax_host_experts"      # cpu_host.cc, wrapped by cpu_host.py
@@ -94,6 +95,7 @@ def _load() -> bool:
                            (TAKE_ROWS_TARGET, lib.MoejaxTakeRows),
                            (WRITE_ROWS_TARGET, lib.MoejaxWriteRows),
                            (COPY_ROWS_TARGET, lib.MoejaxCopyRows),
+                           (WILL_NEED_TARGET, lib.MoejaxWillNeed),
                            (TOP_K_TARGET, lib.MoejaxTopK),
                            (BIN_SUM_TARGET, lib.MoejaxBinSum),
                            (HOST_EXPERTS_TARGET, lib.MoejaxHostExperts),

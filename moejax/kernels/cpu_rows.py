@@ -190,6 +190,24 @@ def _copy_call(dst, src, at_d, at_s):
                               dst, src, at_d, at_s)
 
 
+def will_need(src, at_JxK, n):
+  """n (an int32 scalar), on the CPU after asking the OS to read src's blocks at
+  at_JxK[:n] (blocks as `copy_rows`'s: one index of each of the first K dims, all of the
+  rest) into the page cache at once (madvise MADV_WILLNEED); a hint, so elsewhere n as it
+  is.  A loop bounded by the result copies after it: the blocks of a memory-mapped store
+  are then read together, where each copy's page faults read one after another."""
+  n = jnp.asarray(n, jnp.int32)
+  if not cpu_kernel.available() or at_JxK.ndim != 2 or not 1 <= at_JxK.shape[1] <= src.ndim:
+    return n
+  return jax.lax.platform_dependent(src, at_JxK.astype(jnp.int32), n, cpu=_will_need_call,
+                                    default=lambda s, a, m: m)
+
+
+def _will_need_call(src, at_JxK, n):
+  return jax.ffi.ffi_call(cpu_kernel.WILL_NEED_TARGET, jax.ShapeDtypeStruct((), jnp.int32),
+                          vmap_method="sequential")(src, at_JxK, n)
+
+
 def _write_call(x, rows, start):
   return jax.ffi.ffi_call(cpu_kernel.WRITE_ROWS_TARGET, jax.ShapeDtypeStruct(x.shape, x.dtype),
                           input_output_aliases={0: 0}, vmap_method="sequential")(x, rows, start)

@@ -129,6 +129,19 @@ def copy_row(dst, at_row, src, row):
   return out if vd is None else at(out, vd[1])
 
 
+def will_need(srcs, rows_J, n):
+  """n, once the OS has been asked to read rows rows_J[:n] of each src (a view: of its
+  stack at layer i) into the page cache (`cpu_rows.will_need`): a loop of `copy_row`s
+  bounded by the result reads a memory-mapped store's blocks together, not one by one."""
+  from moejax.kernels import cpu_rows
+  for src in srcs:
+    v = of(src)
+    base, at = (src, rows_J[:, None]) if v is None else (
+        v[0], jnp.stack([jnp.broadcast_to(v[1], rows_J.shape), rows_J], axis=1))
+    n = cpu_rows.will_need(base, at.astype(jnp.int32), n)
+  return n
+
+
 def _zero(i) -> bool:
   return isinstance(i, (int, np.integer)) and int(i) == 0
 

@@ -97,6 +97,9 @@ def copy_rows(buffers: dict, store: dict, ids_J, slots_J, pinned,
   # (i, expert) the same way
   v = layer_view.common(list(buffers.values()))
   layer = None if v is None else v[1]
+  if not (pinned or low_bits is not None or isinstance(store, staging.Staged)):
+    # a memory-mapped store: every block read from disk at once, then the copies
+    n = layer_view.will_need([store[name] for name in buffers], ids, n)
 
   def copy_one(j, bufs):
     bufs = dict(bufs)

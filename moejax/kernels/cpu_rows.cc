@@ -11,10 +11,8 @@
 #include <cstring>
 #include <vector>
 
-#include <sys/mman.h>
-#include <unistd.h>
-
 #include "cpu_bf16.h"
+#include "cpu_pages.h"
 #include "cpu_threads.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -280,13 +278,9 @@ ffi::Error CopyRowsImpl(ffi::ThreadPool pool, ffi::AnyBuffer dst, ffi::AnyBuffer
 }
 
 // n_out = n, after asking the OS to read blocks at_JxK[j] (j < n; blocks as copy_rows's)
-// of src into the page cache: madvise(MADV_WILLNEED) over each, which queues the whole
-// block's reads at once and returns. A copy_rows loop over a memory-mapped store then
-// faults on pages already read or in flight, where a fault alone reads a few pages
-// around it and waits: on this VM's disk 9.4 MB blocks came in at 0.86-1.03 GB/s by faults
-// and 1.65-1.70 GB/s after the hint (docs/lab/runs/2026-12-07-disk). A hint only: a block
-// in anonymous memory, or a failed call, changes nothing. The copies take n_out as their
-// bound, so they run after it.
+// of src into the page cache, all at once (cpu_pages.h): a copy_rows loop bounded by n_out
+// then finds a memory-mapped store's blocks read or in flight. On this VM's disk 9.4 MB
+// blocks came in at 0.86-1.03 GB/s by page faults, 1.65-1.70 GB/s after the hint.
 ffi::Error WillNeedImpl(ffi::AnyBuffer src, ffi::Buffer<ffi::S32> at_JxK, ffi::Buffer<ffi::S32> n,
                         ffi::Result<ffi::Buffer<ffi::S32>> n_out) {
   auto sd = src.dimensions(), ad = at_JxK.dimensions();
@@ -296,13 +290,9 @@ ffi::Error WillNeedImpl(ffi::AnyBuffer src, ffi::Buffer<ffi::S32> at_JxK, ffi::B
   int64_t block = static_cast<int64_t>(ffi::ByteWidth(src.element_type()));
   for (size_t i = k; i < sd.size(); ++i) block *= sd[i];
   const int32_t count = std::clamp<int32_t>(n.typed_data()[0], 0, static_cast<int32_t>(ad[0]));
-  const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
-  const uintptr_t base = reinterpret_cast<uintptr_t>(src.untyped_data());
-  for (int32_t j = 0; j < count && block > 0; ++j) {
-    const uintptr_t from = base + block_at(sd, at_JxK.typed_data() + j * k, k) * block;
-    const uintptr_t start = from & ~(page - 1);
-    madvise(reinterpret_cast<void*>(start), from + block - start, MADV_WILLNEED);
-  }
+  const char* base = static_cast<const char*>(src.untyped_data());
+  for (int32_t j = 0; j < count; ++j)
+    moejax::will_need(base + block_at(sd, at_JxK.typed_data() + j * k, k) * block, block);
   n_out->typed_data()[0] = n.typed_data()[0];
   return ffi::Error::Success();
 }

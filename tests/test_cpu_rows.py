@@ -2,7 +2,8 @@
 weighted bincount, the bf16 embedding lookup and the KV cache's in-place row write, each
 pinned by a hand-checked case, compared with XLA's ops (f32 and bf16, odd widths, ties),
 under vmap and grad, and compiled to one custom call where XLA needs several thunks (or
-splits a tiny lookup over its thread pool)."""
+splits a tiny lookup over its thread pool); the page-cache hint (will_need) reads the
+blocks it is asked for from a mapped file, and only those."""
 
 import chex
 import jax
@@ -10,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from moejax.io import pages
 from moejax.kernels import cpu_kernel, cpu_rows, layer_view
 from moejax.model import layers, routing
 from moejax.model.config import ModelConfig
@@ -293,16 +295,6 @@ def test_copy_rows_copies_a_block_from_one_buffer_into_another_in_place():
   chex.assert_trees_all_equal(got, buf.at[0, 4].set(store[0, 1]).at[1, 3].set(store[1, 3]))
 
 
-def _resident_pages(a: np.ndarray) -> np.ndarray:
-  """Per page of a page-aligned mapping: whether it is in the page cache (mincore)."""
-  import ctypes, mmap   # pylint: disable=import-outside-toplevel,multiple-imports
-  libc = ctypes.CDLL(None, use_errno=True)
-  libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-  vec = np.zeros(-(-a.nbytes // mmap.PAGESIZE), np.uint8)
-  assert libc.mincore(a.ctypes.data, a.nbytes, vec.ctypes.data) == 0, ctypes.get_errno()
-  return (vec & 1).astype(bool)
-
-
 def test_will_need_reads_the_asked_blocks_of_a_mapped_file_and_only_those(tmp_path):
   import os, time   # pylint: disable=import-outside-toplevel,multiple-imports
   path = tmp_path / "store.bin"
@@ -312,15 +304,15 @@ def test_will_need_reads_the_asked_blocks_of_a_mapped_file_and_only_those(tmp_pa
   os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
   os.close(fd)
   mapped = np.memmap(path, np.float32, "r", shape=(2, 8, 64, 1024))   # blocks of 256 KB
-  if _resident_pages(mapped).any():
-    pytest.skip("this file system kept the file's pages after POSIX_FADV_DONTNEED")
+  if pages.resident(mapped) is None or pages.resident(mapped).any():
+    pytest.skip("no mincore here, or the file system kept the pages after POSIX_FADV_DONTNEED")
   store = jax.device_put(mapped)                 # the CPU client maps it in place
   at = jnp.array([[1, 2], [0, 7], [1, 5]], jnp.int32)
   assert int(jax.jit(cpu_rows.will_need)(store, at, jnp.int32(2))) == 2
   want = np.zeros(16, bool)
   want[[8 + 2, 7]] = True                        # (1, 2) and (0, 7); (1, 5) is past n
   for _ in range(200):                           # the reads were queued, not waited for
-    got = _resident_pages(mapped).reshape(16, -1)
+    got = pages.resident(mapped).reshape(16, -1)
     if got[want].all():
       break
     time.sleep(0.01)

@@ -28,6 +28,7 @@ import jax
 from jax.experimental import io_callback
 import numpy as np
 
+from moejax.io import pages
 from moejax.io.store import StoreBackendError, store_backend
 
 FLAG = "--host_cache_gb"
@@ -161,7 +162,10 @@ class StagingCache:
         self.staged_reads += 1
         return {k: p[row:row + 1] for k, p in self.pool.items()}   # copied by the runtime
       t0 = time.perf_counter()
-      out = {k: np.array(v[e:e + 1]) for k, v in self._src[int(layer)].items()}
+      blocks = {k: v[e:e + 1] for k, v in self._src[int(layer)].items()}
+      for b in blocks.values():   # read together and exactly, not fault by fault
+        pages.will_need(b)
+      out = {k: np.array(b) for k, b in blocks.items()}
       self.disk_s += time.perf_counter() - t0
       self.disk_reads += 1
       self.disk_bytes += self.expert_bytes

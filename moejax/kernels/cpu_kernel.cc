@@ -24,7 +24,6 @@
 #include "cpu_bf16.h"
 #include "cpu_dot.h"
 #include "cpu_layer.h"
-#include "cpu_pages.h"
 #include "cpu_threads.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -244,12 +243,6 @@ ffi::Error ExpertFfnCore(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi
       p->items.push_back({e, count[e] + c * i / nb, count[e] + c * (i + 1) / nb});
   }
   p->pair_out.assign(pairs * p->d, 0.0f);
-  if (p->n > kDecodeTokens)   // a prompt reading a mapped store: its experts asked for at once
-    for (int64_t e = 0, blk = p->inter * p->d * (p->w_bf16 ? 2 : 4); e < ne; ++e)
-      if (count[e + 1] > count[e]) {
-        moejax::will_need(static_cast<const char*>(p->gate_up) + 2 * e * blk, 2 * blk);
-        moejax::will_need(static_cast<const char*>(p->down) + e * blk, blk);
-      }
 
   const Problem& prob = *p;
   if (p->n <= kDecodeTokens) {

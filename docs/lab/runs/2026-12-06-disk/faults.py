@@ -1,3 +1,7 @@
+# Reads 9.4 MB blocks at random offsets of a file through a mapping: by page faults alone
+# ("fault") or after madvise(MADV_WILLNEED) over each block ("willneed"), `group` blocks
+# asked for before touching them. Drop the page cache first (as root):
+#   sync; echo 3 > /proc/sys/vm/drop_caches; python3 faults.py FILE willneed 48 8
 import mmap, os, sys, time, random
 import numpy as np
 f = sys.argv[1]; mode = sys.argv[2]; chunk = int(9.4*2**20); n = int(sys.argv[3]); group=int(sys.argv[4])

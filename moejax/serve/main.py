@@ -67,6 +67,11 @@ flags.DEFINE_list("warm_prompt_tokens", ["16", "32", "64", "128"], "Prompt lengt
                   "bucket; other lengths compile on first use).")
 flags.DEFINE_string("api_key", None, "Every route but /health then needs 'Authorization: "
                     "Bearer <key>' (401 otherwise). Default: $MOEJAX_API_KEY, else no key.")
+flags.DEFINE_integer("cpu_spin_us", None, "CPU backend: how long the kernels' decode helper "
+                     "threads stay awake after a call, in microseconds (cpu_kernel."
+                     "set_spin_us). Default: $MOEJAX_CPU_SPIN_US, else 0, which hands decode "
+                     "calls to XLA's pool: a spinning helper took the cores from the HTTP "
+                     "event loop (docs/serve.md).", lower_bound=0)
 flags.DEFINE_boolean("request_policies", True, "Whether a request may choose its offload "
                      "policy (moejax.policy, tau, admission_beta, eviction); false: those "
                      "fields are ignored and every request runs under --policy.")
@@ -232,6 +237,9 @@ def main(_):
                            tuple(cfg.eos_token_ids),
                            request_policies=FLAGS.request_policies and policy is not None)
   key = auth.resolve_key(FLAGS.api_key)
+  from moejax.kernels import cpu_kernel
+  spin = FLAGS.cpu_spin_us
+  cpu_kernel.set_spin_us(int(os.environ.get("MOEJAX_CPU_SPIN_US", 0)) if spin is None else spin)
   sock = listen()
   metrics = metrics_lib.Metrics()
   config = uvicorn.Config(None, log_level="warning", timeout_graceful_shutdown=5)

@@ -17,8 +17,10 @@ import pytest
 from moejax.io import repack
 from moejax.io.loader import init_random, load_model, save_hf
 from moejax.io.store import shares_buffer
+from moejax.kernels import cpu_kernel
 from moejax.model.config import ModelConfig
-from moejax.offload import sources
+from moejax.offload import decode, sources
+from moejax.offload.engine import EngineConfig, OffloadEngine
 
 CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "disk_tier_child.py")
 MB = 10**6
@@ -156,3 +158,19 @@ def test_an_aligned_fused_checkpoint_is_mapped_as_it_is_and_checked_once(tmp_pat
                                       r"contains NaN"):
     load_model(bad, dtype=jnp.bfloat16, mmap=True)
   assert not os.path.exists(repack.checked_stamp(bad, jnp.bfloat16))
+
+
+@pytest.mark.skipif(not cpu_kernel.available(), reason="no C++ compiler: no kernels")
+def test_a_mapped_store_asks_for_its_blocks_before_copying(tmp_path):
+  """The decode step of an engine over a mapped store asks the OS for the blocks it will
+  copy (cpu_rows.will_need, one call per tensor kind); over a store in RAM it does not."""
+  cfg = config(128, 64)
+  path = write(cfg, tmp_path)
+  calls = {}
+  for kind in ("mmap", "numpy"):
+    _, params, store = load_model(path, dtype=jnp.bfloat16, mmap=kind == "mmap", progress=False)
+    eng = OffloadEngine(cfg, params, store, EngineConfig.make("baseline", dtype="bfloat16"))
+    hlo = decode.step_fn(eng.program).lower(eng.params, eng.sources, eng.new_carry(),
+                                            np.int32(0), np.int32(0)).as_text()
+    calls[kind] = hlo.count("custom_call @moejax_will_need")
+  assert calls == {"mmap": 2, "numpy": 0}, calls   # gate_up and down, in the scan's body

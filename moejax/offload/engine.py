@@ -27,8 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moejax.io import quant
-from moejax.io import staging
+from moejax.io import quant, staging
+from moejax.io.store import store_backend
 from moejax.kernels import cpu_kernel
 from moejax.model import layer_stack
 from moejax.prefetch import speculation
@@ -97,7 +97,7 @@ class OffloadEngine:
     trim_to = self.budget.slots if self.budget.staging else None
     ctx = layer_lib.Ctx(cfg, policy, trim_to, pf.kind, pf.speculative, not pf.streaming,
                         None, "slots", pinned, skip_empty=self.device.platform == "cpu",
-                        ep=self.plan)
+                        ep=self.plan, mapped=store_backend(store) == "mmap")
     put = self._put
     if self.plan is not None:   # the store on every device too
       host = put(host)

@@ -45,6 +45,7 @@ class Ctx:
   control: Any = None                 # controls.Control (emulator studies)
   source: str = "table"               # "table" (emulator) | "slots" (engine)
   pinned: bool = False                # the host store is in pinned_host memory
+  mapped: bool = False                # the host store is a memory-mapped file (disk tier)
   skip_empty: bool = False            # head inserts under a cond: the CPU backend
   all_resident: bool = False          # every expert resident for good: all hits
   ep: Any = None                      # expert_parallel.Plan: slots over a device mesh

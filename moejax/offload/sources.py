@@ -72,11 +72,13 @@ def _low_row(src, name, i, dtype, pinned, bits: int):
 
 
 def copy_rows(buffers: dict, store: dict, ids_J, slots_J, pinned,
-              low_bits: int | None = None) -> dict:
+              low_bits: int | None = None, mapped: bool = False) -> dict:
   """Copies store[k][ids_J[j]] into buffers[k][slots_J[j]] for every j with a slot, in
   order (a later copy into the same slot wins), inside the program; a skipped entry
   copies nothing.  A pinned_host store's slices are moved to device memory.  low_bits:
   `store` is a low-precision store (`io.quant`), each row dequantised into the slot.
+  mapped: a memory-mapped store (the disk tier): the blocks to copy are asked for at once
+  first (`layer_view.will_need`), not read fault by fault.
 
   One `fori_loop` over the copies: a while loop updates the slot buffers in place.  A
   conditional does not: with the buffers as its operand XLA copies every slot buffer
@@ -97,8 +99,7 @@ def copy_rows(buffers: dict, store: dict, ids_J, slots_J, pinned,
   # (i, expert) the same way
   v = layer_view.common(list(buffers.values()))
   layer = None if v is None else v[1]
-  if not (pinned or low_bits is not None or isinstance(store, staging.Staged)):
-    # a memory-mapped store: every block read from disk at once, then the copies
+  if mapped and not (pinned or low_bits is not None or isinstance(store, staging.Staged)):
     n = layer_view.will_need([store[name] for name in buffers], ids, n)
 
   def copy_one(j, bufs):
@@ -193,7 +194,7 @@ def copy_into_slots(ctx, buffers: dict, store: dict, ids_J, slots_J,
   kind, default ctx.pinned)."""
   pinned = ctx.pinned if pinned is None else pinned
   if ctx.ep is None:
-    return copy_rows(buffers, store, ids_J, slots_J, pinned, low_bits)
+    return copy_rows(buffers, store, ids_J, slots_J, pinned, low_bits, ctx.mapped)
   return expert_parallel.copy_rows(ctx.ep, copy_rows, buffers, store, ids_J, slots_J,
                                    pinned="local" if pinned else False, low_bits=low_bits)
 
@@ -269,7 +270,8 @@ def run_experts(ctx, mod, p, src: dict, h, moe_in, state, head, carried):
     if ctx.spec_on:
       ids, slots = [carried.kept] + ids, [carried.kept_slots] + slots
       pf_rows = jnp.where(head.pf_ids >= 0, num_p + 1 + jnp.arange(k), -1)   # `prefetch.view`
-      bufs = copy_rows(bufs, store, head.pf_ids, pf_rows.astype(jnp.int32), ctx.pinned)
+      bufs = copy_rows(bufs, store, head.pf_ids, pf_rows.astype(jnp.int32), ctx.pinned,
+                       mapped=ctx.mapped)
     if low_on:                     # this token's low fetches come from the low store
       slots[-1] = jnp.where(head.fetch_low, -1, head.fetch_slots)
     bufs = copy_into_slots(ctx, bufs, store, jnp.concatenate(ids), jnp.concatenate(slots))

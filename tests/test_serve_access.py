@@ -144,3 +144,12 @@ def test_the_guard():
   assert auth.resolve_key(None) == os.environ.get(auth.ENV) or None
   assert auth.is_loopback("127.0.0.1") and auth.is_loopback("::1")
   assert not auth.is_loopback("0.0.0.0") and not auth.is_loopback("example.com")
+
+
+def test_a_spin_time_that_is_not_a_number_is_a_one_line_usage_error(tmp_path):
+  env = dict(_env(tmp_path), MOEJAX_CPU_SPIN_US="1ms")
+  proc = subprocess.run([sys.executable, "-m", "launch.serve", f"--model_dir={DEMO}",
+                         "--port=0"], cwd=REPO, env=env, capture_output=True, text=True,
+                        timeout=300)
+  assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+  assert "MOEJAX_CPU_SPIN_US must be microseconds >= 0, got '1ms'" in proc.stderr

@@ -281,11 +281,13 @@ ffi::Error CopyRowsImpl(ffi::ThreadPool pool, ffi::AnyBuffer dst, ffi::AnyBuffer
 // of src into the page cache, all at once (cpu_pages.h): a copy_rows loop bounded by n_out
 // then finds a memory-mapped store's blocks read or in flight. On this VM's disk 9.4 MB
 // blocks came in at 0.86-1.03 GB/s by page faults, 1.65-1.70 GB/s after the hint.
-ffi::Error WillNeedImpl(ffi::AnyBuffer src, ffi::Buffer<ffi::S32> at_JxK, ffi::Buffer<ffi::S32> n,
-                        ffi::Result<ffi::Buffer<ffi::S32>> n_out) {
+ffi::Error WillNeedImpl(ffi::AnyBuffer src, ffi::Buffer<ffi::S32> at_JxK,
+                        ffi::Buffer<ffi::S32> n, ffi::Result<ffi::Buffer<ffi::S32>> n_out) {
   auto sd = src.dimensions(), ad = at_JxK.dimensions();
-  if (ad.size() != 2 || ad[1] < 1 || static_cast<size_t>(ad[1]) > sd.size() || n.element_count() != 1)
-    return ffi::Error::InvalidArgument("moejax_will_need: expected starts [J, k], k <= src's rank, and a count");
+  if (ad.size() != 2 || ad[1] < 1 || static_cast<size_t>(ad[1]) > sd.size() ||
+      n.element_count() != 1)
+    return ffi::Error::InvalidArgument(
+        "moejax_will_need: expected starts [J, k] with k <= src's rank, and a count");
   const size_t k = static_cast<size_t>(ad[1]);
   int64_t block = static_cast<int64_t>(ffi::ByteWidth(src.element_type()));
   for (size_t i = k; i < sd.size(); ++i) block *= sd[i];

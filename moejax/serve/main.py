@@ -77,6 +77,16 @@ flags.DEFINE_boolean("request_policies", True, "Whether a request may choose its
                      "fields are ignored and every request runs under --policy.")
 
 
+def spin_us() -> int:
+  """--cpu_spin_us, else $MOEJAX_CPU_SPIN_US, else 0 (see the flag)."""
+  if FLAGS.cpu_spin_us is not None:
+    return FLAGS.cpu_spin_us
+  env = os.environ.get("MOEJAX_CPU_SPIN_US", "0").strip() or "0"
+  if not env.isdigit():
+    raise cli.UsageError(f"MOEJAX_CPU_SPIN_US must be microseconds >= 0, got {env!r}")
+  return int(env)
+
+
 def check_flags(cfg):
   if cli.given("cache_fraction") and cli.given("cache_bytes"):
     raise cli.UsageError("--cache_fraction and --cache_bytes both set the expert budget; "
@@ -238,8 +248,7 @@ def main(_):
                            request_policies=FLAGS.request_policies and policy is not None)
   key = auth.resolve_key(FLAGS.api_key)
   from moejax.kernels import cpu_kernel
-  spin = FLAGS.cpu_spin_us
-  cpu_kernel.set_spin_us(int(os.environ.get("MOEJAX_CPU_SPIN_US", 0)) if spin is None else spin)
+  cpu_kernel.set_spin_us(spin_us())
   sock = listen()
   metrics = metrics_lib.Metrics()
   config = uvicorn.Config(None, log_level="warning", timeout_graceful_shutdown=5)

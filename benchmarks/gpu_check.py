@@ -36,7 +36,7 @@ from moejax.io import loader
 from moejax.model.config import ModelConfig
 from moejax.model.model import Transformer
 from moejax.io import store as host_store
-from moejax.offload import decode, sources
+from moejax.offload import decode, placement
 from moejax.offload.engine import EngineConfig, OffloadEngine
 from moejax.model.sampler import Sampler, SamplingParams
 from moejax.io.store import ExpertStore
@@ -134,7 +134,7 @@ def copy_ms(store_l, eng_states, n=50):
   """One expert's in-program copy: a dynamic slice of the pinned store moved into a slot
   (8 per call, the call's time / 8)."""
   dev = jax.devices()[0]
-  arrs, pinned = sources.program_store(store_l, dev)
+  arrs, pinned = placement.program_store(store_l, dev)
   layer = arrs[next(iter(arrs))]
   buf = {k: jnp.zeros((8,) + v.shape[1:], v.dtype) for k, v in layer.items()}
 

@@ -3,7 +3,7 @@
   python -m launch.bench_transfer --out=bench_transfer.json
 
 The engine's decode program copies a fetched expert itself: a dynamic slice of the
-store's stacked `[E, ...]` arrays (`moejax.offload.sources.program_store`; in pinned
+store's stacked `[E, ...]` arrays (`moejax.offload.placement.program_store`; in pinned
 host memory on an accelerator) written into a slot buffer with dynamic_update_slice.
 Per `--store` back-end (numpy, mmap, pinned_host) this times
 
@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moejax.offload import sources
+from moejax.offload import placement
 from moejax.io.store import (BACKENDS, StoreBackendError, make_store, shares_buffer,
                                       store_backend)
 from moejax.io.store import ExpertStore
@@ -96,7 +96,7 @@ def expert_copy_seconds(store: ExpertStore, layer: int | None = None, n: int = 1
   layer = store.moe_layers[0] if layer is None else layer
   one = ExpertStore({layer: store.layers[layer]}, store.num_layers,  # this layer only
                     backend=store_backend(store))
-  progs, pinned = sources.program_store(one, dev)
+  progs, pinned = placement.program_store(one, dev)
   stack = progs[layer]
   e_count = store.layers[layer].num_experts
   slots = min(n, e_count)

@@ -19,7 +19,7 @@ from moejax.io.loader import init_random, load_model, save_hf
 from moejax.io.store import shares_buffer
 from moejax.kernels import cpu_kernel
 from moejax.model.config import ModelConfig
-from moejax.offload import decode, sources
+from moejax.offload import decode, placement
 from moejax.offload.engine import EngineConfig, OffloadEngine
 
 CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "disk_tier_child.py")
@@ -62,7 +62,7 @@ def test_the_program_reads_the_mapped_file_in_place(ckpt_64mb):
   """--store=mmap: every program-store array the decode program reads wraps the mapped
   file (no copy), laid out by the repack on 4096-byte boundaries."""
   cfg, _, store = load_model(ckpt_64mb, dtype=jnp.bfloat16, mmap=True)
-  host, pinned = sources.program_store(store, jax.devices()[0])
+  host, pinned = placement.program_store(store, jax.devices()[0])
   assert not pinned
   for l in store.moe_layers:
     for name, v in store.stacked(l).items():

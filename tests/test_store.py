@@ -12,7 +12,7 @@ import pytest
 from moejax.model.config import ModelConfig
 from moejax.io import repack
 from moejax.io.loader import init_random, load_model, save_hf
-from moejax.offload import sources
+from moejax.offload import placement
 from moejax.offload.engine import EngineConfig, OffloadEngine
 from moejax.io.store import (BACKENDS, LayerExperts, StoreBackendError, layer_stacked, make_store,
                              shares_buffer)
@@ -112,7 +112,7 @@ def test_conversions_chain_without_changing_an_expert(model):
 
 
 def test_every_backend_gives_the_program_identical_experts_and_the_same_decoding(model):
-  """The decode program's view of the store (`sources.program_store`) holds the same
+  """The decode program's view of the store (`placement.program_store`) holds the same
   experts from every back-end (also a per-expert checkpoint memory-mapped), and engines
   over them decode identical logits and records."""
   exps, dirs = model
@@ -123,7 +123,7 @@ def test_every_backend_gives_the_program_identical_experts_and_the_same_decoding
   toks = [3, 17, 5, 60, 22, 9, 4, 8, 15, 16]
   runs = {}
   for name, st in stores.items():
-    out, pinned = sources.program_store(st, jax.devices()[0])
+    out, pinned = placement.program_store(st, jax.devices()[0])
     assert pinned == (name == "pinned_host"), name
     chex.assert_trees_all_equal({i: out[i] for i in (1, 2)}, {i: exps[i] for i in (1, 2)})
     with OffloadEngine(cfg, params, st, EngineConfig.make("quality", cache_fraction=0.25, max_len=16)) as eng:

@@ -1,4 +1,4 @@
-"""Where the decode program reads the expert store (`sources.program_store`): owned and
+"""Where the decode program reads the expert store (`placement.program_store`): owned and
 shared buffers, memory kinds, the pinned-memory fallback, unreadable stores, errors."""
 
 import dataclasses
@@ -15,10 +15,10 @@ from moejax.model.config import ModelConfig
 from moejax.io.loader import expert_shapes
 from moejax.model.model import Transformer
 from moejax.offload import link as link_lib
-from moejax.offload import sources
+from moejax.offload import placement
 from moejax.offload.engine import EngineConfig, OffloadEngine
 from moejax.io.store import make_store, owned_device_put, shares_buffer
-from moejax.offload.sources import TransferError, TransferTimeout
+from moejax.offload.placement import TransferError, TransferTimeout
 from moejax.io.store import ExpertStore
 
 D, I, E = 32, 16, 8
@@ -67,7 +67,7 @@ def test_owned_device_put_never_aliases_numpy_or_memmap(tmp_path):
 # ---------------------------------------------------------------- the program store
 def test_a_numpy_store_is_handed_over_without_a_copy_on_the_cpu_backend():
   store = make_expert_store()
-  out, pinned = sources.program_store(store, DEVICE)
+  out, pinned = placement.program_store(store, DEVICE)
   assert not pinned
   assert_same_store(out, store)
   for l in store.moe_layers:
@@ -79,7 +79,7 @@ def test_a_numpy_store_is_handed_over_without_a_copy_on_the_cpu_backend():
 
 def test_a_pinned_host_store_stays_in_pinned_host_memory():
   store = make_expert_store()
-  out, pinned = sources.program_store(make_store(store, "pinned_host"), DEVICE)
+  out, pinned = placement.program_store(make_store(store, "pinned_host"), DEVICE)
   assert pinned
   assert_same_store(out, store)
   assert all(a.sharding.memory_kind == "pinned_host" for layer in out.values()
@@ -91,7 +91,7 @@ def test_sixteen_bit_floats_are_held_as_their_bits():
   bf = ExpertStore.from_stacked([None] + [{k: np.asarray(v).astype(jnp.bfloat16)
                                            for k, v in store.stacked(l).items()}
                                           for l in store.moe_layers])
-  out, _ = sources.program_store(bf, DEVICE)
+  out, _ = placement.program_store(bf, DEVICE)
   bits = {l: {k: np.asarray(v).view(np.uint16) for k, v in bf.stacked(l).items()}
           for l in bf.moe_layers}
   chex.assert_trees_all_equal(out, bits, strict=True)       # uint16 on the device side too
@@ -110,7 +110,7 @@ def test_an_unreadable_tensor_names_its_layer_and_name():
   broken.layers[2].stacked["gate_up"] = _Unreadable()
   with pytest.raises(TransferError, match=r"'gate_up' of MoE layer 2: OSError: truncated file") \
       as e:
-    sources.program_store(broken, DEVICE)
+    placement.program_store(broken, DEVICE)
   assert isinstance(e.value.__cause__, OSError)
 
 
@@ -122,7 +122,7 @@ def _fake_device(platform, kinds):
 
 def test_a_device_without_host_memory_is_a_clear_error():
   with pytest.raises(TransferError, match="offers no host memory kind.*memory kinds: device"):
-    sources.program_store(make_expert_store(), _fake_device("gpu", ["device"]))
+    placement.program_store(make_expert_store(), _fake_device("gpu", ["device"]))
 
 
 def test_on_an_accelerator_pinning_falls_back_to_unpinned_host_with_one_line(monkeypatch,
@@ -134,9 +134,9 @@ def test_on_an_accelerator_pinning_falls_back_to_unpinned_host_with_one_line(mon
       raise RuntimeError("cudaHostRegister failed: out of memory\nsecond line")
     placed.append(kind)
     return host
-  monkeypatch.setattr(sources, "_put", put)
+  monkeypatch.setattr(placement, "_put", put)
   store = make_expert_store()
-  out, pinned = sources.program_store(store, _fake_device("gpu", ["device", "pinned_host",
+  out, pinned = placement.program_store(store, _fake_device("gpu", ["device", "pinned_host",
                                                                    "unpinned_host"]))
   assert pinned and set(placed) == {"unpinned_host"} and len(placed) == 4
   assert_same_store(out, store)
@@ -149,10 +149,10 @@ def test_on_an_accelerator_pinning_falls_back_to_unpinned_host_with_one_line(mon
 def test_when_the_last_memory_kind_fails_it_is_an_error_naming_the_tensor(monkeypatch):
   def put(host, device, kind):
     raise RuntimeError("no memory")
-  monkeypatch.setattr(sources, "_put", put)
+  monkeypatch.setattr(placement, "_put", put)
   with pytest.raises(TransferError, match=r"'gate_up' of MoE layer 1 in unpinned_host memory.*"
                                           r"no memory"):
-    sources.program_store(make_expert_store(), _fake_device("gpu", ["unpinned_host"]))
+    placement.program_store(make_expert_store(), _fake_device("gpu", ["unpinned_host"]))
 
 
 def _tiny_engine_model():
@@ -176,14 +176,14 @@ def test_a_store_that_cannot_be_pinned_falls_back_with_one_warning_line(monkeypa
   engine built on it decodes the logits of a numpy store."""
   cfg, params, store = _tiny_engine_model()
   pinned_store = make_store(store, "pinned_host")
-  real_put = sources._put
+  real_put = placement._put
 
   def put(host, device, kind):
     if kind == "pinned_host":
       raise RuntimeError("pinning refused")
     return real_put(host, device, kind)
-  monkeypatch.setattr(sources, "_put", put)
-  out, pinned = sources.program_store(pinned_store, DEVICE)
+  monkeypatch.setattr(placement, "_put", put)
+  out, pinned = placement.program_store(pinned_store, DEVICE)
   assert not pinned
   assert_same_store(out, store)
   err = capsys.readouterr().err.strip().splitlines()

@@ -2,7 +2,7 @@
 CPU custom call (``cpu_host.cc``, built and registered with the other kernels by
 ``cpu_kernel``): the engine's HOST misses on the CPU backend (``offload.sources``).
 
-The store holds bf16 experts as their uint16 bits (``sources.program_store``); the
+The store holds bf16 experts as their uint16 bits (``placement.program_store``); the
 kernel reads them, or f32/bf16 ones, in place, where the XLA path first copies each
 selected expert out of the store (a dynamic slice of 9.4 MB per Qwen3-30B-A3B expert)
 and then runs the routed-expert kernel on the copies. Experts whose gate is 0 are not

@@ -42,7 +42,7 @@ from moejax.cache import policy as policy_lib
 from moejax.prefetch import steps as pf_steps
 from moejax.cache import initial as initial_lib
 from moejax.cache import resident as resident_lib
-from moejax.offload import sources
+from moejax.offload import placement
 from moejax.offload.config import EngineConfig, check_policy
 from moejax.offload.stats import (TokenRecord, build_record, link_counts, prefill_record,
                                   summarize)
@@ -91,7 +91,7 @@ class OffloadEngine:
     # the layers as one scan (`decode.Program.scan`): a uniform model on one device whose
     # store (and low-precision store) is one [L, E, ...] array per kind; else unrolled
     # (the host staging tier too: it reads per layer)
-    host, pinned, scan = sources.program_stores(store, self.low_store, self.device,
+    host, pinned, scan = placement.program_stores(store, self.low_store, self.device,
                                                 config.layer_scan and self.plan is None
                                                 and layer_stack.uniform(cfg), self.staging)
     trim_to = self.budget.slots if self.budget.staging else None
@@ -171,7 +171,7 @@ class OffloadEngine:
   def _live_states(self):
     """The states as the programs take them ({layer: state}, or stacked [L, ...])."""
     if self._srcs is None:
-      raise sources.TransferError("the engine is closed")
+      raise placement.TransferError("the engine is closed")
     if self._batch is not None:
       raise RuntimeError("this engine's resident experts decode in a batch (`batched`)")
     return self._carry[1] if self._carry is not None else self._states
@@ -195,10 +195,10 @@ class OffloadEngine:
 
   def _check(self):
     if self._failed is not None:
-      raise sources.TransferError(f"the engine stopped after an earlier failure: "
+      raise placement.TransferError(f"the engine stopped after an earlier failure: "
                                    f"{self._failed}") from self._failed
     if self._srcs is None:
-      raise sources.TransferError("the engine is closed")
+      raise placement.TransferError("the engine is closed")
 
   # -------------------------------------------------------------- programs
   def warmup(self, prompt_lengths=()):
@@ -296,7 +296,7 @@ class OffloadEngine:
     emulated, waits = self._clock.token(compute, fetches, admissions, prefetches)
     if emulated - compute > self.transfer_timeout_s:
       link_lib.sleep_until(t0 + compute + self.transfer_timeout_s)
-      self._failed = sources.TransferTimeout(
+      self._failed = placement.TransferTimeout(
           f"the emulated link needs {emulated - compute:.3g} s for the copies of {what}, "
           f"beyond transfer_timeout_s={self.transfer_timeout_s:g}")
       raise self._failed

@@ -15,13 +15,13 @@ import numpy as np
 
 from moejax.io import staging
 from moejax.io.loader import load_model
-from moejax.offload import sources
+from moejax.offload import placement, sources
 
 K, SLOTS, ROUNDS, REPS = 8, 33, 5, 10
 _, _, store = load_model(os.path.expanduser("~/.cache/moejax/models/wide_bf16_4L"),
                          dtype=jnp.bfloat16, mmap=True, progress=False)
 layer = store.moe_layers[0]
-host, _ = sources.program_store(store, jax.devices()[0])
+host, _ = placement.program_store(store, jax.devices()[0])
 cache = staging.StagingCache(store, 64 * store.expert_nbytes())
 ids = np.arange(K, dtype=np.int32) * 5
 for e in ids:                                   # staged (and the file's pages cached)

@@ -36,7 +36,8 @@ from moejax.io import loader
 from moejax.model.config import ModelConfig
 from moejax.model.model import Transformer
 from moejax.io import store as host_store
-from moejax.offload import decode, placement
+from moejax.io import placement
+from moejax.offload import decode
 from moejax.offload.engine import EngineConfig, OffloadEngine
 from moejax.model.sampler import Sampler, SamplingParams
 from moejax.io.store import ExpertStore

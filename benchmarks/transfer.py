@@ -3,7 +3,7 @@
   python -m launch.bench_transfer --out=bench_transfer.json
 
 The engine's decode program copies a fetched expert itself: a dynamic slice of the
-store's stacked `[E, ...]` arrays (`moejax.offload.placement.program_store`; in pinned
+store's stacked `[E, ...]` arrays (`moejax.io.placement.program_store`; in pinned
 host memory on an accelerator) written into a slot buffer with dynamic_update_slice.
 Per `--store` back-end (numpy, mmap, pinned_host) this times
 
@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moejax.offload import placement
+from moejax.io import placement
 from moejax.io.store import (BACKENDS, StoreBackendError, make_store, shares_buffer,
                                       store_backend)
 from moejax.io.store import ExpertStore

@@ -14,12 +14,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moejax.io import repack
+from moejax.io import placement, repack
 from moejax.io.loader import init_random, load_model, save_hf
 from moejax.io.store import shares_buffer
 from moejax.kernels import cpu_kernel
 from moejax.model.config import ModelConfig
-from moejax.offload import decode, placement
+from moejax.offload import decode
 from moejax.offload.engine import EngineConfig, OffloadEngine
 
 CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "disk_tier_child.py")

@@ -21,7 +21,7 @@ from moejax.cache import initial as IN
 from moejax.cache import resident as R
 from moejax.offload import stats as stats_lib
 from moejax.offload.engine import EngineConfig, OffloadEngine
-from moejax.offload.placement import TransferError, TransferTimeout
+from moejax.io.placement import TransferError, TransferTimeout
 from moejax.model.sampler import SamplingParams
 from moejax.io.store import ExpertStore
 

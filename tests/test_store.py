@@ -12,7 +12,7 @@ import pytest
 from moejax.model.config import ModelConfig
 from moejax.io import repack
 from moejax.io.loader import init_random, load_model, save_hf
-from moejax.offload import placement
+from moejax.io import placement
 from moejax.offload.engine import EngineConfig, OffloadEngine
 from moejax.io.store import (BACKENDS, LayerExperts, StoreBackendError, layer_stacked, make_store,
                              shares_buffer)

@@ -15,10 +15,10 @@ from moejax.model.config import ModelConfig
 from moejax.io.loader import expert_shapes
 from moejax.model.model import Transformer
 from moejax.offload import link as link_lib
-from moejax.offload import placement
+from moejax.io import placement
 from moejax.offload.engine import EngineConfig, OffloadEngine
 from moejax.io.store import make_store, owned_device_put, shares_buffer
-from moejax.offload.placement import TransferError, TransferTimeout
+from moejax.io.placement import TransferError, TransferTimeout
 from moejax.io.store import ExpertStore
 
 D, I, E = 32, 16, 8

@@ -14,7 +14,7 @@ exactly the plan's "host staging"); a (layer, expert) holds at most one row.  Ad
 is by frequency, as the device cache's lfu: every read adds one to the expert's decayed
 count; a miss takes a free row, else replaces the staged expert with the smallest count
 if its own count is larger (else it is read and not kept).  16-bit floats are held as
-their uint16 bits, as `offload.placement.program_store` hands them to the program.
+their uint16 bits, as `io.placement.program_store` hands them to the program.
 """
 
 from __future__ import annotations

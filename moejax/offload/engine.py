@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moejax.io import quant, staging
+from moejax.io import placement, quant, staging
 from moejax.io.store import store_backend
 from moejax.kernels import cpu_kernel
 from moejax.model import layer_stack
@@ -42,7 +42,6 @@ from moejax.cache import policy as policy_lib
 from moejax.prefetch import steps as pf_steps
 from moejax.cache import initial as initial_lib
 from moejax.cache import resident as resident_lib
-from moejax.offload import placement
 from moejax.offload.config import EngineConfig, check_policy
 from moejax.offload.stats import (TokenRecord, build_record, link_counts, prefill_record,
                                   summarize)

@@ -6,7 +6,7 @@
           (`copy_rows`): full-precision rows as they are, low-precision ones
           (`io.quant`) dequantised on the way into the slot; HOST experts computed from
           the store where it lives (the engine).
-The program reads the host store as `placement.program_store` lays it out and places it
+The program reads the host store as `io.placement.program_store` lays it out and places it
 (per MoE layer one stacked `[E, ...]` array per tensor kind, so a fetch is one dynamic
 slice).  With a host staging tier (`io.staging`, --host_cache_gb) a layer's store is a
 `staging.Staged`: each copied row comes from a host callback (the staged row, or the

@@ -15,7 +15,8 @@ import numpy as np
 
 from moejax.io import staging
 from moejax.io.loader import load_model
-from moejax.offload import placement, sources
+from moejax.io import placement
+from moejax.offload import sources
 
 K, SLOTS, ROUNDS, REPS = 8, 33, 5, 10
 _, _, store = load_model(os.path.expanduser("~/.cache/moejax/models/wide_bf16_4L"),

@@ -215,6 +215,20 @@ def summarize(records: list[TokenRecord], cfg: ModelConfig) -> dict:
   return s
 
 
+TIME_ROWS = (("waiting for fetches", "wait"), ("waiting for admissions", "admission_wait"),
+             ("waiting for prefetches", "prefetch_wait"), ("host expert compute", "host"),
+             ("compute (rest)", "compute"))
+
+
+def time_rows(s: dict, link_desc: str) -> list[tuple[str, str]]:
+  """"time per token" and, indented under it, every part of it (they add up to it:
+  `TokenRecord.finish`); the prefetch wait only where prefetch ran or waited."""
+  prefetched = s.get("recall_at_k") is not None or s.get("prefetch_wait_ms_per_token")
+  return [("time per token", f"{s['tpot_ms']:.2f} ms  (link: {link_desc})")] + [
+      (f"  {label}", f"{s[f'{key}_ms_per_token']:.2f} ms") for label, key in TIME_ROWS
+      if key != "prefetch_wait" or prefetched]
+
+
 def format_stats(s: dict, link_desc: str) -> str:
   """A terminal table of a `summarize` result; times name the link."""
   if not s.get("tokens"):
@@ -222,11 +236,7 @@ def format_stats(s: dict, link_desc: str) -> str:
   rows = [
       ("decode steps", f"{s['tokens']}  (the tokens after the first, which comes from the "
                        "prompt pass; the figures below are per decode step)"),
-      ("time per token", f"{s['tpot_ms']:.2f} ms  (link: {link_desc})"),
-      ("  waiting for fetches", f"{s['wait_ms_per_token']:.2f} ms"),
-      ("  waiting for admissions", f"{s['admission_wait_ms_per_token']:.2f} ms"),
-      ("  host expert compute", f"{s['host_ms_per_token']:.2f} ms"),
-      ("  compute (rest)", f"{s['compute_ms_per_token']:.2f} ms"),
+  ] + time_rows(s, link_desc) + [
       ("expert calls / token", f"{s['expert_calls_per_token']:.1f}"),
       ("hit rate", f"{100 * s['hit_rate']:.1f} %" + (
           "  (union; per device: " + ", ".join(f"{100 * h:.1f}" for h in s["device_hit_rates"])
@@ -246,7 +256,6 @@ def format_stats(s: dict, link_desc: str) -> str:
   ]
   if s.get("recall_at_k") is not None:
     rows += [
-        ("waiting for prefetches", f"{s['prefetch_wait_ms_per_token']:.2f} ms"),
         ("prefetches / token", f"{s['prefetches_per_token']:.2f} requested, "
                                f"{s['useful_prefetches_per_token']:.2f} executed"),
         ("prefetch recall@k", f"{100 * s['recall_at_k']:.1f} %"),

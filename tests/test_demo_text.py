@@ -37,3 +37,14 @@ def test_cores_is_the_affinity_mask():
   if hasattr(os, "sched_getaffinity"):
     assert demo.cores() == len(os.sched_getaffinity(0))
   assert 1 <= demo.cores() <= (os.cpu_count() or 1)
+
+
+def test_the_speedup_column_says_higher_is_faster():
+  row = lambda ms: dict(tpot_ms=ms, speedup_vs_baseline=4.0 / ms, hit_rate=0.5,
+                        substituted_call_pct=0.0, substituted_mass_per_token_layer=0.0,
+                        fetches_per_token=1.0, ppl_increase_pct=None)
+  out = demo.table({"baseline": row(4.0), "speed": row(2.0)}, "n/a")
+  head, _, base, speed = out.split("\n")[:4]
+  assert "speedup" in head and "x baseline" not in head
+  assert base.split()[2] == "1.00x" and speed.split()[2] == "2.00x"   # half the time: 2x
+  assert "higher is faster" in out.split("\n")[-1]

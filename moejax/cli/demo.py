@@ -197,7 +197,7 @@ def rows_of(engines: dict, texts: dict, ppl: dict, skip: dict) -> dict:
 
 
 def table(rows: dict, ppl_source: str) -> str:
-  head = ["preset", "ms/token", "x baseline", "hit %", "subst. calls %", "subst. mass",
+  head = ["preset", "ms/token", "speedup", "hit %", "subst. calls %", "subst. mass",
           "sync fetch/tok", "ppl vs exact"]
   lines = []
   for name, r in rows.items():
@@ -211,8 +211,9 @@ def table(rows: dict, ppl_source: str) -> str:
   fmt = lambda cells: "  ".join(c.ljust(w) if i == 0 else c.rjust(w)
                                 for i, (c, w) in enumerate(zip(cells, widths)))
   out = [fmt(head), "  ".join("-" * w for w in widths)] + [fmt(l) for l in lines]
-  out.append(f"substituted mass: gate mass of substituted experts per token and MoE layer; "
-             f"ppl: {ppl_source}")
+  out.append("speedup: baseline's ms/token over the preset's, higher is faster (2.00x: half "
+             "the time a token); substituted mass: gate mass of substituted experts per token "
+             f"and MoE layer; ppl: {ppl_source}")
   return "\n".join(out)
 
 
@@ -257,7 +258,7 @@ def busy_warning() -> str | None:
   if load <= n:
     return None
   return (f"warning: the machine is busy (load average {load:.1f} on {n} cores): the "
-          "timings (ms/token, x baseline) will be unreliable; run the demo on a quiet "
+          "timings (ms/token, speedup) will be unreliable; run the demo on a quiet "
           "machine for figures to compare")
 
 

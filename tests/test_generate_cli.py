@@ -129,6 +129,11 @@ def test_bad_values_name_their_flag(args, needle):
   assert_usage_error(args, needle)
 
 
+def test_an_unknown_policy_lists_every_choice_auto_included():
+  assert_usage_error(["--policy=bogus"], "--policy: unknown policy or preset 'bogus'",
+                     "choose one of quality, speed, baseline, fetch_all", ", cost, auto")
+
+
 # ------------------------------------------------------------------ context length
 def test_prompt_longer_than_max_len_names_the_flag():
   assert_usage_error(["--random_model", "--prompt=" + "x" * 40, "--max_len=16"],

@@ -173,8 +173,12 @@ def resolve_auto(cfg, params, store, tok, cache_fraction: float):
 
 
 def named_policy():
-  """The policy --policy (not auto) and its knobs name."""
-  from moejax.cache.policy import make_policy as make
+  """The policy --policy (not auto) and its knobs name; an unknown name is a usage error
+  listing every choice of --policy, auto included."""
+  from moejax.cache.policy import MISS_RULES, PRESETS, make_policy as make
+  if FLAGS.policy not in PRESETS and FLAGS.policy not in MISS_RULES:
+    raise cli.UsageError(f"--policy: unknown policy or preset {FLAGS.policy!r}; choose one "
+                         f"of {', '.join(tuple(PRESETS) + MISS_RULES + ('auto',))}")
   return make(FLAGS.policy, tau=FLAGS.tau, admission_beta=FLAGS.admission_beta,
               eviction=FLAGS.eviction, lam=FLAGS.lam, tau_low=FLAGS.tau_low,
               low_bits=None if FLAGS.low_bits is None else int(FLAGS.low_bits))

@@ -12,12 +12,13 @@
 MOEJAX_EXTRAS=test
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 JOBS="${MOEJAX_TEST_JOBS:-2}"
+if [ "$#" -gt 0 ]; then   # what was asked for, in one process: the suite's banner does not fit
+  echo "[test] python -m pytest $*" >&2
+  exec python -m pytest "$@"
+fi
 echo "[test] python -m pytest tests, one process per file, $JOBS at a time: parity with" \
      "transformers, engine invariants, policy rules, command lines ($MOEJAX_TIME_TESTS on 2" \
      "CPU cores)" >&2
-if [ "$#" -gt 0 ]; then
-  exec python -m pytest "$@"
-fi
 logs="$(mktemp -d)"
 trap 'rm -rf "$logs"' EXIT
 # One XLA compilation cache for this run's processes (removed with the logs): test files

@@ -271,3 +271,19 @@ def test_set_up_scripts_take_their_time_estimates_from_times_sh():
   assert ". launch/times.sh" in env
   for script, var in (("demo.sh", "MOEJAX_TIME_DEMO"), ("test.sh", "MOEJAX_TIME_TESTS")):
     assert f"${var}" in open(os.path.join(REPO, "launch", script)).read()
+
+
+def test_test_sh_given_files_prints_a_banner_that_fits_them():
+  # the bug: `bash launch/test.sh FILES` printed the whole suite's banner ("one process per
+  # file ... about 20 minutes") and then ran only FILES
+  if not os.path.exists(os.path.join(REPO, ".venv", ".moejax-installed-test")):
+    pytest.skip("launch/test.sh would first install .venv's [test] extras")
+  args = ["tests/test_demo_text.py", "-q", "-k", "wrapped_line", "-p", "no:cacheprovider"]
+  proc = subprocess.run(["bash", "launch/test.sh", *args], cwd=REPO, capture_output=True,
+                        text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr
+  banner = [l for l in proc.stderr.splitlines() if l.startswith("[test]")]
+  assert banner == [f"[test] python -m pytest {' '.join(args)}"], proc.stderr
+  times = open(os.path.join(REPO, "launch", "times.sh")).read()
+  estimate = re.search(r'^MOEJAX_TIME_TESTS="([^"]+)"', times, re.M).group(1)
+  assert estimate not in proc.stderr and "1 passed" in proc.stdout

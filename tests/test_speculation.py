@@ -76,3 +76,22 @@ def test_topk_agreement_hand_checked():
   assert a["recall_at_k"] == pytest.approx(0.75)
   assert a["exact_match"] == pytest.approx(0.5)
   assert a["mass_covered"] == pytest.approx((0.6 / 0.9 + 1.0) / 2, rel=1e-5)
+
+
+def test_default_vectors_command_says_what_it_does_before_the_long_steps(tmp_path):
+  # the bug: moejax-default-vectors printed nothing for 69 s (loading, encoding the corpus,
+  # compiling the pass) and then one line at the end
+  import os, subprocess, sys
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  np.save(tmp_path / "t.npy", np.random.default_rng(0).integers(1, 8192, 512).astype(np.int32))
+  proc = subprocess.run([sys.executable, "-m", "launch.default_vectors",
+                         f"--model_dir={os.path.join(repo, 'ckpts', 'demo')}", "--windows=2",
+                         "--seq=16", "--batch=2", f"--tokens_file={tmp_path / 't.npy'}",
+                         f"--out={tmp_path / 'out'}"], cwd=repo, capture_output=True,
+                        text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr
+  said = [l for l in proc.stderr.splitlines() if l.startswith("[moejax] ")]
+  assert [l.split()[1] for l in said] == ["loading", "reading", "averaging"], proc.stderr
+  assert "2 windows of 16 tokens, 1 batch of 2" in said[2]
+  assert "\r" not in proc.stderr               # bars only on a terminal
+  assert f"wrote {tmp_path / 'out'}" in proc.stdout

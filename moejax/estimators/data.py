@@ -23,18 +23,20 @@ from moejax.io.tokenizer import Tokenizer
 
 
 def train_stream(model_dir: str, tokens_file: str = "",
-                 domains: tuple[str, ...] = corpus.DOMAINS) -> np.ndarray:
+                 domains: tuple[str, ...] = corpus.DOMAINS, progress=None) -> np.ndarray:
   """The training token stream: `tokens_file` (an encoded .npy, e.g. the demo model
   training's <data_dir>/train_tokens.npy: every domain), else the corpus' train split of
-  `domains` encoded."""
+  `domains` encoded, domain by domain (through `progress`, an iterable's wrapper such as
+  tqdm, when given)."""
   if tokens_file:
     if tuple(domains) != corpus.DOMAINS:
       raise ValueError(f"--tokens_file holds every corpus domain; it cannot be restricted "
                        f"to {','.join(domains)} (drop --tokens_file)")
     return np.load(tokens_file, mmap_mode="r")
   tok = Tokenizer(model_dir)
-  parts, _ = corpus.build(domains=tuple(domains))
-  return np.concatenate([corpus_data.encode_stream(tok._tok, tr) for tr, _ in parts.values()])
+  each = progress(tuple(domains)) if progress else tuple(domains)
+  return np.concatenate([corpus_data.encode_stream(tok._tok, corpus.build(domains=(d,))[0][d][0])
+                         for d in each])
 
 
 def heldout_python(model_dir: str, tokens_file: str = "") -> np.ndarray:

@@ -14,6 +14,8 @@ tokens, windows).  Then `moejax-generate --model_dir=... --policy=quality
 
 from __future__ import annotations
 
+import sys
+
 from absl import flags
 
 from moejax.cli import app as cli
@@ -29,6 +31,11 @@ flags.DEFINE_integer("seed", 0, "Window sampling seed.")
 flagsets.tokens_file()
 
 
+def say(line: str):
+  """A progress line on stderr (flushed: the steps before the bars take half a minute)."""
+  print(f"[moejax] {line}", file=sys.stderr, flush=True)
+
+
 def main(_):
   for name in ("windows", "seq", "batch"):
     if FLAGS[name].value < 1:
@@ -40,16 +47,29 @@ def main(_):
   from moejax.io.loader import load_model
   from moejax.io.traces import config_hash
   from moejax.prefetch import speculation
+  from moejax.train import corpus
+  bar = lambda desc, unit: lambda it: tqdm(it, desc=desc, unit=unit, file=sys.stderr,
+                                           disable=None)   # a bar on a terminal only
+  say(f"loading {model_dir} ...")
   cfg, params, store = load_model(model_dir, dtype=jnp.float32)
   experts = store.to_device(jnp.float32)
-  stream = est_data.train_stream(model_dir, FLAGS.tokens_file)
+  if FLAGS.tokens_file:
+    say(f"reading the training tokens of {FLAGS.tokens_file}")
+  else:
+    say(f"encoding the corpus' train split, domain by domain ({', '.join(corpus.DOMAINS)}; "
+        "--tokens_file=FILE.npy skips this)")
+  stream = est_data.train_stream(model_dir, FLAGS.tokens_file,
+                                 progress=bar("encoding the corpus", "domain"))
   try:
     wins = est_data.windows(stream, FLAGS.windows, FLAGS.seq, FLAGS.seed)
   except ValueError as e:
     raise cli.UsageError(f"--tokens_file / --seq: {e}") from None
-  vecs, counts = speculation.default_vectors(
-      cfg, params, experts, wins, FLAGS.batch,
-      progress=lambda it: tqdm(it, desc="default vectors", unit="batch", disable=None))
+  batches = -(-len(wins) // FLAGS.batch)
+  say(f"averaging each expert's output over {len(wins)} windows of {FLAGS.seq} tokens, "
+      f"{batches} batch{'es' * (batches != 1)} of {FLAGS.batch} (the first compiles the "
+      "pass)")
+  vecs, counts = speculation.default_vectors(cfg, params, experts, wins, FLAGS.batch,
+                                             progress=bar("default vectors", "batch"))
   out = FLAGS.out or speculation.default_vectors_dir(model_dir)
   meta = {"model_dir": model_dir, "config_hash": config_hash(cfg),
           "tokens": int(wins.size), "windows": int(len(wins)), "seq": FLAGS.seq,

@@ -17,6 +17,7 @@ MAX_MODULES = 12
 # Bottom first.  A module may import its own package and any package of a lower tier;
 # packages of one tier are peers and import none of each other.
 TIERS = (
+    ("moejax.ggml",),                 # the floor: block formats, QuantArray (kernels read it)
     ("moejax.extras", "moejax.interrupts", "moejax.kernels", "moejax.estimators",
      "moejax.estimators.model"),                                    # leaves
     ("moejax.model",),

@@ -117,6 +117,28 @@ def test_console_script_help_exits_0_with_its_flags(installed, tmp_path, script)
     assert "--[no]verbose" in out         # cli.app's flag, adopted
   if script not in CHECKOUT_NOTE:         # no installed user is sent to python -m launch.X
     assert "launch." not in out, out
+  if script != "moejax-serve":            # (its help: the serve work's own)
+    assert unqualified_checkout_paths(out) == [], out
+
+
+def unqualified_checkout_paths(help_text: str) -> list[str]:
+  """The places where `help_text` names a file that a pip-installed copy lacks without
+  saying so: docs/X.md not followed by "in the source repository", ckpts/demo with no
+  "checkout" within 100 characters (the help is wrapped: whitespace is normalised)."""
+  text = " ".join(help_text.split())
+  bad = [m.group(0) for m in re.finditer(r"docs/[\w/.-]+\.md(?! in the source repository)", text)]
+  for m in re.finditer(r"ckpts/demo", text):
+    near = text[max(0, m.start() - 100):m.end() + 100]
+    if "checkout" not in near:
+      bad.append(near)
+  return bad
+
+
+def test_the_help_check_finds_the_paths_an_installed_copy_lacks():
+  assert unqualified_checkout_paths("see docs/engine.md.\n  Default: ./ckpts/demo") == [
+      "docs/engine.md", "see docs/engine.md. Default: ./ckpts/demo"]
+  assert unqualified_checkout_paths("docs/engine.md in the source\n  repository; ./ckpts/demo "
+                                    "(a source checkout has it)") == []
 
 
 @pytest.mark.parametrize("script", ["moejax-generate", "moejax-demo"])

@@ -3,8 +3,8 @@
   moejax-demo             # installed; in a source checkout: python -m launch.demo
                           # (`bash launch/demo.sh` = set-up, then this)
 
-Loads ckpts/demo, keeps 25% of each layer's experts on the device, names the
-link (on a CPU-only machine an emulated link scaled to Qwen3-30B-A3B on an RTX
+Loads the demo model (./ckpts/demo under the current folder: a source checkout's),
+keeps 25% of each layer's experts on the device, names the link (on a CPU-only machine an emulated link scaled to Qwen3-30B-A3B on an RTX
 3090; the real copy on an accelerator), and decodes the same prompt greedily
 under each preset (its own text), then times every preset on the same tokens:
 the exact model's continuation, teacher-forced.  The engines take turns, --block

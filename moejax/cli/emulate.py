@@ -1,6 +1,7 @@
 """Exact emulation of miss policies on held-out text: perplexity attributed to decisions.
 
   moejax-emulate --model_dir=ckpts/demo --cache_fraction=0.25 --out=runs/emulate
+  (ckpts/demo: the demo model of a source checkout, relative to the current folder)
 
 Teacher-forced over deterministic streams of held-out stdlib files and HumanEval
 problems (moejax.research.study.streams), every policy on identical tokens with idealised
@@ -41,7 +42,9 @@ from moejax.cli import app as cli
 from moejax import extras
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("model_dir", "ckpts/demo", "HF-format model folder with tokenizer.json.")
+flags.DEFINE_string("model_dir", "ckpts/demo", "HF-format model folder with tokenizer.json "
+                    "(the default is relative to the current folder: a source checkout's demo "
+                    "model).")
 flags.DEFINE_list("policies", ["fetch_all", "quality", "speed", "substitute_all",
                                "first_choice", "threshold:0.05", "threshold:0.1",
                                "threshold:0.15", "threshold:0.2", "threshold:0.3"],

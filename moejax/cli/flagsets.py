@@ -37,7 +37,8 @@ def model_dir(default: str | None = None, what: str = "Hugging Face model folder
               where: str | None = None) -> None:
   """--model_dir: the model folder (None: the demo model, resolved by `app.model_folder`,
   unless `where` says what unset means)."""
-  where = where or default or f"the demo model, {DEMO} (shipped with the source checkout)"
+  where = where or default or (f"the demo model, {DEMO} under the current folder (a source "
+                                "checkout has it; a pip-installed copy does not)")
   _define("string", "model_dir", default, f"{what}. Default: {where}.")
 
 
@@ -79,7 +80,8 @@ def engine() -> None:
           "the mapped file (as llama.cpp's mmap).", enum_values=["numpy", "mmap", "pinned_host"])
   _define("float", "host_cache_gb", None, "With a policy and --store=mmap: a host staging "
           "tier of this many GB between the mapped file and the device (a model larger than "
-          "RAM on an accelerator; docs/engine.md). Default: off.")
+          "RAM on an accelerator; the engine documentation, docs/engine.md in the source "
+          "repository). Default: off.")
   link()
   _define("float", "tau", None, "With --policy=threshold or quality: normalised gate share "
           "at or above which a miss waits (default 0.15).")

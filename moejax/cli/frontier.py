@@ -1,6 +1,7 @@
 """The policies' quality/speed frontier, and the auto-tuned policy for a budget.
 
   moejax-frontier --model_dir=ckpts/demo --out=runs/frontier
+  (ckpts/demo: the demo model of a source checkout, relative to the current folder)
 
 On the quality study's streams (held-out stdlib + HumanEval; even documents for
 calibration, odd ones held out): a simulator sweep of the policy grid (threshold tau
@@ -11,7 +12,8 @@ whose measured increase meets the budget; checked with the emulator) re-measured
 the held-out streams.  Writes OUT/frontier.json and OUT/frontier.png (perplexity
 increase against projected ms per token, Qwen3-30B-A3B shape on the RTX 3090
 profile) and prints a table.  Defaults take a few minutes on 2 CPU cores; --full
-runs twice the tokens and a finer grid.  See docs/policies.md.
+runs twice the tokens and a finer grid.  See docs/policies.md in the source
+repository.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ from moejax.research import frontier as F
 from moejax.research.study import runner as R
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("model_dir", None, "Model folder (default: the demo model, ckpts/demo).")
+flags.DEFINE_string("model_dir", None, "Model folder (default: the demo model, "
+                    "./ckpts/demo under the current folder: a source checkout has it).")
 flags.DEFINE_string("out", None, "Output folder: frontier.json, frontier.png, runs.",
                     required=True)
 flags.DEFINE_float("cache_fraction", 0.25, "Share of each layer's experts resident, in (0, 1].")

@@ -1,6 +1,7 @@
 """Generate text with a MoE model from a local Hugging Face folder.
 
-  moejax-generate --prompt="def fib(n):"          # the demo model, ./ckpts/demo
+  moejax-generate --prompt="def fib(n):"   # the demo model: ./ckpts/demo under the current
+                                           # folder (a source checkout has it)
   moejax-generate --model_dir=/path/to/Qwen3-30B-A3B --dtype=bfloat16 \\
       --policy=quality --cache_fraction=0.25 --store=mmap
 

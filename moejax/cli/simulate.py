@@ -12,7 +12,7 @@ substituted mass, one panel per profile).
 consecutive streams, each with its own --prefill_tokens prompt), one per-layer step per
 batch of tokens sharing each layer's cache (moejax/research/simulator.py); per step the
 time model charges the union of the batch's experts and each fetched expert once
-(docs/simulator.md).  With several values it also writes OUT/batch.png (hit rate,
+(docs/simulator.md in the source repository).  With several values it also writes OUT/batch.png (hit rate,
 waited fetches and time per token against B).  Times come from the time model
 (moejax/research/timemodel.py) with the profile's roofline for --shape (default: the
 named real model whose expert count and top-k the trace has, else the trace's own

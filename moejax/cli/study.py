@@ -1,6 +1,7 @@
 """The quality study (experiments a-f and greedy generation) on the exact emulator.
 
   moejax-study --model_dir=ckpts/demo --out=runs/study
+  (ckpts/demo: the demo model of a source checkout, relative to the current folder)
 
 a  policies at 25% resident, and the 0.15 rule against a control that substitutes
    the same share of calls at random, protecting nothing

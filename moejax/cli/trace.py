@@ -1,6 +1,7 @@
 """Record a router trace: per token and MoE layer, the model's router output.
 
   moejax-trace --model_dir=ckpts/demo --text=held_out --out=runs/trace_demo
+  (ckpts/demo: the demo model of a source checkout, relative to the current folder)
   moejax-trace --model_dir=/path/to/Qwen3-30B-A3B --text=my.txt --out=runs/t30b
 
 --text: `held_out` (the demo corpus's held-out CPython stdlib files), `humaneval`
@@ -8,7 +9,8 @@
 joined with the end-of-text token when the tokenizer has one; their start
 offsets go into trace.json.  Recording is teacher-forced over non-overlapping
 windows of --seq tokens with every expert resident (any supported family); the
-trace format is described in moejax/io/traces.py and docs/simulator.md.
+trace format is described in moejax.io.traces and docs/simulator.md in the source
+repository.
 
   moejax-trace --synthesize=qwen3-30b-a3b --fit_trace=runs/trace_demo \
       --out=runs/trace_q30b_synth --max_tokens=4096
@@ -40,7 +42,8 @@ from moejax.cli import app as cli
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model_dir", "ckpts/demo", "HF-format model folder (config.json, "
-                    "safetensors, tokenizer.json).")
+                    "safetensors, tokenizer.json; the default is relative to the current "
+                    "folder: a source checkout's demo model).")
 flags.DEFINE_string("text", "held_out", "held_out | humaneval | path to a text file.")
 flags.DEFINE_string("out", None, "Output trace folder.", required=True)
 flags.DEFINE_integer("max_tokens", 65536, "Tokens to record (0 = all).")

@@ -3,7 +3,7 @@
   model = moejax.load("/path/to/model")                  # moejax.Model
   with moejax.OffloadEngine(model, "quality", cache_fraction=0.25) as engine:
     text = moejax.generate(engine, "def fib(n):", max_new_tokens=32)
-    engine.stats()                                       # hit rate, ms a token, ...
+    engine.stats()                    # this call's hit rate, ms a token (compile excluded), ...
   moejax.generate(model, "def fib(n):")                  # every expert resident
 
 Defaults are moejax-generate's, so the figures of the two compare: the link is the
@@ -80,13 +80,26 @@ class OffloadEngine(engine.OffloadEngine):
         prefetch=pf, **kw)
     super().__init__(model.cfg, model.params, model.store, config, **data)
     self.model = model
+    self._compiled = None         # the program whose decode step `start_call` compiled
+
+  def start_call(self):
+    """Before one `generate` call, as moejax-generate before its one generation: the
+    decode step of the current program (policy) compiled, once a program, so that no
+    record times a compile; and the earlier calls' records handed over, so that `stats()`
+    afterwards describes this call alone."""
+    if self._compiled is not self.program:
+      self.warmup()
+      self._compiled = self.program
+    self.take_records()
 
 
 def generate(target: Model | OffloadEngine, prompt: str, *, max_new_tokens: int = 64,
              temperature: float = 0.0, top_p: float = 1.0, seed: int = 0) -> str:
   """The text `target` continues `prompt` with (the prompt not included): an engine of
   `OffloadEngine` under its policy, or a `Model` with every expert resident.  Stops at
-  the model's end-of-sequence tokens."""
+  the model's end-of-sequence tokens.  An engine's `stats()` afterwards are this call's
+  decode steps, compilation and the prompt pass excluded (`OffloadEngine.start_call`):
+  its tpot_ms is moejax-generate's "time per token"."""
   model = target.model if isinstance(target, OffloadEngine) else target
   if not isinstance(model, Model):
     raise TypeError(f"generate() takes a moejax.Model or a moejax.OffloadEngine, not "
@@ -106,5 +119,6 @@ def generate(target: Model | OffloadEngine, prompt: str, *, max_new_tokens: int 
                       max_len=min(limit, bucket(need, minimum=64)), dtype=model.dtype)
     out = sampler.generate(ids, sp, seed=seed)
   else:
+    target.start_call()
     out = target.generate(ids, sp, seed=seed)
   return model.tokenizer.decode(out)

@@ -75,6 +75,11 @@ LINEAR_AT_TARGET = "moejax_linear_at"
 TARGET_AT = "moejax_expert_ffn_at"
 ATTENTION_AT_TARGET = "moejax_decode_attention_at"
 HOST_EXPERTS_AT_TARGET = "moejax_host_experts_at"
+# GGUF quantized weights (cpu_quant.cc, wrapped by cpu_quant.py)
+LINEAR_Q_TARGET = "moejax_linear_q"
+LINEAR_Q_AT_TARGET = "moejax_linear_q_at"
+EXPERT_FFN_Q_TARGET = "moejax_expert_ffn_q"
+EXPERT_FFN_Q_AT_TARGET = "moejax_expert_ffn_q_at"
 _OFF = ("0", "off", "false", "no")   # MOEJAX_CPU_KERNEL values that switch the kernels off
 _lock = threading.Lock()
 # loaded: None (not tried), True or False; override: enabled()'s choice, None: the env;
@@ -102,13 +107,18 @@ def _load() -> bool:
                            (LINEAR_AT_TARGET, lib.MoejaxLinearAt),
                            (TARGET_AT, lib.MoejaxExpertFfnAt),
                            (ATTENTION_AT_TARGET, lib.MoejaxDecodeAttentionAt),
-                           (HOST_EXPERTS_AT_TARGET, lib.MoejaxHostExpertsAt)):
+                           (HOST_EXPERTS_AT_TARGET, lib.MoejaxHostExpertsAt),
+                           (LINEAR_Q_TARGET, lib.MoejaxLinearQ),
+                           (LINEAR_Q_AT_TARGET, lib.MoejaxLinearQAt),
+                           (EXPERT_FFN_Q_TARGET, lib.MoejaxExpertFfnQ),
+                           (EXPERT_FFN_Q_AT_TARGET, lib.MoejaxExpertFfnQAt)):
       jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(symbol), platform="cpu")
     lib.moejax_set_spin_us.argtypes = [ctypes.c_int64]
     lib.moejax_set_decoding.argtypes = [ctypes.c_int]
     lib.moejax_decoding.restype = ctypes.c_int
     lib.moejax_lanes.restype = ctypes.c_int
     lib.moejax_pairs.restype = ctypes.c_int
+    lib.moejax_qdot_isa.restype = ctypes.c_char_p
     lib.moejax_set_decoding(int(_state["decoding"] > 0))
     _state["lib"] = lib
     return True

@@ -1,0 +1,319 @@
+// Dots of Q4_K / Q6_K weight rows (GGUF super-blocks of 256, ggml-common.h's block_q4_K
+// and block_q6_K) with tokens quantized in blocks of 256 (QAct, ggml's Q8_K), as ggml's
+// vec_dot_q4_K_q8_K / vec_dot_q6_K_q8_K: per super-block an exact integer sum of the
+// sub-blocks' dots times their integer scales, then in f32 acc += (isum * d - mins) * d_x.
+//
+//  Q4_K: 8 sub-blocks of 32, 4-bit codes, 6-bit scale sc and min m each;
+//        value = d * sc * q - dmin * m. The mins' part is dmin * sum(m * sum of the
+//        sub-block's token codes) (QAct::bsum), the rest sum(sc * dot(q, x)).
+//  Q6_K: 16 sub-blocks of 16, 6-bit codes (offset 32), int8 scale each; value = d * sc * (q - 32).
+//
+// AVX-512 VNNI: vpdpbusd of 64 codes a step (unsigned codes, signed tokens; Q6_K's offset in
+// the accumulator's start, QAct::nls), then vpdpwssd by the sub-blocks' scales (each lane's
+// sum fits 16 bits). AVX2: vpmaddubsw, then vpmaddwd by the scales. Elsewhere scalar.
+// As in cpu_qdot.h, each (row, token) runs the same instructions whatever the tile.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include "cpu_qact.h"
+#include "cpu_qdot.h"
+
+namespace moejax {
+
+// A Q4_K block's 12 bytes of 6-bit scales and mins unpacked (ggml's get_scale_min_k4).
+inline void q4k_scales(const uint8_t* s12, uint8_t sc[8], uint8_t m[8]) {
+  uint32_t u[3], o[4];
+  std::memcpy(u, s12, 12);
+  const uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
+  o[0] = u[0] & k1;                                         // sc 0-3: low 6 bits of 0-3
+  o[1] = (u[2] & k2) | (((u[0] >> 6) & k3) << 4);          // sc 4-7: 8-11 low + 0-3 top
+  o[2] = u[1] & k1;                                         // m 0-3: low 6 bits of 4-7
+  o[3] = ((u[2] >> 4) & k2) | (((u[1] >> 6) & k3) << 4);   // m 4-7: 8-11 high + 4-7 top
+  std::memcpy(sc, o, 8);
+  std::memcpy(m, o + 2, 8);
+}
+
+#if defined(MOEJAX_QDOT_VNNI512)
+
+// Lanes 0-7 take a's value, 8-15 b's (permutexvar indices).
+inline __m512i halves_idx(int a, int b) {
+  return _mm512_inserti64x4(_mm512_set1_epi32(a), _mm256_set1_epi32(b), 1);
+}
+
+template <int R, int T>
+inline void tile_q4k(const uint8_t* w, int64_t row_bytes, const QAct& a, const int64_t* tok,
+                     float* out, int64_t os) {
+  const int64_t nsb = a.len / 256;
+  const __m512i idx[4] = {halves_idx(0, 2), halves_idx(1, 3), halves_idx(4, 6),
+                          halves_idx(5, 7)};   // the sub-blocks of the 4 code chunks
+  const __m512i nib = _mm512_set1_epi8(0x0f);
+  __m512 acc[R][T];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps();
+  for (int64_t sb = 0; sb < nsb; ++sb) {
+    __m512i sc32[R], isum[R][T];
+    for (int r = 0; r < R; ++r) {
+      uint8_t sc[8], m[8];
+      q4k_scales(w + r * row_bytes + sb * 144 + 4, sc, m);
+      sc32[r] = _mm512_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc)));
+      for (int t = 0; t < T; ++t) isum[r][t] = _mm512_setzero_si512();
+    }
+    for (int c = 0; c < 4; ++c) {   // chunk c: codes 64 * (c / 2) on, low or high nibbles
+      __m512i wq[R], sv[R];
+      for (int r = 0; r < R; ++r) {
+        const __m512i raw = _mm512_loadu_si512(w + r * row_bytes + sb * 144 + 16 + 64 * (c / 2));
+        wq[r] = _mm512_and_si512(c % 2 ? _mm512_srli_epi16(raw, 4) : raw, nib);
+        sv[r] = _mm512_permutexvar_epi32(idx[c], sc32[r]);
+      }
+      for (int t = 0; t < T; ++t) {
+        const __m512i xq = _mm512_loadu_si512(a.q_of(tok[t]) + sb * 256 + 64 * c);
+        for (int r = 0; r < R; ++r)
+          isum[r][t] = _mm512_dpwssd_epi32(
+              isum[r][t], _mm512_dpbusd_epi32(_mm512_setzero_si512(), wq[r], xq), sv[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* blk = w + r * row_bytes + sb * 144;
+      uint8_t sc[8], m[8];
+      q4k_scales(blk + 4, sc, m);
+      const __m128i m16 = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(m)));
+      const __m512 wd = _mm512_set1_ps(half_at(blk)), wmin = _mm512_set1_ps(half_at(blk + 2));
+      for (int t = 0; t < T; ++t) {
+        const __m128i bs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(
+            a.bsum_of(tok[t]) + sb * 8));
+        const __m512 mins = _mm512_cvtepi32_ps(_mm512_zextsi128_si512(_mm_madd_epi16(m16, bs)));
+        const __m512 v = _mm512_fnmadd_ps(mins, wmin,
+                                          _mm512_mul_ps(_mm512_cvtepi32_ps(isum[r][t]), wd));
+        acc[r][t] = _mm512_fmadd_ps(v, _mm512_set1_ps(a.d_of(tok[t])[sb]), acc[r][t]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) out[t * os + r] = _mm512_reduce_add_ps(acc[r][t]);
+}
+
+// 64 of a Q6_K half's 128 codes: chunk 0 its elements 0-63, chunk 1 its elements 64-127.
+inline __m512i q6k_codes(const uint8_t* ql, const uint8_t* qh, int chunk) {
+  const __m512i l = _mm512_loadu_si512(ql);
+  const __m512i h = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh)));
+  const __m512i lo4 = _mm512_and_si512(chunk ? _mm512_srli_epi16(l, 4) : l, _mm512_set1_epi8(0x0f));
+  // the high 2 bits to bits 4-5: qh bits 0-1 / 2-3 (chunk 0), 4-5 / 6-7 (chunk 1)
+  const __m512i hi2 = chunk ? _mm512_srlv_epi16(h, halves_idx(0, 0x00020002))
+                            : _mm512_sllv_epi16(h, halves_idx(0x00040004, 0x00020002));
+  return _mm512_or_si512(lo4, _mm512_and_si512(hi2, _mm512_set1_epi8(0x30)));
+}
+
+template <int R, int T>
+inline void tile_q6k(const uint8_t* w, int64_t row_bytes, const QAct& a, const int64_t* tok,
+                     float* out, int64_t os) {
+  const int64_t nsb = a.len / 256;
+  __m512 acc[R][T];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps();
+  for (int64_t sb = 0; sb < nsb; ++sb) {
+    __m512i sc32[R], isum[R][T];
+    for (int r = 0; r < R; ++r) {   // 16 int8 scales, sign-extended into the low 16 bits
+      const __m128i s = _mm_loadu_si128(reinterpret_cast<const __m128i*>(
+          w + r * row_bytes + sb * 210 + 192));
+      sc32[r] = _mm512_and_si512(_mm512_cvtepi8_epi32(s), _mm512_set1_epi32(0xffff));
+      for (int t = 0; t < T; ++t) isum[r][t] = _mm512_setzero_si512();
+    }
+    for (int c = 0; c < 4; ++c) {   // 64 elements: sub-blocks 4c .. 4c + 3
+      __m512i wq[R], sv[R];
+      const __m512i idx = _mm512_add_epi32(_mm512_set1_epi32(4 * c), _mm512_srli_epi32(
+          _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 2));
+      for (int r = 0; r < R; ++r) {
+        const uint8_t* blk = w + r * row_bytes + sb * 210;
+        wq[r] = q6k_codes(blk + 64 * (c / 2), blk + 128 + 32 * (c / 2), c % 2);
+        sv[r] = _mm512_permutexvar_epi32(idx, sc32[r]);
+      }
+      for (int t = 0; t < T; ++t) {
+        const __m512i xq = _mm512_loadu_si512(a.q_of(tok[t]) + sb * 256 + 64 * c);
+        const __m512i init = _mm512_slli_epi32(
+            _mm512_loadu_si512(a.nls_of(tok[t]) + sb * 64 + 16 * c), 5);   // offset 32
+        for (int r = 0; r < R; ++r)
+          isum[r][t] = _mm512_dpwssd_epi32(isum[r][t], _mm512_dpbusd_epi32(init, wq[r], xq),
+                                           sv[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512 wd = _mm512_set1_ps(half_at(w + r * row_bytes + sb * 210 + 208));
+      for (int t = 0; t < T; ++t)
+        acc[r][t] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(isum[r][t]), wd),
+                                    _mm512_set1_ps(a.d_of(tok[t])[sb]), acc[r][t]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) out[t * os + r] = _mm512_reduce_add_ps(acc[r][t]);
+}
+
+#elif defined(MOEJAX_QDOT_AVX2)
+
+template <int R, int T>
+inline void tile_q4k(const uint8_t* w, int64_t row_bytes, const QAct& a, const int64_t* tok,
+                     float* out, int64_t os) {
+  const int64_t nsb = a.len / 256;
+  const __m256i nib = _mm256_set1_epi8(0x0f);
+  __m256 acc[R][T];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) acc[r][t] = _mm256_setzero_ps();
+  for (int64_t sb = 0; sb < nsb; ++sb) {
+    uint8_t sc[R][8], m[R][8];
+    __m256i isum[R][T];
+    for (int r = 0; r < R; ++r) {
+      q4k_scales(w + r * row_bytes + sb * 144 + 4, sc[r], m[r]);
+      for (int t = 0; t < T; ++t) isum[r][t] = _mm256_setzero_si256();
+    }
+    for (int k = 0; k < 4; ++k) {   // 32 bytes of codes: sub-blocks 2k (low), 2k + 1 (high)
+      __m256i lo[R], hi[R];
+      for (int r = 0; r < R; ++r) {
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+            w + r * row_bytes + sb * 144 + 16 + 32 * k));
+        lo[r] = _mm256_and_si256(raw, nib);
+        hi[r] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nib);
+      }
+      for (int t = 0; t < T; ++t) {
+        const int8_t* xq = a.q_of(tok[t]) + sb * 256;
+        const __m256i xl = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+            xq + 32 * q4k_slot(2 * k)));
+        const __m256i xh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+            xq + 32 * q4k_slot(2 * k + 1)));
+        for (int r = 0; r < R; ++r) {
+          const __m256i pl = _mm256_madd_epi16(_mm256_maddubs_epi16(lo[r], xl),
+                                               _mm256_set1_epi16(sc[r][2 * k]));
+          const __m256i ph = _mm256_madd_epi16(_mm256_maddubs_epi16(hi[r], xh),
+                                               _mm256_set1_epi16(sc[r][2 * k + 1]));
+          isum[r][t] = _mm256_add_epi32(isum[r][t], _mm256_add_epi32(pl, ph));
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* blk = w + r * row_bytes + sb * 144;
+      const __m128i m16 = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(m[r])));
+      const __m256 wd = _mm256_set1_ps(half_at(blk)), wmin = _mm256_set1_ps(half_at(blk + 2));
+      for (int t = 0; t < T; ++t) {
+        const __m128i bs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(
+            a.bsum_of(tok[t]) + sb * 8));
+        const __m256 mins = _mm256_cvtepi32_ps(_mm256_zextsi128_si256(_mm_madd_epi16(m16, bs)));
+        const __m256 v = _mm256_fnmadd_ps(mins, wmin,
+                                          _mm256_mul_ps(_mm256_cvtepi32_ps(isum[r][t]), wd));
+        acc[r][t] = _mm256_fmadd_ps(v, _mm256_set1_ps(a.d_of(tok[t])[sb]), acc[r][t]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) out[t * os + r] = hsum8i(acc[r][t]);
+}
+
+// 32 codes of a Q6_K half: quarter j = its elements 32j .. 32j + 31.
+inline __m256i q6k_codes8(const uint8_t* ql, const uint8_t* qh, int j) {
+  const __m256i l = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 32 * (j % 2)));
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh));
+  const __m256i lo4 = _mm256_and_si256(j < 2 ? l : _mm256_srli_epi16(l, 4), _mm256_set1_epi8(0x0f));
+  const __m256i hi2 = j == 0 ? _mm256_slli_epi16(h, 4) : j == 1 ? _mm256_slli_epi16(h, 2)
+                    : j == 2 ? h : _mm256_srli_epi16(h, 2);
+  return _mm256_or_si256(lo4, _mm256_and_si256(hi2, _mm256_set1_epi8(0x30)));
+}
+
+template <int R, int T>
+inline void tile_q6k(const uint8_t* w, int64_t row_bytes, const QAct& a, const int64_t* tok,
+                     float* out, int64_t os) {
+  const int64_t nsb = a.len / 256;
+  __m256 acc[R][T];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) acc[r][t] = _mm256_setzero_ps();
+  for (int64_t sb = 0; sb < nsb; ++sb) {
+    __m256i isum[R][T];
+    for (int r = 0; r < R; ++r)
+      for (int t = 0; t < T; ++t) isum[r][t] = _mm256_setzero_si256();
+    for (int q = 0; q < 8; ++q) {   // 32 elements: half q / 4, quarter q % 4; sub-blocks 2q, 2q + 1
+      __m256i wq[R], sv[R];
+      for (int r = 0; r < R; ++r) {
+        const uint8_t* blk = w + r * row_bytes + sb * 210;
+        const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
+        wq[r] = q6k_codes8(blk + 64 * (q / 4), blk + 128 + 32 * (q / 4), q % 4);
+        sv[r] = _mm256_set_m128i(_mm_set1_epi16(sc[2 * q + 1]), _mm_set1_epi16(sc[2 * q]));
+      }
+      for (int t = 0; t < T; ++t) {
+        const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+            a.q_of(tok[t]) + sb * 256 + 32 * q));
+        const __m256i x32 = _mm256_maddubs_epi16(_mm256_set1_epi8(32), xq);   // the offset
+        for (int r = 0; r < R; ++r) {
+          const __m256i p = _mm256_sub_epi16(_mm256_maddubs_epi16(wq[r], xq), x32);
+          isum[r][t] = _mm256_add_epi32(isum[r][t], _mm256_madd_epi16(p, sv[r]));
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256 wd = _mm256_set1_ps(half_at(w + r * row_bytes + sb * 210 + 208));
+      for (int t = 0; t < T; ++t)
+        acc[r][t] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(isum[r][t]), wd),
+                                    _mm256_set1_ps(a.d_of(tok[t])[sb]), acc[r][t]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) out[t * os + r] = hsum8i(acc[r][t]);
+}
+
+#else
+
+// Scalar: the integer sums per super-block, then acc += (isum * d - mins) * d_x.
+template <int R, int T>
+inline void tile_q4k(const uint8_t* w, int64_t row_bytes, const QAct& a, const int64_t* tok,
+                     float* out, int64_t os) {
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) {
+      float acc = 0.0f;
+      for (int64_t sb = 0; sb < a.len / 256; ++sb) {
+        const uint8_t* blk = w + r * row_bytes + sb * 144;
+        const int8_t* xq = a.q_of(tok[t]) + sb * 256;
+        const int16_t* bs = a.bsum_of(tok[t]) + sb * 8;
+        uint8_t sc[8], m[8];
+        q4k_scales(blk + 4, sc, m);
+        int32_t isum = 0, msum = 0;
+        for (int j = 0; j < 8; ++j) {
+          int32_t dot = 0;
+          for (int i = 0; i < 32; ++i)
+            dot += ((blk[16 + 32 * (j / 2) + i] >> (4 * (j % 2))) & 15) * xq[32 * q4k_slot(j) + i];
+          isum += sc[j] * dot;
+          msum += m[j] * bs[j];
+        }
+        const float v = std::fma(-static_cast<float>(msum), half_at(blk + 2),
+                                 static_cast<float>(isum) * half_at(blk));
+        acc = std::fma(v, a.d_of(tok[t])[sb], acc);
+      }
+      out[t * os + r] = acc;
+    }
+}
+
+template <int R, int T>
+inline void tile_q6k(const uint8_t* w, int64_t row_bytes, const QAct& a, const int64_t* tok,
+                     float* out, int64_t os) {
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) {
+      float acc = 0.0f;
+      for (int64_t sb = 0; sb < a.len / 256; ++sb) {
+        const uint8_t* blk = w + r * row_bytes + sb * 210;
+        const int8_t* xq = a.q_of(tok[t]) + sb * 256;
+        int32_t isum = 0;
+        for (int e = 0; e < 256; e += 16) {
+          int32_t dot = 0;
+          for (int i = e; i < e + 16; ++i) {   // element i: half i / 128, quarter (i / 32) % 4
+            const int h = i / 128, j = (i % 128) / 32, l = i % 32;
+            const int lo = (blk[64 * h + 32 * (j % 2) + l] >> (4 * (j / 2))) & 15;
+            const int hi = (blk[128 + 32 * h + l] >> (2 * j)) & 3;
+            dot += ((lo | hi << 4) - 32) * xq[i];
+          }
+          isum += static_cast<int8_t>(blk[192 + e / 16]) * dot;
+        }
+        acc = std::fma(static_cast<float>(isum) * half_at(blk + 208), a.d_of(tok[t])[sb], acc);
+      }
+      out[t * os + r] = acc;
+    }
+}
+
+#endif
+
+}  // namespace moejax

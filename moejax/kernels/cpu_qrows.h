@@ -1,0 +1,71 @@
+// Rows of GGUF quantized weights against quantized tokens: out[t, r] = w[r] . x[tok[t]]
+// for every type (cpu_qdot.h: Q8_0, Q4_0; cpu_kdot.h: Q4_K, Q6_K), in tiles of rows x
+// tokens. A tile only shares the loads and the unpacking of a row's blocks between its
+// tokens (and of a token's codes between its rows); every (row, token) runs the same
+// instructions in any tile, so a token's result has the same bits alone (decode) or in a
+// prompt, whatever the tile it lands in.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+
+#include "cpu_kdot.h"
+#include "cpu_qact.h"
+#include "cpu_qdot.h"
+
+namespace moejax {
+
+template <int Q, int R, int T>
+inline void qtile(const uint8_t* w, int64_t row_bytes, const QAct& a, const int64_t* tok,
+                  float* out, int64_t os) {
+  if constexpr (Q == kQ8_0 || Q == kQ4_0) tile32<Q, R, T>(w, row_bytes, a, tok, out, os);
+  else if constexpr (Q == kQ4_K) tile_q4k<R, T>(w, row_bytes, a, tok, out, os);
+  else tile_q6k<R, T>(w, row_bytes, a, tok, out, os);
+}
+
+// A prompt's tiles: kQRows rows x up to kQTokens tokens (the accumulators of 4 x 2 fit
+// the registers with the rows' unpacked codes). A decode token reads kQDecodeRows rows at
+// once (independent chains hide the dot's latency).
+constexpr int64_t kQRows = 4, kQTokens = 2, kQDecodeRows = 2;
+
+template <int Q, int R>
+inline void qtile_nt(const uint8_t* w, int64_t row_bytes, const QAct& a, const int64_t* tok,
+                     int64_t nt, float* out, int64_t os) {
+  static_assert(kQTokens == 2, "the switch below covers 1 and 2 tokens");
+  if (nt == 1) qtile<Q, R, 1>(w, row_bytes, a, tok, out, os);
+  else qtile<Q, R, 2>(w, row_bytes, a, tok, out, os);
+}
+
+template <int Q>
+inline void qrows_dot_t(const uint8_t* w, int64_t rows, int64_t row_bytes, const QAct& a,
+                        const int64_t* tok, int64_t nt, float* out, int64_t os) {
+  int64_t r = 0;
+  if (nt == 1) {
+    for (; r + kQDecodeRows <= rows; r += kQDecodeRows)
+      qtile<Q, kQDecodeRows, 1>(w + r * row_bytes, row_bytes, a, tok, out + r, os);
+    for (; r < rows; ++r) qtile<Q, 1, 1>(w + r * row_bytes, row_bytes, a, tok, out + r, os);
+    return;
+  }
+  for (; r + kQRows <= rows; r += kQRows)
+    for (int64_t t = 0; t < nt; t += kQTokens)
+      qtile_nt<Q, kQRows>(w + r * row_bytes, row_bytes, a, tok + t,
+                          std::min(kQTokens, nt - t), out + t * os + r, os);
+  for (; r < rows; ++r)
+    for (int64_t t = 0; t < nt; t += kQTokens)
+      qtile_nt<Q, 1>(w + r * row_bytes, row_bytes, a, tok + t, std::min(kQTokens, nt - t),
+                     out + t * os + r, os);
+}
+
+// out[t * os + r] = w[r] . x[tok[t]] for `rows` rows of type `q` (row_bytes each; the
+// tokens quantized for that type in `a`) and nt tokens.
+inline void qrows_dot(int q, const uint8_t* w, int64_t rows, int64_t row_bytes,
+                      const QAct& a, const int64_t* tok, int64_t nt, float* out, int64_t os) {
+  switch (q) {
+    case kQ8_0: return qrows_dot_t<kQ8_0>(w, rows, row_bytes, a, tok, nt, out, os);
+    case kQ4_0: return qrows_dot_t<kQ4_0>(w, rows, row_bytes, a, tok, nt, out, os);
+    case kQ4_K: return qrows_dot_t<kQ4_K>(w, rows, row_bytes, a, tok, nt, out, os);
+    default: return qrows_dot_t<kQ6_K>(w, rows, row_bytes, a, tok, nt, out, os);
+  }
+}
+
+}  // namespace moejax

@@ -108,3 +108,15 @@ def test_the_lab_index_lists_every_run_folder():
   missing = [d for d in sorted(os.listdir(runs))
              if os.path.isdir(os.path.join(runs, d)) and f"](runs/{d}/" not in index]
   assert not missing, missing
+
+
+def test_engine_md_states_the_codes_order_of_admissions_and_trim():
+  # the bug: docs/engine.md's per-layer steps trimmed before the admissions; the code
+  # (cache/step.py policy_tail) inserts the admissions, then trims with them evicted last
+  import moejax.cache.step as step
+  engine_md = read(os.path.join(REPO, "docs", "engine.md"))
+  section = engine_md.split("## The one per-layer function", 1)[1].split("\n## ", 1)[0]
+  for name, text in (("docs/engine.md", section), ("cache/step.py", step.__doc__)):
+    steps = dict(re.findall(r"^ *(\d)\. (.*)$", text, flags=re.M))
+    assert "admission" in steps["5"] and "trim" in steps["6"], (name, steps)
+    assert "evicted" in " ".join(text.split()).split("6. trim", 1)[1][:200], name

@@ -120,3 +120,17 @@ def test_engine_md_states_the_codes_order_of_admissions_and_trim():
     steps = dict(re.findall(r"^ *(\d)\. (.*)$", text, flags=re.M))
     assert "admission" in steps["5"] and "trim" in steps["6"], (name, steps)
     assert "evicted" in " ".join(text.split()).split("6. trim", 1)[1][:200], name
+
+
+def test_readme_results_keep_one_current_figure_a_row():
+  # the bug: the results table had grown into a lab diary (one row held eleven figures
+  # from four runs); the README keeps the latest figure, docs/results.md every earlier one
+  text = read(README)
+  section = text.split("## Results\n", 1)[1].split("\n## ", 1)[0]
+  rows = [l.split(" | ") for l in section.splitlines() if l.startswith("| ")][2:]
+  assert len(rows) >= 5
+  for question, result, *_ in rows:
+    assert len(result) <= 90 and ";" not in result, (question, result)
+  history = read(os.path.join(REPO, "docs", "results.md"))
+  assert "## Every figure the README has shown" in history
+  assert "docs/results.md#every-figure-the-readme-has-shown" in section

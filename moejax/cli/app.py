@@ -125,6 +125,10 @@ def model_folder(model_dir: str | None) -> str:
   """--model_dir (default: the demo model), checked to be a model folder (UsageError,
   exit 2, otherwise)."""
   d = model_dir if model_dir is not None else demo_model_dir()
+  if d.endswith(".gguf"):         # a GGUF file: its architecture and types checked now
+    from moejax.io.weights import gguf_file
+    gguf_file.tensor_info(d)
+    return d
   if not os.path.exists(d):
     raise UsageError(f"--model_dir={d!r}: no such folder (use --random_model for a "
                      "random-weight model)")
@@ -148,8 +152,9 @@ def user_errors() -> tuple[type, ...]:
   from moejax.cache.policy import PolicyError
   from moejax.cache.resident import BudgetError
   from moejax.offload.expert_parallel import ExpertParallelError
+  from moejax.io.weights.gguf_file import GGUFUnsupported
   return (UsageError, app.UsageError, PolicyError, BudgetError, LinkSpecError, StoreBackendError,
-          ExpertParallelError)
+          ExpertParallelError, GGUFUnsupported)
 
 
 def checkpoint_errors() -> tuple[type, ...]:

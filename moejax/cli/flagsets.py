@@ -56,6 +56,17 @@ def dtype() -> None:
           enum_values=["float32", "bfloat16"])
 
 
+def weights() -> None:
+  """--weights: the weights' format (ggml's block formats: moejax.io.weights.quantized)."""
+  _define("enum", "weights", "float", "Weight format: float (the checkpoint's floats in "
+          "--dtype) or one of ggml's block formats q8_0, q4_0, q4_k, q6_k: the routed "
+          "experts and every dense linear (attention, shared experts, LM head, embeddings, "
+          "as llama-quantize does; norms and routers keep their precision), quantized once "
+          "into $MOEJAX_CACHE_DIR (default ~/.cache/moejax) and mapped by later runs. A "
+          "--model_dir=FILE.gguf runs in the file's own formats (leave this at float).",
+          enum_values=["float", "q8_0", "q4_0", "q4_k", "q6_k"])
+
+
 def link() -> None:
   """--link: the host->device link."""
   _define("string", "link", None, "Host->device link: 'native' (the real copy), "

@@ -38,6 +38,7 @@ OFFLOAD_FLAGS = ("cache_fraction", "cache_bytes", "link", "tau", "admission_beta
 flagsets.model_dir()
 flagsets.dtype()
 flagsets.engine()
+flagsets.weights()
 flagsets.policy_knobs()
 flags.DEFINE_bool("random_model", False, "Use a small random-weight Qwen3-MoE built on the "
                   "spot (its output is noise; for trying the flags) instead of --model_dir.")
@@ -181,12 +182,15 @@ def main(_):
   from moejax.io.tokenizer import ByteTokenizer, Tokenizer
   dtype = jnp.dtype(FLAGS.dtype)
   store_kind = FLAGS.store or "numpy"
+  gguf, nbytes = folder is not None and folder.endswith(".gguf"), None
+  if gguf and FLAGS.weights != "float":
+    raise cli.UsageError(f"--weights={FLAGS.weights}: a GGUF file runs in its own formats; "
+                         f"leave --weights at float")
   if FLAGS.random_model:
     cfg, tok = random_demo_config(), ByteTokenizer()
     desc = "RANDOM-WEIGHT model (--random_model: its output is noise)"
   else:
-    cfg = ModelConfig.from_json_file(folder)
-    tok_path = os.path.join(folder, "tokenizer.json")
+    cfg, tok_path, nbytes = model_files(folder)
     if not os.path.exists(tok_path):
       raise cli.UsageError(f"--model_dir={folder!r} has no tokenizer.json (moejax reads the "
                            "Hugging Face tokenizers format)")
@@ -200,10 +204,11 @@ def main(_):
     if "pinned_host" not in memory_kinds():
       raise cli.UsageError(f"--store=pinned_host: {jax.devices()[0]} offers no pinned_host "
                            f"memory (it offers {', '.join(memory_kinds())}); use numpy or mmap")
-  mxfp4 = folder is not None and memory.checkpoint_is_mxfp4(folder)
+  mxfp4 = folder is not None and not gguf and memory.checkpoint_is_mxfp4(folder)
   plan = memory.plan_memory(cfg, dtype, store=store_kind, offload=FLAGS.policy is not None,
                             cache_fraction=cache_fraction(), cache_bytes=FLAGS.cache_bytes,
-                            kv_len=seq, mxfp4=mxfp4, host_cache_gb=FLAGS.host_cache_gb)
+                            kv_len=seq, mxfp4=mxfp4, host_cache_gb=FLAGS.host_cache_gb,
+                            weights=FLAGS.weights, nbytes=nbytes)
   if FLAGS.policy is not None:   # a bad --link or missing --prefetch files: before loading
     from moejax.offload.link import parse_link
     parse_link(link_spec(), expert_bytes=plan.expert_bytes, layer_compute_s=1e-3)
@@ -215,12 +220,12 @@ def main(_):
   for line in plan.lines():
     print(f"  {line}", file=sys.stderr)
   from moejax.io.loader import checkpoint_dtype
-  stored = checkpoint_dtype(folder)
+  stored = None if gguf else checkpoint_dtype(folder)
   if stored and stored != jnp.dtype(dtype).name:
     print(f"  note: the checkpoint stores {stored}; --dtype={FLAGS.dtype} converts every "
           f"weight to {jnp.dtype(dtype).name} while loading (the sizes above are in "
           f"{jnp.dtype(dtype).name}; --dtype={stored} keeps them as stored)", file=sys.stderr)
-  if store_kind != "numpy" and folder is not None:   # a repack that cannot fit: now
+  if store_kind != "numpy" and folder is not None and not gguf:   # a repack: can it fit?
     from moejax.io import repack
     try:
       repack.check_checkpoint(folder, cfg, dtype)
@@ -288,11 +293,24 @@ def load(cfg, folder, dtype, store_kind):
     # mmap keeps the experts on disk; pinned_host is filled from the mapped file, so the
     # experts are never in RAM twice
     cfg, params, store = load_model(folder, dtype=dtype, mmap=store_kind != "numpy",
-                                    progress=FLAGS.progress)
+                                    progress=FLAGS.progress, weights=FLAGS.weights)
   store = make_store(store, store_kind)
   print(f"[moejax] loaded in {time.time() - t0:.1f} s; experts in a {store_kind} store",
         file=sys.stderr)
   return cfg, params, store
+
+
+def model_files(folder: str):
+  """(cfg, tokenizer.json path, None or (dense, expert) bytes as a GGUF file holds them)
+  of --model_dir: a Hugging Face folder or a GGUF file (its tokenizer.json beside it)."""
+  from moejax.model.config import ModelConfig
+  if not folder.endswith(".gguf"):
+    return ModelConfig.from_json_file(folder), os.path.join(folder, "tokenizer.json"), None
+  from moejax.io.weights import gguf_file
+  reader, _ = gguf_file.tensor_info(folder)
+  tok = gguf_file.tokenizer_path(folder) or os.path.join(os.path.dirname(folder),
+                                                          "tokenizer.json")
+  return gguf_file.read_config(reader, folder), tok, gguf_file.nbytes(reader)
 
 
 def predictors(cfg, folder: str | None) -> dict:

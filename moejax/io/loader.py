@@ -23,9 +23,11 @@ import numpy as np
 from moejax.model import families
 from moejax.model.config import ModelConfig
 from moejax.model.model import Transformer
+from moejax.ggml.qarray import QuantArray
 from moejax.io import expert_layout
+from moejax.io.weights import quantized
 from moejax.io.safetensors_io import CheckpointError, SafetensorsFile, save_file
-from moejax.io.store import ExpertStore, LayerExperts
+from moejax.io.store import ExpertStore, LayerExperts, stack_layers
 
 def checkpoint_dtype(model_dir: str | None) -> str | None:
   """The dtype config.json says the weights are stored in (torch_dtype / dtype), if any."""
@@ -166,8 +168,15 @@ class _Index:
 
 
 def load_model(model_dir: str, dtype=jnp.float32, mmap: bool = False, check_finite: bool = True,
-               dequantize_mxfp4: bool = False, progress: bool | None = None):
+               dequantize_mxfp4: bool = False, progress: bool | None = None,
+               weights: str = "float"):
   """Returns (cfg, params on device, ExpertStore on host).
+
+  ``weights``: "float" (the checkpoint's floats, as `dtype`), or a block format of
+  moejax.ggml ("q8_0", "q4_0", "q4_k", "q6_k"): the linears and routed experts are
+  quantized once into the cache folder (`io.weights.quantized`), the params' linears are
+  QuantArrays and the store's experts their blocks.  ``model_dir`` may be a ``.gguf``
+  file (`io.weights.gguf_file`: read in place; ``weights`` must then be "float").
 
   A family's own expert layout is read by its ``load_layer_experts``; MXFP4 experts
   (gpt_oss ``*_blocks``/``*_scales``) stay MXFP4 in the store (a fetch
@@ -175,11 +184,23 @@ def load_model(model_dir: str, dtype=jnp.float32, mmap: bool = False, check_fini
   ``progress``: a tqdm bar on stderr over the checkpoint's bytes while reading; None
   (default): only when stderr is a terminal; False: never.
   """
+  quantized.check_weights(weights)
+  if model_dir.endswith(".gguf"):
+    from moejax.io.weights import gguf_file
+    if weights != "float":
+      raise quantized.WeightsError(f"{model_dir}: a GGUF file runs in its own formats; "
+                                   f"--weights={weights} applies to a safetensors folder")
+    return gguf_file.load_gguf(model_dir, dtype, mmap, check_finite)
   cfg = ModelConfig.from_json_file(model_dir)
   family = families.of(cfg)
   idx = _Index(model_dir)
   idx.track(progress, f"loading {os.path.basename(os.path.normpath(model_dir))}")
   try:
+    if weights != "float":
+      out = _load_quantized(cfg, family, idx, model_dir, dtype, mmap, check_finite, weights,
+                            progress)
+      idx.close(complete=True)
+      return out
     out = _load(cfg, family, idx, model_dir, dtype, mmap, check_finite, dequantize_mxfp4,
                 progress)
     idx.close(complete=True)
@@ -188,9 +209,10 @@ def load_model(model_dir: str, dtype=jnp.float32, mmap: bool = False, check_fini
     idx.close()
 
 
-def _load(cfg, family, idx: _Index, model_dir, dtype, mmap, check_finite, dequantize_mxfp4,
-          progress=None):
-  np_dtype = np.dtype(jnp.dtype(dtype))
+def _tensors(cfg, family, idx: _Index, model_dir, dtype):
+  """The checkpoint's tensors sorted out: (dense {Flax path: name}, per_expert, fused,
+  {Flax path: expected shape}, {Flax path: dtype}); a CheckpointError names a missing
+  dense tensor or a misplaced expert."""
   expected = abstract_params(cfg, dtype)
   leaf_dtypes = {tuple(k.key for k in path): np.dtype(leaf.dtype)
                  for path, leaf in jax.tree_util.tree_flatten_with_path(expected)[0]}
@@ -232,18 +254,31 @@ def _load(cfg, family, idx: _Index, model_dir, dtype, mmap, check_finite, dequan
     if p[0] == "lm_head":
       hf = "lm_head.weight"
     raise CheckpointError(f"{model_dir}: missing tensor '{hf}' ({len(missing)} missing in all)")
-  leaves = {}
-  for p, name in dense.items():
-    a = idx.get(name)
-    expert_layout.check(idx, name, a, flat_expected[p], check_finite)
-    # a module may keep a parameter in f32 whatever `dtype` (e.g. sigmoid routers, like HF)
-    leaves[p] = jnp.asarray(np.asarray(a).astype(leaf_dtypes.get(p, np_dtype)))
+  return dense, per_expert, fused, flat_expected, leaf_dtypes
+
+
+def _nest(leaves: dict) -> dict:
   params: dict[str, Any] = {}
   for p, v in leaves.items():
     d = params
     for k in p[:-1]:
       d = d.setdefault(k, {})
     d[p[-1]] = v
+  return params
+
+
+def _load(cfg, family, idx: _Index, model_dir, dtype, mmap, check_finite, dequantize_mxfp4,
+          progress=None):
+  np_dtype = np.dtype(jnp.dtype(dtype))
+  dense, per_expert, fused, flat_expected, leaf_dtypes = _tensors(cfg, family, idx,
+                                                                  model_dir, dtype)
+  leaves = {}
+  for p, name in dense.items():
+    a = idx.get(name)
+    expert_layout.check(idx, name, a, flat_expected[p], check_finite)
+    # a module may keep a parameter in f32 whatever `dtype` (e.g. sigmoid routers, like HF)
+    leaves[p] = jnp.asarray(np.asarray(a).astype(leaf_dtypes.get(p, np_dtype)))
+  params = _nest(leaves)
 
   # routed experts
   if family.load_layer_experts is not None:    # the family's own tensor layout
@@ -258,6 +293,34 @@ def _load(cfg, family, idx: _Index, model_dir, dtype, mmap, check_finite, dequan
     layers = expert_layout.ram_experts(cfg, idx, model_dir, fused, per_expert, np_dtype,
                                        check_finite)
   return cfg, params, ExpertStore(layers, cfg.num_layers, backend="mmap" if mmap else "numpy")
+
+
+def _load_quantized(cfg, family, idx: _Index, model_dir, dtype, mmap, check_finite, qtype,
+                    progress=None):
+  """`load_model` with weights=qtype: the repacked file (`quantized.build`), mapped."""
+  if family.load_layer_experts is not None or set(expert_shapes(cfg)) != {"gate_up", "down"}:
+    raise quantized.WeightsError(f"--weights={qtype}: {cfg.model_type}'s routed experts have "
+                                 f"their own layout; quantized weights need SwiGLU experts "
+                                 f"(gate_up, down)")
+  dense, per_expert, fused, shapes, leaf_dtypes = _tensors(cfg, family, idx, model_dir, dtype)
+  for p, name in dense.items():          # dtype and shape from the headers (no read)
+    expert_layout.check(idx, name, idx.files[idx.where[name]].get(name), shapes[p], False)
+  path = quantized.build(cfg, idx, model_dir, dense, shapes, fused, per_expert, qtype,
+                         check_finite, progress)
+  arrays, experts = quantized.open_weights(path, cfg.moe_layers)
+  np_dtype = np.dtype(jnp.dtype(dtype))
+  leaves = {}
+  for p, (a, q) in arrays.items():
+    dt = leaf_dtypes.get(p, np_dtype)
+    leaves[p] = (QuantArray(jnp.asarray(np.asarray(a)), q, dtype=dt) if q
+                 else jnp.asarray(np.asarray(a).astype(dt)))
+  if not mmap:                            # into RAM: one [L, E, ...] array per kind
+    experts = stack_layers({l: {k: np.array(v) for k, v in d.items()}
+                            for l, d in experts.items()})
+  layers = {l: LayerExperts(cfg.num_experts, stacked=d) for l, d in experts.items()}
+  store = ExpertStore(layers, cfg.num_layers, backend="mmap" if mmap else "numpy")
+  store.weights = qtype
+  return cfg, _nest(leaves), store
 
 
 def save_hf(cfg: ModelConfig, params, experts: list, out_dir: str, dtype=np.float32,

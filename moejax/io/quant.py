@@ -26,6 +26,9 @@ never written).  The key hashes the checkpoint's identity (`checkpoint_hash`: ea
 safetensors file's name, size, mtime and header, and config.json), or the expert bytes
 themselves for a store without a folder; the file carries the sha256 of its payload,
 checked on load: a corrupt or stale file is rebuilt, not used.
+
+A store of ggml blocks (--weights=q8_0/q4_0/q4_k/q6_k or a GGUF file, `io.weights.quantized`) has
+no low-precision copy: its full fetch already moves the blocks (`check_float` refuses).
 """
 
 from __future__ import annotations
@@ -205,8 +208,20 @@ def cache_root() -> str:
                       os.path.join(os.path.expanduser("~"), ".cache", "moejax"), "quant")
 
 
+def check_float(store):
+  """A QuantError unless the store's experts are floats: a store of ggml blocks
+  (--weights, a GGUF file: `io.weights.quantized`) already moves 4-8 bit bytes on a full fetch
+  and has no float copy to make a lower-precision one from."""
+  names = list(store.get(store.moe_layers[0], 0))
+  if any("@" in n for n in names):
+    raise QuantError(f"--miss=fetch_low / threshold_low fetch a low-precision copy of float "
+                     f"experts, but this store holds ggml blocks ({', '.join(names)}): its "
+                     f"full fetch already moves quantized bytes; use another --miss rule")
+
+
 def build(store, bits: int, group: int = 32, key: str = "") -> LowStore:
   """The LowStore of `store` (quantised now, in memory)."""
+  check_float(store)
   first = store.get(store.moe_layers[0], 0)
   shapes = {k: tuple(np.shape(v)) for k, v in first.items()}
   check_format(bits, group, shapes)
@@ -224,6 +239,7 @@ def load_or_build(store, bits: int, group: int = 32, model_dir: str | None = Non
   """The LowStore of `store`, from the disk cache when a valid copy is there (`reused`),
   else built and written there.  The key: `checkpoint_hash(model_dir)` with bits and
   group; without model_dir the sha256 of the experts' bytes."""
+  check_float(store)
   if model_dir is not None:
     ident = checkpoint_hash(model_dir)
   else:

@@ -8,7 +8,9 @@ SwiGLU) is recognised by its dict's keys (``families.for_experts``).
 
 On the CPU backend, plain (non-gpt_oss) experts in f32/bf16 run through the C++
 kernel of ``moejax.kernels.cpu_kernel`` (in place, both cores); elsewhere, or without a
-compiler, two exact XLA dispatch strategies, chosen statically from the token count:
+compiler, two exact XLA dispatch strategies, chosen statically from the token count
+(experts held as ggml blocks go through `quant_ops`: a kernel where one takes them, else
+these, each selected expert dequantized in the program):
   * sliced: one dynamic slice + matvec per (token, expert) pair; for decode (up to 64
     pairs, or 8 for a family's own expert layout).
   * grouped: sorts (token, expert) pairs by expert into blocks of B rows, each
@@ -23,6 +25,7 @@ import jax.numpy as jnp
 
 from moejax.kernels import cpu_kernel
 from moejax.model import families
+from moejax.model import quant_ops
 
 ExpertWeights = dict  # {"gate_up": [E, 2I, D], "down": [E, D, I]}, or a family's own layout
 SLICED_MAX_PAIRS = 64   # up to this many (token, expert) pairs: the sliced path
@@ -52,8 +55,8 @@ def experts_sliced(x_NxD, ids_NxK, gates_NxK, w: ExpertWeights, swiglu=SWIGLU):
         we = {kk: jax.lax.dynamic_index_in_dim(v, e, keepdims=True) for kk, v in w.items()}
         y = ffn(x_NxD[i][None, None], we, *swiglu)[0, 0]
       else:  # plain matvecs: XLA CPU reads the sliced weights in place
-        gu_2IxD = jax.lax.dynamic_index_in_dim(w["gate_up"], e, keepdims=False)
-        dn_DxI = jax.lax.dynamic_index_in_dim(w["down"], e, keepdims=False)
+        gu_2IxD = quant_ops.take_gate_up(w, e)     # (QuantArrays: dequantized)
+        dn_DxI = quant_ops.take(w["down"], e)
         h = gu_2IxD @ x_NxD[i]
         half = h.shape[0] // 2
         y = dn_DxI @ (jax.nn.silu(h[:half]) * h[half:])
@@ -103,9 +106,9 @@ def experts_grouped(x_NxD, ids_NxK, gates_NxK, w: ExpertWeights, block: int | No
   if ffn is not None:
     yb = ffn(xb, {kk: v[block_e] for kk, v in w.items()}, *swiglu)
   else:
-    h = jnp.einsum("nbd,nid->nbi", xb, w["gate_up"][block_e])
+    h = jnp.einsum("nbd,nid->nbi", xb, quant_ops.gather_gate_up(w, block_e))
     g, u = jnp.split(h, 2, axis=-1)
-    yb = jnp.einsum("nbi,ndi->nbd", jax.nn.silu(g) * u, w["down"][block_e])
+    yb = jnp.einsum("nbi,ndi->nbd", jax.nn.silu(g) * u, quant_ops.gather(w["down"], block_e))
   y = yb.reshape(rows, -1)[dest].reshape(n, k, -1)
   return jnp.einsum("nkd,nk->nd", y, gates_NxK.astype(y.dtype))
 
@@ -116,6 +119,9 @@ def apply_experts(x_NxD, ids_NxK, gates_NxK, w: ExpertWeights, swiglu=SWIGLU):
   ``swiglu`` = (alpha, limit) passed to a family's ``expert_ffn`` (gpt_oss's clamped
   SwiGLU; unused by plain SwiGLU experts).
   """
+  w = quant_ops.expert_weights(w, x_NxD.dtype)     # a quantized store's blocks
+  if any(quant_ops.is_quant(v) for v in w.values()):
+    return quant_ops.experts(x_NxD, ids_NxK, gates_NxK, w, xla_experts)
   # plain SwiGLU experts only: cpu_kernel.supports checks for exactly {"gate_up", "down"}
   if cpu_kernel.supports(x_NxD, w) and cpu_kernel.available():
     return cpu_kernel.expert_ffn(x_NxD, ids_NxK, gates_NxK, w, xla_experts)

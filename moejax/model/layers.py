@@ -12,6 +12,7 @@ from moejax.kernels import cpu_attention
 from moejax.kernels import cpu_kernel
 from moejax.kernels import cpu_rows
 from moejax.kernels import layer_view
+from moejax.model import quant_ops
 
 
 class Linear(nn.Module):
@@ -22,8 +23,8 @@ class Linear(nn.Module):
   @nn.compact
   def __call__(self, x_NxD: jax.Array, *, params_only: bool = False):
     """x @ weight.T (+ bias); with `params_only`, (weight, bias or None) for `linears`."""
-    w_OxD = self.param("weight", nn.initializers.normal(0.02),
-                       (self.features, x_NxD.shape[-1]), self.dtype)
+    w_OxD = held(self, "weight") or self.param(
+        "weight", nn.initializers.normal(0.02), (self.features, x_NxD.shape[-1]), self.dtype)
     b_O = (self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
            if self.use_bias else None)
     if params_only:
@@ -31,9 +32,45 @@ class Linear(nn.Module):
     return _project(x_NxD, [(w_OxD, b_O)])[0]
 
 
+def held(module, name: str):
+  """A parameter held as ggml blocks (a QuantArray: --weights, a GGUF file), else None.
+  Flax's `param` checks a given value's shape against its initializer's, which a
+  QuantArray's blocks never match; such a weight is read as the variable it is."""
+  if module.has_variable("params", name):
+    v = module.get_variable("params", name)
+    if quant_ops.is_quant(v):
+      return v
+  return None
+
+
+class Embed(nn.Module):
+  """`nn.Embed` (param ``embedding`` [V, D]) whose table may be a QuantArray."""
+  num_embeddings: int
+  features: int
+  dtype: Any = jnp.float32
+
+  def setup(self):
+    self.embedding = held(self, "embedding") or self.param(
+        "embedding", nn.initializers.normal(0.02), (self.num_embeddings, self.features),
+        self.dtype)
+
+  def __call__(self, tokens):
+    if quant_ops.is_quant(self.embedding):
+      return quant_ops.embed(self.embedding, tokens, self.dtype)
+    return jnp.take(jnp.asarray(self.embedding, self.dtype), tokens, axis=0)
+
+  def attend(self, x):
+    """x @ embedding.T (a tied LM head)."""
+    if not quant_ops.is_quant(self.embedding):
+      return jnp.dot(x.astype(self.dtype), jnp.asarray(self.embedding, self.dtype).T)
+    lead = x.shape[:-1]
+    y = quant_ops.linears(x.reshape(-1, x.shape[-1]).astype(self.dtype), [self.embedding])[0]
+    return y.reshape(*lead, -1)
+
+
 def _project(x_NxD, wbs):
   lead = x_NxD.shape[:-1]
-  ys = cpu_kernel.linears(x_NxD.reshape(-1, x_NxD.shape[-1]), [w for w, _ in wbs])
+  ys = quant_ops.linears(x_NxD.reshape(-1, x_NxD.shape[-1]), [w for w, _ in wbs])
   return [y.reshape(*lead, -1) if b is None else y.reshape(*lead, -1) + b
           for y, (_, b) in zip(ys, wbs)]
 

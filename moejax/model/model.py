@@ -31,7 +31,8 @@ from moejax.model import experts as experts_lib
 from moejax.model import families
 from moejax.model import routing
 from moejax.model.config import ModelConfig
-from moejax.model.layers import Linear, SwiGLU
+from moejax.ggml.qarray import QuantArray
+from moejax.model.layers import Embed, Linear, SwiGLU
 
 Cache = list  # list over layers of {"k": [B,S,Hkv,K], "v": [B,S,Hkv,K]}
 
@@ -138,8 +139,7 @@ class Transformer(nn.Module):
 
   def setup(self):
     c = self.cfg
-    self.embed_tokens = nn.Embed(c.vocab_size, c.hidden_size, param_dtype=self.dtype,
-                                 dtype=self.dtype, embedding_init=nn.initializers.normal(0.02))
+    self.embed_tokens = Embed(c.vocab_size, c.hidden_size, self.dtype)
     self.layers = [DecoderLayer(c, s, self.dtype, i) for i, s in enumerate(c.sparse_layers)]
     self.norm = families.of(c).norm(c, self.dtype)
     if not c.tie_word_embeddings:
@@ -147,7 +147,7 @@ class Transformer(nn.Module):
 
   def embed(self, tokens_BxT):
     table = self.embed_tokens.embedding
-    if table.dtype == jnp.bfloat16:   # a kernel call on CPU (cpu_rows.take_rows)
+    if table.dtype == jnp.bfloat16 and not isinstance(table, QuantArray):   # a kernel call on CPU (cpu_rows.take_rows)
       return cpu_rows.take_rows(table, tokens_BxT, _take_bf16_as_u16)
     return self.embed_tokens(tokens_BxT)
 

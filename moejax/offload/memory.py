@@ -192,19 +192,25 @@ class MemoryPlan:
 def plan_memory(cfg: ModelConfig, dtype, *, store: str = "numpy", offload: bool = True,
                 cache_fraction: float | None = 0.25, cache_bytes: int | None = None,
                 kv_len: int = 4096, mxfp4: bool = False,
-                platform: str | None = None, host_cache_gb: float | None = None) -> MemoryPlan:
+                platform: str | None = None, host_cache_gb: float | None = None,
+                weights: str = "float", nbytes: tuple[int, int] | None = None) -> MemoryPlan:
   """The memory a run of `cfg` needs (see the module docstring); raises BudgetError for
   a budget the engine would refuse, with the same message.  platform: the backend
   (default: jax's first device's).  host_cache_gb: the host staging tier (`io.staging`;
   StagingError for a size below one expert per MoE layer or a store other than mmap);
   its prompt pass holds one expert at a time (the "prefill" bytes, on the CPU backend
-  too)."""
+  too).  weights: --weights (a block format: the linears' and experts' blocks counted,
+  `io.weights.quantized`); nbytes: (dense bytes, one expert's bytes) as a file holds them
+  (a GGUF file: `gguf_file.nbytes`), instead of computed from `dtype` and `weights`."""
   from moejax.io import staging
   from moejax.io.loader import abstract_params
   from moejax.model.model import init_cache
   from moejax.cache import resident
   from moejax.model import families
-  ebytes = expert_nbytes(cfg, dtype, mxfp4)
+  from moejax.io.weights import quantized
+  quantized.check_weights(weights)
+  ebytes = (nbytes[1] if nbytes else quantized.expert_nbytes(cfg, weights)
+            if weights != "float" else expert_nbytes(cfg, dtype, mxfp4))
   n_moe = len(cfg.moe_layers)
   if offload:
     budget = resident.make_budget(cfg.num_experts, cfg.top_k, ebytes, n_moe,
@@ -230,10 +236,14 @@ def plan_memory(cfg: ModelConfig, dtype, *, store: str = "numpy", offload: bool 
   # (`decode.stack_params`): one more copy of them while the engine is built (the peak);
   # moejax-generate and moejax-serve then drop the loaded ones
   from moejax.model import layer_stack
-  stacked = (tree_nbytes({k: v for k, v in params.items() if k.startswith("layers_")})
+  layers = {k: v for k, v in params.items() if k.startswith("layers_")}
+  dense = lambda t: (quantized.dense_nbytes(t, weights, dtype) if weights != "float"
+                     else tree_nbytes(t))
+  dense_bytes = nbytes[0] if nbytes else dense(params)
+  stacked = ((dense(layers) if not nbytes else dense_bytes)
              if offload and layer_stack.uniform(cfg) and host_cache_gb is None else 0)
   return MemoryPlan(store=store, offload=offload, stacked_bytes=stacked,
-                    dense_bytes=tree_nbytes(params), expert_bytes=ebytes,
+                    dense_bytes=dense_bytes, expert_bytes=ebytes,
                     num_moe_layers=n_moe, num_experts=cfg.num_experts, cache_slots=int(slots),
                     kv_len=kv_len, kv_bytes=tree_nbytes(kv), prefill_bytes=prefill,
                     platform=platform or jax.devices()[0].platform,

@@ -1,0 +1,161 @@
+"""GGUF read in place (moejax.io.weights.gguf_file): a 2-layer qwen3moe written by gguf-py's
+GGUFWriter with every tensor type moejax reads, against the same weights as safetensors;
+the one-line refusals of an unknown architecture or tensor type."""
+
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+gguf = pytest.importorskip("gguf", reason="gguf (pip install moejax[gguf]) is not installed")
+from gguf import GGMLQuantizationType as T  # noqa: E402
+
+from moejax.ggml import blocks  # noqa: E402
+from moejax.io.loader import init_random, load_model, save_hf  # noqa: E402
+from moejax.io.weights import gguf_file  # noqa: E402
+from moejax.model.config import ModelConfig  # noqa: E402
+from moejax.model.sampler import Sampler, SamplingParams  # noqa: E402
+
+CFG = ModelConfig(model_type="qwen3_moe", vocab_size=64, hidden_size=256, num_layers=2,
+                  num_heads=4, num_kv_heads=2, head_dim=64, num_experts=4, top_k=2,
+                  moe_intermediate_size=256, intermediate_size=512,
+                  sparse_layers=(True, True), qk_norm="head", rope_theta=10000.0,
+                  max_position_embeddings=64)
+# every type moejax reads, spread over the tensors (per layer: q, k, v, o, gate, up, down)
+LAYER_TYPES = [dict(attn_q="Q4_0", attn_k="Q4_K", attn_v="BF16", attn_output="F16",
+                    ffn_gate_exps="Q4_K", ffn_up_exps="Q4_K", ffn_down_exps="Q6_K"),
+               dict(attn_q="Q8_0", attn_k="Q6_K", attn_v="Q4_0", attn_output="Q4_K",
+                    ffn_gate_exps="Q8_0", ffn_up_exps="Q8_0", ffn_down_exps="Q4_0")]
+TOP_TYPES = {"token_embd.weight": "Q6_K", "output.weight": "Q8_0", "output_norm.weight": "F32"}
+HF = {"attn_q": "q_proj", "attn_k": "k_proj", "attn_v": "v_proj", "attn_output": "o_proj"}
+
+
+def _encode(a, t):
+  """(data, raw_dtype) for GGUFWriter.add_tensor, and the values it holds (f32)."""
+  a = np.asarray(a, np.float32)
+  if t == "F32":
+    return a, None, a
+  if t == "F16":
+    return a.astype(np.float16), None, a.astype(np.float16).astype(np.float32)
+  if t == "BF16":
+    b = gguf.quants.quantize(a, T.BF16)
+    return b, T.BF16, gguf.quants.dequantize(b, T.BF16)
+  b = blocks.quantize(a, t.lower())
+  return b, getattr(T, t), blocks.dequantize(b, t.lower())
+
+
+def write_gguf(path, params, exps, arch="qwen3moe"):
+  """A GGUF of the model; returns the values each tensor holds, as the HF layout."""
+  w = gguf.GGUFWriter(path, arch)
+  w.add_block_count(CFG.num_layers)
+  w.add_context_length(CFG.max_position_embeddings)
+  w.add_embedding_length(CFG.hidden_size)
+  w.add_feed_forward_length(CFG.intermediate_size)
+  w.add_head_count(CFG.num_heads)
+  w.add_head_count_kv(CFG.num_kv_heads)
+  w.add_key_length(CFG.head_dim)
+  w.add_value_length(CFG.head_dim)
+  w.add_rope_freq_base(CFG.rope_theta)
+  w.add_layer_norm_rms_eps(CFG.rms_norm_eps)
+  w.add_expert_count(CFG.num_experts)
+  w.add_expert_used_count(CFG.top_k)
+  w.add_expert_feed_forward_length(CFG.moe_intermediate_size)
+  held_params, held_exps = {}, []
+
+  def add(name, a, t):
+    data, raw, vals = _encode(a, t)
+    w.add_tensor(name, data, raw_dtype=raw)
+    return vals
+
+  f32 = lambda x: np.asarray(jnp.asarray(x, jnp.float32))
+  held_params["embed_tokens"] = {"embedding": add("token_embd.weight",
+                                                  f32(params["embed_tokens"]["embedding"]),
+                                                  TOP_TYPES["token_embd.weight"])}
+  held_params["norm"] = {"weight": add("output_norm.weight", f32(params["norm"]["weight"]), "F32")}
+  held_params["lm_head"] = {"weight": add("output.weight", f32(params["lm_head"]["weight"]),
+                                          TOP_TYPES["output.weight"])}
+  for i in range(CFG.num_layers):
+    p, lt, out = params[f"layers_{i}"], LAYER_TYPES[i], {}
+    out["input_layernorm"] = {"weight": add(f"blk.{i}.attn_norm.weight",
+                                            f32(p["input_layernorm"]["weight"]), "F32")}
+    out["post_attention_layernorm"] = {"weight": add(
+        f"blk.{i}.ffn_norm.weight", f32(p["post_attention_layernorm"]["weight"]), "F32")}
+    att = {}
+    for g, h in HF.items():
+      att[h] = {"weight": add(f"blk.{i}.{g}.weight", f32(p["self_attn"][h]["weight"]), lt[g])}
+    for g, h in (("attn_q_norm", "q_norm"), ("attn_k_norm", "k_norm")):
+      att[h] = {"weight": add(f"blk.{i}.{g}.weight", f32(p["self_attn"][h]["weight"]), "F32")}
+    out["self_attn"] = att
+    out["mlp"] = {"gate": {"weight": add(f"blk.{i}.ffn_gate_inp.weight",
+                                         f32(p["mlp"]["gate"]["weight"]), "F32")}}
+    half = CFG.moe_intermediate_size
+    gu, dn = f32(exps[i]["gate_up"]), f32(exps[i]["down"])
+    g = add(f"blk.{i}.ffn_gate_exps.weight", gu[:, :half], lt["ffn_gate_exps"])
+    u = add(f"blk.{i}.ffn_up_exps.weight", gu[:, half:], lt["ffn_up_exps"])
+    d = add(f"blk.{i}.ffn_down_exps.weight", dn, lt["ffn_down_exps"])
+    held_exps.append({"gate_up": np.concatenate([g, u], axis=1), "down": d})
+    held_params[f"layers_{i}"] = out
+  w.write_header_to_file()
+  w.write_kv_data_to_file()
+  w.write_tensors_to_file()
+  w.close()
+  return held_params, held_exps
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+  tmp = tmp_path_factory.mktemp("gguf")
+  params, exps = init_random(CFG, seed=3, scale=0.05)
+  path = str(tmp / "tiny.gguf")
+  held_params, held_exps = write_gguf(path, params, exps)
+  save_hf(CFG, held_params, held_exps, str(tmp / "hf"))   # the same values, as safetensors
+  return path, str(tmp / "hf")
+
+
+@pytest.mark.parametrize("mmap", [False, True])
+def test_gguf_matches_the_safetensors_path(files, mmap):
+  path, hf = files
+  cfg, params, store = load_model(path, dtype=jnp.float32, mmap=mmap)
+  assert cfg.num_layers == 2 and cfg.sparse_layers == (True, True) and cfg.head_dim == 64
+  assert not cfg.tie_word_embeddings and cfg.norm_topk_prob
+  q = params["layers_0"]["self_attn"]["q_proj"]["weight"]
+  assert q.qtype == "q4_0" and q.shape == (256, 256)
+  assert sorted(store.stacked(0)) == ["down@q6_k", "gate@q4_k", "up@q4_k"]
+  assert store.expert_nbytes(0) == 256 * 144 * 2 + 256 * 210
+  cfg2, params2, store2 = load_model(hf, dtype=jnp.float32)
+  prompt = np.array([[1, 7, 3, 9, 4, 2]])
+  a = Sampler(cfg, params, store.device_experts(jnp.float32), max_len=16)
+  b = Sampler(cfg2, params2, store2.device_experts(jnp.float32), max_len=16)
+  la, lb = a.prefill(prompt)[0], b.prefill(prompt)[0]
+  np.testing.assert_allclose(np.asarray(la), np.asarray(lb), rtol=1e-4, atol=1e-4)
+  sp = SamplingParams(max_new_tokens=6)
+  assert a.generate([1, 7, 3], sp) == b.generate([1, 7, 3], sp)
+
+
+def test_unknown_architecture_is_refused_by_name(files, tmp_path):
+  params, exps = init_random(CFG, seed=3, scale=0.05)
+  path = str(tmp_path / "llama.gguf")
+  write_gguf(path, params, exps, arch="llama")
+  with pytest.raises(gguf_file.GGUFUnsupported, match="architecture 'llama' is not one"):
+    load_model(path)
+
+
+def test_unknown_tensor_type_is_refused_by_name(tmp_path):
+  params, exps = init_random(CFG, seed=3, scale=0.05)
+  path = str(tmp_path / "q5k.gguf")
+  writer_add = gguf.GGUFWriter.add_tensor
+
+  def add_tensor(self, name, tensor, *a, **kw):   # one tensor's bytes as Q5_K (176 a block)
+    if name == "blk.1.attn_k.weight":
+      return writer_add(self, name, np.zeros((256, 176), np.uint8), raw_dtype=T.Q5_K)
+    return writer_add(self, name, tensor, *a, **kw)
+
+  gguf.GGUFWriter.add_tensor = add_tensor
+  try:
+    write_gguf(path, params, exps)
+  finally:
+    gguf.GGUFWriter.add_tensor = writer_add
+  with pytest.raises(gguf_file.GGUFUnsupported,
+                     match="tensor 'blk.1.attn_k.weight' has type Q5_K, which moejax"):
+    load_model(path)

@@ -127,8 +127,8 @@ def test_numpy_and_jax_dequantizers_agree_with_gguf(qtype):
 @pytest.mark.parametrize("n", [1, 5, 40])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_linear_q_matches_the_reference(qtype, n, dtype):
-  """70 rows (tiles of 4 and 2, remainders); rows of 3 blocks of 32 (a single last block
-  in the AVX-512 pair steps) or 2 super-blocks. Against the reference with x rounded as
+  """70 rows (tiles of 4 and 2, remainders); rows of 3 blocks of 32 (a last group of 3
+  in the AVX-512 steps of 4 blocks, read up to the row's end) or 2 super-blocks. Against the reference with x rounded as
   the kernel rounds it: f32 rounding only. Against the exact dot: within the 8-bit
   activation's bound (act_bound) plus the output's rounding."""
   rng = np.random.default_rng(n)
@@ -366,3 +366,14 @@ def test_quant_arrays_and_qtype_names_are_accepted():
     cpu_quant.qtype_name("q5_k")
   with pytest.raises(ValueError, match="rows of 512"):
     cpu_quant.linear_q(jnp.zeros((1, 512)), blocks, "q4_k")
+
+
+@needs_kernel
+def test_isa_names_the_dots_this_build_runs():
+  """isa() (a benchmark's record) agrees with the build's lane count: AVX-512 dots come
+  with 16 lanes; "off" without the kernels."""
+  assert cpu_quant.isa() in ("avx512-vnni", "avx2", "scalar")
+  if cpu_quant.isa() == "avx512-vnni":
+    assert cpu_kernel.lanes() == 16
+  with cpu_kernel.enabled(False):
+    assert cpu_quant.isa() == "off"

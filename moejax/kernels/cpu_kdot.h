@@ -131,8 +131,7 @@ inline void tile_q6k(const uint8_t* w, int64_t row_bytes, const QAct& a, const i
       }
       for (int t = 0; t < T; ++t) {
         const __m512i xq = _mm512_loadu_si512(a.q_of(tok[t]) + sb * 256 + 64 * c);
-        const __m512i init = _mm512_slli_epi32(
-            _mm512_loadu_si512(a.nls_of(tok[t]) + sb * 64 + 16 * c), 5);   // offset 32
+        const __m512i init = _mm512_loadu_si512(a.corr_of(tok[t]) + sb * 64 + 16 * c);
         for (int r = 0; r < R; ++r)
           isum[r][t] = _mm512_dpwssd_epi32(isum[r][t], _mm512_dpbusd_epi32(init, wq[r], xq),
                                            sv[r]);

@@ -2,10 +2,12 @@
 // (QAct, blocks of 32), ggml's vec_dot_q8_0_q8_0 / vec_dot_q4_0_q8_0 approach: per block an
 // exact integer dot of the codes, then in f32 acc += (isum * d_w) * d_x.
 //
-//  - AVX-512 VNNI: two blocks a step in one zmm. vpdpbusd multiplies unsigned weight bytes
-//    by signed token codes, four a lane: Q4_0's codes 0..15 as they are, Q8_0's int8 with
-//    128 added (xor 0x80); the accumulator starts at the token's (-offset) * sum of each 4
-//    codes (QAct::nls), so each lane holds the exact sum of (w - offset) * x.
+//  - AVX-512 VNNI + VBMI: four blocks (a group) a step. vpdpbusd multiplies unsigned
+//    weight bytes by signed token codes, four a lane: Q4_0's codes 0..15 as they are,
+//    Q8_0's int8 with 128 added (xor 0x80); the accumulator starts at the token's
+//    -offset * the sum of the codes of its lane (QAct::corr), so each lane holds the exact
+//    sum of (w - offset) * x. Byte and word permutes pick the group's codes and f16
+//    scales out of the row's bytes, so a group costs a few instructions, not a few per block.
 //  - AVX2: one block a step in one ymm, as ggml's AVX2 path: vpmaddubsw of |w| and
 //    sign(x, w) (Q8_0) or of the 0..15 codes (Q4_0, then the offset), vpmaddwd to int32.
 //  - elsewhere: scalar, per block.
@@ -14,6 +16,7 @@
 // a prompt. A build for another instruction set sums in other lanes: other bits.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 
@@ -22,13 +25,6 @@
 #endif
 
 #include "cpu_qact.h"
-
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && \
-    defined(__F16C__)
-#define MOEJAX_QDOT_VNNI512 1
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#define MOEJAX_QDOT_AVX2 1
-#endif
 
 namespace moejax {
 
@@ -45,70 +41,116 @@ inline const char* qdot_isa() {
 
 #if defined(MOEJAX_QDOT_VNNI512)
 
-// Two consecutive f32 (or f16) scales spread over a zmm's halves: lanes 0-7 the first.
-inline __m512 spread2(__m128 s) {
-  const __m512i idx = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-  return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(s));
+// Byte / word indices (vpermt2b, vpermt2w) that pick a group of 4 blocks' codes and
+// scales out of the 128 bytes (two zmm) they start in.
+struct Idx32 {
+  alignas(64) uint8_t q4_codes[64];    // Q4_0: the 4 blocks' 16 code bytes
+  alignas(64) uint16_t q4_scales[32];  // Q4_0: words 0-15 = d0 x 4, d1 x 4, d2 x 4, d3 x 4
+  alignas(64) uint8_t q8_codes01[64];  // Q8_0: blocks 0, 1's 32 codes (from bytes 0-127)
+  alignas(64) uint8_t q8_codes23[64];  // Q8_0: blocks 2, 3's (from bytes 64-191)
+  alignas(64) uint16_t q8_scales[32];  // Q8_0: d0 x 8, d1 x 8, d2 x 8, d3 x 8
+  Idx32() {
+    for (int i = 0; i < 64; ++i) {
+      q4_codes[i] = static_cast<uint8_t>(2 + 18 * (i / 16) + i % 16);
+      q8_codes01[i] = static_cast<uint8_t>(2 + 34 * (i / 32) + i % 32);
+      q8_codes23[i] = static_cast<uint8_t>(2 + 68 - 64 + 34 * (i / 32) + i % 32);
+    }
+    for (int i = 0; i < 32; ++i) {
+      q4_scales[i] = static_cast<uint16_t>(i < 16 ? 9 * (i / 4) : 0);
+      q8_scales[i] = static_cast<uint16_t>(17 * (i / 8));
+    }
+  }
+};
+inline const Idx32& idx32() {
+  static const Idx32 idx;
+  return idx;
 }
-// The weight scales of blocks b and b + 1 (the second 0 when there is none).
-inline __m512 w_scales2(const uint8_t* b, int64_t bytes, bool two) {
-  uint16_t h0, h1 = 0;
-  std::memcpy(&h0, b, 2);
-  if (two) std::memcpy(&h1, b + bytes, 2);
-  return spread2(_mm_cvtph_ps(_mm_cvtsi32_si128(h0 | static_cast<uint32_t>(h1) << 16)));
+inline __m512i load_idx(const void* p) { return _mm512_load_si512(p); }
+// The first n (clamped to 0-64) bytes of p, the rest zero (no read past them).
+inline __m512i load_upto(const uint8_t* p, int64_t n) {
+  const __mmask64 m = n >= 64 ? ~0ull : n <= 0 ? 0ull : (1ull << n) - 1;
+  return _mm512_maskz_loadu_epi8(m, p);
 }
-// The codes of blocks b and b + 1 as unsigned bytes (the second zero when there is none).
-template <int Q>
-inline __m512i w_codes2(const uint8_t* b, bool two) {
-  if constexpr (Q == kQ8_0) {   // int8 + 128
-    const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
-    const __m256i hi = two ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 36))
-                           : _mm256_setzero_si256();
-    return _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1),
-                            _mm512_set1_epi8(static_cast<char>(0x80)));
-  } else {   // Q4_0: [low nibbles, high nibbles] of each block's 16 bytes
-    const __m256i lo = _mm256_broadcastsi128_si256(
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2)));
-    const __m256i hi = two ? _mm256_broadcastsi128_si256(
-                                 _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 20)))
-                           : _mm256_setzero_si256();
-    const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-    // 128-bit lanes 1 and 3 (16-bit words 8-15, 24-31) shifted to their high nibbles
-    return _mm512_and_si512(_mm512_mask_srli_epi16(v, 0xff00ff00u, v, 4),
-                            _mm512_set1_epi8(0x0f));
+
+// One group (4 blocks, `left` of its bytes in the row: fewer in a last group, which then
+// reads zeros past the row) of R rows against T tokens, added into acc. Per (row, token):
+// Q4_0 two vpdpbusd (low, high halves) into one int32 sum per 4 lanes, then cvt, * d_w,
+// fma with d_x; Q8_0 the same for blocks 0-1, then for blocks 2-3.
+template <int Q, int R, int T>
+__attribute__((always_inline)) inline void group32(
+    const uint8_t* w, int64_t row_bytes, int64_t left, const int8_t* const* xq,
+    const int32_t* const* xc, const float* const* xv, __m512 (&acc)[R][T]) {
+  const Idx32& ix = idx32();
+  __m512i c0[R], c1[R];   // Q4_0: low, high nibbles; Q8_0: blocks 0-1, 2-3 (+ 128)
+  __m512 d0[R], d1[R];
+  for (int r = 0; r < R; ++r) {
+    const uint8_t* p = w + r * row_bytes;
+    const __m512i A = load_upto(p, left), B = load_upto(p + 64, left - 64);
+    if constexpr (Q == kQ4_0) {
+      const __m512i qs = _mm512_permutex2var_epi8(A, load_idx(ix.q4_codes), B);
+      c0[r] = _mm512_and_si512(qs, _mm512_set1_epi8(0x0f));
+      c1[r] = _mm512_and_si512(_mm512_srli_epi16(qs, 4), _mm512_set1_epi8(0x0f));
+      d0[r] = _mm512_cvtph_ps(_mm512_castsi512_si256(   // the 4 scales lie in A
+          _mm512_permutexvar_epi16(load_idx(ix.q4_scales), A)));
+    } else {
+      const __m512i C = load_upto(p + 128, left - 128);
+      const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+      c0[r] = _mm512_xor_si512(_mm512_permutex2var_epi8(A, load_idx(ix.q8_codes01), B), flip);
+      c1[r] = _mm512_xor_si512(_mm512_permutex2var_epi8(B, load_idx(ix.q8_codes23), C), flip);
+      const __m512i s = _mm512_permutex2var_epi16(A, load_idx(ix.q8_scales), B);
+      d0[r] = _mm512_cvtph_ps(_mm512_castsi512_si256(s));
+      d1[r] = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(s, 1));
+    }
+  }
+  for (int t = 0; t < T; ++t) {
+    const __m512i y0 = _mm512_loadu_si512(xq[t]), y1 = _mm512_loadu_si512(xq[t] + 64);
+    const __m512i i0 = _mm512_loadu_si512(xc[t]);
+    const __m512 x0 = _mm512_loadu_ps(xv[t]);
+    if constexpr (Q == kQ4_0) {
+      for (int r = 0; r < R; ++r) {
+        const __m512i isum = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(i0, c0[r], y0), c1[r], y1);
+        acc[r][t] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(isum), d0[r]), x0, acc[r][t]);
+      }
+    } else {
+      const __m512i i1 = _mm512_loadu_si512(xc[t] + 16);
+      const __m512 x1 = _mm512_loadu_ps(xv[t] + 16);
+      for (int r = 0; r < R; ++r) {
+        const __m512i s0 = _mm512_dpbusd_epi32(i0, c0[r], y0), s1 = _mm512_dpbusd_epi32(i1, c1[r], y1);
+        acc[r][t] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s0), d0[r]), x0, acc[r][t]);
+        acc[r][t] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s1), d1[r]), x1, acc[r][t]);
+      }
+    }
   }
 }
 
-// out[t * os + r] = w[r] . x[tok[t]] for R rows (row_bytes apart) and T tokens.
+// out[t * os + r] = w[r] . x[tok[t]] for R rows (row_bytes apart) and T tokens, a group
+// of four blocks a step: their codes and scales picked out of two or three zmm loads by
+// byte/word permutes; the token's codes, spread scales and accumulator starts as
+// qact_layout stored them.
 template <int Q, int R, int T>
 inline void tile32(const uint8_t* w, int64_t row_bytes, const QAct& a, const int64_t* tok,
                    float* out, int64_t os) {
-  constexpr int64_t kBytes = Q == kQ8_0 ? 34 : 18;
-  constexpr int kOffsetShift = Q == kQ8_0 ? 7 : 3;   // offset 128 or 8
-  const int64_t nb = a.len / 32;
+  constexpr int64_t kBytes = Q == kQ8_0 ? 34 : 18, kGroup = 4 * kBytes;
+  constexpr int64_t kVec = Q == kQ8_0 ? 32 : 16;   // corr / dv entries a group
+  const int64_t ng = a.stride / 128, nbytes = a.len / 32 * kBytes, full = nbytes / kGroup;
+  const int8_t* xq[T];
+  const int32_t* xc[T];
+  const float* xv[T];
+  for (int t = 0; t < T; ++t) {
+    xq[t] = a.q_of(tok[t]);
+    xc[t] = a.corr_of(tok[t]);
+    xv[t] = a.dv_of(tok[t]);
+  }
   __m512 acc[R][T];
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < nb; b += 2) {
-    const bool two = b + 1 < nb;
-    __m512i wq[R];
-    __m512 wd[R];
-    for (int r = 0; r < R; ++r) {
-      const uint8_t* blk = w + r * row_bytes + b * kBytes;
-      wq[r] = w_codes2<Q>(blk, two);
-      wd[r] = w_scales2(blk, kBytes, two);
-    }
+  for (int64_t g = 0; g < ng; ++g) {
+    if (g < full) group32<Q, R, T>(w + g * kGroup, row_bytes, kGroup, xq, xc, xv, acc);
+    else group32<Q, R, T>(w + g * kGroup, row_bytes, nbytes - g * kGroup, xq, xc, xv, acc);
     for (int t = 0; t < T; ++t) {
-      const __m512i xq = _mm512_loadu_si512(a.q_of(tok[t]) + b * 32);
-      const __m512i init = _mm512_slli_epi32(_mm512_loadu_si512(a.nls_of(tok[t]) + b * 8),
-                                             kOffsetShift);
-      const __m512 xd = spread2(_mm_castpd_ps(_mm_load_sd(
-          reinterpret_cast<const double*>(a.d_of(tok[t]) + b))));
-      for (int r = 0; r < R; ++r) {
-        const __m512i isum = _mm512_dpbusd_epi32(init, wq[r], xq);
-        acc[r][t] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(isum), wd[r]), xd,
-                                    acc[r][t]);
-      }
+      xq[t] += 128;
+      xc[t] += kVec;
+      xv[t] += kVec;
     }
   }
   for (int r = 0; r < R; ++r)
@@ -153,10 +195,9 @@ inline void tile32(const uint8_t* w, int64_t row_bytes, const QAct& a, const int
       const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
           a.q_of(tok[t]) + b * 32));
       const __m256 xd = _mm256_set1_ps(a.d_of(tok[t])[b]);
-      __m256i init = _mm256_setzero_si256();
+      __m256i init = _mm256_setzero_si256();   // Q4_0: -8 * the sums of 4 codes
       if constexpr (Q == kQ4_0)
-        init = _mm256_slli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(
-                                     a.nls_of(tok[t]) + b * 8)), 3);
+        init = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.corr_of(tok[t]) + b * 8));
       for (int r = 0; r < R; ++r) {
         __m256i p;
         if constexpr (Q == kQ8_0)   // |w| * sign(x, w): products within int16

@@ -79,9 +79,6 @@ void quantize_x(ffi::ThreadPool& pool, const void* x, bool bf16, int64_t n, int6
   }
 }
 
-// Which activation a weight type's dots take: blocks of 32 (Q8_0, Q4_0) or Q8_K in the
-// Q4_K or Q6_K order.
-int act_kind(int q) { return q <= moejax::kQ4_0 ? 0 : q - 1; }
 
 // y_i = x @ dequant(w_i).T for each quantized weight w_i [O_i, B_i] of type qtypes[i]
 // (one or more: projections of one input in one call). layer >= 0: stacked [L, O, B].
@@ -103,7 +100,7 @@ ffi::Error LinearQCore(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArg
   };
   std::vector<Out> outs;
   std::vector<std::pair<int64_t, int64_t>> items;   // (output, first row)
-  bool need[3] = {false, false, false};
+  bool need[4] = {false, false, false, false};   // an activation a weight type
   int64_t bytes = 0;
   for (size_t i = 0; i < ws.size(); ++i) {
     auto w = ws.get<ffi::AnyBuffer>(i);
@@ -122,21 +119,20 @@ ffi::Error LinearQCore(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArg
           "layer), C a multiple of the block, and y [N, O] of x's dtype");
     outs.push_back({static_cast<const uint8_t*>(s.data), q, s.dims[0], rb,
                     (*y)->untyped_data(), std::vector<float>(n * s.dims[0])});
-    need[act_kind(q)] = true;
+    need[q] = true;
     bytes += s.dims[0] * rb;
     for (int64_t r0 = 0; r0 < s.dims[0]; r0 += kRows) items.emplace_back(i, r0);
   }
-  QAct acts[3];
-  static constexpr int kKindType[3] = {moejax::kQ8_0, moejax::kQ4_K, moejax::kQ6_K};
-  for (int k = 0; k < 3; ++k)
-    if (need[k]) quantize_x(pool, x.untyped_data(), bf16, n, c, kKindType[k], acts[k]);
+  QAct acts[4];   // x quantized in each weight type's layout (cpu_qact.h)
+  for (int q = 0; q < 4; ++q)
+    if (need[q]) quantize_x(pool, x.untyped_data(), bf16, n, c, q, acts[q]);
   std::vector<int64_t> tok(n);
   std::iota(tok.begin(), tok.end(), 0);
   auto run = [&](int64_t it) {
     Out& out = outs[items[it].first];
     const int64_t r0 = items[it].second, rows = std::min(kRows, out.o - r0);
     moejax::qrows_dot(out.q, out.w + r0 * out.row_bytes, rows, out.row_bytes,
-                      acts[act_kind(out.q)], tok.data(), n, out.acc.data() + r0, out.o);
+                      acts[out.q], tok.data(), n, out.acc.data() + r0, out.o);
   };
   const int64_t num = static_cast<int64_t>(items.size());
   if (bytes < kSerialBytes) {

@@ -31,6 +31,14 @@ QTYPES = {"q8_0": (0, 32, 34), "q4_0": (1, 32, 18), "q4_k": (2, 256, 144),
           "q6_k": (3, 256, 210)}
 
 
+def isa() -> str:
+  """The instructions the quantized dots use here, for a benchmark's record:
+  "avx512-vnni", "avx2" or "scalar"; "off" where the kernels are not used."""
+  if not cpu_kernel.available():
+    return "off"
+  return cpu_kernel._state["lib"].moejax_qdot_isa().decode()
+
+
 def qtype_name(qtype) -> str:
   """'q8_0', 'q4_0', 'q4_k' or 'q6_k' from a name in any case, or an enum whose name is
   one (gguf's GGMLQuantizationType.Q4_K)."""

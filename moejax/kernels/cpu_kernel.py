@@ -360,3 +360,17 @@ def linears(x_NxD, ws_OxD) -> tuple:
 def linear(x_NxD, w_OxD):
   """x @ w.T: `linears` with one weight."""
   return linears(x_NxD, (w_OxD,))[0]
+
+
+def quant_linears(x_NxD, ws_OxD, xla_fn=None):
+  """x @ w.T for GGUF-block weights (QuantArrays) on the CPU kernels, or None where they
+  do not take them (`cpu_quant.quant_linears`; moejax.model.quant_ops looks it up here)."""
+  from moejax.kernels import cpu_quant   # pylint: disable=import-outside-toplevel  # it imports this module
+  return cpu_quant.quant_linears(x_NxD, ws_OxD, xla_fn)
+
+
+def quant_expert_ffn(x_NxD, ids_NxK, gates_NxK, w, xla_fn=None):
+  """The routed experts on GGUF-block weights on the CPU kernels, or None where they do not
+  take them (`cpu_quant.quant_expert_ffn`)."""
+  from moejax.kernels import cpu_quant   # pylint: disable=import-outside-toplevel
+  return cpu_quant.quant_expert_ffn(x_NxD, ids_NxK, gates_NxK, w, xla_fn)

@@ -129,19 +129,21 @@ def _linears_ffi(names):
   return cpu_kernel.rows_vmap(call, 1)
 
 
-def linears_q(x_NxC, ws) -> tuple:
+def linears_q(x_NxC, ws, xla_fn=None) -> tuple:
   """(x @ dequant(w).T for w in ws), one kernel call on CPU for every weight of the same
   input (q/k/v). Each w is a QuantArray-like object or a (uint8 blocks [O, B], qtype)
   pair; x is f32 or bf16 and so are the results. One layer of stacked blocks
-  (`layer_view.at`) is read where it lies."""
-  ws = tuple(blocks_of(*w) if isinstance(w, tuple) else blocks_of(w) for w in ws)
+  (`layer_view.at`) is read where it lies. Elsewhere `xla_fn(x, ws)` runs if given, else
+  the blocks dequantized in the program."""
+  orig = tuple(ws)
+  ws = tuple(blocks_of(*w) if isinstance(w, tuple) else blocks_of(w) for w in orig)
   for b, q in ws:
     if row_elems(b, q) != x_NxC.shape[-1] or b.dtype != jnp.uint8:
       raise ValueError(f"{q} blocks {b.shape} {b.dtype} do not hold rows of {x_NxC.shape[-1]}")
   names = tuple(q for _, q in ws)
   if not cpu_kernel.available():
     return _dense(x_NxC, ws)
-  dense = lambda x, *_: _dense(x, ws)
+  dense = lambda x, *_: tuple(xla_fn(x, orig)) if xla_fn is not None else _dense(x, ws)
   v = layer_view.common([b for b, _ in ws])
   if v is not None:   # one layer of stacked blocks, read in place
     stacks, i = v
@@ -179,14 +181,16 @@ def _experts_ffi(target, qgu, qdn, x_at=0):
   return call
 
 
-def expert_ffn_q(x_NxD, ids_NxK, gates_NxK, w: dict, qtypes: dict | None = None):
+def expert_ffn_q(x_NxD, ids_NxK, gates_NxK, w: dict, qtypes: dict | None = None,
+                 xla_fn=None):
   """sum_k gates[n, k] * expert_{ids[n, k]}(x[n]) (SwiGLU) on quantized experts.
 
   `w` holds "gate_up" [E, 2I, Bd] (an expert's gate rows, then its up rows) or "gate"
   and "up" [E, I, Bd], and "down" [E, D, Bi]: each uint8 blocks (its qtype in
   `qtypes[key]`) or a QuantArray-like object. gate and up share a qtype; down may have
   another (Q4_K_M files: Q4_K gate/up, Q6_K down). Pairs whose gate is 0 are not computed.
-  One layer of stacked blocks (`layer_view.at`) is read where it lies.
+  One layer of stacked blocks (`layer_view.at`) is read where it lies. Elsewhere
+  `xla_fn(x, ids, gates, w)` runs if given, else the experts dequantized in the program.
   """
   qtypes = qtypes or {}
   keys = ("gate_up", "down") if "gate_up" in w else ("gate", "up", "down")
@@ -200,8 +204,8 @@ def expert_ffn_q(x_NxD, ids_NxK, gates_NxK, w: dict, qtypes: dict | None = None)
   if row_elems(blocks[0], qgu) != x_NxD.shape[-1]:
     raise ValueError(f"{qgu} gate/up blocks {blocks[0].shape} do not hold rows of "
                      f"{x_NxD.shape[-1]}")
-  dense = lambda x, ids, g, *_: _dense_experts(
-      x, ids, g, {k: dequantize(b, q) for k, (b, q) in bq.items()})
+  dense = lambda x, ids, g, *_: (xla_fn(x, ids, g, w) if xla_fn is not None else _dense_experts(
+      x, ids, g, {k: dequantize(b, q) for k, (b, q) in bq.items()}))
   if not cpu_kernel.available():
     return dense(x_NxD, ids_NxK, gates_NxK)
   ids, gates = ids_NxK.astype(jnp.int32), gates_NxK.astype(jnp.float32)
@@ -214,3 +218,36 @@ def expert_ffn_q(x_NxD, ids_NxK, gates_NxK, w: dict, qtypes: dict | None = None)
         cpu=lambda x, ids, g, i, *bs: at(i.astype(jnp.int32), x, ids, g, *bs))
   call = cpu_kernel.rows_vmap(_experts_ffi(cpu_kernel.EXPERT_FFN_Q_TARGET, qgu, qdn), 3)
   return jax.lax.platform_dependent(x_NxD, ids, gates, *blocks, cpu=call, default=dense)
+
+
+def _takes(w) -> bool:
+  """Whether the kernels take `w`: a QuantArray-like object of a type they compute."""
+  return (hasattr(w, "blocks") and hasattr(w, "qtype")
+          and str(getattr(w.qtype, "name", w.qtype)).split(".")[-1].lower() in QTYPES)
+
+
+def quant_linears(x_NxD, ws_OxD, xla_fn=None):
+  """`linears_q` for the model's weights (moejax.model.quant_ops, through
+  cpu_kernel.quant_linears): None where the kernels do not take them (a plain weight or a
+  type they lack among them, x not f32/bf16, or no kernels)."""
+  ws_OxD = tuple(ws_OxD)
+  if (not cpu_kernel.available() or not all(_takes(w) for w in ws_OxD)
+      or jnp.dtype(x_NxD.dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))):
+    return None
+  return linears_q(x_NxD, ws_OxD, xla_fn)
+
+
+def quant_expert_ffn(x_NxD, ids_NxK, gates_NxK, w: dict, xla_fn=None):
+  """`expert_ffn_q` for the model's experts (QuantArrays under "gate_up"/"down" or
+  "gate"/"up"/"down"); None where the kernels do not take them."""
+  keys = {"gate_up", "down"} if "gate_up" in w else {"gate", "up", "down"}
+  if (not cpu_kernel.available() or set(w) != keys or not all(_takes(v) for v in w.values())
+      or jnp.dtype(x_NxD.dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))):
+    return None
+  gu = [qtype_name(w[k].qtype) for k in sorted(keys - {"down"})]
+  gate = w["gate_up"] if "gate_up" in w else w["gate"]
+  if (len(set(gu)) != 1 or gate.blocks.shape[-1] % QTYPES[gu[0]][2]
+      or row_elems(gate.blocks, gu[0]) != x_NxD.shape[-1]
+      or w["down"].blocks.shape[-1] % QTYPES[qtype_name(w["down"].qtype)][2]):
+    return None
+  return expert_ffn_q(x_NxD, ids_NxK, gates_NxK, w, xla_fn=xla_fn)

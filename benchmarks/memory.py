@@ -1,4 +1,5 @@
-"""Each run alone against the memory plan it prints: peak anonymous RSS vs the plan.
+"""Each run alone against the memory plan it prints: peak anonymous RSS vs the plan
+(--records: the engine's own growth over a long run instead, benchmarks.record_memory).
 
   python -m launch.bench_memory --wide_layers=4 --out=bench_memory.json
   python -m launch.bench_memory --wide_layers=4 --memory_limit_gb=4 --runs=quality,speed
@@ -39,9 +40,14 @@ import sys
 
 from absl import app, flags
 
+from benchmarks import record_memory
+
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", "bench_memory.json", "JSON results file.")
+flags.DEFINE_bool("records", False, "Instead of the runs against their plans: the engine's "
+                  "RSS growth over a long run whose records are never taken "
+                  "(benchmarks.record_memory; its flags are --records_*).")
 flags.DEFINE_string("model_dir", None, "HF folder (default: the wide_bf16 model of "
                     "--wide_layers, written once under ~/.cache/moejax/models).")
 flags.DEFINE_integer("wide_layers", 4, "Layers of the wide_bf16 model.")
@@ -96,6 +102,8 @@ def decode_figures(stderr: str) -> dict:
 
 
 def main(_):
+  if FLAGS.records:            # the engine's records over a long run (benchmarks.record_memory)
+    return record_memory.main()
   from benchmarks import memcg
   from moejax.model.config import ModelConfig
   from moejax.cache.policy import PRESETS

@@ -5,6 +5,7 @@ The bug: under --prefetch=quasi the lines under "time per token" added up to 1.4
 
 import types
 
+import numpy as np
 import pytest
 
 from moejax.offload import stats
@@ -41,3 +42,24 @@ def test_the_parts_of_the_time_per_token_add_up_to_it(prefetched):
   assert ("waiting for prefetches" in labels) == prefetched
   assert labels[-1] == "compute (rest)"
   assert total == 2.15 and sum(v for _, v in parts) == pytest.approx(total, abs=0.011)
+
+
+def test_a_tally_summarises_as_the_records_would_past_its_head():
+  rng = np.random.default_rng(0)
+  n = stats.HEAD_TOKENS + 300
+  recs = [token(*rng.uniform(0, 1e-4, 4), 1e-3 + rng.uniform(0, 1e-3)) for _ in range(n)]
+  for r in recs:
+    r.substituted_mass = float(rng.uniform())
+  t = stats.tally(recs)
+  for skip in (0, 16, stats.HEAD_TOKENS):
+    got, want = stats.summary(t, CFG, skip), stats.summarize(recs[skip:], CFG)
+    assert got.keys() == want.keys() and got["tokens"] == n - skip
+    for k, v in want.items():
+      assert got[k] == pytest.approx(v, rel=1e-12), k
+    walls = [r.wall_s for r in recs[skip:]]        # and as the figures are defined
+    assert got["tpot_ms"] == pytest.approx(1e3 * np.mean(walls), rel=1e-12)
+    assert got["tpot_median_ms"] == 1e3 * np.median(walls)
+    assert got["substituted_mass_per_token"] == pytest.approx(
+        np.mean([r.substituted_mass for r in recs[skip:]]), rel=1e-12)
+  with pytest.raises(ValueError, match=f"skip={stats.HEAD_TOKENS + 1}"):
+    stats.summary(t, CFG, stats.HEAD_TOKENS + 1)

@@ -126,7 +126,7 @@ def time_same_tokens(engines: dict, prompt_ids: list[int], tokens: list[int]) ->
   """Every engine decodes the same `tokens` (the exact model's continuation), so the
   timing and cache columns compare the presets on identical work.  -> {preset: the
   index of its first record of this pass} (for `stats(skip=...)`)."""
-  first = {name: len(eng.records) for name, eng in engines.items()}
+  first = {name: eng.stats()["tokens"] for name, eng in engines.items()}
   decode_side_by_side(engines, prompt_ids, len(tokens), (), forced=tokens,
                       desc="time (same tokens)")
   return first

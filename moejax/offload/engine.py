@@ -43,8 +43,8 @@ from moejax.prefetch import steps as pf_steps
 from moejax.cache import initial as initial_lib
 from moejax.cache import resident as resident_lib
 from moejax.offload.config import EngineConfig, check_policy
-from moejax.offload.stats import (TokenRecord, build_record, link_counts, prefill_record,
-                                  summarize)
+from moejax.offload.stats import (Kept, TokenRecord, build_record, link_counts,
+                                  prefill_record, summary)
 from moejax.model.sampler import SamplingParams, bucket, token_loop
 
 
@@ -126,9 +126,8 @@ class OffloadEngine:
     self.low_nbytes = self.low_store.expert_nbytes() if self.low_store else 0
     self._carry = None            # (KV cache, states, pending) once a prompt ran
     self.end_index = 0
-    self._records: list[TokenRecord] = []
+    self._kept = Kept()           # the steps' records: a tally, the newest kept whole
     self._deferred: list[tuple] = []     # (device packed Record, start) of lazy steps
-    self._unbuilt: list[tuple] = []      # (numpy packed Record, wall_s, waits) per step
     self._loops: dict = {}        # (steps, temperature, top_p, stop shape) -> compiled loop
     self.prefill_record: TokenRecord | None = None
     self._failed: BaseException | None = None
@@ -139,7 +138,7 @@ class OffloadEngine:
 
   def batched(self, max_batch: int) -> batch_lib.Batched:
     """`batch.Batched`: up to `max_batch` sequences at once on this engine's experts."""
-    self._check(), self._read_deferred(), self._build_records()
+    self._check(), self._read_deferred(), self._kept.build(self._record)
     self._batch = batch_lib.Batched(self, self._live_states(), max_batch)
     self._carry = self._states = None
     return self._batch
@@ -182,14 +181,16 @@ class OffloadEngine:
 
   @property
   def records(self) -> list[TokenRecord]:
-    """The decode steps' records, in order (lazy steps' are read first)."""
+    """The newest decode steps' records, in order (lazy steps' are read first): at most
+    `stats.RECORDS_KEPT`, so that a long run's memory does not grow with its tokens."""
     self._read_deferred()
-    self._build_records()
-    return self._records
+    return list(self._kept.build(self._record).whole)
 
   def stats(self, skip: int = 0) -> dict:
-    """Summary of the decode records after the first `skip` tokens (warm-up)."""
-    out = summarize(self.records[skip:], self.cfg)
+    """Summary of every decode step since the records were last taken, after the first
+    `skip` (warm-up; at most `stats.HEAD_TOKENS`)."""
+    self._read_deferred()
+    out = summary(self._kept.build(self._record).tally, self.cfg, skip)
     return dict(out, **self.staging.counts()) if self.staging else out
 
   def _check(self):
@@ -228,7 +229,7 @@ class OffloadEngine:
     check_policy(policy, self.device.platform, self.low_store if policy.decision.low else None,
                  staged=self.staging is not None)
     self._read_deferred()
-    self._build_records()        # read under the program that made them
+    self._kept.build(self._record)     # read under the program that made them
     self.policy = policy
     self._prog = dataclasses.replace(self._prog, ctx=dataclasses.replace(self._prog.ctx,
                                                                          policy=policy))
@@ -236,11 +237,9 @@ class OffloadEngine:
     self._loops = {}
 
   def take_records(self) -> list[TokenRecord]:
-    """The decode records so far, handed over and forgotten (a long-running caller's
-    records, e.g. a server's, would otherwise grow without end)."""
-    out = list(self.records)
-    self._records.clear()
-    return out
+    """The records `records` holds, handed over, and `stats` started afresh."""
+    self._read_deferred()
+    return self._kept.take(self._record)
 
   def _put(self, tree):
     """Dense pytrees (parameters, the KV cache) on the device, or on every device of the
@@ -333,7 +332,7 @@ class OffloadEngine:
     if self.link.emulated:
       waits = self.charge_link(t0, f"the token at position {self.end_index - 1}", *link_counts(
           self._unpack(rec), self.low_nbytes / self.store.expert_nbytes(), self.plan))
-    self._unbuilt.append((rec, time.perf_counter() - t0, waits))
+    self._kept.add((rec, time.perf_counter() - t0, waits), self._record)
     return jnp.asarray(out) if lazy else out
 
   def _read_deferred(self, keep: int = 0):
@@ -341,21 +340,19 @@ class OffloadEngine:
     while len(self._deferred) > keep:
       rec, t0 = self._deferred.pop(0)
       nxt = self._deferred[0][1] if self._deferred else time.perf_counter()
-      self._unbuilt.append((np.array(rec), nxt - t0, {}))
+      self._kept.add((np.array(rec), nxt - t0, {}), self._record)
 
   def _unpack(self, packed):
     """The numpy Record of a step's packed decisions (`decode.unpack`)."""
     return decode.unpack(packed, decode.record_like(self._prog, np.shape(packed)))
 
-  def _build_records(self):
-    """Turns the steps' decisions into records (when `records` is read: a decode step
-    itself only keeps its small numpy arrays)."""
-    eb = self.store.expert_nbytes()
-    for packed, wall, waits in self._unbuilt:
-      rec = build_record(self._unpack(packed), self.moe_layers, eb, self.low_nbytes, self.plan)
-      rec.finish(wall, **waits)
-      self._records.append(rec)
-    self._unbuilt.clear()
+  def _record(self, packed, wall_s: float, waits: dict, layers: bool) -> TokenRecord:
+    """A step's record of its packed decisions (built when read, or once
+    `stats.RECORDS_KEPT` wait: a decode step itself keeps only its numpy arrays)."""
+    rec = build_record(self._unpack(packed), self.moe_layers, self.store.expert_nbytes(),
+                       self.low_nbytes, self.plan, layers=layers)
+    rec.finish(wall_s, **waits)
+    return rec
 
   def generate(self, prompt_ids, sp: SamplingParams, seed: int = 0, on_token=None) -> list[int]:
     """Prefill + up to sp.max_new_tokens sampled tokens (batch 1).  Without `on_token`
@@ -393,7 +390,8 @@ class OffloadEngine:
     toks, n, recs = jax.device_get((toks, n, recs))
     n = int(n)
     wall = (time.perf_counter() - t0) / max(1, n - 1)
-    self._unbuilt.extend((recs[i], wall, {}) for i in range(n - 1))
+    for i in range(n - 1):
+      self._kept.add((recs[i], wall, {}), self._record)
     self.end_index += n - 1
     return [int(x) for x in toks[:n]]
 

@@ -10,6 +10,8 @@ timing.  Masses are normalised shares g / sum(selected g).
 
 from __future__ import annotations
 
+import array
+import collections
 import dataclasses
 
 import numpy as np
@@ -112,20 +114,21 @@ _DENSE = ("ids", "actions", "substitutes", "true_ids")     # K entries each, -1 
 
 
 def build_record(rec, moe_layers, expert_bytes: int, low_bytes: int = 0,
-                 plan=None) -> TokenRecord:
+                 plan=None, layers: bool = True) -> TokenRecord:
   """A decoded token's record from its decisions, a `cache.step.Record` of numpy arrays
   [L, ...] (rows in `moe_layers` order): the counts by `cache.step.counts`, the same
   function the emulator's statistics use.  Per layer, id lists drop the -1 padding (ids,
   actions, substitutes and true_ids keep their K entries).  `fetches` counts
   full-precision fetches, `fetches_low` low-precision ones (`low_bytes` each); `fetched`
   lists both.  plan: an `expert_parallel.Plan`, whose devices' hits are counted
-  (`device_hits`)."""
+  (`device_hits`).  layers=False: the counts alone (`layers` left empty)."""
   out = from_counts(np.sum(step_lib.record_counts(np, rec), axis=0, dtype=np.float64),
                     expert_bytes, low_bytes)
   if plan is not None:     # a hit's row is its global slot
     hits = per_device(rec.actions == HIT, rec.rows, plan.devices)
     out.device_hits = tuple(np.sum(hits, axis=0, dtype=np.float64).tolist())
-  out.layers = layer_records(rec, moe_layers)
+  if layers:
+    out.layers = layer_records(rec, moe_layers)
   return out
 
 
@@ -190,23 +193,113 @@ def prefill_record(tokens: int, moe_layers, copied_LxE, evicted_LxN, expert_byte
   return rec
 
 
+RECORDS_KEPT = 1024   # the newest decode records an engine keeps whole (`OffloadEngine.records`)
+HEAD_TOKENS = 1024    # the first tokens whose counts a Tally keeps apart (`summary`'s skip)
+
+
+class Tally:
+  """What `summarize` reports of decode records, added up as they come: the running sums
+  of STAT_KEYS (and of `device_hits`), the first HEAD_TOKENS tokens' own rows (for
+  `summary(skip=...)`) and every token's wall time (8 bytes a token: the exact median).
+  A long run's summary costs no record kept."""
+
+  def __init__(self):
+    self.walls = array.array("d")
+    self.head_TxS: np.ndarray | None = None   # [HEAD_TOKENS, STAT_KEYS + devices]
+    self.total_S = self.rest_S = None         # all tokens' sums; those after the head
+
+  tokens = property(lambda self: len(self.walls))
+
+  def add(self, rec: TokenRecord):
+    row_S = np.array([rec[k] for k in STAT_KEYS] + list(rec.device_hits), np.float64)
+    if self.head_TxS is None:
+      self.head_TxS = np.zeros((HEAD_TOKENS, row_S.size))
+      self.total_S, self.rest_S = np.zeros_like(row_S), np.zeros_like(row_S)
+    if self.tokens < HEAD_TOKENS:
+      self.head_TxS[self.tokens] = row_S
+    else:
+      self.rest_S += row_S
+    self.total_S += row_S
+    self.walls.append(rec.wall_s)
+
+  def sums(self, skip: int) -> np.ndarray:
+    """The sums over the tokens after the first `skip` (at most HEAD_TOKENS)."""
+    if skip == 0:
+      return self.total_S
+    if skip < 0:
+      raise ValueError(f"skip={skip}: the tokens to leave out, 0 or more")
+    if skip > HEAD_TOKENS:
+      raise ValueError(f"skip={skip}: the counts of the first {HEAD_TOKENS} tokens are kept "
+                       f"apart, no more; skip at most {HEAD_TOKENS}")
+    out_S = np.zeros_like(self.total_S)
+    for row_S in self.head_TxS[skip:min(self.tokens, HEAD_TOKENS)]:
+      out_S += row_S                # in token order, as a sum over the records
+    return out_S + self.rest_S
+
+
+class Kept:
+  """An engine's decode records, bounded: each step's packed decisions until they are
+  read or RECORDS_KEPT wait, then every step counted into `tally` and the newest
+  RECORDS_KEPT kept whole in `whole` (per-layer decisions built for those only).
+  `make(packed, wall_s, waits, layers=...)` builds one step's TokenRecord."""
+
+  def __init__(self):
+    self.unbuilt: list[tuple] = []     # (packed Record, wall_s, waits) per step
+    self.whole = collections.deque(maxlen=RECORDS_KEPT)
+    self.tally = Tally()
+
+  def add(self, step: tuple, make):
+    self.unbuilt.append(step)
+    if len(self.unbuilt) >= RECORDS_KEPT:
+      self.build(make)
+
+  def build(self, make) -> "Kept":
+    whole_from = len(self.unbuilt) - RECORDS_KEPT
+    for i, step in enumerate(self.unbuilt):
+      rec = make(*step, layers=i >= whole_from)
+      self.tally.add(rec)
+      if i >= whole_from:
+        self.whole.append(rec)
+    self.unbuilt.clear()
+    return self
+
+  def take(self, make) -> list[TokenRecord]:
+    """The records kept whole, handed over; the tally started afresh."""
+    out = list(self.build(make).whole)
+    self.whole.clear()
+    self.tally = Tally()
+    return out
+
+
+def tally(records: list[TokenRecord]) -> Tally:
+  out = Tally()
+  for r in records:
+    out.add(r)
+  return out
+
+
 def summarize(records: list[TokenRecord], cfg: ModelConfig) -> dict:
   """Means per token over decode records, plus rates."""
-  n = len(records)
-  if n == 0:
+  return summary(tally(records), cfg)
+
+
+def summary(t: Tally, cfg: ModelConfig, skip: int = 0) -> dict:
+  """Means per token over the tokens of `t` after the first `skip`, plus rates."""
+  n = t.tokens - skip
+  if n <= 0:
     return {"tokens": 0}
-  tot = {k: float(sum(r[k] for r in records)) for k in STAT_KEYS}
+  sums_S = t.sums(skip)
+  tot = dict(zip(STAT_KEYS, sums_S.tolist()))
   calls = max(tot["expert_calls"], 1.0)
   moe_layers = max(1, len(cfg.moe_layers))
   s = {"tokens": n}
   s.update({f"{k}_per_token": tot[k] / n for k in COUNT_KEYS})
   s.update({f"{k[:-2]}_ms_per_token": 1e3 * tot[k] / n for k in TIME_KEYS})
   s["tpot_ms"] = 1e3 * tot["wall_s"] / n
-  s["tpot_median_ms"] = 1e3 * float(np.median([r.wall_s for r in records]))
+  s["tpot_median_ms"] = 1e3 * float(np.median(np.frombuffer(t.walls)[skip:]))
   s["hit_rate"] = tot["hits"] / calls
-  if records[0].device_hits:      # expert-parallel: each device's share of the calls
-    s["device_hit_rates"] = [float(h) / calls
-                             for h in np.sum([r.device_hits for r in records], axis=0)]
+  if sums_S.size > len(STAT_KEYS):     # expert-parallel: each device's share of the calls
+    s["device_hit_rates"] = [float(h) / calls for h in sums_S[len(STAT_KEYS):]]
   s["substituted_call_pct"] = 100.0 * tot["substituted"] / calls
   s["substituted_mass_per_token_layer"] = tot["substituted_mass"] / (n * moe_layers)
   s["substituted_mass_per_token"] = tot["substituted_mass"] / n

@@ -23,15 +23,12 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import subprocess
-import sys
-import threading
 import time
 
 from absl import flags
 import numpy as np
 
+from benchmarks.serve_client import start_server, via_server
 from moejax.cli import app as cli
 
 FLAGS = flags.FLAGS
@@ -52,68 +49,13 @@ flags.DEFINE_list("max_batches", ["1", "8"], "The servers' --max_batch values (-
 flags.DEFINE_integer("rounds", 1, "Rounds over --max_batches, alternating (--clients).")
 flags.DEFINE_list("server_args", [], "More flags for the server (--clients), e.g. "
                   "--store=mmap,--dtype=bfloat16.")
-
-
-def start_server(model_dir, warm_len, extra=()):
-  args = [sys.executable, "-m", "launch.serve", f"--model_dir={model_dir}", "--port=0",
-          f"--policy={FLAGS.policy}", f"--warm_prompt_tokens={warm_len}", *extra]
-  if FLAGS.server_max_len:
-    args.append(f"--max_len={FLAGS.server_max_len}")
-  proc = subprocess.Popen(args, stderr=subprocess.PIPE, text=True)
-  url, log = [], []
-
-  def read():
-    for line in proc.stderr:
-      log.append(line)
-      m = re.search(r"on (http://[\d.]+:\d+)", line)
-      if m and not url:
-        url.append(m.group(1))
-  threading.Thread(target=read, daemon=True).start()
-  import httpx
-  t0 = time.time()
-  while time.time() - t0 < 600:
-    if proc.poll() is not None:
-      raise RuntimeError("the server ended: " + "".join(log))
-    if url:
-      try:
-        if httpx.get(url[0] + "/health").status_code == 200:
-          return proc, url[0]
-      except httpx.HTTPError:
-        pass
-    time.sleep(0.5)
-  raise RuntimeError("the server did not become healthy: " + "".join(log))
-
-
-def via_server(conn, model_id, prompt=None):
-  """One streamed completion on the keep-alive http.client connection `conn`."""
-  body = json.dumps(dict(model=model_id, prompt=prompt or FLAGS.prompt, temperature=0,
-                         stream=True, max_tokens=FLAGS.max_new_tokens)).encode()
-  lines, usage = [], None
-  t0 = time.perf_counter()
-  conn.request("POST", "/v1/completions", body=body,
-               headers={"Content-Type": "application/json"})
-  r = conn.getresponse()
-  if r.status != 200:
-    raise RuntimeError(f"the server answered {r.status}: {r.read()[:500]!r}")
-  while True:
-    line = r.readline()          # one SSE line, the chunked framing undone
-    if not line or line.startswith(b"data: [DONE]"):
-      break
-    if line.startswith(b"data: {"):   # stamped when read, parsed after
-      lines.append((time.perf_counter(), line))
-  r.read()                       # the last chunk: the connection is free for the next one
-  stamps = []
-  for t, line in lines:
-    chunk = json.loads(line[6:])
-    if chunk.get("choices") and chunk["choices"][0]["text"]:
-      stamps.append(t)
-    usage = chunk.get("usage") or usage
-  n = usage["completion_tokens"]
-  server_ttft = usage["moejax"]["ttft_ms"]
-  return dict(ttft_ms=1e3 * (stamps[0] - t0), tokens=n,
-              tokens_per_s=(n - 1) / (stamps[-1] - stamps[0]),
-              server_ttft_ms=server_ttft, http_ms=1e3 * (stamps[0] - t0) - server_ttft,
-              server_tokens_per_s=usage["moejax"]["decode_tokens_per_s"])
+flags.DEFINE_float("temperature", 0.0, "The load test's requests (--clients): 0 greedy, 1 "
+                   "OpenAI's default sampling (what the openai client sends unless told).",
+                   lower_bound=0.0)
+flags.DEFINE_integer("bursts", 4, "Before the load (--clients): bursts of one request from "
+                     "every client at once, the first sent as soon as the server is ready "
+                     "(its first batch: what it compiled before saying ready), each after "
+                     "the last answer of the one before.", lower_bound=2)
 
 
 def via_generate(eng, ids, sp):
@@ -142,7 +84,7 @@ def main(_):
   model_dir = FLAGS.model_dir or cli.demo_model_dir()
   tok = Tokenizer(model_dir)
   ids = tok.encode(FLAGS.prompt)
-  proc, url = start_server(model_dir, len(ids))
+  proc, url = start_server(model_dir, len(ids), FLAGS.policy, FLAGS.server_max_len)
   try:
     cfg, params, experts = load_model(model_dir, dtype=jnp.float32)
     store = make_store(experts, "numpy")
@@ -161,7 +103,7 @@ def main(_):
       import http.client
       host, port = url.rsplit("/", 1)[1].rsplit(":", 1)
       conn = http.client.HTTPConnection(host, int(port), timeout=600)   # kept alive
-      via_server(conn, model_id)
+      via_server(conn, model_id, FLAGS.prompt, FLAGS.max_new_tokens)
       rows = {"generate": [], "server": []}
       load_start = os.getloadavg()
       for _ in range(FLAGS.repeats):
@@ -170,11 +112,12 @@ def main(_):
         time.sleep(FLAGS.pause_s)
         rows["generate"].append(via_generate(eng, ids, sp))
         time.sleep(FLAGS.pause_s)
-        rows["server"].append(via_server(conn, model_id))
+        rows["server"].append(via_server(conn, model_id, FLAGS.prompt, FLAGS.max_new_tokens))
   finally:
     proc.terminate()
     proc.wait(30)
-  med = {k: {m: float(np.median([r[m] for r in v])) for m in v[0]} for k, v in rows.items()}
+  med = {k: {m: float(np.median([r[m] for r in v])) for m in v[0]
+             if isinstance(v[0][m], (int, float))} for k, v in rows.items()}
   ratio = {m: med["server"][m] / med["generate"][m] for m in ("ttft_ms", "tokens_per_s")}
   # the median of the ratios of the alternating pairs: load that drifts over the run
   # falls on both of a pair alike

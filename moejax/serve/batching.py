@@ -40,7 +40,7 @@ import numpy as np
 from moejax.model.model import init_cache, put_row
 from moejax.model.sampler import (Sampler, SamplingParams, bucket, decode_logits, next_token,
                                   next_token_penalized)
-from moejax.serve import protocol
+from moejax.serve import protocol, warm
 from moejax.serve.logprobs import token_logprob
 from moejax.serve.text import StopText
 from moejax.serve.worker import Result, timeout_error
@@ -73,7 +73,10 @@ class Resident:
     return f"every expert resident (--policy=none), up to {self.max_batch} requests a step"
 
   def new_cache(self):
-    return init_cache(self.sampler.cfg, self.max_batch, self.max_len, self.dtype)
+    """Placed on the device, as every cache after a join or step is: one `put_row`
+    program for the first join and the later ones (an unplaced cache compiled its own)."""
+    return jax.device_put(init_cache(self.sampler.cfg, self.max_batch, self.max_len, self.dtype),
+                          jax.devices()[0])
 
   def step(self, cache, tokens_B, pos_B, valid_B=None):
     """One token of every row -> (logits [B, V] on the host, cache); a free row decodes at
@@ -89,10 +92,13 @@ class Resident:
     return logits[0], put_row(cache, cache_1, np.int32(row))
 
   def warmup(self, prompt_lengths=()):
-    """Compiles the batch step, the row write and the prompt pass of each length's bucket."""
+    """Compiles the batch step, the row write and the prompt pass of each length's bucket
+    (by running them; the cache is a throwaway), and the sampler (`warm.sampling`)."""
     cache = self.new_cache()
-    for n in sorted({bucket(n) for n in prompt_lengths if 0 < n < self.max_len}):
+    one_each = {bucket(n): n for n in prompt_lengths if 0 < n < self.max_len}
+    for n in sorted(one_each.values()):
       _, cache = self.prompt([0] * n, cache, 0)
+    warm.sampling(self.sampler.cfg.vocab_size)
     zeros = np.zeros(self.max_batch, np.int32)
     jax.block_until_ready(self.step(cache, zeros, zeros))
 
@@ -146,8 +152,12 @@ class Offloaded:
     return self.batch.last_prompt_fetches
 
   def warmup(self, prompt_lengths=()):
+    """Compiles the B-row step, the prompt pass and the row write of each length's
+    bucket (nothing runs: the resident experts stay as they are), and the sampler."""
     self.warm = tuple(prompt_lengths)
     self.batch.warmup(prompt_lengths)
+    warm.joins(self.engine, self.max_batch, prompt_lengths)
+    warm.sampling(self.engine.cfg.vocab_size)
 
   def use_policy(self, policy) -> float:
     """Switches the batch (no row running) to `policy` -> seconds spent compiling it."""
@@ -240,19 +250,32 @@ def serve(q: queue.Queue, res, tok, metrics, scorer) -> None:
   waits for the busy rows to finish (module docstring).  Returns when the worker is
   stopped (None in its queue `q`); scorer(): the prompt scorer (`logprobs.PromptScorer`,
   made on first use)."""
-  cache = res.new_cache()
-  rows: list[Row | None] = [None] * res.max_batch
-  tokens = np.zeros(res.max_batch, np.int32)
-  pos = np.zeros(res.max_batch, np.int32)
-  held = None                                      # a request waiting for its policy
-  while True:
-    for b in range(res.max_batch):                 # admissions, into the free rows
+  batch = _Loop(res, tok, metrics, scorer)
+  while batch.admit(q):
+    batch.step()
+
+
+class _Loop:
+  """`serve`'s state: the rows, their next tokens and positions, the batch's cache."""
+
+  def __init__(self, res, tok, metrics, scorer):
+    self.res, self.tok, self.metrics, self.scorer = res, tok, metrics, scorer
+    self.cache = res.new_cache()
+    self.rows: list[Row | None] = [None] * res.max_batch
+    self.tokens = np.zeros(res.max_batch, np.int32)
+    self.pos = np.zeros(res.max_batch, np.int32)
+    self.held = None                               # a request waiting for its policy
+
+  def admit(self, q: queue.Queue) -> bool:
+    """Queued requests into the free rows; False once the worker is stopped."""
+    res, rows = self.res, self.rows
+    for b in range(res.max_batch):
       if rows[b] is not None:
         continue
-      if held is not None:
+      if self.held is not None:
         if any(rows):
           break
-        job, held = held, None
+        job, self.held = self.held, None
       else:
         try:
           job = q.get(block=not any(rows))
@@ -260,51 +283,61 @@ def serve(q: queue.Queue, res, tok, metrics, scorer) -> None:
           break
       if job is None:
         _stop_all(rows)
-        return
+        return False
       if res.policy is not None and job.policy != res.policy and any(rows):
-        held = job
+        self.held = job
         break
-      start = time.perf_counter()
-      metrics.waited(start - job.created)
-      if job.cancel.is_set():
-        metrics.outcome("cancelled")
-        continue
-      if start > job.deadline:
-        metrics.outcome("timeout")
-        job.sink("error", timeout_error(job, start))
-        continue
-      row = Row(job, tok, start)
-      try:
-        if res.policy is not None and job.policy != res.policy:
-          row.compile_s = res.use_policy(job.policy)
-          if row.compile_s:
-            metrics.compiled(row.compile_s)
-          row.t0 = time.perf_counter()
-        logits, cache = res.prompt(job.prompt_ids, cache, b)
-        row.prompt_fetches = res.last_prompt_fetches
-        if job.sp.max_new_tokens == 0:
-          row.end = "length"
-        else:
-          tid = row.pick(np.asarray(logits))
-          row.end = row.emit(tid, time.perf_counter())
-      except Exception as e:  # pylint: disable=broad-except
-        _fail(metrics, row, e)
-        continue
-      if row.end is not None:
-        _finish(metrics, res, row, scorer)
+      self.join(job, b)
+    return True
+
+  def join(self, job, b: int) -> None:
+    """`job`'s prompt pass into row b and its first token (it may end there)."""
+    res, metrics = self.res, self.metrics
+    start = time.perf_counter()
+    metrics.waited(start - job.created)
+    if job.cancel.is_set():
+      metrics.outcome("cancelled")
+      return
+    if start > job.deadline:
+      metrics.outcome("timeout")
+      job.sink("error", timeout_error(job, start))
+      return
+    row = Row(job, self.tok, start)
+    try:
+      if res.policy is not None and job.policy != res.policy:
+        row.compile_s = res.use_policy(job.policy)
+        if row.compile_s:
+          metrics.compiled(row.compile_s)
+        row.t0 = time.perf_counter()
+      logits, self.cache = res.prompt(job.prompt_ids, self.cache, b)
+      row.prompt_fetches = res.last_prompt_fetches
+      if job.sp.max_new_tokens == 0:
+        row.end = "length"
       else:
-        rows[b], tokens[b], pos[b] = row, row.out[-1], row.pos - 1
+        row.end = row.emit(row.pick(np.asarray(logits)), time.perf_counter())
+    except Exception as e:  # pylint: disable=broad-except
+      _fail(metrics, row, e)
+      return
+    if row.end is not None:
+      _finish(metrics, res, row, self.scorer)
+    else:
+      self.rows[b], self.tokens[b], self.pos[b] = row, row.out[-1], row.pos - 1
+
+  def step(self) -> None:
+    """One token of every busy row; a row that ends leaves."""
+    rows, res = self.rows, self.res
     busy = [b for b, r in enumerate(rows) if r is not None]
     if not busy:
-      continue
+      return
     try:
-      logits, cache = res.step(cache, tokens, pos, np.asarray([r is not None for r in rows]))
+      logits, self.cache = res.step(self.cache, self.tokens, self.pos,
+                                    np.asarray([r is not None for r in rows]))
     except Exception as e:  # pylint: disable=broad-except
       for b in busy:
-        _fail(metrics, rows[b], e)
+        _fail(self.metrics, rows[b], e)
         rows[b] = None
-      cache = res.new_cache()
-      continue
+      self.cache = res.new_cache()
+      return
     now = time.perf_counter()
     for b, rec in zip(busy, res.take_records() or [None] * len(busy)):
       row = rows[b]
@@ -313,10 +346,10 @@ def serve(q: queue.Queue, res, tok, metrics, scorer) -> None:
         row.records.append(rec)
       row.end = row.emit(row.pick(logits[b]), now)
       if row.end is None:
-        tokens[b], pos[b] = row.out[-1], row.pos - 1
+        self.tokens[b], self.pos[b] = row.out[-1], row.pos - 1
       else:
-        _finish(metrics, res, row, scorer)
-        rows[b], tokens[b], pos[b] = None, 0, 0
+        _finish(self.metrics, res, row, self.scorer)
+        rows[b], self.tokens[b], self.pos[b] = None, 0, 0
 
 
 def _finish(metrics, res, row: Row, scorer) -> None:
@@ -332,9 +365,11 @@ def _finish(metrics, res, row: Row, scorer) -> None:
   if rest:
     job.sink("text", rest)
   t = row.times
-  ttft = t[0] - row.t0 if t else None
+  ttft = t[0] - row.t0 if t else None      # usage: its prompt pass to its first token
   tps = (len(t) - 1) / (t[-1] - t[0]) if len(t) > 1 and t[-1] > t[0] else None
-  metrics.finished(len(row.out), ttft, tps, row.records)
+  # /metrics: from its arrival, as its client waits (the queue, other rows' joins)
+  metrics.finished(len(row.out), t[0] - job.created if t else None, tps, row.records,
+                   latency_s=(t[-1] if t else time.perf_counter()) - job.created)
   usage = dict(res.usage(row, ttft, tps), batch_mean=round(row.shared / max(len(t) - 1, 1), 3))
   prompt_lps = scorer()(job.prompt_ids, job.logprobs or 0) if job.score_prompt else None
   metrics.outcome(row.end)

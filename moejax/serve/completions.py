@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 
 from moejax.serve import chat as chat_lib
 from moejax.serve import protocol
@@ -64,8 +65,20 @@ class Completions:
     """guard: an auth.Guard (the API key), or None: every route is open."""
     self.worker, self.limits, self.tok, self.template = worker, limits, tok, template
     self.fallback, self.guard = fallback, guard
+    self.open: dict[int, tuple] = {}      # id(job) -> (job, its event queue): running
+
+  def stop_all(self):
+    """Ends every running request now (Ctrl-C; on the event loop): its job is cancelled
+    at its next token and its client gets a 503 `shutting_down` (a stream: an error
+    event, then [DONE]), so that each response completes before the server closes."""
+    err = protocol.APIError(503, "the server is shutting down (interrupted)", "server_error",
+                            code="shutting_down")
+    for job, events in list(self.open.values()):
+      job.cancel.set()
+      events.put_nowait(("error", err))
 
   async def __call__(self, scope, receive, send):
+    arrived = time.perf_counter()    # the request's clock (Job.created): /metrics' TTFT
     if scope["type"] == "http":
       send = self.counting(send)
       denied = self.guard.check(scope) if self.guard is not None else None
@@ -89,7 +102,7 @@ class Completions:
       err = protocol.APIError(500, f"the request failed: {type(e).__name__}: {e}",
                               "server_error")
       return await send_json(send, 500, err.body())
-    await self.run(req, chat, receive, send)
+    await self.run(req, chat, receive, send, arrived)
 
   def counting(self, send):
     """`send` that counts each answer's status (moejax_http_responses_total)."""
@@ -141,16 +154,21 @@ class Completions:
     text = self.template.render(chat_lib.messages(body))
     return protocol.parse(body, self.limits, self.tok.encode(text), "max_completion_tokens")
 
-  async def run(self, req: protocol.Request, chat: bool, receive, send):
+  async def run(self, req: protocol.Request, chat: bool, receive, send, arrived: float):
     from moejax.model.sampler import SamplingParams
     loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
-    sink = lambda kind, value: loop.call_soon_threadsafe(events.put_nowait, (kind, value))
+
+    def sink(kind, value):
+      try:
+        loop.call_soon_threadsafe(events.put_nowait, (kind, value))
+      except RuntimeError:       # the loop has closed: the server stopped, nobody listens
+        pass
     sp = SamplingParams(req.temperature, req.top_p, req.max_tokens, self.limits.eos_ids)
     job = Job(req.prompt_ids, sp, req.seed, req.policy, req.stops, req.timeout_s, sink,
               first_sent=threading.Event() if req.stream else None, logprobs=req.logprobs,
               score_prompt=req.echo and req.logprobs is not None, presence=req.presence,
-              frequency=req.frequency)
+              frequency=req.frequency, created=arrived)
     try:
       self.worker.submit(job)
     except QueueFull as e:
@@ -168,12 +186,14 @@ class Completions:
     watch = asyncio.ensure_future(receive())
     watch.add_done_callback(gone)
     resp = protocol.Response(chat, self.limits.model_id)
+    self.open[id(job)] = (job, events)
     try:
       if req.stream:
         await self.stream(events, job, resp, req, send)
       else:
         await self.whole(events, job, resp, req, send)
     finally:
+      self.open.pop(id(job), None)
       job.cancel.set()       # the engine stops at its next token (a no-op once it is done)
       if job.first_sent is not None:
         job.first_sent.set()   # and does not wait for a first chunk that was not written

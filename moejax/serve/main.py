@@ -4,9 +4,11 @@
   moejax-serve --model_dir=/path/to/Qwen3-30B-A3B --dtype=bfloat16 --store=mmap
 
 (`python -m launch.serve` in a source checkout; needs the `serve` extra: fastapi,
-uvicorn.)  POST /v1/completions and /v1/chat/completions (chat only where the
-checkpoint's tokenizer_config.json has a chat template), GET /v1/models, /health
-(200 once the model is loaded and compiled, 503 before), /metrics (Prometheus).
+uvicorn, jinja2: `.venv/bin/python -m pip install -e ".[serve]"` in a checkout.)
+POST /v1/completions and /v1/chat/completions (chat only where the checkpoint's
+tokenizer_config.json has a chat template), GET /v1/models, /health (200 once the model
+is loaded and what the first requests run is compiled, 503 before), /metrics
+(Prometheus).
 
 One engine decodes one request at a time (batch 1), or up to --max_batch requests
 together, each joining at the next token (continuous batching, moejax.serve.batching),
@@ -19,15 +21,23 @@ choose its own miss policy, tau, admission and eviction in the extension object
 (--norequest_policies: one fixed policy, those fields ignored).  --api_key (or
 $MOEJAX_API_KEY) requires 'Authorization: Bearer <key>' on every route but /health.
 
-Exit codes: 0 after a clean shutdown (SIGTERM); 130 Ctrl-C; 2 usage error (one line
-naming the flag, e.g. a --port in use); 1 the model failed to load.
+Exit codes: 0 after a clean shutdown (SIGTERM: the running requests finish, up to 5 s);
+130 Ctrl-C (the running requests are cancelled at their next token and the server stops
+at once, with one line); 2 usage error (one line naming the flag, e.g. a --port in use);
+1 the model failed to load, or the serve extra is not installed (the line names the pip
+command for this Python).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
+import shlex
+import signal
 import socket
 import sys
+import threading
 import time
 
 from absl import flags
@@ -36,6 +46,8 @@ from moejax.cli import app as cli
 from moejax.cli import flagsets
 
 FLAGS = flags.FLAGS
+INTERRUPT_JOIN_S = 0.5    # Ctrl-C: how long the engine's thread may take to stop
+INTERRUPT_LIMIT_S = 0.9   # Ctrl-C: the process ends by then whatever still runs
 
 flagsets.model_dir(what="Hugging Face model folder (config.json, safetensors, tokenizer.json; "
                    "tokenizer_config.json for a chat template)")
@@ -62,9 +74,10 @@ flags.DEFINE_integer("max_policies", 8, "Distinct policies the server compiles (
                      "its own program); a request for one more gets a 400.", lower_bound=1)
 flags.DEFINE_float("request_timeout_s", 600.0, "A request's longest time, queue included "
                    "(a request may ask for less: moejax.timeout_s).")
-flags.DEFINE_list("warm_prompt_tokens", ["16", "32", "64", "128"], "Prompt lengths whose "
-                  "prompt pass is compiled before /health answers 200 (one compile per "
-                  "bucket; other lengths compile on first use).")
+flags.DEFINE_list("warm_prompt_tokens", ["all"], "Prompt lengths whose prompt pass is "
+                  "compiled before /health answers 200 (one compile per bucket, 1-2 s each "
+                  "on the demo; other lengths compile on first use). all: every bucket up "
+                  "to --max_len (16, 32, 64, ...).")
 flags.DEFINE_string("api_key", None, "Every route but /health then needs 'Authorization: "
                     "Bearer <key>' (401 otherwise). Default: $MOEJAX_API_KEY, else no key.")
 flags.DEFINE_integer("cpu_spin_us", None, "CPU backend: how long the kernels' decode helper "
@@ -97,12 +110,12 @@ def check_flags(cfg):
   max_len = FLAGS.max_len if FLAGS.max_len is not None else min(limit, 2048)
   if max_len < 2:
     raise cli.UsageError(f"--max_len must be >= 2, got {max_len}")
+  from moejax.serve import warm as warm_lib
   try:
-    warm = [int(x) for x in FLAGS.warm_prompt_tokens]
-  except ValueError:
-    raise cli.UsageError(f"--warm_prompt_tokens must be integers, got "
-                         f"{','.join(FLAGS.warm_prompt_tokens)}") from None
-  warm = [w for w in warm if 1 <= w < max_len]
+    warm = warm_lib.prompt_lengths(FLAGS.warm_prompt_tokens, max_len)
+  except ValueError as e:
+    raise cli.UsageError(f"--warm_prompt_tokens={','.join(FLAGS.warm_prompt_tokens)}: {e}; "
+                         "give integers, or all") from None
   if FLAGS.policy == "none":
     for name in ("cache_fraction", "cache_bytes", "tau", "admission_beta", "eviction",
                  "host_cache_gb"):
@@ -216,17 +229,84 @@ def loader(folder, tok, template, max_len, warm, policy):
       eng = Offloaded(eng, FLAGS.max_batch)
     print(f"[moejax] {eng.describe()}; KV cache {max_len} positions", file=sys.stderr)
     eng.warmup(prompt_lengths=warm)
+    if FLAGS.max_batch == 1:      # (a batch's warmup compiles its sampler itself)
+      from moejax.serve import warm as warm_lib
+      warm_lib.sampling(cfg.vocab_size)
     print(f"[moejax] ready: loaded and compiled in {time.time() - t0:.1f} s", file=sys.stderr,
           flush=True)
     return Loaded(eng, tok, cfg, template)
   return load
 
 
+def install_hint() -> str:
+  """The command that installs the serve extra into the Python running this program (a
+  bare `pip` may be another Python's): in a source checkout (or an editable install) the
+  checkout with its extra, else moejax's."""
+  py = shlex.quote(sys.executable)
+  if os.path.isfile(os.path.join(cli.CHECKOUT, "pyproject.toml")):
+    here = os.path.abspath(os.getcwd()) == cli.CHECKOUT
+    return f"{py} -m pip install -e {shlex.quote(('.' if here else cli.CHECKOUT) + '[serve]')}"
+  return f"{py} -m pip install 'moejax[serve]'"
+
+
+def need_serve_extra():
+  """uvicorn, once fastapi, uvicorn and jinja2 import; else MissingExtra (exit 1) naming
+  the missing ones and `install_hint()`."""
+  import importlib
+  from moejax.extras import MissingExtra
+  missing = []
+  for name in ("fastapi", "uvicorn", "jinja2"):
+    try:
+      importlib.import_module(name)
+    except ImportError:
+      missing.append(name)
+  if missing:
+    raise MissingExtra(f"the server needs {', '.join(missing)} (the serve extra), not "
+                       f"installed for {sys.executable}; install it with: {install_hint()}")
+  return importlib.import_module("uvicorn")
+
+
+def serve_until_signal(server, sock, worker, app) -> bool:
+  """uvicorn on `sock` until SIGTERM or Ctrl-C -> whether it was Ctrl-C.  SIGTERM is
+  graceful: open requests may finish (up to 5 s).  Ctrl-C is prompt: every running
+  request is ended at once (`Completions.stop_all`: cancelled at its next token, its
+  client answered 503 shutting_down), the server closes, and the engine's thread gets
+  INTERRUPT_JOIN_S; a second Ctrl-C, or INTERRUPT_LIMIT_S after the first, ends the
+  process where it is.  (uvicorn's own handlers waited for every open stream, 4 s in
+  issue 62, and then exited 0 with nothing printed.)"""
+  got = []
+
+  def on_signal(signum, frame):
+    del frame
+    if signum == signal.SIGINT and signal.SIGINT in got:
+      cli.interrupted_exit()
+    got.append(signum)
+    server.should_exit = True
+    if signum != signal.SIGINT:
+      return
+    limit = threading.Timer(INTERRUPT_LIMIT_S, cli.interrupted_exit)
+    limit.daemon = True
+    limit.start()
+    try:
+      asyncio.get_running_loop().call_soon_threadsafe(app.stop_all)
+    except RuntimeError:            # not serving yet, or any more
+      pass
+
+  server.capture_signals = contextlib.nullcontext      # these handlers, not uvicorn's
+  old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+  try:
+    server.run(sockets=[sock])
+  finally:
+    interrupted = signal.SIGINT in got
+    worker.stop(INTERRUPT_JOIN_S if interrupted else 5.0)
+    for s, handler in old.items():
+      signal.signal(s, handler)
+  return interrupted
+
+
 def main(_):
   folder = model_folder()
-  from moejax.extras import need
-  need("fastapi", "serve", "the server")
-  uvicorn = need("uvicorn", "serve", "the server")
+  uvicorn = need_serve_extra()
   from moejax.io.tokenizer import Tokenizer
   from moejax.model.config import ModelConfig
   from moejax.serve import app as app_lib
@@ -251,7 +331,10 @@ def main(_):
   cpu_kernel.set_spin_us(spin_us())
   sock = listen()
   metrics = metrics_lib.Metrics()
-  config = uvicorn.Config(None, log_level="warning", timeout_graceful_shutdown=5)
+  # no lifespan (the app has no start-up or shutdown hooks): Ctrl-C's forced exit would
+  # otherwise cancel the lifespan task, which Starlette prints as a traceback
+  config = uvicorn.Config(None, log_level="warning", timeout_graceful_shutdown=5,
+                          lifespan="off")
   server = uvicorn.Server(config)
 
   def on_fail(e):
@@ -274,10 +357,8 @@ def main(_):
         f"{'yes' if template else 'no, no chat template'}; {stack}); loading ...",
         file=sys.stderr, flush=True)
   worker.start()
-  try:
-    server.run(sockets=[sock])
-  finally:
-    worker.stop()
+  if serve_until_signal(server, sock, worker, config.app):
+    cli.interrupted_exit()         # "<program>: interrupted", exit 130
   if worker.failed is not None:
     raise worker.failed
   return 0

@@ -77,6 +77,8 @@ class Job:
   stops: list[str]
   timeout_s: float
   sink: Callable[[str, Any], None]
+  # its arrival (perf_counter; the HTTP handler passes when it began): the deadline, the
+  # queue wait and /metrics' TTFT and latency count from it
   created: float = dataclasses.field(default_factory=time.perf_counter)
   cancel: threading.Event = dataclasses.field(default_factory=threading.Event)
   first_sent: threading.Event | None = None   # a stream: see FIRST_SENT_WAIT_S
@@ -160,6 +162,7 @@ class Worker:
       if self._on_fail:
         self._on_fail(e)
       return
+    self.metrics.count_programs()
     self.ready.set()
     from moejax.serve import batching
     if isinstance(self.loaded.engine, (batching.Resident, batching.Offloaded)):   # --max_batch
@@ -264,7 +267,11 @@ class Worker:
     ttft = times[0] - t0 if times else None
     tps = (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 and \
         times[-1] > times[0] else None
-    self.metrics.finished(len(out), ttft, tps, records)
+    # /metrics from the arrival (the queue and a policy's compile included: its client
+    # waits for them); usage.moejax's ttft_ms from the prompt pass
+    end = times[-1] if times else time.perf_counter()
+    self.metrics.finished(len(out), times[0] - job.created if times else None, tps, records,
+                          latency_s=end - job.created)
     offload = protocol.offload_usage(stats, eng, job.policy, ttft, tps,
                                      t0 - job.created - compile_s, compile_s)
     prompt_lps = None

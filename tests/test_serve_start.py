@@ -101,3 +101,32 @@ def test_the_first_batch_compiles_nothing_and_metrics_count_from_arrival(args):
   assert sum(u["queue_ms"] for u in usage) > 0, usage
   assert m["moejax_request_latency_seconds_count"] == len(JOBS)
   assert m["moejax_request_latency_seconds_sum"] > m["moejax_time_to_first_token_seconds_sum"]
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_warm_policies_are_compiled_before_ready(batch):
+  """--warm_policies: a request's first use of one compiles nothing (issue 62: the first
+  `speed` request reported compile_ms 11160)."""
+  proc, url = start_server(DEMO, "16", "quality", max_len=32,
+                           extra=[f"--max_batch={batch}", "--warm_policies=baseline"])
+  try:
+    body = json.dumps(dict(model="demo", prompt="def f(x):", max_tokens=4, temperature=0,
+                           moejax={"policy": "baseline"})).encode()
+    req = urllib.request.Request(url + "/v1/completions", body,
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+      usage = json.loads(r.read())["usage"]["moejax"]
+    m = scrape_metrics(url)
+  finally:
+    proc.terminate()
+    proc.wait(60)
+  assert usage["policy"].startswith("baseline") and usage["compile_ms"] == 0, usage
+  assert m["moejax_programs_compiled_total"] == 0 and m["moejax_policy_compiles_total"] == 0, m
+  assert any("[moejax] compiled baseline" in line for line in proc.log), proc.log
+
+
+def test_warm_policies_need_an_offload_policy():
+  p = subprocess.run([sys.executable, "-m", "launch.serve", f"--model_dir={DEMO}", "--port=0",
+                      "--policy=none", "--warm_policies=speed"], cwd=REPO, capture_output=True,
+                     text=True, timeout=300)
+  assert p.returncode == 2 and "--warm_policies" in p.stderr, p.stderr

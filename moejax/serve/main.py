@@ -72,6 +72,10 @@ flags.DEFINE_integer("max_queue", 16, "Requests that may wait for the engine; be
                      lower_bound=1)
 flags.DEFINE_integer("max_policies", 8, "Distinct policies the server compiles (each is "
                      "its own program); a request for one more gets a 400.", lower_bound=1)
+flags.DEFINE_list("warm_policies", [], "More policies (presets or miss rules, as a request's "
+                  "moejax.policy) compiled before ready, so that a request's first use of one "
+                  "does not wait for its compile (usage.moejax.compile_ms 0; ~10 s each on "
+                  "the demo, 11 s for speed in issue 62).")
 flags.DEFINE_float("request_timeout_s", 600.0, "A request's longest time, queue included "
                    "(a request may ask for less: moejax.timeout_s).")
 flags.DEFINE_list("warm_prompt_tokens", ["all"], "Prompt lengths whose prompt pass is "
@@ -122,6 +126,9 @@ def check_flags(cfg):
       if cli.given(name):
         raise cli.UsageError(f"--{name} sets the offload engine; --policy=none keeps every "
                              "expert resident: drop it")
+    if FLAGS.warm_policies:
+      raise cli.UsageError("--warm_policies compiles offload policies; --policy=none keeps "
+                           "every expert resident: drop it")
     check_batch(cfg, max_len)
     return max_len, warm, None
   if FLAGS.max_batch > 1 and FLAGS.host_cache_gb is not None:
@@ -136,6 +143,10 @@ def check_flags(cfg):
   from moejax.cache.policy import make_policy
   policy = make_policy(FLAGS.policy, tau=FLAGS.tau, admission_beta=FLAGS.admission_beta,
                        eviction=FLAGS.eviction)
+  more = [make_policy(name) for name in FLAGS.warm_policies]
+  if len({policy, *more}) > FLAGS.max_policies:
+    raise cli.UsageError(f"--warm_policies={','.join(FLAGS.warm_policies)}: with --policy that "
+                         f"is more than --max_policies={FLAGS.max_policies}")
   if FLAGS.max_batch > 1:
     check_batch(cfg, max_len, offload=True)
   return max_len, warm, policy
@@ -229,12 +240,13 @@ def loader(folder, tok, template, max_len, warm, policy):
       eng = Offloaded(eng, FLAGS.max_batch)
     print(f"[moejax] {eng.describe()}; KV cache {max_len} positions", file=sys.stderr)
     eng.warmup(prompt_lengths=warm)
+    from moejax.serve import warm as warm_lib
     if FLAGS.max_batch == 1:      # (a batch's warmup compiles its sampler itself)
-      from moejax.serve import warm as warm_lib
       warm_lib.sampling(cfg.vocab_size)
+    warmed = warm_lib.policies(eng, policy, FLAGS.warm_policies, warm)
     print(f"[moejax] ready: loaded and compiled in {time.time() - t0:.1f} s", file=sys.stderr,
           flush=True)
-    return Loaded(eng, tok, cfg, template)
+    return Loaded(eng, tok, cfg, template, warmed)
   return load
 
 

@@ -12,9 +12,13 @@ length; the decode step 2.0 s at batch 1, 3.8 s at batch 8).
   lengths = warm.prompt_lengths(["all"], max_len)     # one length per bucket
   warm.sampling(vocab)                                # greedy and OpenAI's default sampling
   warm.joins(engine, max_batch, lengths)              # put_row for each bucket (batches)
+  warm.policies(engine, policy, ["speed"], lengths)   # --warm_policies
 """
 
 from __future__ import annotations
+
+import sys
+import time
 
 import jax
 import numpy as np
@@ -78,3 +82,29 @@ def joins(engine, max_batch: int, lengths) -> None:
   axis = 1 if prog.scan else 0
   for p in sorted({decode.prompt_bucket(prog, min(t, engine.max_len - 1)) for t in lengths}):
     put_row.lower(batch, cache(1, p), np.int32(0), axis).compile()
+
+
+def policies(engine, default, names, lengths) -> tuple:
+  """Compiles the policies `names` (--warm_policies) on `engine`, an OffloadEngine or a
+  batch (`batching.Offloaded`, which compiles a policy on `use_policy`), then goes back to
+  `default`; the resident experts stay -> the policies compiled."""
+  from moejax.cache.policy import make_policy
+  batch = hasattr(engine, "use_policy")
+  out = []
+  for name in names:
+    p = make_policy(name)
+    if p == default or p in out:
+      continue
+    t = time.time()
+    if batch:
+      engine.use_policy(p)
+    else:
+      engine.set_policy(p)
+      engine.warmup(prompt_lengths=lengths)
+    print(f"[moejax] compiled {p.describe()} in {time.time() - t:.1f} s", file=sys.stderr)
+    out.append(p)
+  if out and batch:
+    engine.use_policy(default)
+  elif out:
+    engine.set_policy(default)
+  return tuple(out)

@@ -56,6 +56,7 @@ class Loaded:
   tok: Any               # Tokenizer
   cfg: Any               # ModelConfig
   chat_template: Any     # chat.Template or None
+  warmed: tuple = ()     # policies compiled at start beside the engine's (--warm_policies)
 
 
 @dataclasses.dataclass
@@ -157,6 +158,7 @@ class Worker:
     try:
       self.loaded = self._load()
       self.policies.append(self.loaded.engine.policy)
+      self.policies.extend(p for p in self.loaded.warmed if p not in self.policies)
     except BaseException as e:  # pylint: disable=broad-except
       self.failed = e
       if self._on_fail:

@@ -5,7 +5,8 @@
   demo    the demo checkpoint (ckpts/demo), converted to the requested dtype
   wide    Qwen3-30B-A3B's layer width (hidden 2048, 32 q / 4 kv heads x 128, 128 experts
           of 768, top-8, norm_topk_prob), 4 layers by default, vocab 8192, random bf16
-          weights (std 0.02; routers std 0.5, so routing is skewed as a trained model's),
+          weights (std 0.02) whose routers route like a trained model's (benchmarks/
+          routing.py: an LRU of 25% hits about 0.8 on held-out text, the load balanced),
           stored per expert as the published checkpoints are, in 5 safetensors shards:
           `save_wide` writes it once (5.05 GB at 4 layers, 30 GB at 24)
 """
@@ -19,6 +20,7 @@ import os
 import jax
 import jax.numpy as jnp
 
+from benchmarks import routing, stream
 from moejax.model.config import ModelConfig
 from moejax.io.loader import init_random, load_model, save_hf
 from moejax.io.store import ExpertStore
@@ -122,8 +124,16 @@ def wide_config(layers: int = 4) -> ModelConfig:
 
 
 def wide_dir(layers: int = 4, root: str = WIDE_DIR, layout: str = "per_expert") -> str:
-  return os.path.join(root, f"wide_bf16_{layers}L" + ("" if layout == "per_expert" else
-                                                      f"_{layout}"))
+  return os.path.join(root, f"wide_bf16_{layers}L_routed" + ("" if layout == "per_expert"
+                                                             else f"_{layout}"))
+
+
+def routed_design(cfg: ModelConfig, demo_dir: str = DEMO_DIR, seed: int = 0):
+  """The routers' design of a benchmark model of `cfg`'s shape (benchmarks/routing.py),
+  calibrated on the train split as the demo tokenizer encodes it."""
+  tok = os.path.join(demo_dir, "tokenizer.json")
+  return routing.design(cfg, stream.calibration_ids(tok),
+                        stream.calibration_ids(tok, 65536, stride=7, per_doc=0), seed=seed)
 
 
 def wide_bytes(layers: int) -> int:
@@ -138,7 +148,7 @@ def wide_bytes(layers: int) -> int:
 
 def save_wide(out_dir: str, layers: int = 4, shards: int = 5, seed: int = 0,
               demo_dir: str = DEMO_DIR, progress: bool | None = None,
-              layout: str = "per_expert") -> str:
+              layout: str = "per_expert", cfg: ModelConfig | None = None) -> str:
   """Writes the wide model (module docstring) to `out_dir` once, streaming: one expert's
   tensors in memory at a time.  Shard 1 holds the dense tensors, shards 2.. the experts
   of consecutive layers.  layout "fused": each layer's experts as the transformers-v5
@@ -155,7 +165,8 @@ def save_wide(out_dir: str, layers: int = 4, shards: int = 5, seed: int = 0,
   from moejax.io.safetensors_io import write_streamed
   if os.path.exists(os.path.join(out_dir, "model.safetensors.index.json")):
     return out_dir
-  cfg = wide_config(layers)
+  cfg = cfg or wide_config(layers)
+  layers = cfg.num_layers
   bf16 = np.dtype(ml_dtypes.bfloat16)
   dense = []
   for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_params(cfg, jnp.bfloat16))[0]:
@@ -186,18 +197,17 @@ def save_wide(out_dir: str, layers: int = 4, shards: int = 5, seed: int = 0,
   rng = np.random.default_rng(seed)
 
   shape_of = {n: s for f in files for n, _, s in f}
+  design = routed_design(cfg, demo_dir)
 
   def chunks(name):
     shape = shape_of[name]
-    std = (0.0 if name.endswith("norm.weight") else
-           0.5 if name.endswith("mlp.gate.weight") else 0.02)
-    if std == 0.0:
-      yield np.ones(shape, bf16)
-      return
+    std = 0.0 if name.endswith("norm.weight") else 0.02
     rows = max(1, (1 << 22) // int(np.prod(shape[1:])))   # ~4M values at a time
     for r in range(0, shape[0], rows):
       n = min(rows, shape[0] - r)
-      yield (rng.standard_normal((n,) + shape[1:], dtype=np.float32) * std).astype(bf16)
+      arr = (np.ones((n,) + shape[1:], np.float32) if std == 0.0 else
+             rng.standard_normal((n,) + shape[1:], dtype=np.float32) * std)
+      yield routing.fix(design, name, r, arr).astype(bf16)
 
   bar = tqdm(total=total, desc=f"writing {out_dir}", unit="B", unit_scale=True,
              unit_divisor=1000, file=sys.stderr,

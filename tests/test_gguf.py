@@ -159,3 +159,23 @@ def test_unknown_tensor_type_is_refused_by_name(tmp_path):
   with pytest.raises(gguf_file.GGUFUnsupported,
                      match="tensor 'blk.1.attn_k.weight' has type Q5_K, which moejax"):
     load_model(path)
+
+
+@pytest.mark.parametrize("mmap", [False, True])
+def test_engine_runs_layers_of_different_expert_formats(files, mmap):
+  """A Q4_K_M file's layers hold their experts in different tensors ("down@q6_k" here,
+  "down@q4_0" there): each layer's slots are its own (`initial.expert_spec`), the layers
+  unrolled; baseline at 25% fetches into them and gives the Sampler's tokens."""
+  from moejax.offload.config import EngineConfig
+  from moejax.offload.engine import OffloadEngine
+  cfg, params, store = load_model(files[0], dtype=jnp.float32, mmap=mmap)
+  assert sorted(store.stacked(0)) != sorted(store.stacked(1))     # mixed per layer
+  sp = SamplingParams(max_new_tokens=8)
+  want = Sampler(cfg, params, store.device_experts(jnp.float32), max_len=32).generate(
+      [1, 7, 3], sp)
+  config = EngineConfig.make("baseline", cache_fraction=0.25, max_len=32)
+  with OffloadEngine(cfg, params, store, config) as eng:
+    assert not eng.budget.all_resident and not eng.program.scan
+    assert sorted(eng.states[1].buffers) == ["down@q4_0", "gate@q8_0", "up@q8_0"]
+    assert eng.generate([1, 7, 3], sp) == want
+    assert eng.stats()["fetches_per_token"] > 0

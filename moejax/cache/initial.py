@@ -116,20 +116,32 @@ def fill_layer(state: ResidentState, layer: int, initial: str, budget: Budget, g
   return fill(state, order, get_expert, cache, chunk=top_k)
 
 
+def expert_spec(store, layer: int) -> dict:
+  """{name: (shape without the expert axis, dtype)} of one MoE layer's experts: each
+  layer's own tensors, which differ between layers in a GGUF whose layers mix formats
+  (a Q4_K_M file: "down@q6_k" in some layers, "down@q4_k" in others)."""
+  return {k: (np.shape(v), jnp.dtype(np.asarray(v).dtype))
+          for k, v in store.get(layer, 0).items()}
+
+
 def engine_states(store, cfg, layers, budget: Budget, initial: str, cache, extra_rows: int,
                   device, stacked: bool, counts: dict | None = None):
   """An engine's starting ResidentStates, on `device`: {MoE layer: state}, or (stacked: a
   scanned engine) one [L, ...] state whose slot buffers `stacked_buffers` writes in place
-  once every layer's resident set is decided.  extra_rows: rows after the scratch row
+  once every layer's resident set is decided (every layer's experts then in the same
+  tensors); unrolled, each layer's slots hold its own tensors.  extra_rows: rows after the scratch row
   (speculative prefetch's)."""
-  first = store.get(layers[0], 0)
-  spec = {k: (np.shape(v), jnp.dtype(np.asarray(v).dtype)) for k, v in first.items()}
-  init = lambda: jax.device_put(init_state(cfg.num_experts, budget.physical, spec,
-                                           buffers=not stacked, extra_rows=extra_rows), device)
-  states = {l: fill_layer(init(), l, initial, budget, functools.partial(store.get, l), cache,
+  specs = {l: expert_spec(store, l) for l in layers}
+  if stacked and any(specs[l] != specs[layers[0]] for l in layers):
+    raise ValueError("a scanned engine needs every MoE layer's experts in the same tensors; "
+                     f"these differ: {sorted({tuple(sorted(s)) for s in specs.values()})}")
+  init = lambda l: jax.device_put(init_state(cfg.num_experts, budget.physical, specs[l],
+                                             buffers=not stacked, extra_rows=extra_rows), device)
+  states = {l: fill_layer(init(l), l, initial, budget, functools.partial(store.get, l), cache,
                           cfg.top_k, counts) for l in layers}
   if not stacked:
     return states
+  spec = specs[layers[0]]
   meta = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *states.values())
   return dataclasses.replace(meta, buffers=stacked_buffers(
       spec, budget.physical + 1 + extra_rows, [st.slot_expert for st in states.values()],

@@ -17,6 +17,13 @@ copies (default int8; made once and cached on disk, `moejax.io.quant`), `random:
 for the control that substitutes each miss with probability P.  fetch_all, the
 reference of every relative figure, is always run.  Waited bytes per token count a
 full fetch in bf16 and a low-precision one at its own bytes.
+
+--weights=q8_0|q4_0|q4_k|q6_k measures a weight format (`moejax.io.weights.quantized`: the
+routed experts and every dense linear quantized once into the cache, as moejax-generate
+runs them) and --dtype the compute dtype: the perplexity of fetch_all is then the format's,
+to compare with another run's at --weights=float (docs/policies.md, "Weight formats").
+A full fetch of a block store counts its blocks' bytes; the low-precision copies
+(fetch_low, threshold_low, `@int4`) are refused there: a fetch already moves the blocks.
 """
 
 from __future__ import annotations
@@ -39,6 +46,8 @@ from moejax.research.study import runner as R
 from moejax.research.study import streams as S
 from moejax.io.tokenizer import Tokenizer
 from moejax.cli import app as cli
+from moejax.cli import flagsets
+from moejax.io.weights import quantized
 from moejax import extras
 
 FLAGS = flags.FLAGS
@@ -61,6 +70,8 @@ flags.DEFINE_list("sets", ["stdlib", "humaneval"], "Documents: stdlib (held-out)
 flags.DEFINE_integer("chunk", 256, "Tokens per scan call (progress, memory).")
 flags.DEFINE_integer("seed", 0, "Document order seed.")
 flags.DEFINE_integer("bootstrap", 2000, "Bootstrap resamples for the CIs.")
+flagsets.dtype()
+flagsets.weights()
 
 
 def check_flags():
@@ -85,6 +96,29 @@ def make_streams(tok) -> S.Streams:
                  FLAGS.max_doc_tokens, round_to=FLAGS.chunk)
 
 
+def load(model_dir: str):
+  """(cfg, params, store) in --weights and --dtype; a format that cannot be made, or a
+  policy that fetches low-precision copies of a block store, is a usage error."""
+  try:
+    cfg, params, store = load_model(model_dir, dtype=jnp.dtype(FLAGS.dtype),
+                                    weights=FLAGS.weights)
+  except quantized.WeightsError as e:
+    raise app.UsageError(str(e)) from None
+  return cfg, params, store
+
+
+def weights_tag() -> str:
+  """The runs' file names' part for --weights and --dtype ("" at the defaults, so runs
+  made before these flags are reused)."""
+  return ((f"_w{FLAGS.weights}" if FLAGS.weights != "float" else "")
+          + (f"_{FLAGS.dtype}" if FLAGS.dtype != "float32" else ""))
+
+
+def full_nbytes(store, shapes: dict) -> int:
+  """The bytes a full fetch moves: bf16 rows, or a block store's own blocks."""
+  return store.expert_nbytes() if FLAGS.weights != "float" else quant.bf16_nbytes(shapes)
+
+
 def run_key(spec: str, fraction: float, extra: str = "") -> str:
   """File-safe name of a run: the spec and the budget (plus the streams' hash)."""
   return f"{spec.replace(':', '_').replace('@', '_')}_f{fraction:g}{extra}"
@@ -99,7 +133,7 @@ def resident_tok_s(cfg, params, store, batch: int, steps: int = 16) -> float:
   """The fully resident model decoding the same batch (moejax Sampler), tokens/s."""
   from moejax.kernels import cpu_kernel
   from moejax.model.sampler import Sampler, SamplingParams
-  s = Sampler(cfg, params, store.to_device(jnp.float32), max_len=FLAGS.window + 8)
+  s = Sampler(cfg, params, store.to_device(jnp.dtype(FLAGS.dtype)), max_len=FLAGS.window + 8)
   _, cache = s.prefill(np.zeros((batch, 1), np.int32))
   tok = jnp.zeros((batch,), jnp.int32)
   sp, key = SamplingParams(), jax.random.PRNGKey(0)
@@ -139,7 +173,7 @@ def main(argv):
   check_flags()
   specs = list(dict.fromkeys(["fetch_all"] + [s.strip() for s in FLAGS.policies]))
   parsed = {s: R.parse_spec(s) for s in specs}
-  cfg, params, store = load_model(FLAGS.model_dir, dtype=jnp.float32)
+  cfg, params, store = load(FLAGS.model_dir)
   from moejax.cache.resident import make_budget
   try:
     budget = make_budget(cfg.num_experts, cfg.top_k, store.expert_nbytes(),
@@ -149,8 +183,8 @@ def main(argv):
   tok = Tokenizer(FLAGS.model_dir)
   st = make_streams(tok)
   runner = R.Runner(cfg, params, store, st, FLAGS.out, max_len=FLAGS.window,
-                    chunk=FLAGS.chunk)
-  tag = streams_tag(st) + (f"_b{FLAGS.batch}" if FLAGS.batch > 1 else "")
+                    chunk=FLAGS.chunk, dtype=jnp.dtype(FLAGS.dtype))
+  tag = streams_tag(st) + (f"_b{FLAGS.batch}" if FLAGS.batch > 1 else "") + weights_tag()
   print(f"{st.tokens.shape[0]} streams x {st.tokens.shape[1]} tokens, {st.num_docs} documents; "
         f"{budget.describe()}")
   runs, lows = {}, {}
@@ -160,18 +194,22 @@ def main(argv):
     if pol.decision.low:
       bits = pol.decision.low_bits
       if bits not in lows:
-        lows[bits] = quant.load_or_build(store, bits, model_dir=FLAGS.model_dir)
+        try:
+          lows[bits] = quant.load_or_build(store, bits, model_dir=FLAGS.model_dir)
+        except quant.QuantError as e:
+          raise app.UsageError(f"--policies={s} with --weights={FLAGS.weights}: {e}") from None
       kw["low_store"] = lows[bits]
     runs[s] = runner.run(run_key(s, FLAGS.cache_fraction, tag), *parsed[s],
                          cache_fraction=FLAGS.cache_fraction, **kw)
   base = runs["fetch_all"]
   res = {"model_dir": FLAGS.model_dir, "cache_fraction": FLAGS.cache_fraction,
+         "weights": FLAGS.weights, "dtype": FLAGS.dtype, "expert_nbytes": store.expert_nbytes(),
          "budget": budget.as_dict(), "policies": {}, "batch": FLAGS.batch,
          "streams": dict(num_streams=int(st.tokens.shape[0]), length=int(st.tokens.shape[1]),
                          documents=st.num_docs, window=FLAGS.window,
                          max_doc_tokens=FLAGS.max_doc_tokens, sets=FLAGS.sets, seed=FLAGS.seed)}
   shapes = {k: np.shape(v) for k, v in store.get(store.moe_layers[0], 0).items()}
-  bf16 = quant.bf16_nbytes(shapes)
+  bf16 = full_nbytes(store, shapes)
   for s in specs:
     m = M.metrics(runs[s], base, FLAGS.bootstrap)
     pol = parsed[s][0]
@@ -199,7 +237,7 @@ def main(argv):
   os.makedirs(FLAGS.out, exist_ok=True)
   R.save_json(os.path.join(FLAGS.out, "results.json"), res)
   plot_policies(res, os.path.join(FLAGS.out, "policies.png"),
-                f"{os.path.basename(FLAGS.model_dir.rstrip('/'))}, "
+                f"{os.path.basename(FLAGS.model_dir.rstrip('/'))} ({FLAGS.weights}), "
                 f"{100 * FLAGS.cache_fraction:g}% resident, {res['tokens']} tokens")
   print(format_table(res))
   print(f"wrote {os.path.join(FLAGS.out, 'results.json')} and policies.png")

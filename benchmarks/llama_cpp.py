@@ -76,7 +76,9 @@ def binaries(cache: str) -> dict[str, str]:
 def build(cache: str = DEFAULT_CACHE) -> dict[str, str]:
   """Paths of the llama.cpp tools, built on the first call (long: ~30-60 min on 2 cores)."""
   bins = binaries(cache)
-  if all(os.path.exists(p) for p in bins.values()):
+  timer = bins["llama_timer"]
+  if (all(os.path.exists(p) for p in bins.values())
+      and os.path.getmtime(timer) >= os.path.getmtime(TIMER_SRC)):
     return bins
   if all(os.path.exists(bins[t]) for t in TARGETS):  # llama.cpp built: only the timer
     _build_timer(cache, bins["llama_timer"], os.path.join(cache, "build.log"))
@@ -188,9 +190,12 @@ def greedy_text(bins: dict, gguf: str, prompt: str, n: int) -> str:
 
 
 def time_run(bins: dict, gguf: str, threads: int, prefill: int, prompt: int,
-             decode: int) -> dict:
-  """One llama_timer run: {"prefill_tok_s", "decode_tok_s"} (see llama_timer.cpp)."""
+             decode: int, tokens_file: str | None = None) -> dict:
+  """One llama_timer run: {"prefill_tok_s", "decode_tok_s", ...} (see llama_timer.cpp);
+  with `tokens_file` (benchmarks.stream.write_ids) every token is read from it and decode
+  is teacher-forced."""
   cmd = [bins["llama_timer"], gguf, str(threads), str(prefill), str(prompt), str(decode)]
+  cmd += [tokens_file] if tokens_file else []
   res = subprocess.run(cmd, capture_output=True, text=True)
   if res.returncode != 0:
     raise RuntimeError(f"{' '.join(cmd)} failed: {res.stderr[-2000:]}")

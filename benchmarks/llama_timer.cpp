@@ -1,16 +1,21 @@
 // Times llama.cpp through its C API (libllama), for benchmarks/peers.py.
 //
-//   llama_timer MODEL.gguf THREADS PREFILL_LEN PROMPT_LEN DECODE_TOKENS
+//   llama_timer MODEL.gguf THREADS PREFILL_LEN PROMPT_LEN DECODE_TOKENS [TOKENS_FILE]
 //
-// After a short warm-up: prefill = one llama_decode of PREFILL_LEN random tokens
-// (logits at the last position only); decode = DECODE_TOKENS greedy single-token steps
-// after a PROMPT_LEN-token prompt (the prompt is not timed). Prints one JSON line, with
+// After a short warm-up: prefill = one llama_decode of PREFILL_LEN tokens (logits at the
+// last position only); decode = DECODE_TOKENS single-token steps after a PROMPT_LEN-token
+// prompt (the prompt is not timed).  With TOKENS_FILE (token ids, one per line: the
+// benchmarks' held-out stream, benchmarks/stream.py) every token comes from the file: the
+// prefill reads its first PREFILL_LEN ids, the prompt its first PROMPT_LEN, and decode step
+// i is teacher-forced with id PROMPT_LEN + i, as moejax decodes the same stream; without
+// it the tokens are random and decode is greedy.  Prints one JSON line, with
 // the disk bytes this process read (/proc/self/io read_bytes) during prefill and during
 // decode (-1 where /proc cannot be read): a model larger than RAM is read through mmap.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
 #include <random>
 #include <string>
 #include <vector>
@@ -49,9 +54,9 @@ static llama_token argmax(const float* logits, int32_t n) {
 }
 
 int main(int argc, char** argv) {
-  if (argc != 6) {
-    std::fprintf(stderr, "usage: %s MODEL.gguf THREADS PREFILL_LEN PROMPT_LEN DECODE_TOKENS\n",
-                 argv[0]);
+  if (argc != 6 && argc != 7) {
+    std::fprintf(stderr, "usage: %s MODEL.gguf THREADS PREFILL_LEN PROMPT_LEN DECODE_TOKENS "
+                 "[TOKENS_FILE]\n", argv[0]);
     return 2;
   }
   const int threads = std::atoi(argv[2]), prefill = std::atoi(argv[3]),
@@ -69,16 +74,41 @@ int main(int argc, char** argv) {
   cp.n_batch = cp.n_ubatch = std::max(prefill, prompt);
   cp.n_threads = cp.n_threads_batch = threads;
   llama_context* ctx = llama_init_from_model(model, cp);
-  std::mt19937 rng(0);
-  std::vector<llama_token> toks(std::max(prefill, prompt));
-  for (auto& t : toks) t = static_cast<llama_token>(rng() % vocab);
+  const bool forced = argc == 7;
+  std::vector<llama_token> toks;
+  if (forced) {
+    std::ifstream f(argv[6]);
+    long long id;
+    while (f >> id) {
+      if (id < 0 || id >= vocab) {
+        std::fprintf(stderr, "llama_timer: %s: token id %lld outside the vocabulary of %d\n",
+                     argv[6], id, vocab);
+        return 2;
+      }
+      toks.push_back(static_cast<llama_token>(id));
+    }
+    const size_t need = std::max<size_t>({size_t(prefill), size_t(prompt + steps + 1), 13});
+    if (toks.size() < need) {
+      std::fprintf(stderr, "llama_timer: %s holds %zu token ids, fewer than the %zu needed\n",
+                   argv[6], toks.size(), need);
+      return 2;
+    }
+  } else {
+    std::mt19937 rng(0);
+    toks.resize(std::max(prefill, prompt) + 8);
+    for (auto& t : toks) t = static_cast<llama_token>(rng() % vocab);
+  }
+  // the next input: teacher-forced from the file, else the greedy choice
+  auto next = [&](int i) {
+    return forced ? toks[i] : argmax(llama_get_logits_ith(ctx, -1), vocab);
+  };
 
   // warm-up: a short prompt and a few steps
   check(llama_decode(ctx, llama_batch_get_one(toks.data(), 8)), "warm-up prefill");
-  llama_token tok = argmax(llama_get_logits_ith(ctx, -1), vocab);
+  llama_token tok = next(8);
   for (int i = 0; i < 4; ++i) {
     check(llama_decode(ctx, llama_batch_get_one(&tok, 1)), "warm-up decode");
-    tok = argmax(llama_get_logits_ith(ctx, -1), vocab);
+    tok = next(9 + i);
   }
 
   llama_memory_clear(llama_get_memory(ctx), true);
@@ -91,18 +121,18 @@ int main(int argc, char** argv) {
 
   llama_memory_clear(llama_get_memory(ctx), true);
   check(llama_decode(ctx, llama_batch_get_one(toks.data(), prompt)), "prompt");
-  tok = argmax(llama_get_logits_ith(ctx, -1), vocab);
+  tok = next(prompt);
   r0 = disk_read_bytes();
   t0 = now();
   for (int i = 0; i < steps; ++i) {
     check(llama_decode(ctx, llama_batch_get_one(&tok, 1)), "decode");
-    tok = argmax(llama_get_logits_ith(ctx, -1), vocab);
+    tok = next(prompt + i + 1);
   }
   const double decode_s = now() - t0;
   const long long decode_read = r0 < 0 ? -1 : disk_read_bytes() - r0;
   std::printf("{\"prefill_tok_s\": %.3f, \"decode_tok_s\": %.3f, \"prefill_read_bytes\": %lld, "
-              "\"decode_read_bytes\": %lld}\n", prefill / prefill_s, steps / decode_s,
-              prefill_read, decode_read);
+              "\"decode_read_bytes\": %lld, \"teacher_forced\": %s}\n", prefill / prefill_s,
+              steps / decode_s, prefill_read, decode_read, forced ? "true" : "false");
   llama_free(ctx);
   llama_model_free(model);
   return 0;

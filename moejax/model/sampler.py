@@ -33,6 +33,9 @@ class SamplingParams:
   top_p: float = 1.0
   max_new_tokens: int = 32
   stop_ids: tuple[int, ...] = ()
+  # teacher forcing: the first len(forced_ids) tokens are these, not sampled (the logits
+  # are computed as ever): scoring a given text, or every engine decoding one token stream
+  forced_ids: tuple[int, ...] = ()
 
   def __post_init__(self):
     if self.temperature < 0:
@@ -41,6 +44,15 @@ class SamplingParams:
       raise ValueError(f"--top_p must be in (0, 1], got {self.top_p}")
     if self.max_new_tokens < 0:
       raise ValueError(f"--max_new_tokens must be >= 0, got {self.max_new_tokens}")
+    if any(t < 0 for t in self.forced_ids):
+      raise ValueError("forced_ids must be token ids (>= 0)")
+
+  def forced(self, bucket_new: int) -> np.ndarray:
+    """forced_ids as a loop's input [bucket_new] int32, -1 where a token is sampled."""
+    out = np.full((bucket_new,), -1, np.int32)
+    n = min(len(self.forced_ids), bucket_new)
+    out[:n] = self.forced_ids[:n]
+    return out
 
 
 def sample_token(logits_BxV, key, temperature: float, top_p: float):
@@ -124,7 +136,7 @@ def decode_sample(model: Transformer, params, experts, cache, token_B, end_index
 
 
 def sample_loop(step, carry, logits_V, start, key, n_new, stop_ids, temperature, top_p, *,
-                bucket_new: int, greedy: bool, nucleus: bool, record=None):
+                bucket_new: int, greedy: bool, nucleus: bool, record=None, forced=None):
   """The one device generation loop (gemma's sampler shape), for the Sampler and the
   engine: up to `n_new` tokens of one sequence in one `lax.while_loop`.
 
@@ -136,12 +148,15 @@ def sample_loop(step, carry, logits_V, start, key, n_new, stop_ids, temperature,
   `temperature` and `top_p` may be traced; static: the buffer length `bucket_new`
   (>= max(n_new, 1)), `greedy` / `nucleus` (temperature == 0, top_p < 1), and `record`
   (the shape of step's rec, e.g. from `jax.eval_shape`; None: step returns none).
+  `forced` [bucket_new] int32 (`SamplingParams.forced`): token i is forced[i] where that
+  is >= 0, not sampled (teacher forcing).
   -> (carry, tokens [bucket_new] int32 (-1 after the end), count (int32 scalar), recs
   [bucket_new, ...]: row i is the decode of token i, rows from count - 1 on unused)."""
-  sample = lambda lg, k: _sample(lg[None], k, temperature, top_p, greedy=greedy,
-                                 nucleus=nucleus)[0]
+  def sample(lg, k, i):
+    tok = _sample(lg[None], k, temperature, top_p, greedy=greedy, nucleus=nucleus)[0]
+    return tok if forced is None else jnp.where(forced[i] >= 0, forced[i], tok)
   key, sub = jax.random.split(key)
-  tok = sample(logits_V, sub)
+  tok = sample(logits_V, sub, 0)
   toks = jnp.full((bucket_new,), -1, jnp.int32).at[0].set(tok)
   recs = jax.tree_util.tree_map(lambda r: jnp.zeros((bucket_new,) + r.shape, r.dtype), record)
 
@@ -150,7 +165,7 @@ def sample_loop(step, carry, logits_V, start, key, n_new, stop_ids, temperature,
     carry, logits, rec = step(carry, tok, start + i - 1)
     recs = jax.tree_util.tree_map(lambda a, r: a.at[i - 1].set(r), recs, rec)
     key, sub = jax.random.split(key)
-    tok = sample(logits, sub)
+    tok = sample(logits, sub, i)
     toks = toks.at[i].set(tok)
     return i + 1, jnp.any(tok == stop_ids) | (i + 1 >= n_new), key, carry, tok, toks, recs
 
@@ -176,7 +191,7 @@ def token_loop(logits_V, decode, sp: SamplingParams, key, on_token=None, pick=No
         key, sub = jax.random.split(key)
       else:
         sub = key
-      tid = pick(logits_V, sub)
+      tid = sp.forced_ids[i] if i < len(sp.forced_ids) else pick(logits_V, sub)
       out.append(tid)
       if on_token:
         on_token(tid)
@@ -189,14 +204,15 @@ def token_loop(logits_V, decode, sp: SamplingParams, key, on_token=None, pick=No
 @functools.partial(jax.jit, static_argnames=("model", "bucket_new", "greedy", "nucleus"),
                    donate_argnames=("cache",))
 def decode_loop(model: Transformer, params, experts, cache, logits_1xV, start, key, n_new,
-                stop_ids, temperature, top_p, *, bucket_new: int, greedy: bool, nucleus: bool):
+                stop_ids, temperature, top_p, forced, *, bucket_new: int, greedy: bool,
+                nucleus: bool):
   """`sample_loop` over the resident model -> (tokens [bucket_new], count, cache)."""
   def step(cache, tok, pos):
     logits, cache, _ = model.apply({"params": params}, tok.reshape(1, 1), experts, cache, pos)
     return cache, logits[0, -1], None
   cache, out, n, _ = sample_loop(step, cache, logits_1xV[0], start, key, n_new, stop_ids,
                                  temperature, top_p, bucket_new=bucket_new, greedy=greedy,
-                                 nucleus=nucleus)
+                                 nucleus=nucleus, forced=forced)
   return out, n, cache
 
 
@@ -248,11 +264,12 @@ class Sampler:
       raise ValueError(f"decode_loop runs one sequence, got a batch of {logits_1xV.shape[0]}")
     stop = np.full(bucket(len(sp.stop_ids), 4), -1, np.int32)
     stop[:len(sp.stop_ids)] = sp.stop_ids
+    bucket_new = bucket(max(sp.max_new_tokens, 1))
     with cpu_kernel.decoding():
       return jax.block_until_ready(decode_loop(
           self.model, self.params, self.experts, cache, logits_1xV, np.int32(start), key,
           np.int32(sp.max_new_tokens), stop, np.float32(sp.temperature),
-          np.float32(sp.top_p), bucket_new=bucket(max(sp.max_new_tokens, 1)),
+          np.float32(sp.top_p), sp.forced(bucket_new), bucket_new=bucket_new,
           greedy=sp.temperature == 0.0, nucleus=sp.top_p < 1.0))
 
   def generate_loop(self, prompt_ids: list[int], sp: SamplingParams, seed: int = 0) -> list[int]:

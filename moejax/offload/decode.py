@@ -244,16 +244,17 @@ def step_fn(prog: Program):
 @functools.partial(jax.jit, static_argnames=("prog", "bucket_new", "greedy", "nucleus"),
                    donate_argnums=(3,))
 def loop(prog: Program, params, srcs, carry, logits, pos, key, n_new, stop_ids, temperature,
-         top_p, *, bucket_new: int, greedy: bool, nucleus: bool):
-  """`sampler.sample_loop` over the decode step: up to `n_new` sampled tokens in one
-  `while_loop`, as `OffloadEngine.generate`'s per-token path (`sampler.token_loop`).
+         top_p, forced, *, bucket_new: int, greedy: bool, nucleus: bool):
+  """`sampler.sample_loop` over the decode step: up to `n_new` sampled (or `forced`)
+  tokens in one `while_loop`, as `OffloadEngine.generate`'s per-token path (`sampler.token_loop`).
   -> (carry, tokens [bucket_new] (-1 after the end), count, packed records [bucket_new, L,
   width]: record i is the decode of token i, those from count - 1 on unused)."""
   step = lambda c, tok, p: _decode(prog, params, srcs, c, tok, p)
   rec = jax.eval_shape(lambda c: step(c, jnp.int32(0), pos)[2], carry)
   carry, toks, n, recs = sample_loop(step, carry, logits, pos, key, n_new, stop_ids,
                                       temperature, top_p, bucket_new=bucket_new,
-                                      greedy=greedy, nucleus=nucleus, record=rec)
+                                      greedy=greedy, nucleus=nucleus, record=rec,
+                                      forced=forced)
   return carry, _replicated(prog.ctx, toks), _replicated(prog.ctx, n), _replicated(prog.ctx, recs)
 
 

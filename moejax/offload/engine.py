@@ -375,11 +375,12 @@ class OffloadEngine:
     self._check()
     stop = np.full(bucket(len(sp.stop_ids), 4), -1, np.int32)
     stop[:len(sp.stop_ids)] = sp.stop_ids
+    bucket_new = bucket(max(sp.max_new_tokens, 1))
     args = (self.params, self._srcs, self._carry, jnp.asarray(logits),
             np.int32(self.end_index), key, np.int32(sp.max_new_tokens), stop,
-            np.float32(sp.temperature), np.float32(sp.top_p))
-    statics = dict(bucket_new=bucket(max(sp.max_new_tokens, 1)),
-                   greedy=sp.temperature == 0.0, nucleus=sp.top_p < 1.0)
+            np.float32(sp.temperature), np.float32(sp.top_p), sp.forced(bucket_new))
+    statics = dict(bucket_new=bucket_new, greedy=sp.temperature == 0.0,
+                   nucleus=sp.top_p < 1.0)
     key_s = tuple(statics.values()) + (stop.shape,)
     if key_s not in self._loops:     # compiled ahead, so the records time decoding only
       while len(self._loops) >= 4:

@@ -170,6 +170,8 @@ def test_engine_runs_layers_of_different_expert_formats(files, mmap):
   from moejax.offload.engine import OffloadEngine
   cfg, params, store = load_model(files[0], dtype=jnp.float32, mmap=mmap)
   assert sorted(store.stacked(0)) != sorted(store.stacked(1))     # mixed per layer
+  sizes = [store.expert_nbytes(l) for l in (0, 1)]
+  assert sizes[0] != sizes[1] and store.expert_nbytes() == -(-sum(sizes) // 2)
   sp = SamplingParams(max_new_tokens=8)
   want = Sampler(cfg, params, store.device_experts(jnp.float32), max_len=32).generate(
       [1, 7, 3], sp)

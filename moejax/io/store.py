@@ -77,7 +77,15 @@ class ExpertStore:
     return self.layers[layer].stack()
 
   def expert_nbytes(self, layer: int | None = None) -> int:
-    layer = self.moe_layers[0] if layer is None else layer
+    """One expert's bytes in MoE `layer`; None: the mean over the MoE layers, rounded up.
+    Layers differ where a GGUF's layers mix formats (a Q4_K_M file: "down@q6_k" in some,
+    "down@q4_k" in others); with the mean, every layer's slots add up to a budget's bytes."""
+    if layer is None:
+      per = [self.expert_nbytes(l) for l in self.moe_layers]
+      return -(-sum(per) // len(per))
+    st = getattr(self.layers.get(layer), "stacked", None)
+    if st is not None:          # from the shapes: no expert sliced out
+      return sum(int(v.nbytes) // int(v.shape[0]) for v in st.values())
     return sum(int(v.nbytes) for v in self.get(layer, 0).values())
 
   def to_device(self, dtype=None) -> list:

@@ -17,9 +17,12 @@ runners at once) and each runner's memory plan (`launch.bench_memory` measures e
 run alone against its plan).
 
 Every preset decodes the same teacher-forced token stream (so all see the same
-inputs), after a prompt and `--warmup_tokens` untimed tokens, one `decode_step` per
-token.  The caches start from the experts most often routed on a separate profiling
-stream.  Timed beside them, on the same tokens: the all-resident `moejax.model.sampler.Sampler`
+inputs): the held-out text of benchmarks/stream.py (the one bench_peers and bench_scale
+decode), after a prompt and `--warmup_tokens` untimed tokens, one `decode_step` per token
+(the per-token path of `generate`).  The caches start from the experts most often routed on
+a profiling stream of the train split.  The JSON's `routing` is the stream's (the LRU hit at
+25% and the 8-busiest share, from the all-resident engine's records); each preset reports
+its hit rate and misses per token.  Timed beside them, on the same tokens: the all-resident `moejax.model.sampler.Sampler`
 (one jitted `decode_step` call per token, its logits read back as the engine's are)
 and the OffloadEngine with every expert resident.  The timed tokens are cut into
 `--rounds` blocks; in each round every runner decodes that block in turn (rotated
@@ -40,12 +43,10 @@ engine also with its layers unrolled (`layer_scan=False`), in the same rounds
 from __future__ import annotations
 
 import contextlib
-import glob
 import itertools
 import json
 import os
 import sys
-import sysconfig
 import time
 
 from absl import app, flags
@@ -54,6 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import models as bench_models
+from benchmarks import routing, stream
 from benchmarks.transfer import expert_copy_seconds
 from moejax.io.loader import init_random, load_model
 from moejax.offload import calibrate
@@ -88,7 +90,7 @@ flags.DEFINE_enum("store", "numpy", list(BACKENDS), "Expert store back-end "
 flags.DEFINE_float("cache_fraction", 0.25, "Experts per layer resident.")
 flags.DEFINE_integer("prompt_len", 16, "Prompt tokens.")
 flags.DEFINE_integer("warmup_tokens", 16, "Decoded tokens not timed (cache warm-up, compile).")
-flags.DEFINE_integer("decode_tokens", 64, "Decoded tokens timed.")
+flags.DEFINE_integer("decode_tokens", 256, "Decoded tokens timed.")
 flags.DEFINE_integer("rounds", 8, "Interleaved rounds the timed tokens are cut into.")
 flags.DEFINE_integer("seed", 0, "Token stream seed (random-weight model).")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute/parameter dtype.")
@@ -127,16 +129,10 @@ def load(dtype):
 
 
 def token_streams(cfg, tok_path, n: int):
-  """(profiling stream, measured stream): held-out text when a tokenizer exists."""
+  """(profiling stream, measured stream): the held-out text of benchmarks/stream.py when a
+  tokenizer exists (the profile is the calibration text of the train split), else random."""
   if tok_path:
-    from moejax.io.tokenizer import Tokenizer
-    tok = Tokenizer(tok_path)
-    lib = sysconfig.get_paths()["stdlib"]
-    texts = [open(p, errors="ignore").read() for p in sorted(glob.glob(os.path.join(lib, "json",
-                                                                                     "*.py")))]
-    ids = tok.encode("\n".join(texts))
-    if len(ids) >= 2 * n:
-      return ids[:n], ids[n:2 * n]
+    return stream.calibration_ids(tok_path, n), stream.held_out_ids(tok_path, n)
   rng = np.random.default_rng(FLAGS.seed)
   return ([int(t) for t in rng.integers(0, cfg.vocab_size, n)],
           [int(t) for t in rng.integers(0, cfg.vocab_size, n)])
@@ -298,6 +294,9 @@ def run(stack: contextlib.ExitStack, watch):
       "engine_all_resident_tpot_ms_rounds": rounds["all_resident"],
       "engine_all_resident_over_sampler": med["all_resident"] / sampler_ms,
       "engine_all_resident_stats": resident,
+      # the stream's routing (the router's selections, every expert resident)
+      "routing": routing.seen(runners["all_resident"].records[FLAGS.warmup_tokens:], resident,
+                              cfg.num_experts).get("stream"),
       "expert_copy_ms": copy_ms, "expert_copy_call_ms": 1e3 * copy["copy_s"],
       "expert_copy_in_loop_ms": 1e3 * copy["copy_in_loop_s"],
       "expert_device_put_ms": 1e3 * copy["device_put_s"],
@@ -342,7 +341,8 @@ def run(stack: contextlib.ExitStack, watch):
           tpot_over_sampler_rounds=ratio_rounds((spec, preset)),
           emulated_wait_ms_per_token=waits, tpot_mean_ms=s["tpot_ms"],
           tpot_median_ms=s["tpot_median_ms"], substituted_call_pct=s["substituted_call_pct"],
-          hit_rate=s["hit_rate"], stats=s, budget=eng.budget.as_dict())
+          hit_rate=s["hit_rate"], misses_per_token=s.get("misses_per_token"), stats=s,
+          budget=eng.budget.as_dict())
     base = rows.get("baseline", {}).get("tpot_ms")
     for r in rows.values():
       r["speedup_vs_baseline"] = base / r["tpot_ms"] if base else None

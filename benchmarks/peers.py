@@ -8,9 +8,12 @@ message when there is no C++ compiler) and converts the models to GGUF there.
 Then, per model (bench shape f32, demo f32, demo bf16; `--models=wide_bf16`: Qwen3-30B-A3B's
 layer width at 4 layers, `benchmarks.models`, its experts read from the mapped file):
   * greedy text agreement llama.cpp vs the moejax Sampler (models with a tokenizer);
-  * --rounds interleaved rounds; in each, every engine in turn decodes
-    --decode_tokens greedy tokens after a --prompt_len prompt, then prefills a
-    --prefill_len prompt.  Engines: llama.cpp (libllama through benchmarks/llama_timer.cpp,
+  * --rounds interleaved rounds; in each, every engine in turn decodes --decode_tokens
+    tokens after a --prompt_len prompt, then prefills a --prefill_len prompt.  Every
+    engine reads the same tokens: the held-out text of benchmarks/stream.py, teacher-forced
+    (decode step i reads token --prompt_len + i; llama_timer reads the ids from a file),
+    so all read the experts of the same routing, which the JSON reports (`routing`: the
+    stream's LRU hit at 25% and 8-busiest share, from the router's logits on it).  Engines: llama.cpp (libllama through benchmarks/llama_timer.cpp,
     --threads threads, logits at the last prompt position as moejax's prefill),
     the moejax Sampler (one jitted decode step a token), `sampler_loop`: the Sampler's
     device loop (the --decode_tokens steps in one `lax.while_loop` call,
@@ -41,10 +44,11 @@ import numpy as np
 from tqdm import tqdm
 
 from benchmarks import models as bench_models
-from benchmarks import llama_cpp
+from benchmarks import llama_cpp, routing, stream
 from moejax.kernels import cpu_kernel
 from moejax.offload.engine import EngineConfig, OffloadEngine
-from moejax.model.sampler import Sampler, SamplingParams, next_token
+from moejax.io import traces
+from moejax.model.sampler import Sampler, SamplingParams
 from moejax.io.tokenizer import Tokenizer
 
 FLAGS = flags.FLAGS
@@ -62,7 +66,7 @@ flags.DEFINE_integer("spin_us", 1000, "cpu_kernel.set_spin_us for every moejax e
                      "but the *_pool ones (which run with 0).")
 flags.DEFINE_integer("threads", 2, "Threads of llama.cpp and torch.")
 flags.DEFINE_integer("prompt_len", 64, "Prompt tokens before decoding.")
-flags.DEFINE_integer("decode_tokens", 128, "Decoded tokens timed.")
+flags.DEFINE_integer("decode_tokens", 256, "Decoded tokens timed (teacher-forced).")
 flags.DEFINE_integer("prefill_len", 512, "Prompt length of the prefill measurement.")
 flags.DEFINE_integer("rounds", 4, "Interleaved rounds.")
 flags.DEFINE_string("agree_prompt", "def binary_search(items, target):\n",
@@ -80,16 +84,15 @@ class SamplerRunner:
   def __init__(self, cfg, params, experts, dtype, max_len):
     self.s = Sampler(cfg, params, experts, max_len=max_len, dtype=dtype)
 
-  def decode(self, prompt: np.ndarray) -> float:
+  def decode(self, prompt: np.ndarray, forced: np.ndarray) -> float:
     logits, cache = self.s.prefill(prompt[None])
-    tok = jnp.argmax(logits, -1).astype(jnp.int32)
     key, sp, t = jax.random.PRNGKey(0), SamplingParams(), len(prompt)
-    tok.block_until_ready()
+    logits.block_until_ready()
     def run():
-      nonlocal tok, cache
-      for i in range(FLAGS.decode_tokens):
-        tok, _, cache = self.s.decode_step(cache, tok, t + i, sp, key)
-      tok.block_until_ready()
+      nonlocal cache
+      for i, tok in enumerate(forced[:, None]):
+        _, lg, cache = self.s.decode_step(cache, tok, t + i, sp, key)
+      lg.block_until_ready()
     with cpu_kernel.decoding():     # a decode loop: the kernel's helpers spin between calls
       return _rate(FLAGS.decode_tokens, run)
 
@@ -98,13 +101,14 @@ class SamplerRunner:
 
 
 class SamplerLoopRunner(SamplerRunner):
-  """The Sampler's device loop: the same greedy decode steps as SamplerRunner (a token
-  from the prefill's logits, then --decode_tokens steps) in one `decode_loop` call."""
+  """The Sampler's device loop: the same decode steps as SamplerRunner (the forced tokens,
+  --decode_tokens steps) in one `decode_loop` call."""
 
-  def decode(self, prompt: np.ndarray) -> float:
+  def decode(self, prompt: np.ndarray, forced: np.ndarray) -> float:
     logits, cache = self.s.prefill(prompt[None])
     key = jax.random.PRNGKey(0)
-    sp = SamplingParams(max_new_tokens=FLAGS.decode_tokens + 1)   # no stop ids: all steps
+    sp = SamplingParams(max_new_tokens=len(forced) + 1,   # no stop ids: all steps
+                        forced_ids=tuple(int(t) for t in forced))
     logits.block_until_ready()
     def run():
       out, _, _ = self.s.decode_loop(cache, logits, len(prompt), sp, key)
@@ -113,8 +117,8 @@ class SamplerLoopRunner(SamplerRunner):
 
 
 class EngineRunner:
-  """Greedy tokens on the device and lazy steps (as the Sampler runs): the records are
-  built when read, after the timed decode (their cost is reported apart)."""
+  """Lazy steps (as the Sampler runs): the records are built when read, after the timed
+  decode (their cost is reported apart)."""
 
   def __init__(self, cfg, params, store, dtype, max_len):
     self.build_ms = []     # per round: building the records, ms per token
@@ -122,14 +126,12 @@ class EngineRunner:
                                                                    max_len=max_len, dtype=dtype))
     self.eng.warmup()
 
-  def decode(self, prompt: np.ndarray) -> float:
-    key = jax.random.PRNGKey(0)   # greedy (temperature 0), one jitted dispatch a token
-    tok = next_token(self.eng.prefill([int(t) for t in prompt]), key, 0.0, 1.0)
+  def decode(self, prompt: np.ndarray, forced: np.ndarray) -> float:
+    self.eng.prefill([int(t) for t in prompt])
     def run():
-      nonlocal tok
-      for _ in range(FLAGS.decode_tokens):
-        tok = next_token(self.eng.decode_step(tok, lazy=True), key, 0.0, 1.0)
-      tok.block_until_ready()
+      for tok in forced:
+        lg = self.eng.decode_step(int(tok), lazy=True)
+      jax.block_until_ready(lg)
     with cpu_kernel.decoding():
       rate = _rate(FLAGS.decode_tokens, run)
     t = time.perf_counter()     # the records, built when read (not in the decode time)
@@ -154,8 +156,12 @@ class PoolRunner:
     finally:
       cpu_kernel.set_spin_us(FLAGS.spin_us)
 
-  def decode(self, prompt: np.ndarray) -> float:
-    return self._with_pool(self.inner.decode, prompt)
+  def decode(self, prompt: np.ndarray, forced: np.ndarray) -> float:
+    cpu_kernel.set_spin_us(0)
+    try:
+      return self.inner.decode(prompt, forced)
+    finally:
+      cpu_kernel.set_spin_us(FLAGS.spin_us)
 
   def prefill(self, prompt: np.ndarray) -> float:
     return self._with_pool(self.inner.prefill, prompt)
@@ -180,16 +186,15 @@ class TransformersRunner:
     if self.impl is None:
       raise RuntimeError(f"transformers cannot load {hf_dir}")
 
-  def decode(self, prompt: np.ndarray) -> float:
+  def decode(self, prompt: np.ndarray, forced: np.ndarray) -> float:
     torch = self.torch
     with torch.inference_mode():
-      out = self.m(torch.tensor(prompt[None]), use_cache=True, logits_to_keep=1)
-      past, tok = out.past_key_values, out.logits[:, -1:].argmax(-1)
+      past = self.m(torch.tensor(prompt[None]), use_cache=True, logits_to_keep=1).past_key_values
       def run():
-        nonlocal past, tok
-        for _ in range(FLAGS.decode_tokens):
-          o = self.m(tok, past_key_values=past, use_cache=True)
-          past, tok = o.past_key_values, o.logits[:, -1:].argmax(-1)
+        nonlocal past
+        for tok in forced:
+          past = self.m(torch.tensor([[int(tok)]]), past_key_values=past,
+                        use_cache=True).past_key_values
       return _rate(FLAGS.decode_tokens, run)
 
   def prefill(self, prompt: np.ndarray) -> float:
@@ -201,20 +206,21 @@ class TransformersRunner:
 class LlamaRunner:
   """llama.cpp through benchmarks/llama_timer.cpp: one process per round times both."""
 
-  def __init__(self, bins, gguf, threads: int):
-    self.bins, self.gguf, self.threads = bins, gguf, threads
+  def __init__(self, bins, gguf, threads: int, ids_file: str):
+    self.bins, self.gguf, self.threads, self.ids_file = bins, gguf, threads, ids_file
 
-  def round(self, prompt: np.ndarray, long: np.ndarray) -> tuple[float, float]:
+  def round(self, prompt: np.ndarray, forced: np.ndarray, long: np.ndarray):
     r = llama_cpp.time_run(self.bins, self.gguf, self.threads, len(long), len(prompt),
-                           FLAGS.decode_tokens)
+                           len(forced), self.ids_file)
     return r["decode_tok_s"], r["prefill_tok_s"]
 
 
-def one_round(runner, prompt: np.ndarray, long: np.ndarray) -> tuple[float, float]:
-  """(decode tok/s, prefill tok/s) of one round of `runner`."""
+def one_round(runner, prompt: np.ndarray, forced: np.ndarray, long: np.ndarray):
+  """(decode tok/s, prefill tok/s) of one round of `runner` on the stream's tokens: the
+  prompt, then `forced` decoded one at a time; the prefill of `long`."""
   if isinstance(runner, LlamaRunner):
-    return runner.round(prompt, long)
-  return runner.decode(prompt), runner.prefill(long)
+    return runner.round(prompt, forced, long)
+  return runner.decode(prompt, forced), runner.prefill(long)
 
 
 def agreement(bins, gguf, sampler: SamplerRunner, tok_path: str) -> dict:
@@ -231,6 +237,14 @@ def agreement(bins, gguf, sampler: SamplerRunner, tok_path: str) -> dict:
           "common_prefix_chars": common}
 
 
+def stream_routing(cfg, params, store, ids, dtype) -> dict:
+  """The routing every engine reads on the stream: its router logits, teacher-forced in
+  one window, as `launch.trace` records them (benchmarks/routing.stats)."""
+  logits, _ = traces.record_router_logits(cfg, params, store, ids, seq=len(ids), batch=1,
+                                          dtype=dtype)
+  return routing.stats(routing.top_k_ids(logits, cfg.top_k), cfg.num_experts)
+
+
 def bench_model(name: str, bins, work: str) -> dict:
   kind, dtype = bench_models.split_name(name)
   cfg, params, store, hf_dir, tok_path = bench_models.load(name, FLAGS.demo_dir)
@@ -238,13 +252,19 @@ def bench_model(name: str, bins, work: str) -> dict:
     hf_dir = bench_models.save_bench(os.path.join(work, "bench_hf"), FLAGS.demo_dir)
   max_len = max(FLAGS.prompt_len + FLAGS.decode_tokens, FLAGS.prefill_len) + 8
   runners, res = {}, {"engines": {}}
+  # the one token stream (every model here reads the demo tokenizer's ids: vocab >= 8192)
+  ids = np.asarray(stream.held_out_ids(tok_path or os.path.join(FLAGS.demo_dir, "tokenizer.json"),
+                                       max_len - 7), np.int32)
+  prompt, long = ids[:FLAGS.prompt_len], ids[:FLAGS.prefill_len]
+  forced = ids[FLAGS.prompt_len:FLAGS.prompt_len + FLAGS.decode_tokens]
   if "llama.cpp" in FLAGS.engines and bins:
     gguf = llama_cpp.convert(FLAGS.llama_cache, hf_dir, "bf16" if dtype == jnp.bfloat16
                              else "f32", bench_models.GGUF_DIR if kind == "wide"
                              else os.path.join(FLAGS.llama_cache, "gguf"))
-    runners["llama.cpp"] = LlamaRunner(bins, gguf, FLAGS.threads)
+    ids_file = stream.write_ids(os.path.join(work, f"{name}_stream.txt"), ids)
+    runners["llama.cpp"] = LlamaRunner(bins, gguf, FLAGS.threads, ids_file)
     if FLAGS.threads > 1:  # its threads spin at barriers: on a busy machine 1 can win
-      runners["llama.cpp_1t"] = LlamaRunner(bins, gguf, 1)
+      runners["llama.cpp_1t"] = LlamaRunner(bins, gguf, 1, ids_file)
   if "sampler" in FLAGS.engines or "llama.cpp" in runners:
     runners["sampler"] = SamplerRunner(cfg, params, store.device_experts(), dtype, max_len)
   if "sampler_loop" in FLAGS.engines:
@@ -265,16 +285,15 @@ def bench_model(name: str, bins, work: str) -> dict:
     print(f"[bench_peers] {name}: greedy text llama.cpp vs moejax "
           f"{'AGREE' if res['agreement']['equal'] else 'DIFFER'} "
           f"({res['agreement']['common_prefix_chars']} common characters)", file=sys.stderr)
-  rng = np.random.default_rng(0)
-  prompt = rng.integers(0, cfg.vocab_size, FLAGS.prompt_len).astype(np.int32)
-  long = rng.integers(0, cfg.vocab_size, FLAGS.prefill_len).astype(np.int32)
+  res["routing"] = stream_routing(cfg, params, store, ids[:FLAGS.prompt_len + len(forced)],
+                                  dtype)
   for r in runners.values():  # compile / warm up (llama_timer warms up on its own)
     if not isinstance(r, LlamaRunner):
-      one_round(r, prompt, long)
+      one_round(r, prompt, forced, long)
   rates = {e: {"decode": [], "prefill": []} for e in runners}
   for _ in tqdm(range(FLAGS.rounds), desc=f"{name}: rounds"):
     for e, r in runners.items():
-      d, p = one_round(r, prompt, long)
+      d, p = one_round(r, prompt, forced, long)
       rates[e]["decode"].append(d)
       rates[e]["prefill"].append(p)
   for e in runners:
@@ -350,4 +369,9 @@ def table(res: dict) -> str:
                    f"{f'{rp:.2f}' if rp else '-':>7}   {v['decode_tok_s_median']:.1f}"
                    f"{_x(v, m, 'decode')}, {v['prefill_tok_s_median']:.1f}"
                    f"{_x(v, m, 'prefill')}")
+    rt = m.get("routing")
+    if rt:
+      lines.append(f"{name:<11}the stream's routing: an LRU of 25% hits {rt['lru_hit_mean']:.3f} "
+                   f"(shuffled {rt['lru_hit_shuffled_mean']:.3f}); the 8 busiest experts "
+                   f"take up to {rt['busiest8_share_max']:.1%} of a layer's calls")
   return "\n".join(lines)

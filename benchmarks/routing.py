@@ -58,7 +58,7 @@ WINDOW_S = 64.0         # the context heads' score scale per frequency
 WINDOWS = (0.0108, 0.0022)  # their RoPE angles per position (nearest of the model's): the
                         # window's std is about 1 / (angle sqrt(2 s)): 8 and 40 tokens
 BETA = 0.7              # the long window's share subtracted from the short one's
-MIX = (1.4, 2.8)        # the context term's std relative to the token term, first -> last layer
+MIX = (1.9, 3.8)        # the context term's std relative to the token term, first -> last layer
 GATE_TOP1 = 0.42        # target mean share of the first choice among the top-k gates
 FREQ_POWER = 0.5        # VAL scale: frequency ** -FREQ_POWER
 
@@ -281,3 +281,16 @@ def fix(d: Design, name: str, row0: int, arr: np.ndarray) -> np.ndarray:
   elif name.endswith("experts.down_proj"):       # fused [E, D, I]
     arr[:, :w] = 0.0
   return arr
+
+
+def seen(records, engine_stats: dict, num_experts: int) -> dict:
+  """The routing a benchmark saw, reported beside its speed: the engine's hit rate and
+  misses per token (its own cache), and, from the router's selections in its records (the
+  token stream's routing, whatever the engine's cache), the LRU hit at 25% and the 8
+  busiest experts' share (`stats` above)."""
+  ids = np.asarray([[lr.ids for _, lr in sorted(r.layers.items())] for r in records])
+  out = {"hit_rate": engine_stats.get("hit_rate"),
+         "misses_per_token": engine_stats.get("misses_per_token")}
+  if ids.size:
+    out["stream"] = stats(ids, num_experts)
+  return out

@@ -15,13 +15,18 @@ Contenders, each run as a child process in its own v1 memory cgroup whose limit 
 mapped model's pages compete with the process's own), after the page cache is dropped:
   llama.cpp  `llama_timer` (benchmarks/llama_timer.cpp, the C API, --threads threads): the
              GGUF is mmapped, the page cache is its only expert cache; a warm-up (8-token
-             prompt + 4 steps), a --prefill_len prefill, then --decode_tokens greedy steps
-             after a --prompt_len prompt.
+             prompt + 4 steps), a --prefill_len prefill, then --decode_tokens steps after a
+             --prompt_len prompt.
   quality, speed, baseline  moejax's OffloadEngine with that preset, --store=mmap (the
              routed experts stay in the mapped file), --cache_fraction (25%) of each layer's
              experts copied into slots, native link, bf16 (`--child=moejax`, below):
-             load, warmup (compile), a --prompt_len prefill, --warmup_tokens untimed greedy
-             steps, then --decode_tokens timed greedy steps (next = argmax of the logits).
+             load, warmup (compile), a --prompt_len prefill, --warmup_tokens untimed
+             steps, then --decode_tokens timed steps.
+Both decode the same tokens: the held-out text of benchmarks/stream.py, teacher-forced (the
+prompt is its first --prompt_len tokens, decode step i reads token --prompt_len + i; the
+ids go to llama_timer in a file), so both read the experts of the same routing, which the
+JSON reports (`routing`: the engines' hit rates and misses, and the stream's own LRU hit at
+25% and 8-busiest share, from the router's selections in moejax's records).
 Reported per contender (median over --rounds; each round runs every contender once, in
 rotated order, so the load of a shared machine falls on all alike): decode and prefill
 tok/s, disk bytes read per decoded token (decode only: /proc/self/io read_bytes around
@@ -47,6 +52,7 @@ import time
 
 from absl import flags
 
+from benchmarks import routing, stream
 from moejax.cli import app as cli
 from moejax.kernels import cpu_kernel
 
@@ -60,9 +66,10 @@ flags.DEFINE_string("out", "bench_scale.json", "JSON results file.")
 flags.DEFINE_integer("prompt_len", 16, "Prompt tokens before the timed decode.")
 flags.DEFINE_integer("prefill_len", 16, "llama.cpp's timed prefill length (moejax's is "
                      "--prompt_len).")
-flags.DEFINE_integer("decode_tokens", 32, "Greedy tokens timed.")
-flags.DEFINE_integer("warmup_tokens", 4, "moejax: greedy tokens decoded untimed after the prompt.")
-flags.DEFINE_integer("max_len", 256, "moejax: KV length (and the plan's kv_len).")
+flags.DEFINE_integer("decode_tokens", 256, "Tokens timed (teacher-forced).")
+flags.DEFINE_integer("warmup_tokens", 0, "moejax: tokens decoded untimed after the prompt "
+                     "(they shift the timed ones past llama.cpp's).")
+flags.DEFINE_integer("max_len", 512, "moejax: KV length (and the plan's kv_len).")
 flags.DEFINE_float("cache_fraction", 0.25, "moejax: share of each layer's experts in slots.")
 flags.DEFINE_integer("threads", 2, "llama.cpp threads (on a busy 2-core machine 1 decoded 4.6x "
                      "faster than 2: docs/lab/runs/2026-12-05-engine4/bench_scale.md).")
@@ -109,33 +116,39 @@ def child_moejax() -> dict:
     t0 = time.perf_counter()
     eng.warmup(prompt_lengths=(FLAGS.prompt_len,))
     out["compile_s"] = time.perf_counter() - t0
-    prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, FLAGS.prompt_len).tolist()
+    ids = stream.held_out_ids(os.path.join(FLAGS.model_dir, "tokenizer.json"), stream_len())
+    prompt, rest = ids[:FLAGS.prompt_len], ids[FLAGS.prompt_len:]
     with cpu_kernel.decoding():
       r0 = mem.read_bytes()
       t0 = time.perf_counter()
-      logits = eng.prefill(prompt)
+      eng.prefill(prompt)
       out["prefill_s"] = time.perf_counter() - t0
       out["prefill_read_bytes"] = mem.read_bytes() - r0
-      tok = int(np.argmax(logits))
-      for _ in range(FLAGS.warmup_tokens):
-        tok = int(np.argmax(eng.decode_step(tok)))
-      toks = []
+      for tok in rest[:FLAGS.warmup_tokens]:
+        eng.decode_step(tok)
+      timed = rest[FLAGS.warmup_tokens:FLAGS.warmup_tokens + FLAGS.decode_tokens]
       r0 = mem.read_bytes()
       t0 = time.perf_counter()
-      for _ in range(FLAGS.decode_tokens):
-        tok = int(np.argmax(eng.decode_step(tok)))
-        toks.append(tok)
+      for tok in timed:
+        logits = eng.decode_step(tok)
+      np.asarray(logits)
       out["decode_s"] = time.perf_counter() - t0
       out["decode_read_bytes"] = mem.read_bytes() - r0
   n = FLAGS.decode_tokens
   out.update(prefill_tok_s=FLAGS.prompt_len / out["prefill_s"], decode_tok_s=n / out["decode_s"],
              decode_tokens=n, decode_read_bytes_per_token=out["decode_read_bytes"] / n,
-             peak_anon_bytes=whole.peak_anon, tokens=toks[:16])
+             peak_anon_bytes=whole.peak_anon, tokens=timed[:16])
   st = eng.stats(skip=FLAGS.warmup_tokens)
   out["stats"] = {k: v for k, v in st.items() if isinstance(v, (int, float)) or v is None}
-  for k in ("hit_rate", "fetches_per_token", "substituted_call_pct"):
+  for k in ("hit_rate", "fetches_per_token", "substituted_call_pct", "misses_per_token"):
     out[k] = st.get(k)
+  out["routing"] = routing.seen(eng.records[FLAGS.warmup_tokens:], st, cfg.num_experts)
   return out
+
+
+def stream_len() -> int:
+  """Tokens of the held-out stream both engines read (prompt, warm-up, timed, one spare)."""
+  return max(FLAGS.prefill_len, FLAGS.prompt_len + FLAGS.warmup_tokens + FLAGS.decode_tokens + 1)
 
 
 def plan_needs(layers: int) -> tuple[dict, int]:
@@ -212,8 +225,10 @@ def cached_bytes(files: list[str]) -> int | None:
 def run_one(name: str, model_dir: str, gguf: str, bins: dict | None, limit: int) -> dict:
   from benchmarks import memcg
   if name == "llama.cpp":
+    ids = stream.held_out_ids(os.path.join(model_dir, "tokenizer.json"), stream_len())
+    ids_file = stream.write_ids(os.path.join(FLAGS.gguf_dir, "bench_scale_stream.txt"), ids)
     argv = [bins["llama_timer"], gguf, str(FLAGS.threads), str(FLAGS.prefill_len),
-            str(FLAGS.prompt_len), str(FLAGS.decode_tokens)]
+            str(FLAGS.prompt_len), str(FLAGS.decode_tokens), ids_file]
   else:
     argv = [sys.executable, "-m", "launch.bench_scale", "--child=moejax",
             f"--model_dir={model_dir}", f"--policy={name}", f"--prompt_len={FLAGS.prompt_len}",
@@ -249,10 +264,13 @@ def median(rows: list[dict], key: str):
 def summarize(runs: dict) -> dict:
   keys = ("decode_tok_s", "prefill_tok_s", "decode_read_bytes_per_token", "peak_anon_bytes",
           "group_peak_bytes", "wall_s", "load_s", "engine_s", "compile_s", "hit_rate",
-          "fetches_per_token", "substituted_call_pct")
+          "fetches_per_token", "substituted_call_pct", "misses_per_token")
   out = {}
   for name, rows in runs.items():
     s = {k: median(rows, k) for k in keys}
+    seen = [r["routing"] for r in rows if r.get("routing")]
+    if seen:              # the stream's routing: the same in every round
+      s["stream_routing"] = seen[0].get("stream")
     s["oom_killed"] = [r["oom_killed"] for r in rows]
     s["failed"] = sum(1 for r in rows if "error" in r)
     out[name] = s
@@ -277,6 +295,12 @@ def table(res: dict) -> str:
                  f"{f(s['peak_anon_bytes'], GB):>9}{f(s['group_peak_bytes'], GB):>9}"
                  f"{'yes' if any(s['oom_killed']) else 'no':>5}{f(s['x_llama_cpp']):>9}"
                  f"{f(s['hit_rate'], 0.01, '{:.1f}'):>7}{f(s['fetches_per_token'], 1, '{:.1f}'):>8}")
+  seen = next((v["stream_routing"] for v in res["summary"].values()
+               if v.get("stream_routing")), None)
+  if seen:
+    lines.append(f"the stream's routing: an LRU of 25% hits {seen['lru_hit_mean']:.3f} "
+                 f"(shuffled {seen['lru_hit_shuffled_mean']:.3f}); the 8 busiest experts take "
+                 f"up to {seen['busiest8_share_max']:.1%} of a layer's calls")
   lines.append(f"load average: start {res['loadavg_start']}, end {res['loadavg_end']}")
   return "\n".join(lines)
 

@@ -61,6 +61,7 @@ def calibration_ids(tokenizer_path: str, n: int = 16384, stride: int = 7,
 
 def write_ids(path: str, ids) -> str:
   """The ids as text, one per line (what benchmarks/llama_timer.cpp reads)."""
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   with open(path, "w") as f:
     f.write("\n".join(str(int(i)) for i in ids) + "\n")
   return path

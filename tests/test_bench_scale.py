@@ -2,6 +2,7 @@
 child end to end."""
 
 import json
+import os
 import subprocess
 import sys
 import types
@@ -14,7 +15,8 @@ from benchmarks import memcg, scale as bench_scale
 from moejax.io.loader import init_random, save_hf
 from moejax.model.config import ModelConfig
 
-CFG = ModelConfig(model_type="qwen3_moe", vocab_size=64, hidden_size=32, num_layers=2,
+# vocab 8192: the demo tokenizer's ids (the child decodes the held-out stream)
+CFG = ModelConfig(model_type="qwen3_moe", vocab_size=8192, hidden_size=32, num_layers=2,
                   num_heads=4, num_kv_heads=2, head_dim=8, num_experts=16, top_k=2,
                   moe_intermediate_size=16, intermediate_size=64,
                   sparse_layers=(True, True), qk_norm="head").validate()
@@ -63,7 +65,10 @@ def test_too_small_limit_names_the_flag_and_the_smallest_value(tmp_path, monkeyp
 def tiny_model(tmp_path_factory):
   d = tmp_path_factory.mktemp("tiny")
   params, exps = init_random(CFG, seed=1, dtype=jnp.bfloat16)
-  save_hf(CFG, params, exps, str(d), layout="per_expert", dtype=jnp.bfloat16)
+  tok = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ckpts",
+                     "demo", "tokenizer.json")      # the stream is the held-out text
+  save_hf(CFG, params, exps, str(d), layout="per_expert", dtype=jnp.bfloat16,
+          tokenizer_json=tok)
   return str(d)
 
 
@@ -75,6 +80,10 @@ def test_moejax_child_prints_one_json_line(tiny_model):
   assert proc.returncode == 0, proc.stderr[-3000:]
   r = json.loads(proc.stdout.strip().splitlines()[-1])
   assert r["policy"] == "quality" and r["decode_tokens"] == 4 and len(r["tokens"]) == 4
+  # teacher-forced on the held-out stream, after the prompt and the warm-up token
+  from benchmarks import stream
+  assert r["tokens"] == stream.held_out_ids(os.path.join(tiny_model, "tokenizer.json"), 9)[5:9]
+  assert r["routing"]["stream"]["tokens"] == 4 and r["routing"]["hit_rate"] is not None
   for k in ("load_s", "engine_s", "compile_s", "prefill_s", "decode_s", "decode_tok_s",
             "prefill_tok_s"):
     assert r[k] > 0, k

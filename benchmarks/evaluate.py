@@ -7,7 +7,7 @@ held-out documents of every corpus domain (moejax.train.corpus: held-out stdlib 
 ``python`` domain) and on HumanEval, a bigram baseline on stdlib and HumanEval (trained
 on the stdlib train split, Dirichlet-smoothed toward the unigram), per layer the expert
 load distribution (min share, normalised entropy) and the mean gate weight by choice
-rank, and routing locality (moejax.research.locality): the hit rate of a plain LRU / LFU expert
+rank, and routing locality (benchmarks.locality): the hit rate of a plain LRU / LFU expert
 cache holding 6.25-50% of each layer's experts, in document order and with the same
 tokens shuffled.  Writes the JSON and a PNG of the locality curves next to it.
 """
@@ -27,7 +27,7 @@ import optax
 from tqdm import tqdm
 
 from moejax.train import corpus, data
-from moejax.research import locality
+from benchmarks import locality
 from moejax.model import routing
 from moejax.model.config import ModelConfig
 from moejax.io.loader import load_model

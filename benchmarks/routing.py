@@ -49,7 +49,7 @@ import dataclasses
 import numpy as np
 
 from moejax.model.config import ModelConfig
-from moejax.research.locality import cache_hit_rate, load_shares
+from benchmarks.locality import cache_hit_rate, load_shares
 
 R_MAX = 64              # dims of each reserved group (fewer if the head or model is small)
 CONST = 32.0            # the constant dimension's value (dominates the RMS: a stable norm)

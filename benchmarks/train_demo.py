@@ -35,7 +35,7 @@ from tqdm import tqdm
 from moejax.train import corpus, data
 from moejax.model.config import ModelConfig
 from moejax.io.loader import init_random, load_model, save_hf
-from moejax.train.trainer import TrainConfig, make_optimizer, revive_experts, train_step
+from benchmarks.trainer import TrainConfig, make_optimizer, revive_experts, train_step
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("workdir", "runs/demo_train", "Checkpoints, tokenizer and token cache.")
@@ -59,7 +59,7 @@ flags.DEFINE_float("locality_coef", 0.2, "Weight of the routing-locality loss (-
 flags.DEFINE_float("logit_balance_coef", 0.0,
                    "Weight of the logit-balance loss that revives unused experts.")
 flags.DEFINE_enum("locality_loss", "mi", ["cosine", "tv", "mi"],
-                  "Locality measure (moejax.train.trainer.aux_losses): mutual information between "
+                  "Locality measure (benchmarks.trainer.aux_losses): mutual information between "
                   "sequence and expert, or adjacent-token consistency (cosine, tv).")
 flags.DEFINE_integer("revive_every", 50,
                      "Every N steps, split the most loaded experts into dead ones (0 = off); "

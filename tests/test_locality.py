@@ -4,7 +4,7 @@ import chex
 import numpy as np
 import pytest
 
-from moejax.research import locality
+from benchmarks import locality
 
 
 def test_lru_hand_checked():

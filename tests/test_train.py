@@ -10,7 +10,7 @@ import pytest
 
 from benchmarks.train_demo import run_training, stage_overrides
 from moejax.model.config import ModelConfig
-from moejax.train.trainer import TrainConfig, aux_losses, balance_schedule, revive_experts
+from benchmarks.trainer import TrainConfig, aux_losses, balance_schedule, revive_experts
 
 TINY = ModelConfig(model_type="qwen3_moe", vocab_size=64, hidden_size=32, num_layers=2,
                    num_heads=4, num_kv_heads=2, head_dim=8, num_experts=8, top_k=2,

@@ -5,6 +5,7 @@ and its router logits are recorded teacher-forced on held-out text exactly as
 `launch.trace --text=held_out --seq=512` does; the statistics are read on those.
 """
 
+import dataclasses
 import os
 
 import numpy as np
@@ -21,12 +22,9 @@ pytestmark = pytest.mark.skipif(not os.path.exists(TOK), reason="needs ckpts/dem
 
 def small_config(layers: int = 2) -> ModelConfig:
   """The wide models' kind at a width a test can run: 128 experts, top-8, as they have."""
-  return ModelConfig(model_type="qwen3_moe", vocab_size=8192, hidden_size=256,
-                     num_layers=layers, num_heads=4, num_kv_heads=2, head_dim=64,
-                     num_experts=128, top_k=8, moe_intermediate_size=32,
-                     intermediate_size=512, sparse_layers=(True,) * layers, qk_norm="head",
-                     norm_topk_prob=True, rope_theta=1e6, max_position_embeddings=4096,
-                     bos_token_id=None).validate()
+  return dataclasses.replace(models.wide_config(layers), hidden_size=256, num_heads=4,
+                             num_kv_heads=2, head_dim=64, moe_intermediate_size=32,
+                             intermediate_size=512).validate()
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +70,5 @@ def test_stats_on_a_hand_made_stream():
 
 def test_a_model_too_small_for_the_construction_is_refused():
   cfg = small_config()
-  import dataclasses
   with pytest.raises(ValueError, match="too small"):
     routing.layout(dataclasses.replace(cfg, num_kv_heads=1, num_heads=4))

@@ -49,19 +49,17 @@ def _encode(a, t):
 def write_gguf(path, params, exps, arch="qwen3moe"):
   """A GGUF of the model; returns the values each tensor holds, as the HF layout."""
   w = gguf.GGUFWriter(path, arch)
-  w.add_block_count(CFG.num_layers)
-  w.add_context_length(CFG.max_position_embeddings)
-  w.add_embedding_length(CFG.hidden_size)
-  w.add_feed_forward_length(CFG.intermediate_size)
-  w.add_head_count(CFG.num_heads)
-  w.add_head_count_kv(CFG.num_kv_heads)
-  w.add_key_length(CFG.head_dim)
-  w.add_value_length(CFG.head_dim)
-  w.add_rope_freq_base(CFG.rope_theta)
-  w.add_layer_norm_rms_eps(CFG.rms_norm_eps)
-  w.add_expert_count(CFG.num_experts)
-  w.add_expert_used_count(CFG.top_k)
-  w.add_expert_feed_forward_length(CFG.moe_intermediate_size)
+  for key, value in (("block_count", CFG.num_layers),
+                     ("context_length", CFG.max_position_embeddings),
+                     ("embedding_length", CFG.hidden_size),
+                     ("feed_forward_length", CFG.intermediate_size),
+                     ("head_count", CFG.num_heads), ("head_count_kv", CFG.num_kv_heads),
+                     ("key_length", CFG.head_dim), ("value_length", CFG.head_dim),
+                     ("rope_freq_base", CFG.rope_theta),
+                     ("layer_norm_rms_eps", CFG.rms_norm_eps),
+                     ("expert_count", CFG.num_experts), ("expert_used_count", CFG.top_k),
+                     ("expert_feed_forward_length", CFG.moe_intermediate_size)):
+    getattr(w, f"add_{key}")(value)
   held_params, held_exps = {}, []
 
   def add(name, a, t):

@@ -21,7 +21,8 @@ full fetch in bf16 and a low-precision one at its own bytes.
 --weights=q8_0|q4_0|q4_k|q6_k measures a weight format (`moejax.io.weights.quantized`: the
 routed experts and every dense linear quantized once into the cache, as moejax-generate
 runs them) and --dtype the compute dtype: the perplexity of fetch_all is then the format's,
-to compare with another run's at --weights=float (docs/policies.md, "Weight formats").
+to compare with another run's at --weights=float ("Weight formats" of docs/policies.md in the
+source repository).
 A full fetch of a block store counts its blocks' bytes; the low-precision copies
 (fetch_low, threshold_low, `@int4`) are refused there: a fetch already moves the blocks.
 """

@@ -46,10 +46,26 @@ def _encode(a, t):
   return b, getattr(T, t), blocks.dequantize(b, t.lower())
 
 
-def write_gguf(path, params, exps, arch="qwen3moe"):
-  """A GGUF of the model; returns the values each tensor holds, as the HF layout."""
+def tokenizer_meta(tok_json: str, pre: str = "gpt-2", model: str = "gpt2") -> tuple:
+  """The tokenizer.ggml.* metadata llama.cpp's converter writes for a byte-level BPE
+  tokenizer.json, as (GGUFWriter add_ method, value) rows of `write_gguf`'s table."""
+  import json
+  t = json.load(open(tok_json))
+  vocab = t["model"]["vocab"]
+  tokens = sorted(vocab, key=vocab.get)
+  control = {a["content"] for a in t["added_tokens"] if a["special"]}
+  kinds = [gguf.TokenType.CONTROL if x in control else gguf.TokenType.NORMAL for x in tokens]
+  merges = [m if isinstance(m, str) else " ".join(m) for m in t["model"]["merges"]]
+  return (("tokenizer_model", model), ("tokenizer_pre", pre), ("token_list", tokens),
+          ("token_types", kinds), ("token_merges", merges),
+          ("bos_token_id", vocab["<|endoftext|>"]), ("eos_token_id", vocab["<|endoftext|>"]))
+
+
+def write_gguf(path, params, exps, arch="qwen3moe", meta=()):
+  """A GGUF of the model (and the metadata rows `meta`); returns the values each tensor
+  holds, as the HF layout."""
   w = gguf.GGUFWriter(path, arch)
-  for key, value in (("block_count", CFG.num_layers),
+  for key, value in tuple(meta) + (("block_count", CFG.num_layers),
                      ("context_length", CFG.max_position_embeddings),
                      ("embedding_length", CFG.hidden_size),
                      ("feed_forward_length", CFG.intermediate_size),
@@ -188,3 +204,71 @@ def test_engine_runs_layers_of_different_expert_formats(files, mmap):
     assert sorted(eng.states[1].buffers) == ["down@q4_0", "gate@q8_0", "up@q8_0"]
     assert eng.generate([1, 7, 3], sp) == want
     assert eng.stats()["fetches_per_token"] > 0
+
+
+DEMO_TOK = os.path.join(os.path.dirname(__file__), "..", "ckpts", "demo", "tokenizer.json")
+TEXTS = ["def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n",
+         "  leading and   inner  spaces\t\ttabs\n\n\nand blank lines  ",
+         "naïve café — Größe, 東京, emoji 🚀 and ümlauts", "x<|endoftext|>y", "it's 12345 o'clock"]
+
+
+def _tokenizer_gguf(path, meta):
+  """A GGUF of metadata alone (the tokenizer reads nothing else)."""
+  w = gguf.GGUFWriter(path, "qwen3moe")
+  for key, value in meta:
+    getattr(w, f"add_{key}")(value)
+  w.write_header_to_file()
+  w.write_kv_data_to_file()
+  w.close()
+
+
+@pytest.mark.skipif(not os.path.exists(DEMO_TOK), reason="the demo model is not in ckpts/demo")
+@pytest.mark.parametrize("pre", ["gpt-2", "qwen2"])
+def test_tokenizer_from_metadata_matches_tokenizer_json(tmp_path, pre):
+  """The GGUF's tokenizer.ggml.* metadata gives the tokenizer.json's ids and text: gpt-2 is
+  the demo's own (ByteLevel's regex); qwen2 against the demo's vocabulary with transformers'
+  Qwen2 pre-tokenizer (NFC, the Qwen2 split, ByteLevel without its regex) in the JSON."""
+  import json
+  from tokenizers import Tokenizer as HF
+  from moejax.io.tokenizer import Tokenizer
+  t = json.load(open(DEMO_TOK))
+  if pre == "qwen2":
+    t["normalizer"] = {"type": "NFC"}
+    t["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": gguf_tokenizer_regex()}, "behavior": "Isolated",
+         "invert": False},
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False,
+         "use_regex": False}]}
+  ref = HF.from_str(json.dumps(t))
+  path = str(tmp_path / "tok.gguf")
+  _tokenizer_gguf(path, tokenizer_meta(DEMO_TOK, pre))
+  tok = Tokenizer(path)
+  assert tok.path == path and tok.vocab_size == ref.get_vocab_size() == 8192
+  assert tok.token_id("<|endoftext|>") == 0
+  for text in TEXTS + ["cafe\u0301 (NFD)"]:
+    want = ref.encode(text, add_special_tokens=False).ids
+    assert tok.encode(text) == want, text
+    assert tok.decode(want) == ref.decode(want, skip_special_tokens=True)
+  assert tok.decode(tok.encode(TEXTS[0])) == TEXTS[0]
+  assert tok.encode("x<|endoftext|>y")[1] == 0 and "endoftext" not in tok.decode([5, 0, 6])
+  # a tokenizer.json beside the file is preferred
+  with open(tmp_path / "tokenizer.json", "w") as f:
+    json.dump(t, f)
+  assert Tokenizer(path).path == str(tmp_path / "tokenizer.json")
+
+
+def gguf_tokenizer_regex():
+  from moejax.io.weights.gguf_tokenizer import QWEN2_REGEX
+  return QWEN2_REGEX
+
+
+@pytest.mark.skipif(not os.path.exists(DEMO_TOK), reason="the demo model is not in ckpts/demo")
+@pytest.mark.parametrize("model,pre,match", [
+    ("llama", "default", "tokenizer model 'llama' is not one moejax builds"),
+    ("gpt2", "deepseek-llm", "pre-tokenizer 'deepseek-llm' .* is not one moejax builds")])
+def test_unsupported_gguf_tokenizer_is_refused_by_name(tmp_path, model, pre, match):
+  from moejax.io.tokenizer import Tokenizer
+  path = str(tmp_path / "tok.gguf")
+  _tokenizer_gguf(path, tokenizer_meta(DEMO_TOK, pre, model))
+  with pytest.raises(gguf_file.GGUFUnsupported, match=match):
+    Tokenizer(path)

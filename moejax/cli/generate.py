@@ -302,14 +302,14 @@ def load(cfg, folder, dtype, store_kind):
 
 def model_files(folder: str):
   """(cfg, tokenizer.json path, None or (dense, expert) bytes as a GGUF file holds them)
-  of --model_dir: a Hugging Face folder or a GGUF file (its tokenizer.json beside it)."""
+  of --model_dir: a Hugging Face folder or a GGUF file (the tokenizer.json beside it, else
+  the file itself: `Tokenizer` builds it from the metadata)."""
   from moejax.model.config import ModelConfig
   if not folder.endswith(".gguf"):
     return ModelConfig.from_json_file(folder), os.path.join(folder, "tokenizer.json"), None
   from moejax.io.weights import gguf_file
   reader, _ = gguf_file.tensor_info(folder)
-  tok = gguf_file.tokenizer_path(folder) or os.path.join(os.path.dirname(folder),
-                                                          "tokenizer.json")
+  tok = gguf_file.tokenizer_path(folder) or folder     # else the file's metadata
   return gguf_file.read_config(reader, folder), tok, gguf_file.nbytes(reader)
 
 

@@ -1,4 +1,6 @@
-"""Tokenizer from a model folder's tokenizer.json (the `tokenizers` library)."""
+"""Tokenizer from a model folder's tokenizer.json (the `tokenizers` library), or of a GGUF
+file: the tokenizer.json beside it when there is one, else its metadata
+(moejax.io.weights.gguf_tokenizer)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,13 @@ class TokenizerError(ValueError):
 class Tokenizer:
   def __init__(self, path: str):
     from tokenizers import Tokenizer as _Tok
+    if path.endswith(".gguf") and os.path.isfile(path):
+      from moejax.io.weights import gguf_file, gguf_tokenizer
+      beside = gguf_file.tokenizer_path(path)
+      if beside is None:
+        self._tok, self.path = gguf_tokenizer.from_gguf(path), path
+        return
+      path = beside
     if os.path.isdir(path):
       path = os.path.join(path, "tokenizer.json")
     if not os.path.exists(path):

@@ -16,7 +16,8 @@ keeps gate and up apart ({"gate@q4_k", "up@q4_k", "down@q6_k"}, `quantized.exper
 they stay in place; float experts are fused into "gate_up" in RAM.  Qwen3-MoE always
 renormalises its top-k (llama.cpp hard-codes it): norm_topk_prob is True.
 
-The tokenizer is a tokenizer.json beside the file (`tokenizer_path`).
+The tokenizer is a tokenizer.json beside the file (`tokenizer_path`) or, without one, the
+file's tokenizer.ggml.* metadata (`gguf_tokenizer`; `moejax.io.tokenizer.Tokenizer` picks).
 """
 
 from __future__ import annotations

@@ -40,12 +40,17 @@ class Model:
   dtype: jnp.dtype
 
 
-def load(model_dir: str, *, dtype="float32", store: str = "numpy") -> Model:
+def load(model_dir: str, *, dtype="float32", store: str = "numpy",
+         weights: str = "float") -> Model:
   """The Hugging Face folder `model_dir` (config.json, model.safetensors or its sharded
-  index, tokenizer.json), its experts in a `store` of kind numpy (RAM), mmap (the file,
-  through the page cache) or pinned_host."""
+  index, tokenizer.json) or a GGUF file, its experts in a `store` of kind numpy (RAM), mmap
+  (the file, through the page cache) or pinned_host.  weights: moejax-generate's
+  --weights: float (the checkpoint's floats in `dtype`) or a ggml block format (q8_0,
+  q4_0, q4_k, q6_k: the linears and experts repacked once into the cache folder,
+  `moejax.io.weights.quantized`)."""
   dtype = jnp.dtype(dtype)
-  cfg, params, experts = load_model(model_dir, dtype=dtype, mmap=store != "numpy")
+  cfg, params, experts = load_model(model_dir, dtype=dtype, mmap=store != "numpy",
+                                    weights=weights)
   return Model(cfg, params, make_store(experts, store), Tokenizer(model_dir), model_dir,
                dtype)
 

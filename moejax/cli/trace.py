@@ -3,6 +3,7 @@
   moejax-trace --model_dir=ckpts/demo --text=held_out --out=runs/trace_demo
   (ckpts/demo: the demo model of a source checkout, relative to the current folder)
   moejax-trace --model_dir=/path/to/Qwen3-30B-A3B --text=my.txt --out=runs/t30b
+  moejax-trace --weights=q4_0 ...    # the routing of the model quantized as --weights says
 
 --text: `held_out` (the demo corpus's held-out CPython stdlib files), `humaneval`
 (HumanEval prompts + solutions), or a path to a UTF-8 text file.  Documents are
@@ -39,6 +40,7 @@ from moejax.io import traces
 from moejax.io.loader import load_model
 from moejax.io.tokenizer import Tokenizer
 from moejax.cli import app as cli
+from moejax.cli import flagsets
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model_dir", "ckpts/demo", "HF-format model folder (config.json, "
@@ -57,6 +59,7 @@ flags.DEFINE_string("synthesize", None, "Synthesise a trace of this model shape 
 flags.DEFINE_string("fit_trace", None, "Recorded trace whose statistics --synthesize fits.")
 flags.DEFINE_integer("fit_tokens", 4096, "Tokens of --fit_trace used for the fit.")
 flags.DEFINE_integer("seed", 0, "Generator seed (--synthesize).")
+flagsets.weights()
 FIT_FRACTIONS = (0.125, 0.25, 0.5)
 
 
@@ -120,7 +123,7 @@ def main(_):
   if FLAGS.synthesize:
     return synthesize()
   dtype = jnp.dtype(FLAGS.compute_dtype)
-  cfg, params, store = load_model(FLAGS.model_dir, dtype=dtype)
+  cfg, params, store = load_model(FLAGS.model_dir, dtype=dtype, weights=FLAGS.weights)
   tok = Tokenizer(FLAGS.model_dir)
   docs, corpus = documents(FLAGS.text)
   eot = tok.token_id(data.EOT)
@@ -144,7 +147,7 @@ def main(_):
               tokenizer=os.path.join(os.path.abspath(FLAGS.model_dir), "tokenizer.json"),
               tokenizer_sha256=traces.file_sha256(os.path.join(FLAGS.model_dir,
                                                                "tokenizer.json")),
-              compute_dtype=FLAGS.compute_dtype, recording="teacher-forced, all experts "
+              compute_dtype=FLAGS.compute_dtype, weights=FLAGS.weights, recording="teacher-forced, all experts "
               "resident, windows of --seq tokens")
   traces.write_trace(FLAGS.out, model_config, logits, np.asarray(ids, np.int32),
                      dtype=FLAGS.dtype, shard_tokens=FLAGS.shard_tokens, windows=windows,

@@ -2,6 +2,7 @@
 
   moejax-serve --policy=quality --cache_fraction=0.25 --port=8000     # the demo model
   moejax-serve --model_dir=/path/to/Qwen3-30B-A3B --dtype=bfloat16 --store=mmap
+  moejax-serve --weights=q4_0 ...       # the linears and experts in ggml's 4-bit blocks
 
 (`python -m launch.serve` in a source checkout; needs the `serve` extra: fastapi,
 uvicorn, jinja2: `.venv/bin/python -m pip install -e ".[serve]"` in a checkout.)
@@ -52,6 +53,7 @@ INTERRUPT_LIMIT_S = 0.9   # Ctrl-C: the process ends by then whatever still runs
 flagsets.model_dir(what="Hugging Face model folder (config.json, safetensors, tokenizer.json; "
                    "tokenizer_config.json for a chat template)")
 flagsets.dtype()
+flagsets.weights()
 flagsets.engine()
 flags.DEFINE_string("model_name", None, "The model id clients send (default: the folder's "
                     "name).")
@@ -137,8 +139,11 @@ def check_flags(cfg):
   if FLAGS.host_cache_gb is not None:   # a size or store that cannot work: before loading
     import jax.numpy as jnp
     from moejax.io import staging
+    from moejax.io.weights import quantized
     from moejax.offload.memory import expert_nbytes
-    staging.staging_rows(FLAGS.host_cache_gb, expert_nbytes(cfg, jnp.dtype(FLAGS.dtype)),
+    staging.staging_rows(FLAGS.host_cache_gb, quantized.expert_nbytes(cfg, FLAGS.weights)
+                         if FLAGS.weights != "float" else
+                         expert_nbytes(cfg, jnp.dtype(FLAGS.dtype)),
                          len(cfg.moe_layers), FLAGS.store or "numpy")
   from moejax.cache.policy import make_policy
   policy = make_policy(FLAGS.policy, tau=FLAGS.tau, admission_beta=FLAGS.admission_beta,
@@ -163,7 +168,7 @@ def check_batch(cfg, max_len: int, offload: bool = False) -> None:
   plan = memory.plan_memory(cfg, jnp.dtype(FLAGS.dtype), store=FLAGS.store or "numpy",
                             offload=offload, kv_len=max_len,
                             cache_fraction=None if FLAGS.cache_bytes else fraction,
-                            cache_bytes=FLAGS.cache_bytes)
+                            cache_bytes=FLAGS.cache_bytes, weights=FLAGS.weights)
   dev = jax.devices()[0]
   if dev.platform == "cpu":
     need, have, where = plan.anon_bytes, memory.available_ram(), "RAM available"
@@ -215,7 +220,8 @@ def loader(folder, tok, template, max_len, warm, policy):
     t0 = time.time()
     dtype = jnp.dtype(FLAGS.dtype)
     store_kind = FLAGS.store or "numpy"
-    cfg, params, store = load_model(folder, dtype=dtype, mmap=store_kind != "numpy")
+    cfg, params, store = load_model(folder, dtype=dtype, mmap=store_kind != "numpy",
+                                    weights=FLAGS.weights)
     store = make_store(store, store_kind)
     if policy is None:            # --policy=none: the resident model, requests batched
       from moejax.model.sampler import Sampler

@@ -29,7 +29,8 @@ import numpy as np
 from benchmarks.models import wide_config
 from moejax.cache import policy as policy_lib
 from moejax.cache import resident as resident_lib
-from moejax.io.loader import abstract_params, expert_shapes
+from moejax.io.loader import expert_shapes
+from moejax.model.model import abstract_params
 from moejax.model import layer_stack
 from moejax.model.config import ModelConfig
 from moejax.offload import decode

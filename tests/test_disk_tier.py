@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moejax.io import placement, repack
+from moejax.io import loader, placement, repack
 from moejax.io.loader import init_random, load_model, save_hf
 from moejax.io.store import shares_buffer
 from moejax.kernels import cpu_kernel
@@ -118,7 +118,7 @@ def test_a_repack_that_does_not_fit_is_refused_before_writing(ckpt_64mb, tmp_pat
   with pytest.raises(repack.RepackError, match=r"0\.06 GB .* 0\.00 GB free.*MOEJAX_CACHE_DIR"):
     repack.check_space(ckpt_64mb, cfg.moe_layers, 64, kinds, jnp.bfloat16, per_expert=True)
   with pytest.raises(repack.RepackError, match="MOEJAX_CACHE_DIR"):
-    repack.check_checkpoint(ckpt_64mb, cfg, jnp.bfloat16)    # what generate runs first
+    loader.check_checkpoint(ckpt_64mb, cfg, jnp.bfloat16)    # what generate runs first
   with pytest.raises(repack.RepackError, match="MOEJAX_CACHE_DIR"):
     load_model(ckpt_64mb, dtype=jnp.bfloat16, mmap=True)
   assert not os.path.exists(repack.stacked_path(ckpt_64mb, jnp.bfloat16))

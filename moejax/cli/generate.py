@@ -226,9 +226,9 @@ def main(_):
           f"weight to {jnp.dtype(dtype).name} while loading (the sizes above are in "
           f"{jnp.dtype(dtype).name}; --dtype={stored} keeps them as stored)", file=sys.stderr)
   if store_kind != "numpy" and folder is not None and not gguf:   # a repack: can it fit?
-    from moejax.io import repack
+    from moejax.io import loader, repack
     try:
-      repack.check_checkpoint(folder, cfg, dtype)
+      loader.check_checkpoint(folder, cfg, dtype)
     except repack.RepackError as e:
       raise cli.UsageError(str(e)) from None
   if FLAGS.dry_run:

@@ -13,6 +13,7 @@ import os
 
 import numpy as np
 
+from moejax.io import repack
 from moejax.io.safetensors_io import CheckpointError
 from moejax.io.store import LayerExperts
 
@@ -92,7 +93,6 @@ def mapped_experts(cfg, idx, model_dir, fused, per_expert, np_dtype, check_finit
   is mapped as it is (its experts checked for NaN/Inf on the first load only:
   `repack.checked_stamp`); any other is repacked once into a stacked file (its experts
   checked as they are written; a reused file was checked when written)."""
-  from moejax.io import repack
   src = expert_names(cfg, idx, model_dir, fused, per_expert)
   E = cfg.num_experts
   kinds = {"gate_up": (2 * cfg.moe_intermediate_size, cfg.hidden_size),

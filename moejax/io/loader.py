@@ -14,20 +14,21 @@ import json
 import os
 import re
 import sys
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from moejax.model import families
 from moejax.model.config import ModelConfig
-from moejax.model.model import Transformer
+from moejax.model.model import Transformer, abstract_params, nest_params
 from moejax.ggml.qarray import QuantArray
 from moejax.io import expert_layout
+from moejax.io import repack
+from moejax.io.weights import gguf_file
 from moejax.io.weights import quantized
 from moejax.io.safetensors_io import CheckpointError, SafetensorsFile, save_file
 from moejax.io.store import ExpertStore, LayerExperts, stack_layers
+
 
 def checkpoint_dtype(model_dir: str | None) -> str | None:
   """The dtype config.json says the weights are stored in (torch_dtype / dtype), if any."""
@@ -47,17 +48,25 @@ def expert_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
   return families.of(cfg).expert_shapes(cfg)
 
 
-def abstract_experts(cfg: ModelConfig, dtype=jnp.float32) -> list:
+def check_checkpoint(model_dir: str, cfg, dtype):
+  """`repack.check_space` for a checkpoint folder before loading it with mmap=True: a repack is
+  needed for per-expert tensors or a stored dtype other than `dtype` (read from the
+  index or header and config.json only)."""
   shp = expert_shapes(cfg)
-  return [({k: jax.ShapeDtypeStruct((cfg.num_experts,) + v, dtype) for k, v in shp.items()}
-           if s else None) for s in cfg.sparse_layers]
-
-
-def abstract_params(cfg: ModelConfig, dtype=jnp.float32):
-  model = Transformer(cfg, dtype)
-  toks = jnp.zeros((1, 2), jnp.int32)
-  return jax.eval_shape(lambda e: model.init(jax.random.PRNGKey(0), toks, e),
-                        abstract_experts(cfg, dtype))["params"]
+  if set(shp) != {"gate_up", "down"}:
+    return                                  # a family's own layout is not repacked
+  index = os.path.join(model_dir, "model.safetensors.index.json")
+  if os.path.exists(index):
+    with open(index) as f:
+      names = list(json.load(f).get("weight_map", {}))
+  elif os.path.exists(os.path.join(model_dir, "model.safetensors")):
+    names = list(SafetensorsFile(os.path.join(model_dir, "model.safetensors")).keys())
+  else:
+    return
+  stored = checkpoint_dtype(model_dir)
+  per_expert = (any(".mlp.experts.0." in n for n in names)
+                or (stored is not None and stored != np.dtype(dtype).name))
+  repack.check_space(model_dir, cfg.moe_layers, cfg.num_experts, shp, dtype, per_expert)
 
 
 def init_random(cfg: ModelConfig, seed: int = 0, dtype=jnp.float32, scale: float = 0.02):
@@ -186,7 +195,6 @@ def load_model(model_dir: str, dtype=jnp.float32, mmap: bool = False, check_fini
   """
   quantized.check_weights(weights)
   if model_dir.endswith(".gguf"):
-    from moejax.io.weights import gguf_file
     if weights != "float":
       raise quantized.WeightsError(f"{model_dir}: a GGUF file runs in its own formats; "
                                    f"--weights={weights} applies to a safetensors folder")
@@ -257,16 +265,6 @@ def _tensors(cfg, family, idx: _Index, model_dir, dtype):
   return dense, per_expert, fused, flat_expected, leaf_dtypes
 
 
-def _nest(leaves: dict) -> dict:
-  params: dict[str, Any] = {}
-  for p, v in leaves.items():
-    d = params
-    for k in p[:-1]:
-      d = d.setdefault(k, {})
-    d[p[-1]] = v
-  return params
-
-
 def _load(cfg, family, idx: _Index, model_dir, dtype, mmap, check_finite, dequantize_mxfp4,
           progress=None):
   np_dtype = np.dtype(jnp.dtype(dtype))
@@ -278,7 +276,7 @@ def _load(cfg, family, idx: _Index, model_dir, dtype, mmap, check_finite, dequan
     expert_layout.check(idx, name, a, flat_expected[p], check_finite)
     # a module may keep a parameter in f32 whatever `dtype` (e.g. sigmoid routers, like HF)
     leaves[p] = jnp.asarray(np.asarray(a).astype(leaf_dtypes.get(p, np_dtype)))
-  params = _nest(leaves)
+  params = nest_params(leaves)
 
   # routed experts
   if family.load_layer_experts is not None:    # the family's own tensor layout
@@ -320,7 +318,7 @@ def _load_quantized(cfg, family, idx: _Index, model_dir, dtype, mmap, check_fini
   layers = {l: LayerExperts(cfg.num_experts, stacked=d) for l, d in experts.items()}
   store = ExpertStore(layers, cfg.num_layers, backend="mmap" if mmap else "numpy")
   store.weights = qtype
-  return cfg, _nest(leaves), store
+  return cfg, nest_params(leaves), store
 
 
 def save_hf(cfg: ModelConfig, params, experts: list, out_dir: str, dtype=np.float32,

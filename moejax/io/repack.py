@@ -89,28 +89,6 @@ def check_space(model_dir: str, layers, num_experts: int, kinds: dict, dtype,
   _check_free(model_dir, path, _specs(layers, num_experts, kinds, dtype))
 
 
-def check_checkpoint(model_dir: str, cfg, dtype):
-  """`check_space` for a checkpoint folder before loading it with mmap=True: a repack is
-  needed for per-expert tensors or a stored dtype other than `dtype` (read from the
-  index or header and config.json only)."""
-  from moejax.io.loader import checkpoint_dtype, expert_shapes
-  shp = expert_shapes(cfg)
-  if set(shp) != {"gate_up", "down"}:
-    return                                  # a family's own layout is not repacked
-  index = os.path.join(model_dir, "model.safetensors.index.json")
-  if os.path.exists(index):
-    with open(index) as f:
-      names = list(json.load(f).get("weight_map", {}))
-  elif os.path.exists(os.path.join(model_dir, "model.safetensors")):
-    names = list(SafetensorsFile(os.path.join(model_dir, "model.safetensors")).keys())
-  else:
-    return
-  stored = checkpoint_dtype(model_dir)
-  per_expert = (any(".mlp.experts.0." in n for n in names)
-                or (stored is not None and stored != np.dtype(dtype).name))
-  check_space(model_dir, cfg.moe_layers, cfg.num_experts, shp, dtype, per_expert)
-
-
 def _specs(layers, num_experts: int, kinds: dict, dtype) -> list:
   dt = np.dtype(dtype)
   return [(f"experts.{k}", dt, (len(layers), num_experts) + tuple(s)) for k, s in kinds.items()]

@@ -180,3 +180,30 @@ class Transformer(nn.Module):
       new_cache.append(ci)
       router_logits.append(rl)
     return x, (None if cache is None else new_cache), router_logits
+
+
+def abstract_experts(cfg: ModelConfig, dtype=jnp.float32) -> list:
+  """Per layer: the routed experts' {kind: ShapeDtypeStruct [E, ...]} (None: a dense layer)."""
+  shp = families.of(cfg).expert_shapes(cfg)
+  return [({k: jax.ShapeDtypeStruct((cfg.num_experts,) + v, dtype) for k, v in shp.items()}
+           if s else None) for s in cfg.sparse_layers]
+
+
+def abstract_params(cfg: ModelConfig, dtype=jnp.float32):
+  """The Transformer's parameter tree as ShapeDtypeStructs (nothing is allocated): what a
+  checkpoint must hold, leaf by leaf."""
+  model = Transformer(cfg, dtype)
+  toks = jnp.zeros((1, 2), jnp.int32)
+  return jax.eval_shape(lambda e: model.init(jax.random.PRNGKey(0), toks, e),
+                        abstract_experts(cfg, dtype))["params"]
+
+
+def nest_params(leaves: dict) -> dict:
+  """{path tuple: leaf} (the flat form a checkpoint reader fills) -> the nested param tree."""
+  params: dict[str, Any] = {}
+  for p, v in leaves.items():
+    d = params
+    for k in p[:-1]:
+      d = d.setdefault(k, {})
+    d[p[-1]] = v
+  return params

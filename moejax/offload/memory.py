@@ -5,7 +5,7 @@ minutes to read), from the same shapes the loader and the engine use:
 
   dense parameters   every parameter that is not a routed expert (embeddings,
                      attention, norms, routers, shared experts, dense MLPs), on the
-                     device, in the dtype each leaf has (`loader.abstract_params`);
+                     device, in the dtype each leaf has (`model.abstract_params`);
   one expert         the bytes one routed expert occupies, and moves per fetch;
   expert cache       with a policy: `resident.make_budget`'s slots + staging slots +
                      the scratch row, per MoE layer; without one: every expert;
@@ -203,8 +203,7 @@ def plan_memory(cfg: ModelConfig, dtype, *, store: str = "numpy", offload: bool 
   `io.weights.quantized`); nbytes: (dense bytes, one expert's bytes) as a file holds them
   (a GGUF file: `gguf_file.nbytes`), instead of computed from `dtype` and `weights`."""
   from moejax.io import staging
-  from moejax.io.loader import abstract_params
-  from moejax.model.model import init_cache
+  from moejax.model.model import abstract_params, init_cache
   from moejax.cache import resident
   from moejax.model import families
   from moejax.io.weights import quantized

@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 import re
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -35,6 +36,7 @@ from moejax.io.safetensors_io import CheckpointError
 from moejax.io.store import ExpertStore, LayerExperts, stack_layers
 from moejax.io.weights import quantized
 from moejax.model.config import ModelConfig
+from moejax.model.model import abstract_params, nest_params
 
 ARCHS = {"qwen3moe": "qwen3_moe"}
 FLOAT_TYPES = ("F32", "F16", "BF16")
@@ -146,8 +148,6 @@ def load_gguf(path: str, dtype=jnp.float32, mmap: bool = False, check_finite: bo
   reader, _ = tensor_info(path)
   cfg = read_config(reader, path)
   np_dtype = np.dtype(jnp.dtype(dtype))
-  from moejax.io.loader import abstract_params, _nest
-  import jax
   expected = {tuple(k.key for k in p): leaf for p, leaf in
               jax.tree_util.tree_flatten_with_path(abstract_params(cfg, dtype))[0]}
   leaves, experts = {}, {l: {} for l in cfg.moe_layers}
@@ -177,7 +177,7 @@ def load_gguf(path: str, dtype=jnp.float32, mmap: bool = False, check_finite: bo
   store = ExpertStore(_expert_layers(cfg, experts, np_dtype, mmap, path), cfg.num_layers,
                       backend="mmap" if mmap else "numpy")
   store.path = path
-  return cfg, _nest(leaves), store
+  return cfg, nest_params(leaves), store
 
 
 def _expert_layers(cfg, experts: dict, np_dtype, mmap: bool, path: str) -> dict:

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.models import wide_config
-from moejax.cache import policy as policy_lib
+from moejax.offload.config import EngineConfig
 from moejax.cache import resident as resident_lib
 from moejax.io.loader import expert_shapes
 from moejax.model.model import abstract_params
@@ -62,9 +62,9 @@ def abstract_step(cfg: ModelConfig, policy: str, scan: bool):
   all_res = policy == "all"
   budget = resident_lib.make_budget(cfg.num_experts, cfg.top_k, ebytes, len(cfg.moe_layers),
                                     fraction=1.0 if all_res else FLAGS.cache_fraction)
-  ctx = layer_lib.Ctx(cfg, policy_lib.make_policy("baseline" if all_res else policy),
-                      budget.slots if budget.staging else None, source="slots",
-                      skip_empty=True, all_resident=all_res and budget.all_resident)
+  config = EngineConfig.make("baseline" if all_res else policy, max_len=FLAGS.max_len)
+  ctx = layer_lib.Ctx.make(cfg, config, budget, source="slots", skip_empty=True,
+                           all_resident=all_res and budget.all_resident)
   prog = decode.Program(ctx, "bfloat16", FLAGS.max_len, scan)
   sds = lambda t: jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), t)
   spec = {k: (s, dt) for k, s in shapes.items()}

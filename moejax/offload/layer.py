@@ -50,6 +50,16 @@ class Ctx:
   all_resident: bool = False          # every expert resident for good: all hits
   ep: Any = None                      # expert_parallel.Plan: slots over a device mesh
 
+  @classmethod
+  def make(cls, cfg: ModelConfig, config, budget, **kw) -> "Ctx":
+    """The static part of a layer's step under `config` (an `offload.config.EngineConfig`:
+    its policy and prefetch, the engine's and the emulator's alike) with `budget` (a
+    `resident.Budget`: staging slots trim back to its S); kw: the other fields by name
+    (source, control, pinned, mapped, skip_empty, all_resident, ep)."""
+    pf = config.prefetch
+    return cls(cfg=cfg, policy=config.policy, trim_to=budget.slots if budget.staging else None,
+               prefetch=pf.kind, speculative=pf.speculative, keep=not pf.streaming, **kw)
+
   @property
   def spec_on(self) -> bool:
     return self.prefetch != "none"
@@ -62,8 +72,10 @@ class Ctx:
     if self.spec_on:
       speculate = lambda true, pred, seen: pf.speculative_decision(cfg, true, pred, seen,
                                                                    decision, speculative)
-    return step_lib.Rule(cfg, decision, self.policy.cache, self.trim_to, self.keep,
-                         self.control, speculate, self.skip_empty, self.all_resident)
+    return step_lib.Rule(cfg=cfg, decision=decision, cache=self.policy.cache,
+                         trim_to=self.trim_to, keep=self.keep, control=self.control,
+                         speculate=speculate, skip_empty=self.skip_empty,
+                         all_resident=self.all_resident)
 
 
 @_dataclass

@@ -4,7 +4,7 @@ the same layers unrolled over per-layer arrays (issue 45, item 3).
   python -m launch.bench_layer_scan --out=docs/lab/runs/2026-12-05-engine4-scan/layer_scan.json
 
 Not part of the tests. A chain over --layers decoder-layer projections of the
-Qwen3-30B-A3B width (bf16, one token): per layer q/k/v (`cpu_kernel.linears`, one call)
+Qwen3-30B-A3B width (bf16, one token): per layer q/k/v (`cpu_matmul.linears`, one call)
 and o_proj, then the residual. Three programs of the same arithmetic:
 
   unrolled     one array per layer and weight, the layers unrolled (the engine before);
@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moejax.kernels import cpu_kernel, layer_view
+from moejax.kernels import cpu_kernel, cpu_matmul, layer_view
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", "layer_scan.json", "JSON results file.")
@@ -46,8 +46,8 @@ _NAMES = ("q", "k", "v", "o")
 
 
 def _layer(x, w):
-  q, k, v = cpu_kernel.linears(x, [w["q"], w["k"], w["v"]])
-  y = cpu_kernel.linear(q, w["o"])
+  q, k, v = cpu_matmul.linears(x, [w["q"], w["k"], w["v"]])
+  y = cpu_matmul.linear(q, w["o"])
   return x + y + 1e-3 * (jnp.sum(k) + jnp.sum(v)).astype(x.dtype)
 
 

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moejax.kernels import cpu_kernel
+from moejax.kernels import cpu_kernel, cpu_matmul
 from moejax.model import experts as experts_lib
 
 pytestmark = pytest.mark.skipif(not cpu_kernel.available(),
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(not cpu_kernel.available(),
 
 
 def _kernel(x, ids, gates, w):
-  return jax.jit(cpu_kernel.expert_ffn, static_argnums=4)(x, ids, gates, w,
+  return jax.jit(cpu_matmul.expert_ffn, static_argnums=4)(x, ids, gates, w,
                                                           experts_lib.xla_experts)
 
 
@@ -86,20 +86,20 @@ def test_apply_experts_uses_kernel_and_gradients_match_xla():
 def test_linear_hand_checked_and_matches_einsum():
   x = jnp.array([[1.0, 2.0, 3.0]])
   w = jnp.array([[1.0, 0.0, 0.0], [0.0, 1.0, 1.0]])
-  chex.assert_trees_all_close(jax.jit(cpu_kernel.linear)(x, w), jnp.array([[1.0, 5.0]]))
+  chex.assert_trees_all_close(jax.jit(cpu_matmul.linear)(x, w), jnp.array([[1.0, 5.0]]))
   rng = np.random.default_rng(0)
   for n, o, d in [(1, 130, 40), (5, 64, 72)]:
     for dtype in (jnp.float32, jnp.bfloat16):
       x = jnp.asarray(rng.normal(size=(n, d)), dtype)
       w = jnp.asarray(rng.normal(size=(o, d)), dtype)
-      got = jax.jit(cpu_kernel.linear)(x, w)
+      got = jax.jit(cpu_matmul.linear)(x, w)
       chex.assert_type(got, dtype)
       want = jnp.asarray(x, jnp.float32) @ jnp.asarray(w, jnp.float32).T
       tol = 1e-5 if dtype == jnp.float32 else 1e-2
       chex.assert_trees_all_close(jnp.asarray(got, jnp.float32), want,
                                   atol=tol * float(jnp.max(jnp.abs(want))), rtol=0)
-  assert cpu_kernel.LINEAR_TARGET in jax.jit(cpu_kernel.linear).lower(x, w).as_text()
-  g = jax.grad(lambda x, w: jnp.sum(jnp.sin(cpu_kernel.linear(x, w))), argnums=(0, 1))
+  assert cpu_kernel.LINEAR_TARGET in jax.jit(cpu_matmul.linear).lower(x, w).as_text()
+  g = jax.grad(lambda x, w: jnp.sum(jnp.sin(cpu_matmul.linear(x, w))), argnums=(0, 1))
   gx = jax.grad(lambda x, w: jnp.sum(jnp.sin(x @ w.T)), argnums=(0, 1))
   x32, w32 = jnp.asarray(x, jnp.float32), jnp.asarray(w, jnp.float32)
   chex.assert_trees_all_close(g(x32, w32), gx(x32, w32), rtol=1e-4, atol=1e-4)
@@ -112,14 +112,14 @@ def test_linears_run_as_one_kernel_call():
   ws = (jnp.array([[1.0, 0.0, 0.0]]), jnp.array([[0.0, 1.0, 1.0], [1.0, 1.0, 1.0]]),
         jnp.array([[2.0, 0.0, -1.0]]))
   with cpu_kernel.enabled(True):
-    old = cpu_kernel.LINEAR_MIN_F32_BYTES
-    cpu_kernel.LINEAR_MIN_F32_BYTES = 0
+    old = cpu_matmul.LINEAR_MIN_F32_BYTES
+    cpu_matmul.LINEAR_MIN_F32_BYTES = 0
     try:
-      fn = jax.jit(lambda x, ws: cpu_kernel.linears(x, ws))
+      fn = jax.jit(lambda x, ws: cpu_matmul.linears(x, ws))
       got = fn(x, ws)
       hlo = fn.lower(x, ws).as_text()
     finally:
-      cpu_kernel.LINEAR_MIN_F32_BYTES = old
+      cpu_matmul.LINEAR_MIN_F32_BYTES = old
   chex.assert_trees_all_close(got, (jnp.array([[1.0]]), jnp.array([[5.0, 6.0]]),
                                     jnp.array([[-1.0]])))
   assert hlo.count(cpu_kernel.LINEAR_TARGET) == 1 and "dot" not in hlo
@@ -127,7 +127,7 @@ def test_linears_run_as_one_kernel_call():
   for dtype in (jnp.float32, jnp.bfloat16):
     x = jnp.asarray(rng.normal(size=(3, 600)), dtype)
     ws = tuple(jnp.asarray(rng.normal(size=(o, 600)), dtype) for o in (512, 256, 130))
-    fn = jax.jit(lambda x, ws: cpu_kernel.linears(x, ws))  # 1.9 MB in f32: the kernel
+    fn = jax.jit(lambda x, ws: cpu_matmul.linears(x, ws))  # 1.9 MB in f32: the kernel
     assert fn.lower(x, ws).as_text().count(cpu_kernel.LINEAR_TARGET) == 1
     tol = 1e-5 if dtype == jnp.float32 else 1e-2
     for y, w in zip(fn(x, ws), ws):
@@ -138,13 +138,13 @@ def test_linears_run_as_one_kernel_call():
                                   atol=tol * float(jnp.max(jnp.abs(want))), rtol=0)
   x, ws = jnp.asarray(x, jnp.float32), tuple(jnp.asarray(w, jnp.float32) for w in ws)
   xb = jnp.stack([x, 2 * x])
-  got = jax.jit(jax.vmap(lambda x: cpu_kernel.linears(x, ws)))(xb)
+  got = jax.jit(jax.vmap(lambda x: cpu_matmul.linears(x, ws)))(xb)
   for b in range(2):
     for y, w in zip(got, ws):
       chex.assert_trees_all_close(y[b], xb[b] @ w.T, rtol=1e-4, atol=1e-3)
   x = x / 30   # outputs of order 1: sin's gradient does not amplify rounding
   loss = lambda f: lambda x, ws: sum(jnp.sum(jnp.sin(y)) for y in f(x, ws))
-  g = jax.grad(loss(cpu_kernel.linears), argnums=(0, 1))(x, ws)
+  g = jax.grad(loss(cpu_matmul.linears), argnums=(0, 1))(x, ws)
   gx = jax.grad(loss(lambda x, ws: [x @ w.T for w in ws]), argnums=(0, 1))(x, ws)
   chex.assert_trees_all_close(g, gx, rtol=1e-4, atol=1e-4)
 
@@ -158,7 +158,7 @@ def test_spinning_helpers_and_pool_tasks_give_the_same_bits():
        "down": jnp.asarray(rng.normal(size=(16, 96, 32)), jnp.float32)}
   ws = tuple(jnp.asarray(rng.normal(size=(o, 96)), jnp.float32) for o in (1024, 512))
   fn = jax.jit(lambda x, ids, g: (experts_lib.apply_experts(x, ids, g, w),
-                                  cpu_kernel.linears(x, ws)))
+                                  cpu_matmul.linears(x, ws)))
   def run():
     out = []
     for n in (1, 4, 40):
@@ -243,7 +243,7 @@ def test_describe_names_the_dots_this_build_runs():
 def test_vmap_folds_the_batch_into_one_kernel_call(monkeypatch):
   """vmap with shared weights (the emulator's streams): one kernel call over B*N rows,
   no loop; with per-element weights: one call per element. Both equal XLA's result."""
-  monkeypatch.setattr(cpu_kernel, "LINEAR_MIN_F32_BYTES", 0)   # small f32 linears too
+  monkeypatch.setattr(cpu_matmul, "LINEAR_MIN_F32_BYTES", 0)   # small f32 linears too
   rng = np.random.default_rng(1)
   w = {"gate_up": jnp.asarray(rng.normal(size=(4, 8, 16)), jnp.float32),
        "down": jnp.asarray(rng.normal(size=(4, 16, 4)), jnp.float32)}
@@ -270,7 +270,7 @@ def test_vmap_folds_the_batch_into_one_kernel_call(monkeypatch):
   wantb = jnp.stack([experts_lib.xla_experts(
       x[b], ids[b], gates[b], jax.tree_util.tree_map(lambda a: a[b], wb)) for b in range(3)])
   chex.assert_trees_all_close(per(x, ids, gates, wb), wantb, rtol=1e-5, atol=1e-4)
-  lin = jax.jit(jax.vmap(lambda x, w: cpu_kernel.linear(x, w), in_axes=(0, None)))
+  lin = jax.jit(jax.vmap(lambda x, w: cpu_matmul.linear(x, w), in_axes=(0, None)))
   assert cpu_kernel.LINEAR_TARGET in lin.lower(x, w["gate_up"][0]).as_text()
   chex.assert_trees_all_close(lin(x, w["gate_up"][0]),
                               jnp.einsum("bnd,od->bno", x, w["gate_up"][0]), rtol=1e-5,
@@ -283,15 +283,15 @@ def test_linear_f32_kernel_only_for_large_weights(monkeypatch):
   rng = np.random.default_rng(2)
   x = jnp.asarray(rng.normal(size=(1, 64)), jnp.float32)
   small = jnp.asarray(rng.normal(size=(32, 64)), jnp.float32)          # 8 KiB
-  assert cpu_kernel.LINEAR_TARGET not in jax.jit(cpu_kernel.linear).lower(x, small).as_text()
-  assert cpu_kernel.LINEAR_TARGET in jax.jit(cpu_kernel.linear).lower(
+  assert cpu_kernel.LINEAR_TARGET not in jax.jit(cpu_matmul.linear).lower(x, small).as_text()
+  assert cpu_kernel.LINEAR_TARGET in jax.jit(cpu_matmul.linear).lower(
       x.astype(jnp.bfloat16), small.astype(jnp.bfloat16)).as_text()
-  big = jnp.asarray(rng.normal(size=(cpu_kernel.LINEAR_MIN_F32_BYTES // 256, 64)), jnp.float32)
-  assert cpu_kernel.LINEAR_TARGET in jax.jit(cpu_kernel.linear).lower(x, big).as_text()
-  chex.assert_trees_all_close(jax.jit(cpu_kernel.linear)(x, big), x @ big.T, rtol=1e-5,
+  big = jnp.asarray(rng.normal(size=(cpu_matmul.LINEAR_MIN_F32_BYTES // 256, 64)), jnp.float32)
+  assert cpu_kernel.LINEAR_TARGET in jax.jit(cpu_matmul.linear).lower(x, big).as_text()
+  chex.assert_trees_all_close(jax.jit(cpu_matmul.linear)(x, big), x @ big.T, rtol=1e-5,
                               atol=1e-4)
-  monkeypatch.setattr(cpu_kernel, "LINEAR_MIN_F32_BYTES", 0)   # the kernel's f32 path, small
-  f = lambda x, w: cpu_kernel.linear(x, w)                     # a new function: a new trace
+  monkeypatch.setattr(cpu_matmul, "LINEAR_MIN_F32_BYTES", 0)   # the kernel's f32 path, small
+  f = lambda x, w: cpu_matmul.linear(x, w)                     # a new function: a new trace
   assert cpu_kernel.LINEAR_TARGET in jax.jit(f).lower(x, small).as_text()
   chex.assert_trees_all_close(jax.jit(f)(x, small), x @ small.T, rtol=1e-5, atol=1e-5)
 
@@ -303,18 +303,18 @@ def test_bf16_prompt_rows_take_the_kernel_up_to_its_limit(monkeypatch):
   the bits it gets alone."""
   rng = np.random.default_rng(4)
   w = jnp.asarray(rng.normal(size=(96, 72)), jnp.bfloat16)
-  lowered = lambda n, dt: jax.jit(cpu_kernel.linear).lower(
+  lowered = lambda n, dt: jax.jit(cpu_matmul.linear).lower(
       jnp.zeros((n, 72), dt), w.astype(dt)).as_text()
   assert cpu_kernel.lanes() in (8, 16)
-  n = (cpu_kernel.LINEAR_MAX_TOKENS_BF16_WIDE if cpu_kernel.lanes() == 16
-       else cpu_kernel.LINEAR_MAX_TOKENS_BF16)
+  n = (cpu_matmul.LINEAR_MAX_TOKENS_BF16_WIDE if cpu_kernel.lanes() == 16
+       else cpu_matmul.LINEAR_MAX_TOKENS_BF16)
   assert cpu_kernel.LINEAR_TARGET in lowered(n, jnp.bfloat16)
   assert cpu_kernel.LINEAR_TARGET not in lowered(n + 1, jnp.bfloat16)
-  monkeypatch.setattr(cpu_kernel, "LINEAR_MIN_F32_BYTES", 0)   # f32 by rows alone
-  assert cpu_kernel.LINEAR_TARGET not in jax.jit(lambda x, w: cpu_kernel.linear(x, w)).lower(
-      jnp.zeros((cpu_kernel.LINEAR_MAX_TOKENS + 1, 72)), w.astype(jnp.float32)).as_text()
+  monkeypatch.setattr(cpu_matmul, "LINEAR_MIN_F32_BYTES", 0)   # f32 by rows alone
+  assert cpu_kernel.LINEAR_TARGET not in jax.jit(lambda x, w: cpu_matmul.linear(x, w)).lower(
+      jnp.zeros((cpu_matmul.LINEAR_MAX_TOKENS + 1, 72)), w.astype(jnp.float32)).as_text()
   x = jnp.asarray(rng.normal(size=(n, 72)), jnp.bfloat16)
-  whole = np.asarray(jax.jit(cpu_kernel.linear)(x, w), np.float32)
+  whole = np.asarray(jax.jit(cpu_matmul.linear)(x, w), np.float32)
   for i in (0, 17, n - 1):
-    alone = np.asarray(jax.jit(cpu_kernel.linear)(x[i:i + 1], w), np.float32)
+    alone = np.asarray(jax.jit(cpu_matmul.linear)(x[i:i + 1], w), np.float32)
     np.testing.assert_array_equal(whole[i:i + 1], alone)

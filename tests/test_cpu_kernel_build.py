@@ -12,7 +12,7 @@ import pytest
 
 from moejax.io.loader import init_random
 from moejax.io.store import ExpertStore
-from moejax.kernels import cpu_build, cpu_kernel, cpu_rows
+from moejax.kernels import cpu_build, cpu_kernel, cpu_matmul, cpu_rows
 from moejax.model import experts as experts_lib
 from moejax.model import sampler as sampler_lib
 from moejax.model.config import ModelConfig
@@ -145,7 +145,7 @@ def test_helpers_spin_only_inside_decoding_and_give_the_same_bits():
        "down": jnp.asarray(rng.normal(size=(8, 48, 32)), jnp.bfloat16)}
   ws = (jnp.asarray(rng.normal(size=(256, 48)), jnp.bfloat16),)
   fn = jax.jit(lambda x, ids, g: (experts_lib.apply_experts(x, ids, g, w),
-                                  cpu_kernel.linears(x, ws)))
+                                  cpu_matmul.linears(x, ws)))
   args = [(jnp.asarray(rng.normal(size=(n, 48)), jnp.bfloat16),
            jnp.asarray(rng.integers(0, 8, (n, 2)), jnp.int32),
            jnp.asarray(rng.random((n, 2)), jnp.float32)) for n in (1, 3, 1, 2)]

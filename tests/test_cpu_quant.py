@@ -381,7 +381,7 @@ def test_isa_names_the_dots_this_build_runs():
 
 @needs_kernel
 def test_the_model_path_reaches_the_kernels_through_quant_arrays():
-  """moejax.model.quant_ops looks up cpu_kernel.quant_linears / quant_expert_ffn: with
+  """moejax.model.quant_ops calls cpu_quant.quant_linears / quant_expert_ffn: with
   QuantArrays of the four types they give the kernels' results (one custom call); a type
   the kernels lack, or a plain weight among them, gives None (XLA's path)."""
   qarray = pytest.importorskip("moejax.ggml.qarray", reason="no QuantArray in this tree")
@@ -389,16 +389,16 @@ def test_the_model_path_reaches_the_kernels_through_quant_arrays():
   x = jnp.asarray(rng.normal(size=(3, 256)), jnp.bfloat16)
   blocks = {q: jnp.asarray(random_blocks(rng, q, 32, 256)) for q in TYPES}
   qas = tuple(qarray.QuantArray(b, q) for q, b in blocks.items())
-  fn = jax.jit(lambda x, ws: cpu_kernel.quant_linears(x, ws))
+  fn = jax.jit(lambda x, ws: cpu_quant.quant_linears(x, ws))
   assert fn.lower(x, qas).as_text().count(cpu_kernel.LINEAR_Q_TARGET) == 1
   for y, (q, b) in zip(fn(x, qas), blocks.items()):
     chex.assert_trees_all_equal(y, cpu_quant.linear_q(x, b, q))
-  assert cpu_kernel.quant_linears(x, (qas[0], jnp.zeros((4, 256), jnp.bfloat16))) is None
+  assert cpu_quant.quant_linears(x, (qas[0], jnp.zeros((4, 256), jnp.bfloat16))) is None
   w, qt = _experts(rng, "q4_k", "q6_k", 3, 256, 256, fused=True)
   qw = {k: qarray.QuantArray(jnp.asarray(v), qt[k]) for k, v in w.items()}
   ids, g = jnp.array([[0, 2]] * 3, jnp.int32), jnp.full((3, 2), 0.5, jnp.float32)
-  chex.assert_trees_all_equal(cpu_kernel.quant_expert_ffn(x, ids, g, qw),
+  chex.assert_trees_all_equal(cpu_quant.quant_expert_ffn(x, ids, g, qw),
                               _ffn(x, ids, g, w, qt))
   q5 = type("QA", (), {"blocks": blocks["q8_0"], "qtype": "q5_0"})()
-  assert cpu_kernel.quant_linears(x, (q5,)) is None
-  assert cpu_kernel.quant_expert_ffn(x, ids, g, dict(qw, down=q5)) is None
+  assert cpu_quant.quant_linears(x, (q5,)) is None
+  assert cpu_quant.quant_expert_ffn(x, ids, g, dict(qw, down=q5)) is None

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moejax.kernels import cpu_attention, cpu_host, cpu_kernel, layer_view
+from moejax.kernels import cpu_attention, cpu_host, cpu_kernel, cpu_matmul, layer_view
 from moejax.model import experts as experts_lib
 from moejax.model import layers
 
@@ -44,7 +44,7 @@ def test_linears_at(dtype):
   rng = np.random.default_rng(0)
   ws = [jnp.asarray(rng.normal(size=(L, o, 96)), dtype) for o in (4096, 40, 64)]
   x = jnp.asarray(rng.normal(size=(2, 96)), dtype)
-  got = _check(lambda *w: cpu_kernel.linears(x, w), cpu_kernel.LINEAR_AT_TARGET, *ws)
+  got = _check(lambda *w: cpu_matmul.linears(x, w), cpu_kernel.LINEAR_AT_TARGET, *ws)
   want = jnp.einsum("nd,lod->lno", x.astype(jnp.float32), ws[0].astype(jnp.float32))
   chex.assert_trees_all_close(got[0].astype(jnp.float32), want, rtol=2e-2, atol=2e-2)
 

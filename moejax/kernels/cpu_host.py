@@ -51,12 +51,8 @@ def host_experts(x, ids, gates, w: dict, xla_fn):
     return xla_fn(rows(x), rows(i), rows(g), w).reshape(x.shape).astype(x.dtype)
   v = layer_view.common([w["gate_up"], w["down"]])
   if v is not None:
-    (gu, dn), i = v
-    at = lambda x, ids, g, i, gu, dn: jax.ffi.ffi_call(
-        cpu_kernel.HOST_EXPERTS_AT_TARGET, jax.ShapeDtypeStruct(x.shape, x.dtype))(
-            i.astype(jnp.int32), x, ids.astype(jnp.int32), g.astype(jnp.float32), gu, dn)
-    return jax.lax.platform_dependent(x, ids, gates, i, gu, dn, cpu=at,
-                                      default=lambda x, ids, g, *_: xla(x, ids, g, w))
+    return cpu_kernel.experts_at(cpu_kernel.HOST_EXPERTS_AT_TARGET, x, ids, gates, *v,
+                                 lambda x, ids, g: xla(x, ids, g, w))
   return jax.lax.platform_dependent(
       x, ids, gates, w["gate_up"], w["down"], cpu=_call,
       default=lambda x, i, g, gu, dn: xla(x, i, g, {"gate_up": gu, "down": dn}))

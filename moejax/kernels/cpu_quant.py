@@ -227,9 +227,9 @@ def _takes(w) -> bool:
 
 
 def quant_linears(x_NxD, ws_OxD, xla_fn=None):
-  """`linears_q` for the model's weights (moejax.model.quant_ops, through
-  cpu_kernel.quant_linears): None where the kernels do not take them (a plain weight or a
-  type they lack among them, x not f32/bf16, or no kernels)."""
+  """`linears_q` for the model's weights (`moejax.model.quant_ops.linears`): None where the
+  kernels do not take them (a plain weight or a type they lack among them, x not f32/bf16,
+  or no kernels)."""
   ws_OxD = tuple(ws_OxD)
   if (not cpu_kernel.available() or not all(_takes(w) for w in ws_OxD)
       or jnp.dtype(x_NxD.dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))):

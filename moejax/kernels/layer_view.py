@@ -2,11 +2,11 @@
 
 Under a `lax.scan` (a while loop) over layers, XLA CPU copies a layer sliced out of a
 stacked operand into a buffer of its own before each custom call that reads it: a chain
-of `cpu_kernel.linear` calls over stacked [L, 4096, 2048] bf16 weights went from 72 to
+of `cpu_matmul.linear` calls over stacked [L, 4096, 2048] bf16 weights went from 72 to
 151 ms (docs/engine.md, "The layers as one scan").  So while the scan's body is traced
 (inside `tracing()`), `at(stack, i)` is stack[i] and is remembered as layer i of
 `stack`: a kernel wrapper handed that slice asks `common` and calls its `_at` variant on
-the whole stack and i (`cpu_kernel.linears`, `apply_experts`, `cpu_attention`,
+the whole stack and i (`cpu_matmul.linears`, `apply_experts`, `cpu_attention`,
 `cpu_host`), which reads the layer where it lies; the slice, unused, is dropped by XLA.
 Where no kernel reads it (another platform, MOEJAX_CPU_KERNEL=0, an XLA op) the slice is
 what it always was: a dynamic index.
@@ -24,6 +24,8 @@ import threading
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from moejax.kernels import cpu_rows
 
 _local = threading.local()     # per tracing thread: views {id(slice): (slice, stack, i)}
 
@@ -84,7 +86,6 @@ def update(x, new, idx):
   view of the new stack returned.  16-bit floats (new may come as their uint16 bits) are
   written in place by `cpu_rows.write_rows` on the CPU, elsewhere as uint16 bits (XLA's
   CPU backend runs a bf16 update in f32, converting the whole array to f32 and back)."""
-  from moejax.kernels import cpu_rows   # (cpu_rows imports cpu_kernel, which imports us)
   v = of(x)
   base, off = (x, ()) if v is None else (v[0], (v[1],))
   bits = base.dtype.itemsize == 2 and jnp.issubdtype(base.dtype, jnp.floating)
@@ -114,7 +115,6 @@ def copy_row(dst, at_row, src, row):
   `at_row` of dst, either a view of a stack (layer i, as `rows` and `update` read them);
   on the CPU one copy from src's buffer into dst's, in place (`cpu_rows.copy_rows`), where
   XLA would slice the row out into a buffer of its own and then copy it again."""
-  from moejax.kernels import cpu_rows
   vd, vs = of(dst), of(src)
   dbase, doff = (dst, ()) if vd is None else (vd[0], (vd[1],))
   sbase, soff = (src, ()) if vs is None else (vs[0], (vs[1],))
@@ -133,7 +133,6 @@ def will_need(srcs, rows_J, n):
   """n, once the OS has been asked to read rows rows_J[:n] of each src (a view: of its
   stack at layer i) into the page cache (`cpu_rows.will_need`): a loop of `copy_row`s
   bounded by the result reads a memory-mapped store's blocks together, not one by one."""
-  from moejax.kernels import cpu_rows
   for src in srcs:
     v = of(src)
     base, at = (src, rows_J[:, None]) if v is None else (

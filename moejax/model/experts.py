@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from moejax.kernels import cpu_kernel
+from moejax.kernels import cpu_matmul
 from moejax.model import families
 from moejax.model import quant_ops
 
@@ -122,9 +123,9 @@ def apply_experts(x_NxD, ids_NxK, gates_NxK, w: ExpertWeights, swiglu=SWIGLU):
   w = quant_ops.expert_weights(w, x_NxD.dtype)     # a quantized store's blocks
   if any(quant_ops.is_quant(v) for v in w.values()):
     return quant_ops.experts(x_NxD, ids_NxK, gates_NxK, w, xla_experts)
-  # plain SwiGLU experts only: cpu_kernel.supports checks for exactly {"gate_up", "down"}
-  if cpu_kernel.supports(x_NxD, w) and cpu_kernel.available():
-    return cpu_kernel.expert_ffn(x_NxD, ids_NxK, gates_NxK, w, xla_experts)
+  # plain SwiGLU experts only: cpu_matmul.supports checks for exactly {"gate_up", "down"}
+  if cpu_matmul.supports(x_NxD, w) and cpu_kernel.available():
+    return cpu_matmul.expert_ffn(x_NxD, ids_NxK, gates_NxK, w, xla_experts)
   return xla_experts(x_NxD, ids_NxK, gates_NxK, w, swiglu=swiglu)
 
 

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from moejax.kernels import cpu_attention
-from moejax.kernels import cpu_kernel
+from moejax.kernels import cpu_matmul
 from moejax.kernels import cpu_rows
 from moejax.kernels import layer_view
 from moejax.model import quant_ops
@@ -78,7 +78,7 @@ def _project(x_NxD, wbs):
 def linears(x_NxD: jax.Array, mods) -> list:
   """[m(x) for m in mods] for Linear modules of the same input, as one kernel call on
   CPU for a few rows (a decode step's q/k/v, a SwiGLU's gate/up): one dispatch instead
-  of one per projection (cpu_kernel.linears)."""
+  of one per projection (cpu_matmul.linears)."""
   return _project(x_NxD, [m(x_NxD, params_only=True) for m in mods])
 
 

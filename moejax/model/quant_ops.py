@@ -7,12 +7,10 @@ turns a store's expert dict {"gate_up@q4_0": uint8 [E, rows, nbytes], ...} (the
 and fetch moves the blocks as bytes) into {"gate_up": QuantArray, ...}, and `experts`
 runs them.
 
-On the CPU backend the blocks go to the CPU kernels where `moejax.kernels.cpu_kernel` has
-entry points for them (the kernel developer's side of issue 61, looked up by name, so this
-module runs before and after they land):
+On the CPU backend the blocks go to the CPU kernels (`moejax.kernels.cpu_quant`):
 
-  cpu_kernel.quant_linears(x_NxD, ws_OxD, xla_fn) -> tuple of [N, O], or None
-  cpu_kernel.quant_expert_ffn(x_NxD, ids_NxK, gates_NxK, w, xla_fn) -> [N, D], or None
+  cpu_quant.quant_linears(x_NxD, ws_OxD, xla_fn) -> tuple of [N, O], or None
+  cpu_quant.quant_expert_ffn(x_NxD, ids_NxK, gates_NxK, w, xla_fn) -> [N, D], or None
 
 (w: {"gate_up": QuantArray [E, 2I, D], "down": QuantArray [E, D, I]}, or from a GGUF
 file "gate" and "up" [E, I, D] apart; None: the kernel does not take these formats or
@@ -28,14 +26,10 @@ import jax.numpy as jnp
 
 from moejax.ggml import qarray
 from moejax.ggml.qarray import QuantArray
-from moejax.kernels import cpu_kernel
+from moejax.kernels import cpu_matmul
+from moejax.kernels import cpu_quant
 
 is_quant = qarray.is_quant
-
-
-def _kernel(name: str):
-  fn = getattr(cpu_kernel, name, None)
-  return fn if fn is not None and cpu_kernel.available() else None
 
 
 def xla_linears(x_NxD, ws_OxD) -> tuple:
@@ -44,13 +38,12 @@ def xla_linears(x_NxD, ws_OxD) -> tuple:
 
 
 def linears(x_NxD, ws_OxD) -> tuple:
-  """(x @ w.T for w in ws_OxD) where any w may be a QuantArray (`cpu_kernel.linears` when
+  """(x @ w.T for w in ws_OxD) where any w may be a QuantArray (`cpu_matmul.linears` when
   none is)."""
   ws_OxD = tuple(ws_OxD)
   if not any(is_quant(w) for w in ws_OxD):
-    return cpu_kernel.linears(x_NxD, ws_OxD)
-  k = _kernel("quant_linears")
-  out = k(x_NxD, ws_OxD, xla_linears) if k is not None else None
+    return cpu_matmul.linears(x_NxD, ws_OxD)
+  out = cpu_quant.quant_linears(x_NxD, ws_OxD, xla_linears)
   return tuple(out) if out is not None else xla_linears(x_NxD, ws_OxD)
 
 
@@ -108,6 +101,5 @@ def gather_gate_up(w: dict, ids):
 def experts(x_NxD, ids_NxK, gates_NxK, w: dict, xla_fn):
   """The routed experts of QuantArray weights: the CPU kernel where it takes them, else
   `xla_fn(x, ids, gates, w)` (which dequantizes through `take` and `gather`)."""
-  k = _kernel("quant_expert_ffn")
-  out = k(x_NxD, ids_NxK, gates_NxK, w, xla_fn) if k is not None else None
+  out = cpu_quant.quant_expert_ffn(x_NxD, ids_NxK, gates_NxK, w, xla_fn)
   return out if out is not None else xla_fn(x_NxD, ids_NxK, gates_NxK, w)

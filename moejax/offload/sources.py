@@ -24,7 +24,7 @@ from moejax.cache import resident as resident_lib
 from moejax.cache.policy import HOST
 from moejax.io import quant
 from moejax.io import staging
-from moejax.kernels import cpu_host, cpu_kernel, layer_view
+from moejax.kernels import cpu_host, cpu_kernel, cpu_matmul, layer_view
 from moejax.model import experts as experts_lib
 from moejax.model import families
 from moejax.offload import expert_parallel
@@ -122,7 +122,7 @@ def prompt_table(ctx, store: dict, x, dtypes: dict) -> dict:
   of the layer (Qwen3-30B-A3B: 1.2 GB a layer).  Elsewhere the layer is moved to the
   device, as `dtypes`, for this call only: the plan's transient "prefill" bytes.  (The CPU
   backend without the kernel takes `one_at_a_time` instead: see `reads_one_at_a_time`.)"""
-  if not ctx.pinned and cpu_kernel.supports(x, store) and cpu_kernel.available():
+  if not ctx.pinned and cpu_matmul.supports(x, store) and cpu_kernel.available():
     return store
   return {n: as_dtype(to_device(v, ctx.pinned), dtypes[n]) for n, v in store.items()}
 
@@ -135,7 +135,7 @@ def reads_one_at_a_time(ctx, store: dict, x) -> bool:
   per-expert checkpoint of 4 layers: 1.39 GB of anonymous memory in the prompt pass,
   against 0.39 GB with the kernel); one expert at a time holds one expert."""
   return (not ctx.pinned and jax.default_backend() == "cpu"
-          and cpu_kernel.supports(x, store) and not cpu_kernel.available())
+          and cpu_matmul.supports(x, store) and not cpu_kernel.available())
 
 
 def store_prompt_experts(ctx, store: dict, x_PxD, ids_PxK, gates_PxK, dtypes: dict):

@@ -274,6 +274,31 @@ def _first_of(mask_NxK, ids_NxK):
   return mask_NxK & ~dup.reshape(mask_NxK.shape)
 
 
+def _substitutes(ids_NxK, scores_NxE, rest_NxK, on_device_E):
+  """(whether a substitute was found [N, K], its id [N, K]) for each miss in `rest`: the
+  token's best-scored experts on the device this step (`on_device_E`: resident or fetched
+  now) that it did not select, handed to its misses in score order (ties by lowest id)."""
+  num_e, k = scores_NxE.shape[-1], ids_NxK.shape[-1]
+  selected = jnp.any(ids_NxK[..., None] == jnp.arange(num_e), axis=-2)          # [N,E]
+  cand_ok = on_device_E[None, :] & ~selected
+  cand_score = jnp.where(cand_ok, scores_NxE, -jnp.inf)
+  c_score, c_ids = cpu_rows.top_k(cand_score, k)                 # [N,K]
+  rank = prefix_count(rest_NxK) - 1                              # misses in score order
+  rank = jnp.clip(rank, 0, k - 1)
+  got_sub = pick(jnp.where(c_score > -jnp.inf, 1, 0), rank) > 0
+  return got_sub, pick(c_ids.astype(jnp.int32), rank)
+
+
+def _admission(beta: float, acc_E, ids_NxK, share_NxK, counted_NxK):
+  """(admit [E], accumulator [E]): the counted (token, expert) pairs' shares added per
+  expert; an expert whose sum reaches `beta` is admitted and its sum restarts at 0."""
+  num_e = acc_E.shape[0]
+  w = jnp.where(counted_NxK, share_NxK, 0.0)
+  acc = acc_E + cpu_rows.bin_sum(ids_NxK.reshape(1, -1), w.reshape(1, -1), num_e)[0]
+  admit = acc >= beta
+  return admit, jnp.where(admit, 0.0, acc)
+
+
 def decide(router_logits_NxE: jax.Array, resident, params: DecideParams | PolicyParams,
            cfg: ModelConfig, routed=None, valid_N=None) -> Decision:
   """The policy's decision for every selected expert of N tokens of one layer, decoded
@@ -332,15 +357,7 @@ def decide(router_logits_NxE: jax.Array, resident, params: DecideParams | Policy
     weights = jnp.where(kept_total > 0, kept * total / jnp.where(kept_total > 0, kept_total, 1.0),
                         0.0)
   else:
-    # candidates: resident or fetched now, not selected for this token, best score first
-    selected = jnp.any(ids[..., None] == jnp.arange(num_e), axis=-2)          # [N,E]
-    cand_ok = ((resident.expert_slot >= 0) | full_E | low_E)[None, :] & ~selected
-    cand_score = jnp.where(cand_ok, scores, -jnp.inf)
-    c_score, c_ids = cpu_rows.top_k(cand_score, k)                 # [N,K]
-    rank = prefix_count(rest) - 1                                  # misses in score order
-    rank = jnp.clip(rank, 0, k - 1)
-    got_sub = pick(jnp.where(c_score > -jnp.inf, 1, 0), rank) > 0
-    sub = pick(c_ids.astype(jnp.int32), rank)
+    got_sub, sub = _substitutes(ids, scores, rest, (resident.expert_slot >= 0) | full_E | low_E)
     do_sub = rest & got_sub
     action = jnp.where(do_sub, SUBSTITUTE, jnp.where(rest, DROP, action))
     sub_ids = jnp.where(do_sub, sub, -1)
@@ -353,10 +370,8 @@ def decide(router_logits_NxE: jax.Array, resident, params: DecideParams | Policy
   admit = jnp.zeros((num_e,), bool)
   if params.admission_beta is not None:     # served elsewhere or in low precision
     low_hit = (is_res & resident.low[ids]) | (batch_hit & low_E[ids])
-    w = jnp.where((served_elsewhere | low | low_hit) & on, share, 0.0)
-    acc = acc + cpu_rows.bin_sum(ids.reshape(1, -1), w.reshape(1, -1), num_e)[0]
-    admit = acc >= params.admission_beta
-    acc = jnp.where(admit, 0.0, acc)
+    admit, acc = _admission(params.admission_beta, acc, ids, share,
+                            (served_elsewhere | low | low_hit) & on)
   if valid_N is not None:
     ids, action, sub_ids, exec_ids = (jnp.where(on, a, -1) for a in (ids, action, sub_ids,
                                                                       exec_ids))

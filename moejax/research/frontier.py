@@ -142,6 +142,55 @@ def _point(policy, m: dict, sw: A.Point, base_m: dict, base_sw: A.Point, heldout
               projected_speedup_rtx3090=base_sw.ms[SPEEDUP_PROFILE] / ms)
 
 
+@dataclasses.dataclass
+class _Run:
+  """What the steps of `build` share: the model, the options, the time model's parameters
+  and the log."""
+  cfg: object
+  params: object
+  store: object
+  c: Config
+  out_dir: str
+  log: object
+  progress: object
+  shape: hardware.ModelShape
+  times: object
+  t0: float = dataclasses.field(default_factory=time.time)
+
+  def clock(self) -> str:
+    return f"{time.time() - self.t0:.0f} s"
+
+  def logits(self, st: S.Streams) -> list[np.ndarray]:
+    return stream_logits(self.cfg, self.params, self.store, st)
+
+  def measurer(self, st: S.Streams, split: str) -> Measurer:
+    return Measurer(self.cfg, self.params, self.store, st, f"{self.out_dir}/{split}", self.c)
+
+  def sweep(self, logits, pols, what: str) -> list:
+    bar = self.progress(f"simulating {what}", len(logits)) if self.progress else None
+    return A.sweep(self.cfg, logits, pols, times=self.times, shape_layers=self.shape.moe_layers,
+                   expert_bytes=expert_bf16_bytes(self.cfg), cache_fraction=self.c.cache_fraction,
+                   progress=bar)
+
+
+@dataclasses.dataclass
+class _Calibration:
+  """The calibration split's sweep (`pts`, found by `A.key` through `index`) and the
+  emulated metrics of the points measured so far ({index in pts: metrics})."""
+  logits: list
+  pts: list
+  measured: dict
+  meas: Measurer
+
+  @property
+  def index(self) -> dict:
+    return {A.key(p.policy): i for i, p in enumerate(self.pts)}
+
+  def fit(self):
+    return quality_fit.fit_quality([self.pts[i].mass for i in self.measured],
+                                   [m["ppl_increase_pct"] for m in self.measured.values()])
+
+
 def build(cfg, params, store, tok, c: Config, out_dir: str, log=print,
           progress=None, docs=None) -> tuple[dict, list]:
   """The frontier (a JSON-ready dict: sweep, measured points, auto choices; see the module
@@ -149,111 +198,133 @@ def build(cfg, params, store, tok, c: Config, out_dir: str, log=print,
   callable advancing a bar (or None).  docs: the documents to split (default: the quality
   study's, `streams.documents`, which needs the humaneval extra)."""
   t0 = time.time()
-  clock = lambda: f"{time.time() - t0:.0f} s"
   budgets = list(c.budgets) or [A.Budget(ppl_pct=b) for b in c.ppl_budgets]
   if c.tpot_budget_ms is not None and not c.budgets:
     budgets.append(A.Budget(tpot_ms=c.tpot_budget_ms, profile=c.profile))
   cal_docs, held_docs = split_documents(S.documents(tok) if docs is None else docs)
-  cal = make_streams(cal_docs, c)
   shape = hardware.model_shape(c.shape) if isinstance(c.shape, str) else c.shape
   profiles = sorted({SPEEDUP_PROFILE} | {b.profile for b in budgets if b.profile})
-  times = A.time_params(profiles, shape)
+  run = _Run(cfg, params, store, c, out_dir, log, progress, shape,
+             A.time_params(profiles, shape), t0)
   measured_specs = ([policy_lib.make_policy("fetch_all")]
                     + [policy_lib.make_policy("threshold", tau=t) for t in c.taus]
                     + [policy_lib.make_policy(p) for p in c.presets])
-  grid = A.unique(measured_specs + list(c.grid or A.grid()))
-  log(f"[frontier] calibration: {cal.tokens.shape[0]} streams x {cal.tokens.shape[1]} tokens "
-      f"({cal.num_docs} documents); {len(grid)} policies swept; cost policy "
-      f"{'in the grid' if A.cost_available() else 'not available (no cost rule yet)'}")
-
-  def do_sweep(logits, pols, what):
-    bar = progress(f"simulating {what}", len(logits)) if progress else None
-    return A.sweep(cfg, logits, pols, times=times, shape_layers=shape.moe_layers,
-                   expert_bytes=expert_bf16_bytes(cfg), cache_fraction=c.cache_fraction,
-                   progress=bar)
-
-  cal_logits = stream_logits(cfg, params, store, cal)
-  pts = do_sweep(cal_logits, grid, "the calibration streams")
-  log(f"[frontier] swept {len(pts)} policies ({clock()})")
-  index = {A.key(p.policy): i for i, p in enumerate(pts)}
-  meas = Measurer(cfg, params, store, cal, f"{out_dir}/calibration", c)
-  cal_m = {}
-  for p in measured_specs[1:]:
-    cal_m[index[A.key(p)]] = meas.metrics(p)
-    log(f"[frontier] emulated {A.label(p)}: {cal_m[index[A.key(p)]]['ppl_increase_pct']:+.2f}% "
-        f"({clock()})")
-  base_i = index[A.key(measured_specs[0])]
-  base_m = meas.metrics(measured_specs[0])
-  cal_m[base_i] = base_m
-
-  autos = []
-  for b in budgets:
-    # finer sweeps of the knob around the choice the anchors' fit predicts (two rounds)
-    for _ in range(2):
-      fit0 = quality_fit.fit_quality([pts[i].mass for i in cal_m],
-                                       [m["ppl_increase_pct"] for m in cal_m.values()])
-      pred0 = fit0.predict([p.mass for p in pts])
-      prof = b.profile or SPEEDUP_PROFILE
-      cand = [p.policy.miss != "fetch_all" for p in pts]
-      i0 = A.choose(pred0, [p.ms[prof] for p in pts], b, cand, [A.label(p.policy) for p in pts])
-      new = [p for p in A.refine([p.policy for p in pts], i0) if A.key(p) not in index]
-      if not new:
-        break
-      pts += do_sweep(cal_logits, new, f"{len(new)} refined {A.knob(pts[i0].policy)} values")
-      index = {A.key(p.policy): i for i, p in enumerate(pts)}
-      log(f"[frontier] refined around {A.label(pts[i0].policy)}: {len(new)} more policies "
-          f"swept ({clock()})")
-
-    def measure(policy):
-      m = meas.metrics(policy)
-      cal_m[index[A.key(policy)]] = m
-      log(f"[frontier] checked {A.label(policy)}: {m['ppl_increase_pct']:+.2f}% ({clock()})")
-      return m["ppl_increase_pct"]
-    ch = A.tune(pts, {i: m["ppl_increase_pct"] for i, m in cal_m.items()}, measure, b,
-                max_checks=c.max_checks, profile=SPEEDUP_PROFILE)
-    autos.append((b, ch))
-    log(f"[frontier] auto for {b.describe()}: {A.label(pts[ch.index].policy)}, measured "
-        f"{ch.measured_pct:+.2f}% ({ch.reason})")
-
-  fit = quality_fit.fit_quality([pts[i].mass for i in cal_m],
-                               [m["ppl_increase_pct"] for m in cal_m.values()])
+  cal_st = make_streams(cal_docs, c)
+  cal = _calibrate(run, cal_st, measured_specs)
+  base_i = cal.index[A.key(measured_specs[0])]
+  autos = [(b, _auto(run, cal, b)) for b in budgets]
+  pts = cal.pts
+  fit = cal.fit()
   pred = fit.predict([p.mass for p in pts])
-  auto_idx = {ch.index for _, ch in autos}
+  points = _calibration_points(cal, base_i, {ch.index for _, ch in autos}, pred)
+  held = None
+  if c.heldout:
+    held = _heldout(run, make_streams(held_docs, c), cal, base_i, autos, pred, points)
+  report = _report(run, cal_st, cal, base_i, autos, fit, pred, points, held)
+  return report, [pts[ch.index].policy for _, ch in autos]
+
+
+def _calibrate(run: _Run, cal_st: S.Streams, measured_specs: list) -> _Calibration:
+  """The calibration streams swept over the grid and the measured specs emulated (fetch_all,
+  the base every ppl increase is against, first)."""
+  c = run.c
+  grid = A.unique(measured_specs + list(c.grid or A.grid()))
+  run.log(f"[frontier] calibration: {cal_st.tokens.shape[0]} streams x "
+          f"{cal_st.tokens.shape[1]} tokens ({cal_st.num_docs} documents); {len(grid)} "
+          f"policies swept; cost policy "
+          f"{'in the grid' if A.cost_available() else 'not available (no cost rule yet)'}")
+  logits = run.logits(cal_st)
+  pts = run.sweep(logits, grid, "the calibration streams")
+  run.log(f"[frontier] swept {len(pts)} policies ({run.clock()})")
+  cal = _Calibration(logits, pts, {}, run.measurer(cal_st, "calibration"))
+  index = cal.index
+  for p in measured_specs[1:]:
+    cal.measured[index[A.key(p)]] = cal.meas.metrics(p)
+    run.log(f"[frontier] emulated {A.label(p)}: "
+            f"{cal.measured[index[A.key(p)]]['ppl_increase_pct']:+.2f}% ({run.clock()})")
+  cal.measured[index[A.key(measured_specs[0])]] = cal.meas.metrics(measured_specs[0])
+  return cal
+
+
+def _auto(run: _Run, cal: _Calibration, b: A.Budget):
+  """The auto choice for budget `b` (`A.tune`): the knob swept finer around the choice the
+  anchors' fit predicts (two rounds), then checked by emulation."""
+  for _ in range(2):
+    pts = cal.pts
+    pred0 = cal.fit().predict([p.mass for p in pts])
+    prof = b.profile or SPEEDUP_PROFILE
+    cand = [p.policy.miss != "fetch_all" for p in pts]
+    i0 = A.choose(pred0, [p.ms[prof] for p in pts], b, cand, [A.label(p.policy) for p in pts])
+    index = cal.index
+    new = [p for p in A.refine([p.policy for p in pts], i0) if A.key(p) not in index]
+    if not new:
+      break
+    cal.pts += run.sweep(cal.logits, new, f"{len(new)} refined {A.knob(pts[i0].policy)} values")
+    run.log(f"[frontier] refined around {A.label(cal.pts[i0].policy)}: {len(new)} more "
+            f"policies swept ({run.clock()})")
+  index = cal.index
+
+  def measure(policy):
+    m = cal.meas.metrics(policy)
+    cal.measured[index[A.key(policy)]] = m
+    run.log(f"[frontier] checked {A.label(policy)}: {m['ppl_increase_pct']:+.2f}% "
+            f"({run.clock()})")
+    return m["ppl_increase_pct"]
+  ch = A.tune(cal.pts, {i: m["ppl_increase_pct"] for i, m in cal.measured.items()}, measure, b,
+              max_checks=run.c.max_checks, profile=SPEEDUP_PROFILE)
+  run.log(f"[frontier] auto for {b.describe()}: {A.label(cal.pts[ch.index].policy)}, "
+          f"measured {ch.measured_pct:+.2f}% ({ch.reason})")
+  return ch
+
+
+def _calibration_points(cal: _Calibration, base_i: int, auto_idx: set, pred) -> list[dict]:
+  """The measured calibration points, each with its role and whether it is on the
+  measured Pareto front (projected ms against ppl increase)."""
+  pts, base_m = cal.pts, cal.measured[base_i]
   points = []
-  for i, m in cal_m.items():
+  for i, m in cal.measured.items():
     role = ("fetch_all" if i == base_i else "auto" if i in auto_idx else
             "preset" if pts[i].policy.name else "threshold" if pts[i].policy.miss == "threshold"
             else "rule")
     points.append(_point(pts[i].policy, m, pts[i], base_m, pts[base_i], False, role,
                          float(pred[i])))
-  cal_pts = [q for q in points]
-  front = A.pareto([q["projected_ms_per_token_rtx3090"] for q in cal_pts],
-                   [q["ppl_increase_pct"] for q in cal_pts])
-  for q, f in zip(cal_pts, front):
+  front = A.pareto([q["projected_ms_per_token_rtx3090"] for q in points],
+                   [q["ppl_increase_pct"] for q in points])
+  for q, f in zip(points, front):
     q["pareto"] = bool(f)
+  return points
 
-  held = None
-  if c.heldout:
-    hst = make_streams(held_docs, c)
-    hpol = [pts[base_i].policy] + [pts[ch.index].policy for _, ch in autos]
-    hpts = do_sweep(stream_logits(cfg, params, store, hst), A.unique(hpol),
-                    "the held-out streams")
-    hidx = {A.key(p.policy): p for p in hpts}
-    hmeas = Measurer(cfg, params, store, hst, f"{out_dir}/heldout", c)
-    hb = hmeas.metrics(measured_specs[0])
-    held = dict(ppl=hb["ppl"], waited_bf16_bytes_per_token=hb["waited_bf16_bytes_per_token"],
-                streams=[int(x) for x in hst.tokens.shape], documents=hst.num_docs)
-    hbase_sw = hidx[A.key(pts[base_i].policy)]
-    points.append(_point(pts[base_i].policy, hb, hbase_sw, hb, hbase_sw, True, "fetch_all", 0.0))
-    for b, ch in autos:
-      p = pts[ch.index].policy
-      m = hmeas.metrics(p)
-      ch.heldout_pct = m["ppl_increase_pct"]
-      points.append(_point(p, m, hidx[A.key(p)], hb, hbase_sw, True, "auto", float(pred[ch.index])))
-      log(f"[frontier] held-out {A.label(p)}: {m['ppl_increase_pct']:+.2f}% ({clock()})")
 
+def _heldout(run: _Run, hst: S.Streams, cal: _Calibration, base_i: int, autos, pred,
+             points: list) -> dict:
+  """The held-out split: fetch_all and each auto choice swept and emulated there (their
+  points appended to `points`, each choice's `heldout_pct` set); the split's summary."""
+  pts = cal.pts
+  hpol = [pts[base_i].policy] + [pts[ch.index].policy for _, ch in autos]
+  hpts = run.sweep(run.logits(hst), A.unique(hpol), "the held-out streams")
+  hidx = {A.key(p.policy): p for p in hpts}
+  hmeas = run.measurer(hst, "heldout")
+  hb = hmeas.metrics(hpol[0])
+  held = dict(ppl=hb["ppl"], waited_bf16_bytes_per_token=hb["waited_bf16_bytes_per_token"],
+              streams=[int(x) for x in hst.tokens.shape], documents=hst.num_docs)
+  hbase_sw = hidx[A.key(pts[base_i].policy)]
+  points.append(_point(pts[base_i].policy, hb, hbase_sw, hb, hbase_sw, True, "fetch_all", 0.0))
+  for _, ch in autos:
+    p = pts[ch.index].policy
+    m = hmeas.metrics(p)
+    ch.heldout_pct = m["ppl_increase_pct"]
+    points.append(_point(p, m, hidx[A.key(p)], hb, hbase_sw, True, "auto", float(pred[ch.index])))
+    run.log(f"[frontier] held-out {A.label(p)}: {m['ppl_increase_pct']:+.2f}% ({run.clock()})")
+  return held
+
+
+def _report(run: _Run, cal_st: S.Streams, cal: _Calibration, base_i: int, autos, fit, pred,
+            points: list, held: dict | None) -> dict:
+  """The frontier as a JSON-ready dict (module docstring)."""
+  c, shape, pts = run.c, run.shape, cal.pts
+  base_m = cal.measured[base_i]
   base_ms = pts[base_i].ms[SPEEDUP_PROFILE]
-  measured_keys = {A.key(pts[i].policy) for i in cal_m}
+  measured_keys = {A.key(pts[i].policy) for i in cal.measured}
   sw_front = A.pareto([p.ms[SPEEDUP_PROFILE] for p in pts], pred)
   return dict(
       cache_fraction=c.cache_fraction, shape=shape.name, profile=SPEEDUP_PROFILE,
@@ -261,7 +332,7 @@ def build(cfg, params, store, tok, c: Config, out_dir: str, log=print,
            "the time model on the simulator's per-layer counts of the same streams, tiled "
            f"over {shape.name}'s {shape.moe_layers} MoE layers, on the {SPEEDUP_PROFILE} "
            "roofline profile (PROJECTED, not measured); waited bytes counted in bf16",
-      streams=dict(calibration=[int(x) for x in cal.tokens.shape], documents=cal.num_docs,
+      streams=dict(calibration=[int(x) for x in cal_st.tokens.shape], documents=cal_st.num_docs,
                    window=c.window, max_doc_tokens=c.max_doc_tokens,
                    split="documents alternate: even -> calibration, odd -> held-out"),
       fetch_all=dict(ppl=base_m["ppl"],
@@ -277,7 +348,7 @@ def build(cfg, params, store, tok, c: Config, out_dir: str, log=print,
                  checks=[dict(policy=a, predicted_pct=p, measured_pct=v) for a, p, v in ch.checks],
                  reason=ch.reason) for b, ch in autos],
       points=points,
-      frontier=[q["policy"] for q in cal_pts if q["pareto"]],
+      frontier=[q["policy"] for q in points if not q["heldout"] and q["pareto"]],
       sweep=[dict(policy=A.label(p.policy), rule=p.policy.describe(), sim_mass=p.mass,
                   predicted_ppl_increase_pct=float(pred[i]),
                   waited_bytes_ratio=p.fetches_per_token / max(pts[base_i].fetches_per_token,
@@ -286,7 +357,7 @@ def build(cfg, params, store, tok, c: Config, out_dir: str, log=print,
                   projected_speedup_rtx3090=base_ms / p.ms[SPEEDUP_PROFILE],
                   measured=A.key(p.policy) in measured_keys, pareto=bool(sw_front[i]))
              for i, p in enumerate(pts)],
-      seconds=time.time() - t0), [pts[ch.index].policy for _, ch in autos]
+      seconds=time.time() - run.t0)
 
 
 def own_shape(cfg) -> hardware.ModelShape:

@@ -36,6 +36,7 @@ from concurrent import futures
 import copy
 import dataclasses
 import functools
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -255,102 +256,144 @@ def _layer_slices(nl: int):
   return [(d, (int(p[0]), int(p[-1]) + 1)) for d, p in zip(devs, parts)]
 
 
-def simulate(cfg: ModelConfig, logits_TxLxR, policies, *, cache_fraction: float = 0.25,
-             devices: int = 1, initial_LxS=None, prefill_tokens: int = 0, per_step: bool = True,
-             detail: bool = False, chunk: int = 8192, progress=None,
-             batch: int = 1) -> list[SimResult]:
-  """Replays `logits_TxLxR` (router outputs of the MoE layers) under each policy.
+@dataclasses.dataclass(frozen=True)
+class SimOptions:
+  """How `simulate` replays a trace, and what it keeps.
 
-  devices: expert-parallel devices (`cache_fraction` each; the union is one cache, the
-  engine's `expert_parallel` design).  initial_LxS: the experts each layer's cache starts with (e.g. `profile_initial`),
-  None = empty.  The first `prefill_tokens` tokens are a prompt (engine prefill);
-  the rest are decoded one by one.  batch = B > 1: B equal consecutive streams of the
-  trace (the rest dropped), each with a prompt of `prefill_tokens`, decoded in lockstep
-  sharing each layer's cache (module docstring); steps_TxLxC is then per step, detail's
-  decisions [steps, L, B, K].  detail=True also keeps every decision,
-  every step's statistics and every layer's resident set (for checks).  Policies are
-  grouped by `static_key`; each group is one vmapped scan per slice of layers
-  (`_layer_slices`), in chunks of `chunk` tokens.
+  cache_fraction, devices: each layer's cache (`budget_slots`: `devices` expert-parallel
+  devices of `cache_fraction` each; their union is one cache, the engine's
+  `expert_parallel` design).  initial_LxS: the experts each layer's cache starts with
+  (e.g. `profile_initial`), None = empty.  prefill_tokens: the first tokens are a prompt
+  (engine prefill); the rest are decoded one by one.  batch = B > 1: B equal consecutive
+  streams of the trace (the rest dropped), each with a prompt of `prefill_tokens`,
+  decoded in lockstep sharing each layer's cache (module docstring).
+  per_step: keep the per-(token, layer) counts (`SimResult.steps_TxLxC`; per step when
+  batched).  detail: also every decision (batched: [steps, L, B, K]), every step's
+  statistics and every layer's resident set (for checks).  chunk: tokens per scan call.
+  progress: called with the number of tokens done after each chunk.
   """
+  cache_fraction: float = 0.25
+  devices: int = 1
+  initial_LxS: Any = None
+  prefill_tokens: int = 0
+  batch: int = 1
+  per_step: bool = True
+  detail: bool = False
+  chunk: int = 8192
+  progress: Callable[[int], None] | None = None
+
+
+def simulate(cfg: ModelConfig, logits_TxLxR, policies, options: SimOptions | None = None,
+             **fields) -> list[SimResult]:
+  """Replays `logits_TxLxR` (router outputs of the MoE layers) under each policy (names or
+  PolicyParams), as `options` say (`SimOptions`; its fields may also be given as keywords:
+  `simulate(cfg, logits, ["quality"], cache_fraction=0.5)`).  Policies are grouped by
+  `static_key`; each group is one vmapped scan per slice of layers (`_layer_slices`), in
+  chunks of `options.chunk` tokens.
+  """
+  o = dataclasses.replace(options or SimOptions(), **fields)
   policies = [policy_lib.make_policy(p) if isinstance(p, str) else p for p in policies]
-  logits = np.asarray(logits_TxLxR)
-  nt, nl, _ = logits.shape
-  if nl != len(cfg.moe_layers):
-    raise ValueError(f"router logits have {nl} layers; the model has {len(cfg.moe_layers)} "
-                     f"MoE layers")
-  if batch < 1:
-    raise ValueError(f"batch={batch} must be >= 1")
-  seg = nt // batch                    # tokens per stream
-  if not 0 <= prefill_tokens < seg:
-    raise ValueError(f"prefill_tokens={prefill_tokens} must be in [0, {seg})"
-                     + (f" ({nt} tokens in {batch} streams)" if batch > 1 else ""))
-  streams = logits[:seg * batch].reshape((batch, seg) + logits.shape[1:])
-  prompts = streams[:, :prefill_tokens].reshape((-1,) + logits.shape[1:])
-  steps_n = seg - prefill_tokens       # decode steps
-  budget = budget_slots(cfg, cache_fraction, devices)
-  trim_to = budget.slots if budget.staging else None
+  streams = _streams(cfg, np.asarray(logits_TxLxR), o)
+  budget = budget_slots(cfg, o.cache_fraction, o.devices)
   groups: dict[PolicyParams, list[int]] = {}
   for i, p in enumerate(policies):
     groups.setdefault(static_key(p), []).append(i)
   results: list[SimResult | None] = [None] * len(policies)
   for static, members in groups.items():
-    dyn = jnp.asarray(np.stack([_dyn(policies[i]) for i in members]))
-    npol = len(members)
-    order = (np.full((nl, budget.physical), -1, np.int32) if initial_LxS is None else
-             np.pad(np.asarray(initial_LxS, np.int32)[:, :budget.physical],
-                    ((0, 0), (0, max(0, budget.physical - np.shape(initial_LxS)[1]))),
-                    constant_values=-1))
-    st = _initial_states(jnp.asarray(order), cfg.num_experts, budget.physical, static.cache)
-    states = jax.tree_util.tree_map(lambda a: jnp.broadcast_to(a, (npol,) + a.shape), st)
-    if prefill_tokens:   # the LFU decay over the prompt, rounded from f64 as the engine's
-      decay = np.asarray([np.float32(float(policies[i].lfu_decay) ** np.float64(prefill_tokens))
-                          for i in members])
-      states = _prefill_all(cfg, static, trim_to, states, jnp.asarray(prompts), dyn,
-                            jnp.asarray(decay))
-    pending = jax.tree_util.tree_map(lambda a: jnp.broadcast_to(a, (npol, nl) + a.shape),
-                                     step_lib.Pending.none(cfg.top_k * batch))
-    totals = jnp.zeros((npol, nl, len(STAT_FIELDS)), jnp.float32)
-    # layers are independent given the trace: one slice of them per CPU device, each
-    # chunk of each slice run from its own thread, so the slices run at once
-    shards = []
-    for dev, (l0, l1) in _layer_slices(nl):
-      put = lambda a, dev=dev, l0=l0, l1=l1: jax.device_put(a[:, l0:l1], dev)
-      shards.append([dev, l0, l1, jax.tree_util.tree_map(put, (states, pending, totals)),
-                     jax.device_put(dyn, dev)])
-    steps, det = [], []
-
-    def run(sh, lo):   # one slice's chunk, read back in its own thread (the GIL is released)
-      dev, l0, l1, carry, dyn_d = sh
-      xs = np.ascontiguousarray(   # [steps, L, B, R]
-          streams[:, prefill_tokens + lo:prefill_tokens + min(steps_n, lo + chunk),
-                  l0:l1].transpose(1, 2, 0, 3))
-      xs = jax.device_put(xs, dev)
-      *carry, y = _scan(cfg, static, trim_to, *carry, xs, dyn_d, detail=detail)
-      sh[3] = tuple(carry)
-      return jax.tree_util.tree_map(np.asarray, y)
-
-    pool = futures.ThreadPoolExecutor(len(shards)) if len(shards) > 1 else None
-    for lo in range(0, steps_n, chunk):
-      ys = ([run(shards[0], lo)] if pool is None else
-            [f.result() for f in [pool.submit(run, sh, lo) for sh in shards]])
-      # slices joined on L (axis 2)
-      if per_step:
-        steps.append(np.concatenate([y[0] for y in ys], axis=2))
-      if detail:
-        det.append({k: np.concatenate([y[1][k] for y in ys], axis=2) for k in ys[0][1]})
-      if progress is not None:
-        progress(batch * (min(steps_n, lo + chunk) - lo))
-    if pool is not None:
-      pool.shutdown()
-    totals = np.concatenate([np.asarray(sh[3][2]) for sh in shards], axis=1)
+    group = [policies[i] for i in members]
+    totals, steps, det = _replay_group(cfg, static, group, streams, budget, o)
+    steps_n = streams.shape[1] - o.prefill_tokens
     for j, i in enumerate(members):
-      one = (lambda a: a[:, :, 0]) if batch == 1 else (lambda a: a)   # decisions [.., K]
+      one = (lambda a: a[:, :, 0]) if o.batch == 1 else (lambda a: a)   # decisions [.., K]
       results[i] = SimResult(
-          policy=policies[i], slots=budget.slots, tokens=steps_n * batch,
+          policy=policies[i], slots=budget.slots, tokens=steps_n * o.batch,
           totals_LxF=totals[j],
-          steps_TxLxC=np.concatenate([s[:, j] for s in steps]) if per_step else None,
-          batch=batch,
+          steps_TxLxC=np.concatenate([s[:, j] for s in steps]) if o.per_step else None,
+          batch=o.batch,
           detail={k: one(np.concatenate([d[k][:, j] for d in det])) if k in _DECISIONS
                   else np.concatenate([d[k][:, j] for d in det]) for k in det[0]}
-          if detail else None)
+          if o.detail else None)
   return results
+
+
+def _streams(cfg: ModelConfig, logits, o: SimOptions) -> np.ndarray:
+  """[B, tokens per stream, L, R]: the trace cut into `o.batch` equal streams, after
+  checking it against the model and the options (ValueError naming the value)."""
+  nt, nl, _ = logits.shape
+  if nl != len(cfg.moe_layers):
+    raise ValueError(f"router logits have {nl} layers; the model has {len(cfg.moe_layers)} "
+                     f"MoE layers")
+  if o.batch < 1:
+    raise ValueError(f"batch={o.batch} must be >= 1")
+  seg = nt // o.batch                    # tokens per stream
+  if not 0 <= o.prefill_tokens < seg:
+    raise ValueError(f"prefill_tokens={o.prefill_tokens} must be in [0, {seg})"
+                     + (f" ({nt} tokens in {o.batch} streams)" if o.batch > 1 else ""))
+  return logits[:seg * o.batch].reshape((o.batch, seg) + logits.shape[1:])
+
+
+def _start_states(cfg: ModelConfig, static: PolicyParams, group, streams, budget,
+                  o: SimOptions, dyn):
+  """Every layer's ResidentState for each policy of the group: the initial contents, then
+  the streams' prompts prefilled (the LFU decay over the prompt as the engine's)."""
+  nl, npol = streams.shape[2], len(group)
+  order = (np.full((nl, budget.physical), -1, np.int32) if o.initial_LxS is None else
+           np.pad(np.asarray(o.initial_LxS, np.int32)[:, :budget.physical],
+                  ((0, 0), (0, max(0, budget.physical - np.shape(o.initial_LxS)[1]))),
+                  constant_values=-1))
+  st = _initial_states(jnp.asarray(order), cfg.num_experts, budget.physical, static.cache)
+  states = jax.tree_util.tree_map(lambda a: jnp.broadcast_to(a, (npol,) + a.shape), st)
+  if o.prefill_tokens:   # the LFU decay over the prompt, rounded from f64 as the engine's
+    decay = np.asarray([np.float32(float(p.lfu_decay) ** np.float64(o.prefill_tokens))
+                        for p in group])
+    prompts = streams[:, :o.prefill_tokens].reshape((-1,) + streams.shape[2:])
+    states = _prefill_all(cfg, static, budget.slots if budget.staging else None, states,
+                          jnp.asarray(prompts), dyn, jnp.asarray(decay))
+  return states
+
+
+def _replay_group(cfg: ModelConfig, static: PolicyParams, group, streams, budget,
+                  o: SimOptions):
+  """(totals [P, L, F], per-step counts per chunk, details per chunk) of the policies of
+  one `static_key` group over the streams' decode steps."""
+  nl, npol = streams.shape[2], len(group)
+  trim_to = budget.slots if budget.staging else None
+  steps_n = streams.shape[1] - o.prefill_tokens       # decode steps
+  dyn = jnp.asarray(np.stack([_dyn(p) for p in group]))
+  states = _start_states(cfg, static, group, streams, budget, o, dyn)
+  pending = jax.tree_util.tree_map(lambda a: jnp.broadcast_to(a, (npol, nl) + a.shape),
+                                   step_lib.Pending.none(cfg.top_k * o.batch))
+  totals = jnp.zeros((npol, nl, len(STAT_FIELDS)), jnp.float32)
+  # layers are independent given the trace: one slice of them per CPU device, each
+  # chunk of each slice run from its own thread, so the slices run at once
+  shards = []
+  for dev, (l0, l1) in _layer_slices(nl):
+    put = lambda a, dev=dev, l0=l0, l1=l1: jax.device_put(a[:, l0:l1], dev)
+    shards.append([dev, l0, l1, jax.tree_util.tree_map(put, (states, pending, totals)),
+                   jax.device_put(dyn, dev)])
+  steps, det = [], []
+
+  def run(sh, lo):   # one slice's chunk, read back in its own thread (the GIL is released)
+    dev, l0, l1, carry, dyn_d = sh
+    xs = np.ascontiguousarray(   # [steps, L, B, R]
+        streams[:, o.prefill_tokens + lo:o.prefill_tokens + min(steps_n, lo + o.chunk),
+                l0:l1].transpose(1, 2, 0, 3))
+    xs = jax.device_put(xs, dev)
+    *carry, y = _scan(cfg, static, trim_to, *carry, xs, dyn_d, detail=o.detail)
+    sh[3] = tuple(carry)
+    return jax.tree_util.tree_map(np.asarray, y)
+
+  pool = futures.ThreadPoolExecutor(len(shards)) if len(shards) > 1 else None
+  for lo in range(0, steps_n, o.chunk):
+    ys = ([run(shards[0], lo)] if pool is None else
+          [f.result() for f in [pool.submit(run, sh, lo) for sh in shards]])
+    # slices joined on L (axis 2)
+    if o.per_step:
+      steps.append(np.concatenate([y[0] for y in ys], axis=2))
+    if o.detail:
+      det.append({k: np.concatenate([y[1][k] for y in ys], axis=2) for k in ys[0][1]})
+    if o.progress is not None:
+      o.progress(o.batch * (min(steps_n, lo + o.chunk) - lo))
+  if pool is not None:
+    pool.shutdown()
+  return np.concatenate([np.asarray(sh[3][2]) for sh in shards], axis=1), steps, det

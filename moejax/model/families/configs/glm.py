@@ -61,43 +61,8 @@ def config_fields(d: dict[str, Any], get, source: str) -> dict[str, Any]:
       raise ConfigError(f"{source}: field '{f}' is {d[f]!r}; only {ok!r} routing is "
                         f"implemented for {mt}")
 
-  if mt == "glm4_moe_lite":
-    types = get("mlp_layer_types", default=None)
-    if types is None:
-      types = ["dense"] + ["sparse"] * (layers - 1)
-    if len(types) != layers or any(t not in ("dense", "sparse") for t in types):
-      raise ConfigError(f"{source}: field 'mlp_layer_types' must list 'dense' or 'sparse' for "
-                        f"each of the {layers} layers, got {types}")
-    sparse = tuple(t == "sparse" for t in types)
-  else:
-    k_dense = int(get("first_k_dense_replace", default=1 if mt == "glm4_moe" else 3))
-    sparse = tuple(i >= k_dense for i in range(layers))
-
-  mla: dict[str, Any] = {}
-  if mt in MLA_TYPES:
-    kv_heads = int(get("num_key_value_heads", default=heads))
-    if kv_heads != heads:
-      raise ConfigError(f"{source}: field 'num_key_value_heads' ({kv_heads}) must equal "
-                        f"'num_attention_heads' ({heads}) for multi-head latent attention")
-    q_lora = d.get("q_lora_rank")
-    rope_dim = int(get("qk_rope_head_dim"))
-    if int(rope_dim * partial) != rope_dim:
-      raise ConfigError(f"{source}: field 'partial_rotary_factor' ({partial}) must be 1 for "
-                        f"{mt}: the rotary part is the whole qk_rope_head_dim")
-    mla = dict(q_lora_rank=None if q_lora is None else int(q_lora),
-               kv_lora_rank=int(get("kv_lora_rank")), qk_nope_head_dim=int(get("qk_nope_head_dim")),
-               qk_rope_head_dim=rope_dim, v_head_dim=int(get("v_head_dim")),
-               rope_interleave=bool(get("rope_interleave", default=True)))
-    head_dim = mla["qk_nope_head_dim"] + rope_dim   # the q/k head size
-    qk_norm = "none"
-  else:
-    kv_heads = int(get("num_key_value_heads", default=heads))
-    if d.get("head_dim") is None and hidden % heads:
-      raise ConfigError(f"{source}: field 'num_attention_heads' ({heads}) does not divide "
-                        f"'hidden_size' ({hidden}) and no 'head_dim' is given")
-    head_dim = int(get("head_dim", default=hidden // heads))
-    qk_norm = "head" if bool(get("use_qk_norm", default=False)) else "none"
-
+  sparse = _sparse_layers(get, source, mt, layers)
+  kv_heads, head_dim, qk_norm, mla = _attention(d, get, source, mt, hidden, heads, partial)
   return dict(vocab_size=int(get("vocab_size")), hidden_size=hidden,
               num_layers=layers, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
               num_experts=experts, top_k=int(get("num_experts_per_tok")),
@@ -121,6 +86,47 @@ def config_fields(d: dict[str, Any], get, source: str) -> dict[str, Any]:
                   num_mtp_layers=int(get("num_nextn_predict_layers", "num_mtp_layers",
                                          default=1)),
                   **mla))
+
+
+def _sparse_layers(get, source: str, mt: str, layers: int) -> tuple[bool, ...]:
+  """Which layers route to experts: glm4_moe_lite lists them (mlp_layer_types); the others
+  keep the first first_k_dense_replace layers dense."""
+  if mt == "glm4_moe_lite":
+    types = get("mlp_layer_types", default=None)
+    if types is None:
+      types = ["dense"] + ["sparse"] * (layers - 1)
+    if len(types) != layers or any(t not in ("dense", "sparse") for t in types):
+      raise ConfigError(f"{source}: field 'mlp_layer_types' must list 'dense' or 'sparse' for "
+                        f"each of the {layers} layers, got {types}")
+    return tuple(t == "sparse" for t in types)
+  k_dense = int(get("first_k_dense_replace", default=1 if mt == "glm4_moe" else 3))
+  return tuple(i >= k_dense for i in range(layers))
+
+
+def _attention(d: dict[str, Any], get, source: str, mt: str, hidden: int, heads: int,
+               partial: float) -> tuple[int, int, str, dict[str, Any]]:
+  """(kv heads, q/k head size, qk_norm, the MLA fields of GlmConfig: {} unless multi-head
+  latent attention)."""
+  kv_heads = int(get("num_key_value_heads", default=heads))
+  if mt not in MLA_TYPES:
+    if d.get("head_dim") is None and hidden % heads:
+      raise ConfigError(f"{source}: field 'num_attention_heads' ({heads}) does not divide "
+                        f"'hidden_size' ({hidden}) and no 'head_dim' is given")
+    head_dim = int(get("head_dim", default=hidden // heads))
+    return kv_heads, head_dim, "head" if bool(get("use_qk_norm", default=False)) else "none", {}
+  if kv_heads != heads:
+    raise ConfigError(f"{source}: field 'num_key_value_heads' ({kv_heads}) must equal "
+                      f"'num_attention_heads' ({heads}) for multi-head latent attention")
+  q_lora = d.get("q_lora_rank")
+  rope_dim = int(get("qk_rope_head_dim"))
+  if int(rope_dim * partial) != rope_dim:
+    raise ConfigError(f"{source}: field 'partial_rotary_factor' ({partial}) must be 1 for "
+                      f"{mt}: the rotary part is the whole qk_rope_head_dim")
+  mla = dict(q_lora_rank=None if q_lora is None else int(q_lora),
+             kv_lora_rank=int(get("kv_lora_rank")), qk_nope_head_dim=int(get("qk_nope_head_dim")),
+             qk_rope_head_dim=rope_dim, v_head_dim=int(get("v_head_dim")),
+             rope_interleave=bool(get("rope_interleave", default=True)))
+  return kv_heads, mla["qk_nope_head_dim"] + rope_dim, "none", mla   # the q/k head size
 
 
 def validate(cfg: Any, need) -> None:

@@ -112,7 +112,8 @@ def exactness(res):
                                                                       np.stack(ref))))
       out["baseline_fetches_per_token"] = float(np.mean([r.fetches for r in recs]))
     else:
-      em = emulator.make(cfg, params, store, pol, cache_fraction=0.25, max_len=64, detail=True)
+      em = emulator.make(cfg, params, store,
+                         EngineConfig.make(pol, cache_fraction=0.25, max_len=64), detail=True)
       # the emulator's stream is teacher-forced from one first token: prompt of 1 token
       with OffloadEngine(cfg, params, pinned,
                          EngineConfig.make(pol, cache_fraction=0.25, max_len=64)) as eng:

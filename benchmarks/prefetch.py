@@ -89,21 +89,16 @@ MODES = {
 }
 
 
-def _engine_kw(mode: dict, preds: dict) -> dict:
-  """The emulator's keyword arguments of `mode` (`emulator.make`)."""
+def engine_kw(mode: dict, preds: dict) -> dict:
+  """The `EngineConfig` keyword arguments of `mode` (its prefetch as a `Prefetch`), the
+  OffloadEngine's and the emulator's alike."""
   kw = {k: v for k, v in mode.items() if k != "policy"}
   if not kw.get("streaming"):
     kw["cache_fraction"] = FLAGS.cache_fraction
-  if kw.get("prefetch"):
-    kw["predictors"] = preds[kw["prefetch"]]
-  return kw
-
-
-def engine_kw(mode: dict, preds: dict) -> dict:
-  """The OffloadEngine's keyword arguments of `mode` (its prefetch as a `Prefetch`)."""
-  kw = _engine_kw(mode, preds)
-  pf = prefetch_lib.Prefetch(kw.pop("prefetch", "none"), kw.pop("speculative", "off"),
-                             kw.pop("predictors", None), streaming=kw.pop("streaming", False))
+  kind = kw.pop("prefetch", "none")
+  pf = prefetch_lib.Prefetch(kind, kw.pop("speculative", "off"),
+                             preds[kind] if kind != "none" else None,
+                             streaming=kw.pop("streaming", False))
   return dict(kw, prefetch=pf)
 
 
@@ -214,7 +209,7 @@ def quality(cfg, params, store, preds: dict, names: list[str], tok, save=None) -
     if exact and name not in FLAGS.recall_modes:
       res["modes"][name] = {"ppl_increase_pct": 0.0, "exact": True}
       continue
-    run = runner.run(name + tag, P.make_policy(mode["policy"]), **_engine_kw(mode, preds))
+    run = runner.run(name + tag, P.make_policy(mode["policy"]), **engine_kw(mode, preds))
     m = M.metrics(run, base, reps=500)
     tot = dict(zip(E.STATS, run["totals"]))
     m["recall_at_k"] = (tot["recall_hits"] / tot["predicted_calls"]
@@ -243,8 +238,9 @@ def greedy(cfg, params, store, mode, preds, prompts, stacked, path: str) -> np.n
   if os.path.exists(path):
     return np.load(path)
   plen = max(len(p) for p in prompts)
-  em = E.make(cfg, params, store, mode["policy"], max_len=plen + FLAGS.gen_tokens + 1,
-              stacked=stacked, **_engine_kw(mode, preds))
+  config = EngineConfig.make(mode["policy"], max_len=plen + FLAGS.gen_tokens + 1,
+                             **engine_kw(mode, preds))
+  em = E.make(cfg, params, store, config, stacked=stacked)
   toks = np.zeros((len(prompts), plen), np.int32)
   for i, p in enumerate(prompts):
     toks[i, :len(p)] = p

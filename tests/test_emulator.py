@@ -31,23 +31,27 @@ POLICIES["cost"] = P.make_policy("cost", lam=2.0, low_bits=4)
 PREFETCH_KW = ("prefetch", "speculative", "predictors", "streaming")
 
 
-def engine_run(cfg, params, store, policy, tokens, **kw):
-  """Engine teacher-forced on `tokens` (first one as the prompt): logits, records and the
-  final resident sets.  prefetch, speculative, predictors and streaming as the emulator's
-  (`emulator.make`) become the engine's `Prefetch`."""
+def config_of(policy, tokens, **kw) -> EngineConfig:
+  """The one `EngineConfig` that the engine and the emulator run over `tokens`: prefetch,
+  speculative, predictors and streaming become its `Prefetch`."""
   pf = {k: kw.pop(k) for k in PREFETCH_KW if k in kw}
   if pf:
     kw["prefetch"] = Prefetch(pf.get("prefetch", "none"), pf.get("speculative", "off"),
                               pf.get("predictors"), pf.get("streaming", False))
-  config = EngineConfig.make(policy, max_len=len(tokens) + 1, **kw)
-  with OffloadEngine(cfg, params, store, config) as eng:
+  return EngineConfig.make(policy, max_len=len(tokens) + 1, **kw)
+
+
+def engine_run(cfg, params, store, policy, tokens, **kw):
+  """Engine teacher-forced on `tokens` (first one as the prompt): logits, records and the
+  final resident sets (`config_of`)."""
+  with OffloadEngine(cfg, params, store, config_of(policy, tokens, **kw)) as eng:
     out = [eng.prefill(tokens[:1])] + [eng.decode_step(t) for t in tokens[1:]]
     final = eng.resident_sets()
   return np.stack(out), eng.records, final
 
 
 def emulator_run(cfg, params, store, policy, tokens, **kw):
-  em = E.make(cfg, params, store, policy, max_len=len(tokens) + 1, detail=True, **kw)
+  em = E.make(cfg, params, store, config_of(policy, tokens, **kw), detail=True)
   t = len(tokens)
   out = E.run_streams(em, np.asarray([tokens]), np.arange(t), np.asarray([tokens[1:] + [0]]))
   logits = np.concatenate([out["first_logits"], out["logits"][0]])
@@ -170,7 +174,7 @@ def test_streams_reset_attention_and_fetch_all_is_exact(tiny):
   pos = np.arange(t) % 8                                   # two windows of 8
   streams = np.asarray([toks, toks[::-1]], np.int32)
   targets = np.roll(streams, -1, axis=1)
-  em = E.make(cfg, params, store, "fetch_all", max_len=8)
+  em = E.make(cfg, params, store, EngineConfig.make("fetch_all", max_len=8))
   out = E.run_streams(em, streams, pos, targets)
   model = Transformer(cfg)
   for b in range(2):
@@ -187,7 +191,8 @@ def test_streams_reset_attention_and_fetch_all_is_exact(tiny):
 def test_controls(tiny):
   cfg, params, store, toks = tiny
   t = len(toks)
-  run = lambda pol, c: E.run_streams(E.make(cfg, params, store, pol, control=c, max_len=t),
+  run = lambda pol, c: E.run_streams(E.make(cfg, params, store, EngineConfig.make(
+      pol, max_len=t), control=c),
                                      np.asarray([toks]), np.arange(t), np.asarray([toks]))
   base = run("fetch_all", None)
   # substituting no miss is fetch_all; substituting every miss is substitute_all
@@ -207,10 +212,14 @@ def test_controls(tiny):
 def test_bad_input_names_the_flag(tiny):
   cfg, params, store, toks = tiny
   with pytest.raises(P.PolicyError, match="--policy"):
-    E.make(cfg, params, store, "nonsense")
+    E.make(cfg, params, store, EngineConfig.make("nonsense"))
   with pytest.raises(ValueError, match="--cache_fraction"):
-    E.make(cfg, params, store, "quality", cache_fraction=1.5)
-  em = E.make(cfg, params, store, "quality", max_len=8)
+    E.make(cfg, params, store, EngineConfig.make("quality", cache_fraction=1.5))
+  with pytest.raises(E.EmulatorError, match="EngineConfig.make"):
+    E.make(cfg, params, store, "quality")       # a policy name alone: the config builds it
+  with pytest.raises(E.EmulatorError, match="--expert_devices"):
+    E.make(cfg, params, store, EngineConfig.make("quality", expert_devices=2))
+  em = E.make(cfg, params, store, EngineConfig.make("quality", max_len=8))
   with pytest.raises(E.EmulatorError, match="non-empty"):
     E.run_streams(em, np.zeros((1, 0), np.int32), np.zeros(0), np.zeros((1, 0)))
   with pytest.raises(E.EmulatorError, match="--max_len"):

@@ -20,6 +20,7 @@ from moejax.io.store import ExpertStore
 from moejax.model.config import ModelConfig
 from moejax.model.model import Transformer
 from moejax.offload.engine import EngineConfig, OffloadEngine
+from moejax.prefetch.steps import Prefetch
 from moejax.research import emulator as E
 from moejax.research import shared_batch
 
@@ -152,7 +153,8 @@ def test_engine_batch_equals_emulator_batch(request, which):
   b, t = 3, 10
   toks = rng.integers(0, 64, (b, t)).astype(np.int32)
   tgts = np.roll(toks, -1, axis=1)
-  em = E.make(cfg, params, store, ADMITTING, cache_fraction=0.25, max_len=MAX_LEN, batch=b)
+  em = E.make(cfg, params, store, EngineConfig.make(ADMITTING, cache_fraction=0.25,
+                                                    max_len=MAX_LEN), batch=b)
   out = E.run_streams(em, toks, np.arange(t, dtype=np.int32), tgts)
   chex.assert_shape(out["stats"], (b, t - 1, len(step_lib.STATS)))
   with engine(model, ADMITTING) as eng:
@@ -178,7 +180,8 @@ def test_emulator_batch_of_one_is_its_plain_streams(uniform):
   rng = np.random.default_rng(2)
   toks = rng.integers(0, 64, (2, 9)).astype(np.int32)
   tgts, pos = np.roll(toks, -1, axis=1), np.arange(9, dtype=np.int32)
-  em = E.make(cfg, params, store, ADMITTING, cache_fraction=0.25, max_len=MAX_LEN)
+  em = E.make(cfg, params, store, EngineConfig.make(ADMITTING, cache_fraction=0.25,
+                                                    max_len=MAX_LEN))
   plain = E.run_streams(em, toks, pos, tgts)
   shared = shared_batch.run_streams(em, toks, pos, tgts, 0, 0, None)
   np.testing.assert_array_equal(shared["nll"], plain["nll"])
@@ -196,8 +199,9 @@ def test_batch_errors(uniform):
     with pytest.raises(ValueError, match="2 tokens and flags"):
       b.step(np.zeros(3, np.int32), np.ones(3, bool))
   with pytest.raises(E.EmulatorError, match="--batch"):
-    E.make(cfg, params, store, "quality", batch=2, prefetch="reuse")
-  em = E.make(cfg, params, store, "quality", max_len=MAX_LEN, batch=2)
+    E.make(cfg, params, store, EngineConfig.make("quality", prefetch=Prefetch("reuse")),
+           batch=2)
+  em = E.make(cfg, params, store, EngineConfig.make("quality", max_len=MAX_LEN), batch=2)
   with pytest.raises(E.EmulatorError, match="multiple of --batch"):
     E.run_streams(em, np.zeros((3, 4), np.int32), np.arange(4), np.zeros((3, 4), np.int32))
 

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from moejax.research import emulator as E
+from moejax.offload.config import EngineConfig
 from moejax.model.config import ModelConfig
 from moejax.io.loader import expert_shapes
 from moejax.model.model import Transformer
@@ -72,7 +73,7 @@ def test_greedy_fetch_all_is_the_resident_models_greedy_chain():
   params = model.init(jax.random.PRNGKey(1), jnp.zeros((1, 4), jnp.int32),
                       store.to_device())["params"]
   prompts = [[3, 9, 27, 17, 51], [5, 11]]                   # different lengths, padded
-  em = E.make(cfg, params, store, "fetch_all", max_len=12)
+  em = E.make(cfg, params, store, EngineConfig.make("fetch_all", max_len=12))
   toks = np.zeros((2, 5), np.int32)
   toks[0], toks[1, :2] = prompts[0], prompts[1]
   logits, carry = E.prefill(em.setup, em.params, em.layers, em.table, em.states, toks,

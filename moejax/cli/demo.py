@@ -154,6 +154,7 @@ def perplexity_increase(cfg, params, store, tokens: list[int], dtype) -> dict:
     from moejax.research import emulator
   except ImportError:
     return {"source": NO_EMULATOR}
+  from moejax.offload.config import EngineConfig
   w = FLAGS.eval_window
   n = len(tokens) - 1
   rows = n // w
@@ -167,8 +168,9 @@ def perplexity_increase(cfg, params, store, tokens: list[int], dtype) -> dict:
   ppl = {}
   bar = progress(len(FLAGS.presets), "perplexity (emulator)")
   for name in FLAGS.presets:
-    em = emulator.make(cfg, params, store, name, cache_fraction=FLAGS.cache_fraction,
-                       max_len=w + 1, dtype=dtype, stacked=stacked)
+    config = EngineConfig.make(name, cache_fraction=FLAGS.cache_fraction, max_len=w + 1,
+                               dtype=dtype)
+    em = emulator.make(cfg, params, store, config, stacked=stacked)
     nll = emulator.run_streams(em, toks, pos, tgts)["nll"]
     ppl[name] = float(np.exp(np.mean(nll)))
     bar.update()

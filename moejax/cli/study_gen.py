@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 from moejax.research import emulator as E
 from moejax.cache import policy as P
+from moejax.offload.config import EngineConfig
 from moejax import extras
 
 FLAGS = flags.FLAGS
@@ -38,8 +39,9 @@ def generate(study, policy: str, prompts: list[list[int]], steps: int) -> np.nda
   if os.path.exists(path):
     return np.load(path)
   plen = max(len(p) for p in prompts)
-  em = E.make(study.cfg, study.params, study.store, P.make_policy(policy),
-              max_len=plen + steps + 1, stacked=study.runner.stacked)
+  em = E.make(study.cfg, study.params, study.store,
+              EngineConfig.make(P.make_policy(policy), max_len=plen + steps + 1),
+              stacked=study.runner.stacked)
   out = []
   for g in tqdm(range(0, len(prompts), GROUP), desc=f"gen {policy}", unit="group"):
     grp = prompts[g:g + GROUP]

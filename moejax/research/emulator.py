@@ -34,9 +34,7 @@ caches persist across those resets.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import time
 
 import jax
 import jax.numpy as jnp
@@ -50,34 +48,15 @@ from moejax.model.layer_stack import stack_layers  # noqa: F401  (public: emulat
 from moejax.prefetch import speculation
 from moejax.cache import step as step_lib
 from moejax.offload import layer as layer_lib
-from moejax.cache import policy as policy_lib
-from moejax.prefetch import steps as pf_steps
+from moejax.offload.config import EngineConfig
 from moejax.cache import initial as initial_lib
 from moejax.cache import resident as resident_lib
 from moejax.offload import decode as decode_lib
 from moejax.cache.step import STATS  # noqa: F401  (per-token statistics, summed over MoE layers)
 from moejax.cache.policy import PolicyParams
-
-
-class EmulatorError(ValueError):
-  """Bad emulator input; the message names the flag or argument."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Setup:
-  """Everything static about an emulation (hashable: a static jit argument)."""
-  cfg: ModelConfig
-  policy: PolicyParams
-  num_slots: int                 # physical slots per MoE layer (budget + staging)
-  max_len: int                   # KV cache length (attention window)
-  trim_to: int | None            # budget slots S when there are staging slots, else None
-  dtype: str = "float32"
-  control: Control | None = None
-  detail: bool = False           # also return per-layer actions, resident sets, logits
-  prefetch: str = "none"         # speculative prefetch predictor (prefetch.PREFETCH)
-  speculative: str = "off"       # prefetch.SPECULATIVE
-  keep: bool = True              # executed prefetches enter the cache (False: streaming)
-  batch: int = 1                 # streams sharing one cache, decoded together (`shared_batch`)
+from moejax.research import shared_batch
+from moejax.research.emulation import (EmulatorError, Emulation, Setup,  # noqa: F401  (public)
+                                       decode_chunks, prefill_one, prefill_setup)
 
 
 # ------------------------------------------------------------------ state
@@ -94,15 +73,10 @@ def init_states(cfg: ModelConfig, budget: resident_lib.Budget, policy: PolicyPar
     raise EmulatorError(str(e)) from None
 
 
-def _ctx(setup: Setup) -> layer_lib.Ctx:
-  return layer_lib.Ctx(setup.cfg, setup.policy, setup.trim_to, setup.prefetch,
-                       setup.speculative, setup.keep, setup.control, "table")
-
-
 def _token_step(setup: Setup, params, layers, table, carry, token, pos, key):
   """One decoded token of one stream: returns (carry, logits [V], stats, detail)."""
   carry, logits, rec = decode_lib.decode_token(
-      _ctx(setup), jnp.dtype(setup.dtype), params, layers, table, carry, token, pos, key,
+      setup.ctx, jnp.dtype(setup.dtype), params, layers, table, carry, token, pos, key,
       scan=True)
   stats = step_lib.record_counts(jnp, rec)
   det = {}
@@ -121,14 +95,6 @@ def _slot_experts(cfg: ModelConfig, states):
   return jnp.stack([states[l].slot_expert for l in cfg.moe_layers])
 
 
-def _prefill_one(setup: Setup, params, layers, table, states, tokens_P, length, decay_pow):
-  """Exact prompt (first `length` of tokens_P) of one stream, as OffloadEngine.prefill."""
-  logits, carry, _ = decode_lib.prompt_pass(_ctx(setup), jnp.dtype(setup.dtype), setup.max_len,
-                                       params, layers, table, states, tokens_P, length,
-                                       decay_pow, scan=True)
-  return logits, carry
-
-
 # ------------------------------------------------------------------ jitted entry points
 def prefill(setup: Setup, params, layers, table, states, tokens_BxP, lengths_B):
   """Exact prompts of B streams (each its own copy of `states`): (logits [B,V], carry).
@@ -138,21 +104,14 @@ def prefill(setup: Setup, params, layers, table, states, tokens_BxP, lengths_B):
   lengths_B = np.asarray(lengths_B)
   # the LFU decay over a prompt, lfu_decay ** length, rounded from f64 as the engine's
   decay_B = (float(setup.policy.lfu_decay) ** lengths_B.astype(np.float64)).astype(np.float32)
-  return _prefill(_prefill_setup(setup), params, layers, table, states, tokens_BxP, lengths_B,
+  return _prefill(prefill_setup(setup), params, layers, table, states, tokens_BxP, lengths_B,
                   decay_B)
 
 
 @functools.partial(jax.jit, static_argnames=("setup",))
 def _prefill(setup: Setup, params, layers, table, states, tokens_BxP, lengths_B, decay_B):
-  one = functools.partial(_prefill_one, setup, params, layers, table, states)
+  one = functools.partial(prefill_one, setup, params, layers, table, states)
   return jax.vmap(one)(tokens_BxP, lengths_B, decay_B)
-
-
-def _prefill_setup(setup: Setup) -> Setup:
-  """The prefill reads only the eviction rule and the LFU decay: one compile serves
-  every policy that shares them."""
-  return dataclasses.replace(setup, policy=PolicyParams(cache=setup.policy.cache),
-                             control=None, detail=False)
 
 
 @functools.partial(jax.jit, static_argnames=("setup",), donate_argnums=(4,))
@@ -199,17 +158,6 @@ def greedy(setup: Setup, params, layers, table, carry, logits_BxV, start_B, step
 
 
 # ------------------------------------------------------------------ convenience
-@dataclasses.dataclass
-class Emulation:
-  """What an emulation needs besides the tokens: built once per (model, policy, budget)."""
-  setup: Setup
-  params: dict          # the model's parameters (embedding, head, norms)
-  layers: object        # the decoder layers' parameters (see `stack_layers`)
-  table: object         # per layer {"table": its experts on the device, + predictors}
-  states: object        # the initial ResidentStates (stacked for uniform models)
-  budget: resident_lib.Budget
-
-
 def _sources(cfg: ModelConfig, table, preds):
   """Each layer's expert source for `layer.moe_layer`: the table, and the predictors."""
   if layer_stack.uniform(cfg):
@@ -218,57 +166,75 @@ def _sources(cfg: ModelConfig, table, preds):
           for i, t in enumerate(table)]
 
 
-def make(cfg: ModelConfig, params, store, policy: PolicyParams | str, *,
-         cache_fraction: float | None = 0.25, cache_bytes: int | None = None,
-         max_len: int = 512, dtype=jnp.float32, initial: str = "auto",
-         profile_counts: dict | None = None, control: Control | None = None,
-         detail: bool = False, stacked: tuple | None = None, prefetch: str = "none",
-         speculative: str = "off", predictors: dict | None = None,
-         streaming: bool = False, low_store=None, batch: int = 1) -> Emulation:
-  """An Emulation of `policy` with the engine's budget and initial cache contents.
+def make(cfg: ModelConfig, params, store, config: EngineConfig = EngineConfig(), *,
+         control: Control | None = None, detail: bool = False, stacked: tuple | None = None,
+         profile_counts: dict | None = None, low_store=None, batch: int = 1) -> Emulation:
+  """An Emulation of the engine's `config` (`offload.config.EngineConfig`, e.g.
+  `EngineConfig.make("quality", cache_fraction=0.25, max_len=64)`): its policy, budget
+  (cache_fraction or cache_bytes), max_len, dtype, initial contents and prefetch
+  (`Prefetch`: the predictor, speculative, its predictors (`prefetch.load_predictors`) and
+  streaming; "oracle" is the engine's check only), read as the engine reads them.  Its
+  link, timeout, layer_scan and host tier are the engine's alone: here copies take no time.
 
-  `stacked`: `stack_layers(cfg, params, store.to_device(dtype))`, to share one
-  copy of the layers and the expert table between emulations.  `prefetch`,
-  `speculative`, `predictors` (`prefetch.load_predictors`) and `streaming` as the
-  engine's (`prefetch="oracle"` is the engine's check only).  A policy that fetches
-  low-precision copies computes them dequantised (`low_store`, default: quantised now):
-  the table holds 2E experts per layer, e's copy at E + e (`sources.run_experts`).
-  batch: streams decoded together B at a time, sharing every layer's cache
+  The emulator's own knobs: `control`, a `Control` rule in place of the policy's miss rule;
+  `detail`, per-layer actions, resident sets and logits too; `stacked`, `stack_layers(cfg,
+  params, store.to_device(dtype))`, to share one copy of the layers and the expert table
+  between emulations; `profile_counts` for initial="profile"; `low_store`, the
+  low-precision copies a policy that fetches them computes dequantised (default: quantised
+  now; the table holds 2E experts per layer, e's copy at E + e, `sources.run_experts`);
+  `batch`, streams decoded together B at a time sharing every layer's cache
   (`research.shared_batch`), without prefetch, control rules or detail.
   """
-  mode = pf_steps.Mode(prefetch, speculative, keep=not streaming)
-  if prefetch == "oracle" or (mode.on and control is not None):
-    raise EmulatorError("the emulator's prefetch takes --prefetch=reuse, quasi, previous or hybrid, "
-                        "without a control rule")
-  if isinstance(policy, str):
-    policy = policy_lib.make_policy(policy)
-  if batch < 1 or (batch > 1 and (mode.on or control is not None or detail)):
-    raise EmulatorError(f"--batch={batch}: a batch of streams sharing the cache is >= 1 and runs "
-                        "without prefetch, control rules or detail")
-  if max_len < 2:
-    raise EmulatorError(f"--max_len must be >= 2, got {max_len}")
+  _check(config, control, detail, batch)
+  policy, pf, dtype = config.policy, config.prefetch, jnp.dtype(config.dtype)
   budget = resident_lib.make_budget(cfg.num_experts, cfg.top_k, store.expert_nbytes(),
-                                    len(cfg.moe_layers), fraction=cache_fraction,
-                                    nbytes=cache_bytes, streaming=streaming)
+                                    len(cfg.moe_layers), fraction=config.cache_fraction,
+                                    nbytes=config.cache_bytes, streaming=pf.streaming)
   if stacked is None:
     stacked = stack_layers(cfg, params, store.to_device(dtype))
-  preds = speculation.stacked_predictors(cfg, prefetch, predictors) if mode.on else None
   if policy.decision.low:
-    low = low_store or quant.build(store, policy.decision.low_bits)
-    if low.bits != policy.decision.low_bits:
-      raise EmulatorError(f"--low_bits={policy.decision.low_bits}: the low-precision store "
-                          f"holds int{low.bits} copies")
-    low_table = stack_layers(cfg, params, low.dequantized(dtype))[1]
-    axis = 1 if layer_stack.uniform(cfg) else 0
-    cat = lambda a, b: jnp.concatenate([a, b.astype(a.dtype)], axis=axis)
-    stacked = (stacked[0], jax.tree_util.tree_map(cat, stacked[1], low_table))
+    stacked = (stacked[0], _with_low_copies(cfg, params, store, stacked[1], policy, dtype,
+                                            low_store))
+  preds = (speculation.stacked_predictors(cfg, pf.kind, pf.predictors)
+           if pf.kind != "none" else None)
   stacked = (stacked[0], _sources(cfg, stacked[1], preds))
   states = layer_stack.stack_states(
-      cfg, init_states(cfg, budget, policy, initial, profile_counts))
-  setup = Setup(cfg, policy, budget.physical, max_len,
-                budget.slots if budget.staging else None, jnp.dtype(dtype).name, control,
-                detail, prefetch, speculative, not streaming, batch)
+      cfg, init_states(cfg, budget, policy, config.initial, profile_counts))
+  ctx = layer_lib.Ctx.make(cfg, config, budget, control=control, source="table")
+  setup = Setup(ctx=ctx, num_slots=budget.physical, max_len=config.max_len, dtype=dtype.name,
+                detail=detail, batch=batch)
   return Emulation(setup, params, *stacked, states, budget)
+
+
+def _check(config: EngineConfig, control, detail: bool, batch: int):
+  """What the emulator runs of an engine's config, with its own knobs."""
+  if not isinstance(config, EngineConfig):
+    raise EmulatorError(f"emulator.make takes an EngineConfig, got {type(config).__name__} "
+                        f"(EngineConfig.make({config!r}, cache_fraction=..., max_len=...) "
+                        f"builds one from a policy name)")
+  on = config.prefetch.kind != "none"
+  if config.prefetch.kind == "oracle" or (on and control is not None):
+    raise EmulatorError("the emulator's prefetch takes --prefetch=reuse, quasi, previous or hybrid, "
+                        "without a control rule")
+  if batch < 1 or (batch > 1 and (on or control is not None or detail)):
+    raise EmulatorError(f"--batch={batch}: a batch of streams sharing the cache is >= 1 and runs "
+                        "without prefetch, control rules or detail")
+  if config.expert_devices != 1:
+    raise EmulatorError(f"--expert_devices={config.expert_devices}: the emulator runs one "
+                        f"device's cache; emulate with --expert_devices=1")
+
+
+def _with_low_copies(cfg: ModelConfig, params, store, table, policy: PolicyParams, dtype,
+                     low_store):
+  """The expert table with every expert's low-precision copy after the E experts."""
+  low = low_store or quant.build(store, policy.decision.low_bits)
+  if low.bits != policy.decision.low_bits:
+    raise EmulatorError(f"--low_bits={policy.decision.low_bits}: the low-precision store "
+                        f"holds int{low.bits} copies")
+  low_table = stack_layers(cfg, params, low.dequantized(dtype))[1]
+  axis = 1 if layer_stack.uniform(cfg) else 0
+  cat = lambda a, b: jnp.concatenate([a, b.astype(a.dtype)], axis=axis)
+  return jax.tree_util.tree_map(cat, table, low_table)
 
 
 def run_streams(em: Emulation, tokens_BxT: np.ndarray, pos_T: np.ndarray,
@@ -299,7 +265,6 @@ def run_streams(em: Emulation, tokens_BxT: np.ndarray, pos_T: np.ndarray,
   b, t = tokens_BxT.shape
   targets_BxT = np.asarray(targets_BxT, np.int32)
   if em.setup.batch > 1:
-    from moejax.research import shared_batch   # it builds on this module
     return shared_batch.run_streams(em, tokens_BxT, pos_T, targets_BxT, seed, chunk, on_chunk)
   logits, carry = prefill(em.setup, em.params, em.layers, em.table, em.states,
                           tokens_BxT[:, :1], np.ones((b,), np.int32))
@@ -308,35 +273,3 @@ def run_streams(em: Emulation, tokens_BxT: np.ndarray, pos_T: np.ndarray,
                           targets_BxT[:, at:at + c], seeds + at)
   return decode_chunks(teacher_forced, em, carry, inputs, logits, targets_BxT, chunk,
                        on_chunk)
-
-
-def decode_chunks(program, em: Emulation, carry, inputs, logits_NxV, targets_NxT, chunk: int,
-                  on_chunk, unpack=lambda out: out) -> dict:
-  """The decoded tokens 1..T-1 of N streams after their prompts (logits_NxV), by the jitted
-  `program(setup, params, layers, table, carry, *inputs(at, c))` over `chunk` tokens a call
-  (compiled once; `unpack` makes a call's output per stream) -> `run_streams`'s dict."""
-  n, t = targets_NxT.shape
-  first = -np.asarray(jax.nn.log_softmax(logits_NxV))[np.arange(n), targets_NxT[:, 0]]
-  c = chunk or (t - 1)
-  if (t - 1) % max(c, 1):
-    raise EmulatorError(f"T - 1 = {t - 1} decoded tokens is not a multiple of chunk={c}")
-  outs, compile_s, run_s, step = [], 0.0, 0.0, None
-  for at in range(1, t, max(c, 1)):
-    args = (em.params, em.layers, em.table, carry) + inputs(at, c)
-    if step is None:
-      t0 = time.perf_counter()
-      step = program.lower(em.setup, *args).compile()
-      compile_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    carry, out = step(*args)
-    outs.append(unpack(jax.device_get(out)))
-    run_s += time.perf_counter() - t0
-    if on_chunk is not None:
-      on_chunk(n * c)
-  out = {k: np.concatenate([o[k] for o in outs], axis=1) for k in outs[0]} if outs else {
-      "nll": np.zeros((n, 0), np.float32),
-      "stats": np.zeros((n, 0, len(STATS)), np.float32)}
-  out["nll"] = np.concatenate([first[:, None], out["nll"]], axis=1)
-  out["first_logits"] = np.asarray(logits_NxV)
-  out["compile_s"], out["run_s"] = compile_s, run_s
-  return out

@@ -1,5 +1,6 @@
 """The exact emulator with B streams sharing every MoE layer's cache: a batch decoded
-together, as the engine's `offload.batch.Batched` decodes one (`emulator.make(batch=B)`).
+together, as the engine's `offload.batch.Batched` decodes one (`emulator.make(batch=B)`,
+which runs its streams here; the parts both share are `research.emulation`).
 
 Streams are taken B at a time (the stream count a multiple of B).  In a group, each
 stream's first token is a one-token prompt, run one after another into the shared states
@@ -23,21 +24,21 @@ import numpy as np
 from moejax.cache import step as step_lib
 from moejax.offload import batch as batch_lib
 from moejax.offload import decode as decode_lib
-from moejax.research import emulator as E
+from moejax.research import emulation as E
 
 
 def _prompts(setup, params, layers, table, states, tokens_B, decay):
   """One group's one-token prompts, one after another into the shared states -> (logits
   [B, V], the group's carry: a B-row cache, the states, nothing pending)."""
-  ps = E._prefill_setup(setup)
+  ps = E.prefill_setup(setup)
 
   def one(st, tok):
-    logits, (cache, st, _) = E._prefill_one(ps, params, layers, table, st, tok[None],
-                                            jnp.int32(1), decay)
+    logits, (cache, st, _) = E.prefill_one(ps, params, layers, table, st, tok[None],
+                                           jnp.int32(1), decay)
     return st, (logits, cache)
   states, (logits, caches) = jax.lax.scan(one, states, tokens_B)
   like, _, pending = jax.eval_shape(lambda: decode_lib.empty_carry(
-      E._ctx(setup), jnp.dtype(setup.dtype), setup.max_len, {}, True, rows=tokens_B.shape[0]))
+      setup.ctx, jnp.dtype(setup.dtype), setup.max_len, {}, True, rows=tokens_B.shape[0]))
   pending = jax.tree_util.tree_map(lambda a: jnp.full(a.shape, -1, a.dtype), pending)
   return logits, (batch_lib.stack_rows(caches, like), states, pending)
 
@@ -62,7 +63,7 @@ def teacher_forced(setup, params, layers, table, carry, tokens_GxBxT, pos_T, tar
     def body(c, xs):
       tok, p, tgt, t = xs
       c, logits, rec = decode_lib.decode_token(
-          E._ctx(setup), jnp.dtype(setup.dtype), params, layers, table, c, tok,
+          setup.ctx, jnp.dtype(setup.dtype), params, layers, table, c, tok,
           jnp.full((nb,), p, jnp.int32), jax.random.fold_in(base, t), scan=True)
       nll = -jax.nn.log_softmax(logits)[jnp.arange(nb), tgt]
       stats = jnp.sum(step_lib.row_counts(jnp, rec, jnp.ones((nb,), bool)), axis=0)

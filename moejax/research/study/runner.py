@@ -17,6 +17,8 @@ from tqdm import tqdm
 
 from moejax.research import emulator as E
 from moejax.cache import policy as policy_lib
+from moejax.offload.config import EngineConfig
+from moejax.prefetch.steps import Prefetch
 from moejax.research.study import metrics as metrics_lib
 
 
@@ -85,10 +87,11 @@ class Runner:
     return self._stacked
 
   def run(self, key: str, policy, control=None, cache_fraction: float = 0.25,
-          cached_only: bool = False, **make_kw) -> dict | None:
+          cached_only: bool = False, prefetch: Prefetch = Prefetch(),
+          **make_kw) -> dict | None:
     """The summary of one emulation (from DIR/runs/KEY.npz when already done; None
-    when it is not and cached_only).  make_kw: more `emulator.make` arguments (prefetch,
-    speculative, predictors, streaming)."""
+    when it is not and cached_only).  prefetch: the engine's `Prefetch`; make_kw: the
+    emulator's own `emulator.make` arguments (low_store, batch)."""
     path = os.path.join(self.out_dir, "runs", f"{key}.npz")
     if os.path.exists(path):
       with np.load(path) as z:
@@ -98,8 +101,9 @@ class Runner:
     if cached_only:
       self.missing.append(key)
       return None
-    em = E.make(self.cfg, self.params, self.store, policy, cache_fraction=cache_fraction,
-                max_len=self.max_len, dtype=self.dtype, control=control,
+    config = EngineConfig.make(policy, cache_fraction=cache_fraction, max_len=self.max_len,
+                               dtype=self.dtype, prefetch=prefetch)
+    em = E.make(self.cfg, self.params, self.store, config, control=control,
                 stacked=self.stacked, **make_kw)
     s = self.streams
     t = s.tokens.shape[1]

@@ -43,7 +43,7 @@ from moejax.model.sampler import (Sampler, SamplingParams, bucket, decode_logits
 from moejax.serve import protocol, warm
 from moejax.serve.logprobs import token_logprob
 from moejax.serve.text import StopText
-from moejax.serve.worker import Result, timeout_error
+from moejax.serve.jobs import Result, timeout_error
 
 POLICY = "none (every expert resident)"
 

@@ -22,7 +22,8 @@ import time
 
 from moejax.serve import chat as chat_lib
 from moejax.serve import protocol
-from moejax.serve.worker import Job, QueueFull
+from moejax.serve.jobs import Job
+from moejax.serve.worker import QueueFull
 
 ROUTES = {"/v1/completions": False, "/v1/chat/completions": True}   # path -> chat
 _SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"),

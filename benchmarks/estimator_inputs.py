@@ -13,7 +13,7 @@ recorded (its --data_dir; the newest recording is taken) and reports held-out re
 
 The estimator's first layer takes the concatenated inputs (`LogitCorrection` infers its
 input width); everything else is `moejax.estimators.train.train_pair`.  A research tool: the
-engine's estimators take q or q+prev (`moejax.estimators.model`), not layer l's probabilities.
+engine's estimators take q or q+prev (`moejax.prefetch.estimator`), not layer l's probabilities.
 """
 
 from __future__ import annotations

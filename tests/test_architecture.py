@@ -18,8 +18,7 @@ MAX_MODULES = 16   # a folder is one concept's rooms; past this it is split by c
 # packages of one tier are peers and import none of each other.
 TIERS = (
     ("moejax.ggml",),                 # the floor: block formats, QuantArray (kernels read it)
-    ("moejax.extras", "moejax.interrupts", "moejax.kernels", "moejax.estimators",
-     "moejax.estimators.model"),                                    # leaves
+    ("moejax.extras", "moejax.interrupts", "moejax.kernels", "moejax.estimators"),  # leaves
     ("moejax.model",),
     ("moejax.io", "moejax.cache", "moejax.train"),
     ("moejax.prefetch",),
@@ -128,9 +127,8 @@ def test_peers_and_lower_layers():
   assert not violations(cache, "import jax\nfrom moejax.model import routing\n"
                         "from moejax.cache import resident\nfrom . import resident\n")
   steps = ROOT / "moejax" / "prefetch" / "steps.py"
-  assert not violations(steps, "from moejax.estimators.model import estimate\n")
-  model = ROOT / "moejax" / "estimators" / "model.py"
-  assert violations(model, "from moejax.model import routing\n")
+  assert not violations(steps, "from moejax.prefetch.estimator import estimate\n")
+  assert violations(steps, "from moejax.estimators import train\n")   # training sits above
   # the root's lazy API names may load the API; nothing below may import the root's API
   assert not violations(ROOT / "moejax" / "__init__.py", "from moejax import api\n")
   assert violations(ROOT / "moejax" / "cli" / "app.py", "from moejax import api\n")
@@ -151,3 +149,81 @@ def test_no_folder_has_more_than_max_modules():
   assert counts[pathlib.Path("moejax/offload")] > 5
   big = {str(d): n for d, n in counts.items() if n > MAX_MODULES}
   assert not big, f"folders with more than {MAX_MODULES} modules (split them by layer): {big}"
+
+
+MAX_FUNCTION_LINES = 80   # past this a function is split into named steps
+
+
+def long_functions(paths, root: pathlib.Path = ROOT) -> list[str]:
+  """'file:line: name is N lines' for every function (or method) over MAX_FUNCTION_LINES."""
+  out = []
+  for p in paths:
+    for node in ast.walk(ast.parse(p.read_text(), str(p))):
+      if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        n = node.end_lineno - node.lineno + 1
+        if n > MAX_FUNCTION_LINES:
+          out.append(f"{p.relative_to(root)}:{node.lineno}: {node.name} is {n} lines")
+  return out
+
+
+def test_no_function_in_moejax_is_longer_than_max_lines():
+  bad = long_functions(_modules(("moejax",)))
+  assert not bad, (f"functions over {MAX_FUNCTION_LINES} lines (split them into named "
+                   "steps):\n" + "\n".join(bad))
+
+
+def test_a_long_function_is_named(tmp_path):
+  body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES))
+  p = tmp_path / "probe.py"
+  p.write_text(f"def short():\n  pass\n\n\nclass C:\n  def long(self):\n{body}\n")
+  assert long_functions([p], tmp_path) == [f"probe.py:6: long is {MAX_FUNCTION_LINES + 1} lines"]
+
+
+def import_graph(paths) -> dict[str, set[str]]:
+  """{module: the project's modules it imports}, from every import in it (any depth)."""
+  names = {module_name(p) for p in paths}
+  return {module_name(p): {t for _, t in imports_of(p) if t in names and t != module_name(p)}
+          for p in paths}
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+  """The import circles of `graph`: its strongly connected components of more than one
+  module (Tarjan's algorithm), each sorted."""
+  index, low, stack, on, out = {}, {}, [], set(), []
+
+  def visit(v):
+    index[v] = low[v] = len(index)
+    stack.append(v)
+    on.add(v)
+    for w in sorted(graph.get(v, ())):
+      if w not in index:
+        visit(w)
+        low[v] = min(low[v], low[w])
+      elif w in on:
+        low[v] = min(low[v], index[w])
+    if low[v] == index[v]:
+      comp = []
+      while True:
+        w = stack.pop()
+        on.discard(w)
+        comp.append(w)
+        if w == v:
+          break
+      if len(comp) > 1:
+        out.append(sorted(comp))
+
+  for v in sorted(graph):
+    if v not in index:
+      visit(v)
+  return sorted(out)
+
+
+def test_no_import_cycle_among_moejax_modules():
+  cycles = import_cycles(import_graph(_modules(("moejax",))))
+  assert not cycles, ("modules that import each other (move the shared piece down, or pass "
+                      "it in):\n" + "\n".join(" <-> ".join(c) for c in cycles))
+
+
+def test_an_import_cycle_is_found():
+  graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a", "e"}, "e": {"d"}, "f": set()}
+  assert import_cycles(graph) == [["a", "b", "c"], ["d", "e"]]

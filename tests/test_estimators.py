@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from moejax.estimators import data as est_data
-from moejax.estimators.model import LogitCorrection, estimate, previous_input, takes_previous
+from moejax.prefetch.estimator import LogitCorrection, estimate, previous_input, takes_previous
 from moejax.estimators.train import EstimatorConfig, kl_loss, loss_fn, topk_ce, train_pair
 from moejax.model.config import ModelConfig
 

@@ -70,7 +70,7 @@ def _run(cfg, params, store, prompt, stream, prefetch="none", speculative="off",
 def with_estimators(cfg, seed=2, previous=False):
   """Default vectors and a random (non-zero) estimator on every layer pair (`previous`:
   estimators that also take the previous token's router probabilities)."""
-  from moejax.estimators.model import LogitCorrection
+  from moejax.prefetch.estimator import LogitCorrection
   preds = _vectors(cfg)
   est = []
   for j in range(len(cfg.moe_layers) - 1):
@@ -190,7 +190,7 @@ def test_estimator_takes_the_previous_tokens_routing(model):
   previous decoded token (none at the first one after a prompt): the engine's predictions
   equal the estimator applied to the teacher-forced (q, quasi logits, previous token's
   true logits) -- and differ from it fed no previous token.  Speculation off: exact."""
-  from moejax.estimators.model import estimate
+  from moejax.prefetch.estimator import estimate
   cfg, params, store, ref = model
   preds = with_estimators(cfg, previous=True)
   eng, out, _ = _run(cfg, params, store, PROMPT, STREAM, prefetch="hybrid", streaming=True,

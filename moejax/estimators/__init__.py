@@ -1,9 +1,10 @@
-"""Speculative prefetch's next-layer router-logit estimators.
+"""Training speculative prefetch's next-layer router-logit estimators.
 
-  model   the estimator as a pure Flax module (`estimate`): what the engine runs
   data    training pairs recorded from teacher-forced runs over the corpora
   train   training one estimator per MoE-layer pair with Optax
 
+The estimator itself (a pure Flax module, `estimate`) is what the engine runs, so it lives
+with the decode step that runs it: `moejax.prefetch.estimator`.
 `moejax-train-estimators` (moejax/cli/prepare/train_estimators.py) runs data and train
-on a model; the engine needs only `model`.
+on a model; the engine needs neither.
 """

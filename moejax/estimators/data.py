@@ -15,7 +15,7 @@ import os
 import jax.numpy as jnp
 import numpy as np
 
-from moejax.estimators import model
+from moejax.prefetch import estimator
 from moejax.train import corpus
 from moejax.prefetch import speculation
 from moejax.train import data as corpus_data
@@ -89,14 +89,14 @@ def record(cfg, params, experts, vecs, wins_NxT: np.ndarray, out_dir: str, batch
 
 def previous_probs(true_NxE, seq: int) -> np.ndarray:
   """[N, E] float32: each row's previous row's router probabilities at the same layer
-  (`moejax.estimators.model.previous_input` of its true logits), zeros for a window's first
+  (`moejax.prefetch.estimator.previous_input` of its true logits), zeros for a window's first
   token (windows of `seq` consecutive rows, as recorded): the estimator's extra input, as
   the engine forms it from the previous token's true routing."""
   true = np.asarray(true_NxE, np.float32)
   last = np.zeros_like(true)
   last[1:] = true[:-1]
   has = np.arange(len(true)) % seq != 0
-  out = [np.asarray(model.previous_input(jnp.asarray(last[s:s + 65536]),
+  out = [np.asarray(estimator.previous_input(jnp.asarray(last[s:s + 65536]),
                                          jnp.asarray(has[s:s + 65536])))
          for s in range(0, len(true), 65536)]
   return np.concatenate(out) if out else np.zeros_like(true)

@@ -24,7 +24,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 
-from moejax.estimators.model import LogitCorrection
+from moejax.prefetch.estimator import LogitCorrection
 from moejax.prefetch import speculation
 
 

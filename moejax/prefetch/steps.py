@@ -38,7 +38,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from moejax.estimators.model import estimate
+from moejax.prefetch.estimator import estimate
 from moejax.model import routing
 from moejax.model.config import ModelConfig
 from moejax.model.model import DecoderLayer
@@ -86,7 +86,7 @@ def predict_logits(mod_next: DecoderLayer, p_next, r_1xD, d_D, estimator, kind: 
                    last=None):
   """Layer l+1's predicted router logits [1, E'] from r_l (and d_l unless `reuse`);
   `last` = (layer l+1's true logits [1, E'] at the previous token, whether there was
-  one), the input of an estimator that takes it (`moejax.estimators.model`)."""
+  one), the input of an estimator that takes it (`moejax.prefetch.estimator`)."""
   x = r_1xD if kind == "reuse" else r_1xD + d_D.astype(r_1xD.dtype)[None]
   q, logits = mod_next.apply({"params": p_next}, x, method="route_logits")
   if estimator is not None:

@@ -7,7 +7,7 @@ Needs the default vectors (moejax-default-vectors).  Records (q_l, quasi logits,
 logits of l+1) pairs on train windows of every corpus domain and on held-out stdlib
 windows (shards under --data_dir), trains one estimator per MoE-layer pair
 (moejax.estimators.train) on [q_l, the previous token's router probabilities at l+1]
-(the default; --noprevious_input: q_l alone; moejax.estimators.model), and marks a pair
+(the default; --noprevious_input: q_l alone; moejax.prefetch.estimator), and marks a pair
 *hybrid* (estimator used by the engine) when its held-out drift under the plain quasi
 predictor is at least --drift_threshold and the estimator raises held-out recall@k
 there.  A third source, `previous` (the layer's own selection at the previous token: no
@@ -44,7 +44,7 @@ flags.DEFINE_integer("epochs", 8, "Maximum epochs per estimator.")
 flagsets.tokens_file()
 flags.DEFINE_bool("previous_input", True,
                   "The estimators also take the previous token's router probabilities at the "
-                  "predicted layer (moejax.estimators.model); --noprevious_input: q alone.")
+                  "predicted layer (moejax.prefetch.estimator); --noprevious_input: q alone.")
 flags.DEFINE_float("topk_weight", 0.0,
                    "Weight of the top-k cross-entropy beside the KL loss "
                    "(moejax.estimators.train; 0: KL alone).")
@@ -55,7 +55,7 @@ SEQ = 256   # window length of the recorded pairs
 
 
 def with_previous(split: dict) -> dict:
-  """The pair's rows with the estimator input [q, p_prev] (`moejax.estimators.model`)."""
+  """The pair's rows with the estimator input [q, p_prev] (`moejax.prefetch.estimator`)."""
   from moejax.estimators import data as est_data
   q = np.asarray(split["q"], np.float32)
   return dict(split, q=np.concatenate([q, est_data.previous_probs(split["true"], SEQ)], 1))

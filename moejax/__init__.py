@@ -2,7 +2,7 @@
 
   import moejax
   model = moejax.load("ckpts/demo")             # weights, host experts, tokenizer
-  with moejax.OffloadEngine(model, "quality", cache_fraction=0.25) as engine:
+  with moejax.OffloadEngine.from_model(model, "quality", cache_fraction=0.25) as engine:
     print(moejax.generate(engine, "def fibonacci(n):", max_new_tokens=32))
 
 The API names (moejax/api.py) load on first use (PEP 562), so `import moejax` and

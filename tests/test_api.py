@@ -27,7 +27,7 @@ def spied(engine, events: list):
 
 def test_stats_are_per_call_and_the_compile_comes_before_the_first_timed_step(model):
   events: list = []
-  with moejax.OffloadEngine(model, "quality", link="16GB/s,10us") as engine:
+  with moejax.OffloadEngine.from_model(model, "quality", link="16GB/s,10us") as engine:
     spied(engine, events)
     per_call = []
     for policy in ("quality", "quality", "speed"):
@@ -49,3 +49,23 @@ def test_stats_are_per_call_and_the_compile_comes_before_the_first_timed_step(mo
 
 def test_a_model_decodes_without_an_engine(model):
   assert isinstance(moejax.generate(model, "def f(x):", max_new_tokens=3), str)
+
+
+def test_one_engine_class_and_generate_runs_an_engine_built_either_way(model):
+  from moejax.offload.config import EngineConfig
+  from moejax.offload.engine import OffloadEngine
+  assert moejax.OffloadEngine is OffloadEngine
+  prompt = "def fibonacci(n):"
+  with moejax.OffloadEngine.from_model(model, "quality", link="native") as engine:
+    assert engine.model is model
+    from_model = moejax.generate(engine, prompt, max_new_tokens=4)
+  config = EngineConfig.make("quality", max_len=min(512, model.cfg.max_position_embeddings),
+                             dtype=model.dtype)      # from_model's defaults, native link
+  with OffloadEngine(model.cfg, model.params, model.store, config) as engine:
+    with pytest.raises(ValueError, match="tokenizer="):
+      moejax.generate(engine, prompt, max_new_tokens=4)    # no Model: no tokenizer
+    direct = moejax.generate(engine, prompt, max_new_tokens=4, tokenizer=model.tokenizer)
+    assert engine.stats()["tokens"] >= 1
+  assert direct == from_model and direct      # one class, one decode: the same greedy text
+  with pytest.raises(TypeError, match="moejax.Model or a moejax.OffloadEngine"):
+    moejax.generate("ckpts/demo", prompt)

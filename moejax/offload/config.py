@@ -5,18 +5,21 @@ link, cache length, dtype, initial contents, prefetch, timeout and devices), and
 
   config = EngineConfig.make("quality", cache_fraction=0.25, link="16GB/s,10us")
   OffloadEngine(cfg, params, store, config)
+  EngineConfig.for_model(model, "quality")      # moejax-generate's defaults for a moejax.Model
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 
 from moejax.cache import policy as policy_lib
 from moejax.io import staging
-from moejax.offload import expert_parallel
+from moejax.offload import calibrate, expert_parallel
 from moejax.offload import link as link_lib
+from moejax.prefetch import speculation
 from moejax.prefetch.steps import Mode, Prefetch
 
 
@@ -94,6 +97,29 @@ class EngineConfig:
     if "host_cache_gb" in kw:       # the CLI's --host_cache_gb (None: off)
       kw["host_cache_bytes"] = staging.size_bytes(kw.pop("host_cache_gb"))
     return cls(policy=policy, link=link, **kw)
+
+  @classmethod
+  def for_model(cls, model, policy: policy_lib.PolicyParams | str = "baseline", *,
+                cache_fraction: float | None = 0.25, link=None, prefetch: str = "none",
+                speculative: str = "off", estimators: str | None = None,
+                max_len: int | None = None, streaming: bool = False, **kw) -> "EngineConfig":
+    """The config of a loaded `moejax.Model` with moejax-generate's defaults: the link
+    None is the real copy on an accelerator and, on a CPU-only machine, the scaled
+    emulated link ("native", "scaled[:PROFILE]", "16GB/s,10us" or a Link: a scaled one
+    calibrated on `model`); 25% of each layer's experts resident (cache_bytes, when given,
+    instead); prefetch none, reuse, previous, quasi or hybrid (quasi and hybrid read
+    <model_dir>-estimators, or `estimators`: moejax-default-vectors and
+    moejax-train-estimators make them); max_len the longest prompt + new tokens (default:
+    512 within the model's limit).  Other keywords are fields as they are."""
+    spec = link if link is not None else link_lib.default_spec(jax.devices()[0].platform)
+    link = calibrate.calibrated_link(spec, model.cfg, model.params, model.store, model.dtype)
+    preds = speculation.load_predictors(prefetch, model.cfg, model.folder, estimators)
+    if kw.get("cache_bytes"):
+      cache_fraction = None
+    return cls.make(policy, cache_fraction=cache_fraction, link=link,
+                    max_len=max_len or min(512, model.cfg.max_position_embeddings),
+                    dtype=model.dtype, prefetch=Prefetch(prefetch, speculative, preds,
+                                                         streaming=bool(streaming)), **kw)
 
 
 def check_policy(policy: policy_lib.PolicyParams, platform: str, low_store,

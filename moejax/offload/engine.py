@@ -27,21 +27,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moejax.io import placement, quant, staging
-from moejax.io.store import store_backend
+from moejax.io import placement
 from moejax.kernels import cpu_kernel
 from moejax.model import layer_stack
-from moejax.prefetch import speculation
 from moejax.model.config import ModelConfig
+from moejax.offload import assembly
 from moejax.offload import batch as batch_lib
 from moejax.offload import decode
 from moejax.offload import expert_parallel
-from moejax.offload import layer as layer_lib
 from moejax.offload import link as link_lib
 from moejax.cache import policy as policy_lib
 from moejax.prefetch import steps as pf_steps
 from moejax.cache import initial as initial_lib
-from moejax.cache import resident as resident_lib
 from moejax.offload.config import EngineConfig, check_policy
 from moejax.offload.stats import (Kept, TokenRecord, build_record, link_counts,
                                   prefill_record, summary)
@@ -52,78 +49,34 @@ class OffloadEngine:
   """Decoding under an expert budget with a policy; in-program copies from the host store."""
 
   def __init__(self, cfg: ModelConfig, params, store, config: EngineConfig = EngineConfig(),
-               *, low_store=None, counts: dict | None = None):
+               *, low_store=None, counts: dict | None = None, model=None):
     """config: `EngineConfig` (`EngineConfig.make("quality", cache_fraction=0.25)`).
     low_store: the low-precision copies a policy that fetches them reads
     (`io.quant.load_or_build`; default: quantised now, in memory).  counts: {MoE layer:
-    routing counts} for initial="profile" (`calibrate.profile_counts`)."""
-    if not isinstance(config, EngineConfig):
-      raise TypeError(f"OffloadEngine takes an EngineConfig, got {type(config).__name__} "
-                      f"(EngineConfig.make({config!r}, ...) builds one from a policy name)")
-    if (config.initial == "profile") != (counts is not None):
-      raise ValueError("initial='profile' needs the routing counts (counts=...), and "
-                       "counts need initial='profile'")
-    self.config = config
-    policy, link, pf = config.policy, config.link, config.prefetch
-    max_len, dtype, expert_devices = config.max_len, config.dtype, config.expert_devices
+    routing counts} for initial="profile" (`calibrate.profile_counts`).  model: the
+    `moejax.Model` decoded (`from_model`: its tokenizer is `moejax.generate`'s), or None."""
+    assembly.check_args(config, counts)
+    self.config, self.model = config, model
     self.device = jax.local_devices()[0]
-    self.cfg, self.store, self.policy = cfg, store, policy
-    self.dtype, self.max_len = dtype, max_len
+    self.cfg, self.store, self.policy, self.link = cfg, store, config.policy, config.link
+    self.dtype, self.max_len = config.dtype, config.max_len
     self.transfer_timeout_s = float(config.transfer_timeout_s)
     self.moe_layers = tuple(cfg.moe_layers)
-    self.prefetch = pf
+    self.prefetch = pf = config.prefetch
     self.mode = pf_steps.Mode(pf.kind, pf.speculative, keep=not pf.streaming)
-    nbytes = store.expert_nbytes()
-    self.budget = resident_lib.make_budget(cfg.num_experts, cfg.top_k, nbytes,
-                                           len(self.moe_layers), fraction=config.cache_fraction,
-                                           nbytes=config.cache_bytes, streaming=pf.streaming,
-                                           devices=expert_devices)
-    self.plan = (expert_parallel.make_plan(expert_devices, self.budget.slots_per_device)
-                 if expert_devices > 1 else None)
-    self.link = link
-    self.low_store = None
-    if policy.decision.low:
-      self.low_store = low_store or quant.build(store, policy.decision.low_bits)
-    check_policy(policy, self.device.platform, self.low_store)
-    self.staging = (staging.StagingCache(store, config.host_cache_bytes)
-                    if config.host_cache_bytes is not None else None)
-    # the layers as one scan (`decode.Program.scan`): a uniform model on one device whose
-    # store (and low-precision store) is one [L, E, ...] array per kind; else unrolled
-    # (the host staging tier too: it reads per layer)
-    host, pinned, scan = placement.program_stores(store, self.low_store, self.device,
-                                                config.layer_scan and self.plan is None
-                                                and layer_stack.uniform(cfg), self.staging)
-    trim_to = self.budget.slots if self.budget.staging else None
-    ctx = layer_lib.Ctx(cfg, policy, trim_to, pf.kind, pf.speculative, not pf.streaming,
-                        None, "slots", pinned, skip_empty=self.device.platform == "cpu",
-                        ep=self.plan, mapped=store_backend(store) == "mmap")
-    put = self._put
-    if self.plan is not None:   # the store on every device too
-      host = put(host)
-    self.params = put(decode.stack_params(cfg, params) if scan else params)
-    preds = (speculation.stacked_predictors(cfg, pf.kind, pf.predictors, stack=scan)
-             if self.mode.on and pf.kind != "oracle" else None)
-    zero = jnp.zeros(((cfg.num_layers,) if scan else ()) + (cfg.num_experts, cfg.hidden_size),
-                     jnp.float32)
-    more = lambda i: ((put(preds) if i is None else put(preds[i])) if preds else
-                      {"vectors": zero} if self.mode.on else {})     # oracle: vectors unused
-    self._srcs = (dict(host, **more(None)) if scan else   # one stacked tree, or per layer
-                  [None if i not in host else dict(host[i], **more(i))
-                   for i in range(cfg.num_layers)])
-    rows = cfg.top_k if self.mode.on else 0      # prefetch rows after the scratch row
-    self.initial = initial_lib.resolve_initial(config.initial, self.budget)
-    self._states = initial_lib.engine_states(store, cfg, self.moe_layers, self.budget,
-                                             self.initial, policy.cache, rows, self.device,
-                                             stacked=scan, counts=counts)
-    if self.plan is not None:
-      self._states = {l: expert_parallel.shard_state(self.plan, st)
-                      for l, st in self._states.items()}
-    ctx = dataclasses.replace(ctx, all_resident=self.budget.all_resident and
-                              self.initial == "all" and not self.mode.on)
-    self._prog = decode.Program(ctx, jnp.dtype(dtype).name, max_len, scan)
-    self._step = decode.step_fn(self._prog)
-    self._clock = link_lib.LinkClock(self.link, nbytes, self.moe_layers, expert_devices)
+    self.budget, self.plan = assembly.budget_and_plan(cfg, store, config)
+    self.low_store, self.staging = assembly.side_stores(store, config, self.device.platform,
+                                                        low_store)
     self.low_nbytes = self.low_store.expert_nbytes() if self.low_store else 0
+    scan, pinned = self._place(params)
+    self.initial = initial_lib.resolve_initial(config.initial, self.budget)
+    self._states = assembly.initial_states(store, cfg, self.budget, self.initial, self.policy,
+                                           self.mode, self.device, scan, counts, self.plan)
+    ctx = assembly.layer_ctx(self, pinned)
+    self._prog = decode.Program(ctx, jnp.dtype(self.dtype).name, self.max_len, scan)
+    self._step = decode.step_fn(self._prog)
+    self._clock = link_lib.LinkClock(self.link, store.expert_nbytes(), self.moe_layers,
+                                     config.expert_devices)
     self._carry = None            # (KV cache, states, pending) once a prompt ran
     self.end_index = 0
     self._kept = Kept()           # the steps' records: a tally, the newest kept whole
@@ -132,6 +85,32 @@ class OffloadEngine:
     self.prefill_record: TokenRecord | None = None
     self._failed: BaseException | None = None
     self._batch = None            # the `batch.Batched` the states were handed to
+    self._compiled = None         # the program whose decode step `start_call` compiled
+
+  @classmethod
+  def from_model(cls, model, policy: policy_lib.PolicyParams | str = "baseline", *,
+                 low_store=None, counts: dict | None = None, **kw) -> "OffloadEngine":
+    """An engine of a loaded `moejax.Model` with moejax-generate's defaults
+    (`EngineConfig.for_model`: policy, cache_fraction, link, prefetch, speculative,
+    estimators, max_len and the other fields); low_store and counts as the constructor's."""
+    return cls(model.cfg, model.params, model.store, EngineConfig.for_model(model, policy, **kw),
+               low_store=low_store, counts=counts, model=model)
+
+  # -------------------------------------------------------------- construction
+  def _place(self, params) -> tuple[bool, bool]:
+    """The parameters and the expert sources on the device(s) -> (the layers as one scan,
+    the store pinned).  A scan (`decode.Program.scan`): a uniform model on one device whose
+    store (and low-precision store) is one [L, E, ...] array per kind; else unrolled (the
+    host staging tier too: it reads per layer)."""
+    cfg, put = self.cfg, self._put
+    host, pinned, scan = placement.program_stores(
+        self.store, self.low_store, self.device,
+        self.config.layer_scan and self.plan is None and layer_stack.uniform(cfg), self.staging)
+    if self.plan is not None:   # the store on every device too
+      host = put(host)
+    self.params = put(decode.stack_params(cfg, params) if scan else params)
+    self._srcs = assembly.expert_sources(cfg, host, self.prefetch, self.mode, scan, put)
+    return scan, pinned
 
   program = property(lambda self: self._prog, doc="The programs' static part (`decode.Program`).")
   sources = property(lambda self: self._srcs, doc="The MoE layers' expert sources, as passed.")
@@ -235,6 +214,16 @@ class OffloadEngine:
                                                                          policy=policy))
     self._step = decode.step_fn(self._prog)
     self._loops = {}
+
+  def start_call(self):
+    """Before one `moejax.generate` call, as moejax-generate before its one generation: the
+    decode step of the current program (policy) compiled, once a program, so that no
+    record times a compile; and the earlier calls' records handed over, so that `stats()`
+    afterwards describes this call alone."""
+    if self._compiled is not self.program:
+      self.warmup()
+      self._compiled = self.program
+    self.take_records()
 
   def take_records(self) -> list[TokenRecord]:
     """The records `records` holds, handed over, and `stats` started afresh."""

@@ -72,7 +72,7 @@ def test_wheel_holds_moejax_only(wheel):
   top = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
   assert top == {"moejax"}, top             # no top-level estimators, launch, benchmarks
   for name in ("moejax/cli/generate.py", "moejax/kernels/cpu_kernel.cc",
-               "moejax/estimators/model.py", "moejax/cli/prepare/train_estimators.py",
+               "moejax/prefetch/estimator.py", "moejax/cli/prepare/train_estimators.py",
                "moejax/research/study/calibration.txt"):   # --policy=auto's text
     assert name in names, name
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -135,6 +136,18 @@ def decode_sample(model: Transformer, params, experts, cache, token_B, end_index
   return nxt, logits[:, -1], cache
 
 
+class _LoopCarry(NamedTuple):
+  """`sample_loop`'s while-loop carry: the next token's index i, whether to stop, the key,
+  the step's carry, the last token, the tokens [bucket_new] and records so far."""
+  i: jax.Array
+  done: jax.Array
+  key: jax.Array
+  carry: Any
+  tok: jax.Array
+  toks: jax.Array
+  recs: Any
+
+
 def sample_loop(step, carry, logits_V, start, key, n_new, stop_ids, temperature, top_p, *,
                 bucket_new: int, greedy: bool, nucleus: bool, record=None, forced=None):
   """The one device generation loop (gemma's sampler shape), for the Sampler and the
@@ -160,19 +173,19 @@ def sample_loop(step, carry, logits_V, start, key, n_new, stop_ids, temperature,
   toks = jnp.full((bucket_new,), -1, jnp.int32).at[0].set(tok)
   recs = jax.tree_util.tree_map(lambda r: jnp.zeros((bucket_new,) + r.shape, r.dtype), record)
 
-  def body(c):
-    i, _, key, carry, tok, toks, recs = c
-    carry, logits, rec = step(carry, tok, start + i - 1)
-    recs = jax.tree_util.tree_map(lambda a, r: a.at[i - 1].set(r), recs, rec)
-    key, sub = jax.random.split(key)
+  def body(c: _LoopCarry) -> _LoopCarry:
+    i = c.i
+    carry, logits, rec = step(c.carry, c.tok, start + i - 1)
+    recs = jax.tree_util.tree_map(lambda a, r: a.at[i - 1].set(r), c.recs, rec)
+    key, sub = jax.random.split(c.key)
     tok = sample(logits, sub, i)
-    toks = toks.at[i].set(tok)
-    return i + 1, jnp.any(tok == stop_ids) | (i + 1 >= n_new), key, carry, tok, toks, recs
+    return _LoopCarry(i + 1, jnp.any(tok == stop_ids) | (i + 1 >= n_new), key, carry, tok,
+                      c.toks.at[i].set(tok), recs)
 
   done = jnp.any(tok == stop_ids) | (n_new <= 1)
-  i, _, _, carry, _, toks, recs = jax.lax.while_loop(
-      lambda c: ~c[1], body, (jnp.int32(1), done, key, carry, tok, toks, recs))
-  return carry, toks, jnp.minimum(i, n_new), recs
+  out = jax.lax.while_loop(lambda c: ~c.done, body,
+                           _LoopCarry(jnp.int32(1), done, key, carry, tok, toks, recs))
+  return out.carry, out.toks, jnp.minimum(out.i, n_new), out.recs
 
 
 def token_loop(logits_V, decode, sp: SamplingParams, key, on_token=None, pick=None) -> list[int]:

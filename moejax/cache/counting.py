@@ -21,6 +21,17 @@ STATS = ("expert_calls", "hits", "fetches", "substituted", "substituted_mass", "
          "dropped_mass", "host_calls", "admissions", "admitted", "evictions", "prefetches",
          "useful_prefetches", "recall_hits", "predicted_calls", "fetches_low", "low_mass",
          "first_substituted")
+# the columns of a step's prefetch counts (`Record.pf_stats`, `cache.step.Head`): named
+# where they are made (`pf_stats`) and where they are read (`counts`)
+PF_STATS = ("prefetches", "useful_prefetches", "recall_hits", "predicted_calls")
+
+
+def pf_stats(xp=jnp, **named):
+  """The prefetch counts as one f32 array [..., len(PF_STATS)] (a Record field), from
+  their values by name."""
+  if set(named) != set(PF_STATS):
+    raise ValueError(f"pf_stats takes {', '.join(PF_STATS)}; got {', '.join(sorted(named))}")
+  return xp.stack([xp.asarray(named[n], xp.float32) for n in PF_STATS], axis=-1)
 
 
 @jax.tree_util.register_dataclass
@@ -38,7 +49,7 @@ class Record:
   predicted: jax.Array       # [K]
   true_ids: jax.Array        # [K]
   evicted: jax.Array         # [K + K (+K) + P]: the admitted ones', then this step's
-  pf_stats: jax.Array        # [4] f32
+  pf_stats: jax.Array        # [len(PF_STATS)] f32, columns named by PF_STATS
   rows: jax.Array            # [K] buffer row of each executed expert
   admission_slots: jax.Array  # [K]
 
@@ -66,12 +77,15 @@ def counts(xp, action, share, admissions, admitted, evicted, pf_stats, valid=Non
   n = lambda m: xp.sum(f32(m), axis=-1)
   sub, drop, low = f32(action == SUBSTITUTE), f32(action == DROP), f32(action == FETCH_LOW)
   k = xp.full(action.shape[:-1], action.shape[-1], xp.float32)
-  return xp.stack([tok(k), tok(n(action == HIT)), tok(n(action == FETCH)), tok(n(sub)),
-                   tok(xp.sum(sub * share, axis=-1)), tok(n(drop)),
-                   tok(xp.sum(drop * share, axis=-1)), tok(n(action == HOST)),
-                   n(admissions >= 0), n(admitted >= 0), n(evicted >= 0),
-                   *[pf_stats[..., i] for i in range(4)], tok(xp.sum(low, axis=-1)),
-                   tok(xp.sum(low * share, axis=-1)), tok(sub[..., 0] + drop[..., 0])], axis=-1)
+  named = dict(expert_calls=tok(k), hits=tok(n(action == HIT)), fetches=tok(n(action == FETCH)),
+               substituted=tok(n(sub)), substituted_mass=tok(xp.sum(sub * share, axis=-1)),
+               dropped=tok(n(drop)), dropped_mass=tok(xp.sum(drop * share, axis=-1)),
+               host_calls=tok(n(action == HOST)), admissions=n(admissions >= 0),
+               admitted=n(admitted >= 0), evictions=n(evicted >= 0),
+               fetches_low=tok(xp.sum(low, axis=-1)), low_mass=tok(xp.sum(low * share, axis=-1)),
+               first_substituted=tok(sub[..., 0] + drop[..., 0]),
+               **{name: pf_stats[..., j] for j, name in enumerate(PF_STATS)})
+  return xp.stack([named[s] for s in STATS], axis=-1)
 
 
 def record_counts(xp, rec: Record):

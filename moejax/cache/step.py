@@ -40,8 +40,8 @@ import jax
 import jax.numpy as jnp
 
 from moejax.cache import controls
-from moejax.cache.counting import (STATS, Record, counts, layer_counts, record,  # noqa: F401
-                                   record_counts, row_counts, step_counts)
+from moejax.cache.counting import (PF_STATS, STATS, Record, counts, layer_counts,  # noqa: F401
+                                   pf_stats, record, record_counts, row_counts, step_counts)
 from moejax.cache import policy as policy_lib
 from moejax.cache import resident as resident_lib
 from moejax.cache.policy import FETCH, FETCH_LOW
@@ -86,7 +86,8 @@ class Router:
 
 
 def route(cfg: ModelConfig, logits_1xE) -> Router:
-  return Router(logits_1xE, *policy_lib.route_once(cfg, logits_1xE))
+  ids, gates, scores = policy_lib.route_once(cfg, logits_1xE)
+  return Router(logits_1xE, ids_1xK=ids, gates_1xK=gates, scores_1xE=scores)
 
 
 @_dataclass
@@ -129,7 +130,7 @@ class Head:
   predicted: jax.Array     # [K] the experts predicted for this layer (-1: no prediction)
   true_ids: jax.Array      # [K] the true router's top-k
   evicted: jax.Array       # [K] evicted by the fetch insert
-  pf_stats: jax.Array      # [4] prefetches, useful ones, recall hits, predicted calls
+  pf_stats: jax.Array      # [len(PF_STATS)] prefetch counts, columns named by PF_STATS
 
 
 @_dataclass
@@ -234,16 +235,18 @@ def policy_head(rule: Rule, state, router: Router, prediction: Prediction, key, 
                                 exec_ids=jnp.where(on, dec.exec_ids, -1))
     rows = jnp.where(_flat(dec.exec_ids) >= 0, state.expert_slot[_flat(dec.ids)], -1)
     return state, Head(dec, none_K, none_K, jnp.zeros((nb * k,), bool), rows.astype(jnp.int32),
-                       none_K, none_K, _flat(dec.ids), none_K, jnp.zeros((4,), jnp.float32))
+                       none_K, none_K, _flat(dec.ids), none_K,
+                       jnp.zeros((len(PF_STATS),), jnp.float32))
   pf_ids = predicted = none_K
-  pf_stats = jnp.zeros((4,), jnp.float32)
+  pf_counts = jnp.zeros((len(PF_STATS),), jnp.float32)
   seen = state
   if not rule.spec_on:
     dec = _decide(rule, state, router, key, valid_B)
     true_ids = _flat(dec.ids)
   else:
     pred, has = prediction.logits_1xE, prediction.has
-    pred_ids = routing.route(cfg, pred)[0][0]
+    pred_ids_1xK, _, _ = routing.route(cfg, pred)
+    pred_ids = pred_ids_1xK[0]
     predicted = jnp.where(has, pred_ids, -1).astype(jnp.int32)
     pf_ids = jnp.where(has & (state.expert_slot[pred_ids] < 0), pred_ids, -1).astype(jnp.int32)
     dec_spec = rule.speculate(router.logits_1xE, pred, view(state, pf_ids))
@@ -252,9 +255,9 @@ def policy_head(rule: Rule, state, router: Router, prediction: Prediction, key, 
     true_ids = router.ids_1xK[0]
     used = jnp.any(pf_ids[:, None] == dec.exec_ids[0][None, :], axis=1) & (pf_ids >= 0)
     hits = jnp.sum(jnp.any(pred_ids[:, None] == true_ids[None, :], axis=1))
-    f = jnp.float32
-    pf_stats = jnp.stack([jnp.sum(pf_ids >= 0).astype(f), jnp.sum(used).astype(f),
-                          jnp.where(has, hits, 0).astype(f), jnp.where(has, k, 0).astype(f)])
+    pf_counts = pf_stats(prefetches=jnp.sum(pf_ids >= 0), useful_prefetches=jnp.sum(used),
+                         recall_hits=jnp.where(has, hits, 0),
+                         predicted_calls=jnp.where(has, k, 0))
   action, exec_ids = _flat(dec.action), _flat(dec.exec_ids)
   fetch_low = action == FETCH_LOW
   fetched = jnp.where((action == FETCH) | fetch_low, _flat(dec.ids), -1).astype(jnp.int32)
@@ -265,7 +268,7 @@ def policy_head(rule: Rule, state, router: Router, prediction: Prediction, key, 
   rows = jnp.where(exec_ids >= 0, seen.expert_slot[jnp.maximum(exec_ids, 0)],
                    -1).astype(jnp.int32)
   return state, Head(dec, fetched, fetch_slots, fetch_low, rows, pf_ids, predicted,
-                     true_ids.astype(jnp.int32), ev_fetch, pf_stats)
+                     true_ids.astype(jnp.int32), ev_fetch, pf_counts)
 
 
 def policy_tail(rule: Rule, state, head: Head):

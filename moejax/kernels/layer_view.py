@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +28,24 @@ import numpy as np
 
 from moejax.kernels import cpu_rows
 
-_local = threading.local()     # per tracing thread: views {id(slice): (slice, stack, i)}
+_local = threading.local()     # per tracing thread: views {id(slice): _Entry}
+
+
+class View(NamedTuple):
+  """What a slice made by `at` is: layer i of `stack`."""
+  stack: Any
+  i: Any
+
+
+class Common(NamedTuple):
+  """Slices that are all layer i of their stacks (`common`)."""
+  stacks: list
+  i: Any
+
+
+class _Entry(NamedTuple):
+  slice: Any      # the slice itself (its id may be reused once it is gone)
+  view: View
 
 
 def _views() -> dict:
@@ -56,28 +74,29 @@ def at(stack, i):
   x = jax.lax.dynamic_index_in_dim(stack, i, keepdims=False)
   _views()
   if _local.depth:
-    _local.views[id(x)] = (x, stack, i)
+    _local.views[id(x)] = _Entry(x, View(stack, i))
   return x
 
 
-def of(x):
-  """(stack, i) when x is `at(stack, i)`, else None."""
+def of(x) -> View | None:
+  """The `View` (stack, i) when x is `at(stack, i)`, else None."""
   e = _views().get(id(x))
-  return (e[1], e[2]) if e is not None and e[0] is x else None
+  return e.view if e is not None and e.slice is x else None
 
 
-def common(xs):
-  """([stack of each x], i) when every x is a view of the same layer i, else None."""
+def common(xs) -> Common | None:
+  """`Common` ([stack of each x], i) when every x is a view of the same layer i, else
+  None."""
   vs = [of(x) for x in xs]
-  if not vs or any(v is None for v in vs) or any(v[1] is not vs[0][1] for v in vs):
+  if not vs or any(v is None for v in vs) or any(v.i is not vs[0].i for v in vs):
     return None
-  return [v[0] for v in vs], vs[0][1]
+  return Common([v.stack for v in vs], vs[0].i)
 
 
 def stack_at(x, i):
   """The stack x is layer i of (after `update`s), else None."""
   v = of(x)
-  return v[0] if v is not None and v[1] is i else None
+  return v.stack if v is not None and v.i is i else None
 
 
 def update(x, new, idx):
@@ -87,7 +106,7 @@ def update(x, new, idx):
   written in place by `cpu_rows.write_rows` on the CPU, elsewhere as uint16 bits (XLA's
   CPU backend runs a bf16 update in f32, converting the whole array to f32 and back)."""
   v = of(x)
-  base, off = (x, ()) if v is None else (v[0], (v[1],))
+  base, off = (x, ()) if v is None else (v.stack, (v.i,))
   bits = base.dtype.itemsize == 2 and jnp.issubdtype(base.dtype, jnp.floating)
   u16 = lambda a: jax.lax.bitcast_convert_type(a, jnp.uint16) if bits else a
   if not (bits and new.dtype == jnp.uint16):   # rows of a 16-bit float array may come as bits
@@ -107,7 +126,7 @@ def update(x, new, idx):
                               xla)
   else:
     out = xla(base, new)
-  return out if v is None else at(out, v[1])
+  return out if v is None else at(out, v.i)
 
 
 def copy_row(dst, at_row, src, row):
@@ -116,8 +135,8 @@ def copy_row(dst, at_row, src, row):
   on the CPU one copy from src's buffer into dst's, in place (`cpu_rows.copy_rows`), where
   XLA would slice the row out into a buffer of its own and then copy it again."""
   vd, vs = of(dst), of(src)
-  dbase, doff = (dst, ()) if vd is None else (vd[0], (vd[1],))
-  sbase, soff = (src, ()) if vs is None else (vs[0], (vs[1],))
+  dbase, doff = (dst, ()) if vd is None else (vd.stack, (vd.i,))
+  sbase, soff = (src, ()) if vs is None else (vs.stack, (vs.i,))
   d_at, s_at = doff + (at_row,), soff + (row,)
 
   def xla(d, s):   # elsewhere (and when the kernel does not apply): slice, then update
@@ -126,7 +145,7 @@ def copy_row(dst, at_row, src, row):
     block = block.reshape((1,) * len(d_at) + d.shape[len(d_at):])
     return update(d, block, d_at + (0,) * (d.ndim - len(d_at)))
   out = cpu_rows.copy_rows(dbase, d_at, sbase, s_at, xla)
-  return out if vd is None else at(out, vd[1])
+  return out if vd is None else at(out, vd.i)
 
 
 def will_need(srcs, rows_J, n):
@@ -136,7 +155,7 @@ def will_need(srcs, rows_J, n):
   for src in srcs:
     v = of(src)
     base, at = (src, rows_J[:, None]) if v is None else (
-        v[0], jnp.stack([jnp.broadcast_to(v[1], rows_J.shape), rows_J], axis=1))
+        v.stack, jnp.stack([jnp.broadcast_to(v.i, rows_J.shape), rows_J], axis=1))
     n = cpu_rows.will_need(base, at.astype(jnp.int32), n)
   return n
 
@@ -151,6 +170,6 @@ def rows(x, start, size: int):
   v = of(x)
   if v is None:
     return jax.lax.dynamic_slice_in_dim(x, start, size, axis=0)
-  stack, i = v
-  zero = (0,) * (stack.ndim - 2)
-  return jax.lax.dynamic_slice(stack, (i, start) + zero, (1, size) + stack.shape[2:])[0]
+  zero = (0,) * (v.stack.ndim - 2)
+  return jax.lax.dynamic_slice(v.stack, (v.i, start) + zero,
+                               (1, size) + v.stack.shape[2:])[0]

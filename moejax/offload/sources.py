@@ -86,7 +86,7 @@ def copy_rows(buffers: dict, store: dict, ids_J, slots_J, pinned,
   # the stacks and writes at (i, slot) in place (`layer_view`); the store is read at
   # (i, expert) the same way
   v = layer_view.common(list(buffers.values()))
-  layer = None if v is None else v[1]
+  layer = None if v is None else v.i
   if mapped and not (pinned or low_bits is not None or isinstance(store, staging.Staged)):
     n = layer_view.will_need([store[name] for name in buffers], ids, n)
 
@@ -111,7 +111,7 @@ def copy_rows(buffers: dict, store: dict, ids_J, slots_J, pinned,
 
   if layer is None:
     return jax.lax.fori_loop(0, n, copy_one, dict(buffers))
-  out = jax.lax.fori_loop(0, n, copy_one, dict(zip(buffers, v[0])))
+  out = jax.lax.fori_loop(0, n, copy_one, dict(zip(buffers, v.stacks)))
   return {name: layer_view.at(s, layer) for name, s in out.items()}
 
 

@@ -71,6 +71,31 @@ def test_one_trace_per_program_and_identical_statistics_across_engines(model, mo
     assert r["substituted"] + r["dropped"] + r["host_calls"] == r["misses"]
 
 
+def test_record_layout_is_known_before_any_step(model):
+  """A freshly built engine (and batch) knows its records' layout before any step of its
+  program was traced (a policy no other test uses): the fields' shapes, and the width
+  that its step packs to."""
+  cfg, params, store, _ = model
+  policy = P.make_policy("quality", tau=0.55, admission_beta=0.15)
+  with OffloadEngine(cfg, params, store, EngineConfig.make(policy, cache_fraction=0.25,
+                                                           max_len=MAX_LEN)) as eng:
+    like = eng.record_layout.like
+    n_l, k = len(eng.moe_layers), cfg.top_k
+    slots = eng.budget.slots + eng.budget.staging     # the admitted's, the fetches', a trim's
+    assert like.ids.shape == (n_l, k) and like.pf_stats.shape == (n_l, 4)
+    assert like.evicted.shape == (n_l, 2 * k + slots)
+    packed = jax.eval_shape(decode.step_fn(eng.program), eng.params, eng.sources,
+                            eng.new_carry(), np.int32(0), np.int32(0))[2]
+    assert packed.shape == (n_l, eng.record_layout.width)
+    eng.prefill(PROMPT)
+    eng.decode_step(STREAM[0])
+    assert eng.records[-1]["expert_calls"] == n_l * k
+    batch = eng.batched(3)
+    assert batch.record_layout.like.ids.shape == (n_l, 3 * k)
+    with pytest.raises(ValueError, match="another program"):
+      batch.record_layout.unpack(np.zeros((n_l, eng.record_layout.width), np.float32))
+
+
 # ------------------------------------------------------------------ lazy steps, loop
 def test_lazy_steps_equal_plain_steps(model):
   """decode_step(tok, lazy=True) with the token on the device: the same logits, greedy

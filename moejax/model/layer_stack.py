@@ -10,12 +10,28 @@ trees whole and reads layer i of each in place (`kernels.layer_view`).
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 
 from moejax.kernels import layer_view
 from moejax.model.config import ModelConfig
 from moejax.model.model import DecoderLayer
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Carry:
+  """What a stream carries from token to token: its KV cache, every MoE layer's
+  `ResidentState` and what each MoE layer carries to its next token (the engine's
+  `offload.layer.LayerCarry`).  Whole: stacked [L, ...] (a uniform model under `scan`),
+  else the cache a list over layers and the others {MoE layer: ...}.  One layer's
+  (`zip_carry`): its cache, its state and its carried (None: a dense layer)."""
+  cache: Any
+  states: Any
+  carried: Any
 
 
 def decoder_modules(cfg: ModelConfig, dtype):
@@ -50,8 +66,9 @@ def stack_states(cfg: ModelConfig, states: dict):
 def run_layers(cfg: ModelConfig, dtype, layer_fn, layers, table, x, per_layer,
                scan: bool = True, whole: bool = False):
   """x through every layer: layer_fn(mod, sparse, p, table_l, x, per_layer_l, i) ->
-  (x, per_layer_l, out_l).  per_layer: stacked [L, ...] (a uniform model under `scan`)
-  or a list; returns (x, per_layer, outs stacked over MoE layers).  scan=False unrolls
+  (x, per_layer_l, out_l), per_layer_l one layer's `Carry`.  per_layer: a `Carry` stacked
+  [L, ...] (a uniform model under `scan`) or a list of them (`zip_carry`); returns (x,
+  per_layer, outs stacked over MoE layers).  scan=False unrolls
   every model (each layer's state and slot buffers separate arrays, updated in place).
   whole (with scan, a uniform model: the engine): `scan_whole`."""
   mods = decoder_modules(cfg, dtype)
@@ -60,19 +77,19 @@ def run_layers(cfg: ModelConfig, dtype, layer_fn, layers, table, x, per_layer,
   if scan and uniform(cfg):
     # the KV cache rides in the loop carry and is updated in place, one layer at a
     # time (as scanned xs/ys it would be copied whole at every layer)
-    cache, rest = per_layer[0], per_layer[1:]
-
     def body(carry, xs):
       x, cache = carry
-      p, t, st, pend, i = xs
+      i = xs["i"]
       cache_l = jax.tree_util.tree_map(lambda c: c[i], cache)
-      x, (cache_l, st, pend), out = layer_fn(mods[0], True, p, t, x, (cache_l, st, pend), i)
-      cache = jax.tree_util.tree_map(lambda c, n: c.at[i].set(n), cache, cache_l)
-      return (x, cache), (st, pend, out)
+      x, new, out = layer_fn(mods[0], True, xs["p"], xs["table"], x,
+                             Carry(cache_l, xs["states"], xs["carried"]), i)
+      cache = jax.tree_util.tree_map(lambda c, n: c.at[i].set(n), cache, new.cache)
+      return (x, cache), (new.states, new.carried, out)
 
-    (x, cache), (st, pend, outs) = jax.lax.scan(
-        body, (x, cache), (layers, table) + tuple(rest) + (jnp.arange(cfg.num_layers),))
-    return x, (cache, st, pend), outs
+    xs = dict(p=layers, table=table, states=per_layer.states, carried=per_layer.carried,
+              i=jnp.arange(cfg.num_layers))
+    (x, cache), (st, carried, outs) = jax.lax.scan(body, (x, per_layer.cache), xs)
+    return x, Carry(cache, st, carried), outs
   per_layer, outs = list(per_layer), []
   for i, mod in enumerate(mods):
     x, per_layer[i], out = layer_fn(mod, cfg.sparse_layers[i], layers[i], table[i], x,
@@ -105,7 +122,10 @@ def scan_whole(cfg: ModelConfig, dtype, layer_fn, layers, srcs, x, per_layer):
   floats = lambda t: {a.dtype for a in jax.tree_util.tree_leaves(t)
                       if jnp.issubdtype(a.dtype, jnp.floating)}
   if floats(layers) - floats(x):
-    like = jax.eval_shape(lambda c: body(c, jnp.int32(0))[0][0], (x, per_layer))
+    def x_out(c):
+      (x_new, _), _ = body(c, jnp.int32(0))
+      return x_new
+    like = jax.eval_shape(x_out, (x, per_layer))
     x = jax.tree_util.tree_map(lambda a, o: a.astype(o.dtype), x, like)
   (x, per_layer), outs = jax.lax.scan(body, (x, per_layer),
                                       jnp.arange(cfg.num_layers, dtype=jnp.int32))
@@ -121,18 +141,19 @@ def _put(stack, leaf, i):
   return stack.at[i].set(leaf)
 
 
-def zip_carry(cfg: ModelConfig, cache, states, pending, scan: bool = True):
-  """Zips the carry into per-layer tuples (dense layers get None state)."""
+def zip_carry(cfg: ModelConfig, carry: Carry, scan: bool = True):
+  """The carry as `run_layers` takes it: stacked (a uniform model under `scan`) as it
+  is, else a list of each layer's `Carry` (a dense layer's states and carried None)."""
   if scan and uniform(cfg):
-    return (cache, states, pending)
-  return [(cache[i], states.get(i), pending.get(i)) for i in range(cfg.num_layers)]
+    return carry
+  return [Carry(carry.cache[i], carry.states.get(i), carry.carried.get(i))
+          for i in range(cfg.num_layers)]
 
 
-def unzip_carry(cfg: ModelConfig, per_layer, scan: bool = True):
-  """The inverse of `zip_carry`: (cache, states, pending)."""
+def unzip_carry(cfg: ModelConfig, per_layer, scan: bool = True) -> Carry:
+  """The inverse of `zip_carry`."""
   if scan and uniform(cfg):
     return per_layer
-  cache = [c for c, _, _ in per_layer]
-  states = {i: s for i, (_, s, _) in enumerate(per_layer) if s is not None}
-  pending = {i: a for i, (_, _, a) in enumerate(per_layer) if a is not None}
-  return cache, states, pending
+  return Carry([c.cache for c in per_layer],
+               {i: c.states for i, c in enumerate(per_layer) if c.states is not None},
+               {i: c.carried for i, c in enumerate(per_layer) if c.carried is not None})

@@ -37,6 +37,7 @@ import numpy as np
 
 from moejax.cache import step as step_lib
 from moejax.cache.policy import FETCH, FETCH_LOW
+from moejax.model import layer_stack
 from moejax.model.model import put_row
 from moejax.offload import decode
 from moejax.offload.stats import TokenRecord, from_counts, layer_records, link_counts
@@ -58,7 +59,8 @@ class Batched:
     self._steps: list[tuple] = []     # (numpy Record, valid [B], wall_s, waits) per step
     self.last_prompt_fetches: float | None = None    # experts the last prompt copied
     self._bytes = (engine.moe_layers, engine.store.expert_nbytes(), engine.low_nbytes)
-    self._carry = (None, states, None)
+    self._carry = layer_stack.Carry(None, states, None)
+    self.record_layout = decode.record_layout(engine.program, states, rows=max_batch)
     self.reset()
 
   def reset(self):
@@ -66,7 +68,7 @@ class Batched:
     eng = self.engine
     if self._carry is None:
       raise RuntimeError("the batch's resident experts were lost in a failed step")
-    self._carry = eng.new_carry(self._carry[1], rows=self.max_batch)
+    self._carry = eng.new_carry(self._carry.states, rows=self.max_batch)
     self.pos = np.zeros(self.max_batch, np.int32)      # each row's next position
 
   @property
@@ -77,11 +79,13 @@ class Batched:
     """Decodes from the next step under `policy` (`OffloadEngine.set_policy`: the same
     checks, the resident sets kept)."""
     self.engine.set_policy(policy)
+    self.record_layout = decode.record_layout(self.engine.program, self.states,
+                                              rows=self.max_batch)
 
   @property
   def states(self):
     """The shared per-MoE-layer ResidentStates, as the engine's programs take them."""
-    return self._carry[1]
+    return self._carry.states
 
   def resident_sets(self) -> dict[int, list[int]]:
     """{MoE layer: resident experts} after the last step or prompt."""
@@ -123,16 +127,16 @@ class Batched:
     t0 = time.perf_counter()
     toks = np.zeros((decode.prompt_bucket(eng.program, t),), np.int32)
     toks[:t] = prompt_ids
-    cache, states, pending = self._carry
-    self._carry = None
+    carry, self._carry = self._carry, None
     decay = np.float32(float(eng.policy.lfu_decay) ** np.float64(t))
-    logits, (cache_1, states, _), (copied, _) = decode.prefill(
-        decode.fitted(eng.program, len(toks)), eng.params, eng.sources, states, toks, np.int32(t),
-        decay)
-    self._carry = (put_row(cache, cache_1, np.int32(row), 1 if eng.program.scan else 0),
-                   states, pending)
+    logits, joined, did = decode.prefill(
+        decode.fitted(eng.program, len(toks)), eng.params, eng.sources, carry.states, toks,
+        np.int32(t), decay)
+    self._carry = layer_stack.Carry(
+        put_row(carry.cache, joined.cache, np.int32(row), 1 if eng.program.scan else 0),
+        joined.states, carry.carried)
     self.pos[row] = t
-    out, copied = jax.device_get((logits, copied))
+    out, copied = jax.device_get((logits, did.copied_E))
     n_l = np.sum(np.asarray(copied) >= 0, axis=-1)      # experts copied per MoE layer
     self.last_prompt_fetches = float(np.sum(n_l))
     if eng.link.emulated:
@@ -155,7 +159,7 @@ class Batched:
     self._carry, logits, packed = decode.step_fn(eng.program)(
         eng.params, eng.sources, carry, np.asarray(tokens_B, np.int32), pos, valid)
     logits, packed = jax.device_get((logits, packed))
-    rec = decode.unpack(packed, decode.record_like(eng.program, np.shape(packed)))
+    rec = self.record_layout.unpack(packed)
     waits = {}
     if eng.link.emulated:
       low = eng.low_nbytes / eng.store.expert_nbytes()

@@ -5,9 +5,9 @@ every layer on one expert source.  The emulator vmaps them over streams with the
 source (every expert on the device); the engine jits them for one stream with the `slots`
 source (slot buffers and in-program copies from the host store).  Both run the same
 `layer.decode_layer` and the same tails (`cache.step.policy_tails`, every MoE layer's at
-once after the last layer).  Carry of a stream: (KV cache, every MoE layer's ResidentState,
-its `layer.LayerCarry`), per layer (stacked [L, ...] for a uniform model under `scan`, else
-lists/dicts over layers).
+once after the last layer).  Carry of a stream: a `layer_stack.Carry` (KV cache, every MoE
+layer's ResidentState, its `layer.LayerCarry`), per layer (stacked [L, ...] for a uniform
+model under `scan`, else lists/dicts over layers).
 
 The engine's programs (`step_fn`: a decode step, `loop`: N steps in one while_loop,
 `prefill`: a prompt) are each ONE jitted program over explicit pytrees (the parameters,
@@ -16,8 +16,9 @@ donated.  Inside, waited fetches, admissions and prefetches are in-program copie
 host store into the slot buffers (`sources.copy_rows`).  The host's only per-token work is
 the dispatch and, when it wants them, reading the token's decisions: the step's
 `cache.step.Record` crosses the program boundary packed into one array (`pack`), read back
-on the host by `unpack`.  `Program` (hashable) is the static part: the layer context, dtype
-and cache length.  Compiles: one per program and argument shapes (one per prompt bucket
+on the host by the program's `RecordLayout` (`record_layout`, known when it is built).
+`Program` (hashable) is the static part: the layer context, dtype and cache length.
+Compiles: one per program and argument shapes (one per prompt bucket
 for `prefill`).
 """
 
@@ -42,16 +43,17 @@ from moejax.offload import sources
 
 
 # ------------------------------------------------------------------ a token, a prompt
-def empty_carry(ctx: layer_lib.Ctx, dtype, max_len: int, states, scan: bool, rows: int = 1):
-  """(cache, states, carried) of a new stream (or of `rows` decoded together, sharing
-  the states), laid out for `layer_stack.run_layers`."""
+def empty_carry(ctx: layer_lib.Ctx, dtype, max_len: int, states, scan: bool,
+                rows: int = 1) -> layer_stack.Carry:
+  """The `layer_stack.Carry` of a new stream (or of `rows` decoded together, sharing the
+  states), laid out for `layer_stack.run_layers`."""
   cfg = ctx.cfg
   cache = init_cache(cfg, rows, max_len, dtype)
   carried = {l: layer_lib.LayerCarry.none(cfg, rows) for l in cfg.moe_layers}
   if scan and layer_stack.uniform(cfg):
     stack = lambda xs: jax.tree_util.tree_map(lambda *a: jnp.stack(a), *xs)
-    return stack(cache), states, stack([carried[l] for l in cfg.moe_layers])
-  return cache, states, carried
+    return layer_stack.Carry(stack(cache), states, stack([carried[l] for l in cfg.moe_layers]))
+  return layer_stack.Carry(cache, states, carried)
 
 
 def _apply(mod, p, *args, method):
@@ -71,28 +73,29 @@ def decode_token(ctx: layer_lib.Ctx, dtype, params, layers, srcs, carry, token, 
   stream = layer_lib.Stream.start(x, cfg, dtype)
   layer_fn = functools.partial(layer_lib.decode_layer, ctx, pos.reshape(-1, 1), key,
                                valid_B=valid_B)
-  stream, per_layer, (heads, admitted) = layer_stack.run_layers(
+  stream, per_layer, outs = layer_stack.run_layers(
       cfg, dtype, layer_fn, layers, srcs, stream,
-      layer_stack.zip_carry(cfg, *carry, scan=scan), scan=scan, whole=whole)
+      layer_stack.zip_carry(cfg, carry, scan=scan), scan=scan, whole=whole)
   logits = model.apply({"params": params}, stream.x[:, -1], method="logits")
   logits = logits if jnp.ndim(token) else logits[0]
-  carry, steps = _tails(ctx, layer_stack.unzip_carry(cfg, per_layer, scan=scan), heads)
-  return carry, logits, step_lib.record(steps, admitted)
+  carry, steps = _tails(ctx, layer_stack.unzip_carry(cfg, per_layer, scan=scan), outs.head)
+  return carry, logits, step_lib.record(steps, outs.admitted)
 
 
 _META = ("slot_expert", "expert_slot", "last_used", "loaded", "low", "freq", "acc", "step")
 
 
-def _tails(ctx: layer_lib.Ctx, carry, heads):
+def _tails(ctx: layer_lib.Ctx, carry: layer_stack.Carry, heads):
   """`cache.step.policy_tails` of every MoE layer (their states stacked [L, ...]: a dict
   of them is stacked and split again) -> (carry with the new pending inserts, steps).
   The copies its inserts promise are made by the layer at the next token
   (`sources.run_experts`)."""
-  cache, states, carried = carry
+  states, carried = carry.states, carry.carried
   rule = ctx.rule
   if not isinstance(states, dict):     # stacked [L, ...] (a uniform model under scan)
     states, steps = step_lib.policy_tails(rule, states, heads)
-    return (cache, states, dataclasses.replace(carried, pending=steps.pending)), steps
+    return layer_stack.Carry(carry.cache, states,
+                             dataclasses.replace(carried, pending=steps.pending)), steps
   moe = ctx.cfg.moe_layers
   meta = resident_lib.ResidentState(buffers={}, **{
       f: jnp.stack([getattr(states[l], f) for l in moe]) for f in _META})
@@ -102,13 +105,21 @@ def _tails(ctx: layer_lib.Ctx, carry, heads):
     states[l] = dataclasses.replace(states[l], **{f: getattr(meta, f)[j] for f in _META})
     pending = jax.tree_util.tree_map(lambda a, j=j: a[j], steps.pending)
     carried[l] = dataclasses.replace(carried[l], pending=pending)
-  return (cache, states, carried), steps
+  return layer_stack.Carry(carry.cache, states, carried), steps
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PromptRecord:
+  """What a prompt did to the cache, per MoE layer (stacked [L, ...])."""
+  copied_E: jax.Array      # the experts it made available (-1 padded)
+  evicted_EP: jax.Array    # evicted by their insert and the trim [E + P] (-1 padded)
 
 
 def prompt_pass(ctx: layer_lib.Ctx, dtype, max_len: int, params, layers, srcs, states, tokens_P,
             length, decay_pow, scan: bool, whole: bool = False):
   """An exact prompt (the first `length` of tokens_P) of one stream -> (logits [V], carry,
-  (experts made available [L, E] (-1 padded), evicted [L, E + P])).  Per MoE layer the
+  `PromptRecord` [L, ...]: the experts made available, those evicted).  Per MoE layer the
   prompt's experts are computed from the table, or from the store where it lives
   (`sources.prompt_table`; expert-parallel: each device its share), then the missing ones
   it used most are inserted (`cache.step.prefill_step`)."""
@@ -120,12 +131,13 @@ def prompt_pass(ctx: layer_lib.Ctx, dtype, max_len: int, params, layers, srcs, s
   pos = jnp.arange(plen, dtype=jnp.int32)[None]
   x = model.apply({"params": params}, tokens_P[None], method="embed")
 
-  def layer_fn(mod, sparse, p, src, x, pl, i):
-    cache, st, pending = pl
+  def layer_fn(mod, sparse, p, src, x, pl: layer_stack.Carry, i):
+    st = pl.states
     if not sparse:
-      x, cache = _apply(mod, p, x, pos, cache, 0, method=layer_lib.dense)
-      return x, (cache, st, pending), None
-    h, moe_in, logits, cache = _apply(mod, p, x, pos, cache, 0, method=layer_lib.attend_route)
+      x, cache = _apply(mod, p, x, pos, pl.cache, 0, method=layer_lib.dense)
+      return x, dataclasses.replace(pl, cache=cache), None
+    h, moe_in, logits, cache = _apply(mod, p, x, pos, pl.cache, 0,
+                                      method=layer_lib.attend_route)
     ids, gates, _ = routing.route(cfg, logits.reshape(plen, -1))   # [P, router_width]
     # The bucket's padding positions go to no expert: a pair whose gate is 0 is skipped by
     # the expert kernels, and no valid position reads a later one, so the prompt's own
@@ -154,12 +166,12 @@ def prompt_pass(ctx: layer_lib.Ctx, dtype, max_len: int, params, layers, srcs, s
       st = dataclasses.replace(st, buffers=sources.copy_into_slots(
           ctx, st.buffers, src["store"] if ctx.ep else table, copy_ids, copy_slots,
           pinned=None if ctx.ep else False))
-    return x, (cache, st, pending), (copy_ids, evicted)
+    return x, layer_stack.Carry(cache, st, pl.carried), PromptRecord(copy_ids, evicted)
 
-  cache, _, pending = empty_carry(ctx, dtype, max_len, {}, scan)
+  carry = dataclasses.replace(empty_carry(ctx, dtype, max_len, {}, scan), states=states)
   x, per_layer, outs = layer_stack.run_layers(
-      cfg, dtype, layer_fn, layers, srcs, x,
-      layer_stack.zip_carry(cfg, cache, states, pending, scan=scan), scan=scan, whole=whole)
+      cfg, dtype, layer_fn, layers, srcs, x, layer_stack.zip_carry(cfg, carry, scan=scan),
+      scan=scan, whole=whole)
   logits = model.apply({"params": params}, jax.lax.dynamic_index_in_dim(x[0], length - 1),
                        method="logits")[0]
   return logits, layer_stack.unzip_carry(cfg, per_layer, scan=scan), outs
@@ -191,7 +203,8 @@ def stack_params(cfg: ModelConfig, params) -> dict:
   """The parameters as a scanned program takes them: the layers' trees stacked [L, ...]
   under "layers" (one copy), the rest as they are."""
   rest = {k: v for k, v in params.items() if not k.startswith("layers_")}
-  return dict(rest, layers=layer_stack.stack_layers(cfg, params, [None] * cfg.num_layers)[0])
+  layers, _ = layer_stack.stack_layers(cfg, params, [None] * cfg.num_layers)
+  return dict(rest, layers=layers)
 
 
 def _layers(prog: Program, params):
@@ -206,23 +219,7 @@ def _decode(prog: Program, params, srcs, carry, token, pos, valid_B=None):
                                         _layers(prog, params), srcs, carry, token, pos,
                                         jax.random.PRNGKey(0), scan=prog.scan, whole=prog.scan,
                                         valid_B=valid_B)
-  packed = pack(records)
-  _layouts(prog)[packed.shape] = jax.tree_util.tree_map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), records)
-  return carry, _replicated(prog.ctx, logits), _replicated(prog.ctx, packed)
-
-
-@functools.lru_cache(maxsize=None)
-def _layouts(prog: Program) -> dict:
-  """{packed shape: the abstract `cache.step.Record`} of `prog`'s steps, noted when a step
-  is traced (as part of compiling it: no second trace to learn the record's fields)."""
-  return {}
-
-
-def record_like(prog: Program, packed_shape) -> object:
-  """The abstract Record [L, ...] that a packed record of `prog` ([..., L, width]) was
-  packed from, which `unpack` reads it with; the step has been traced by then."""
-  return _layouts(prog)[tuple(packed_shape[-2:])]
+  return carry, _replicated(prog.ctx, logits), _replicated(prog.ctx, pack(records))
 
 
 def _replicated(ctx: layer_lib.Ctx, x):
@@ -250,17 +247,17 @@ def loop(prog: Program, params, srcs, carry, logits, pos, key, n_new, stop_ids, 
   -> (carry, tokens [bucket_new] (-1 after the end), count, packed records [bucket_new, L,
   width]: record i is the decode of token i, those from count - 1 on unused)."""
   step = lambda c, tok, p: _decode(prog, params, srcs, c, tok, p)
-  rec = jax.eval_shape(lambda c: step(c, jnp.int32(0), pos)[2], carry)
   carry, toks, n, recs = sample_loop(step, carry, logits, pos, key, n_new, stop_ids,
                                       temperature, top_p, bucket_new=bucket_new,
-                                      greedy=greedy, nucleus=nucleus, record=rec,
+                                      greedy=greedy, nucleus=nucleus,
+                                      record=record_layout(prog, carry.states).packed_like,
                                       forced=forced)
   return carry, _replicated(prog.ctx, toks), _replicated(prog.ctx, n), _replicated(prog.ctx, recs)
 
 
 @functools.partial(jax.jit, static_argnames=("prog",), donate_argnums=(3,))
 def prefill(prog: Program, params, srcs, states, tokens_P, length, decay_pow):
-  """An exact prompt -> (logits [V], carry, (copied ids [L, E], evicted [L, E + P]))."""
+  """An exact prompt -> (logits [V], carry, its `PromptRecord` [L, ...])."""
   ctx = prog.ctx
   logits, carry, outs = prompt_pass(ctx, jnp.dtype(prog.dtype), prog.max_len, params,
                                     _layers(prog, params), srcs, states, tokens_P, length,
@@ -295,20 +292,73 @@ def pack(rec):
   """A step's `Record` [L, ...] as ONE f32 array [L, width] at the program boundary: a
   CPU step pays a fixed cost per output buffer (14 fields: the demo's all-resident engine
   ran at 0.66x the speed of one packed output).  The fields follow the Record's own
-  order, and `unpack` takes their widths from its abstract value, so no field order or
-  offset is written down twice.  Ids, slots and counts are small integers: exact in f32."""
+  order, and `RecordLayout.unpack` takes their widths from its abstract value, so no field
+  order or offset is written down twice.  Ids, slots and counts are small integers: exact
+  in f32."""
   leaves = jax.tree_util.tree_leaves(rec)
   return jnp.concatenate([x.astype(jnp.float32) for x in leaves], axis=-1)
 
 
-def unpack(packed, like):
-  """`pack`'s inverse on the host: the numpy `Record` (its own arrays, no view keeping a
-  device buffer alive) from `packed` [..., width] and `like`, the Record's abstract value
-  (`record_like`)."""
-  leaves, treedef = jax.tree_util.tree_flatten(like)
-  out, at = [], 0
-  for x in leaves:
-    n = x.shape[-1]
-    out.append(np.array(packed[..., at:at + n], dtype=x.dtype))
-    at += n
-  return jax.tree_util.tree_unflatten(treedef, out)
+@dataclasses.dataclass(frozen=True)
+class RecordLayout:
+  """What a program's packed step record ([..., L, width], `pack`) was packed from: the
+  abstract `cache.step.Record` [L, ...] (`record_layout`), known when the program is
+  built, before any step has run."""
+  like: step_lib.Record
+
+  @property
+  def width(self) -> int:
+    return sum(x.shape[-1] for x in jax.tree_util.tree_leaves(self.like))
+
+  @property
+  def packed_like(self) -> jax.ShapeDtypeStruct:
+    """The abstract packed record [L, width]."""
+    return jax.eval_shape(pack, self.like)
+
+  def unpack(self, packed) -> step_lib.Record:
+    """`pack`'s inverse on the host: the numpy `Record` (its own arrays, no view keeping
+    a device buffer alive) from `packed` [..., L, width]."""
+    if np.shape(packed)[-1] != self.width:
+      raise ValueError(f"a packed record of width {np.shape(packed)[-1]}, where this "
+                       f"program's Record packs to {self.width}: it was made by another program")
+    leaves, treedef = jax.tree_util.tree_flatten(self.like)
+    out, at = [], 0
+    for x in leaves:
+      n = x.shape[-1]
+      out.append(np.array(packed[..., at:at + n], dtype=x.dtype))
+      at += n
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def record_layout(prog: Program, states, rows: int = 1) -> RecordLayout:
+  """The `RecordLayout` of `prog`'s step of `rows` rows on `states` (as the program takes
+  them; arrays or their shapes): `jax.eval_shape` of the cache's side of the step, which
+  alone makes the Record (every MoE layer's `policy_head` on a routing of `rows` tokens,
+  then `_tails` and `cache.step.record`): a trace of the cache step, not of the model,
+  once per (program, rows, states' shapes) (a server going back to a policy)."""
+  leaves, treedef = jax.tree_util.tree_flatten(states)
+  shapes = tuple((x.shape, jnp.dtype(x.dtype)) for x in leaves)
+  return _record_layout(prog, rows, treedef, shapes)
+
+
+@functools.lru_cache(maxsize=64)
+def _record_layout(prog: Program, rows: int, treedef, leaves) -> RecordLayout:
+  ctx, cfg = prog.ctx, prog.ctx.cfg
+  moe = cfg.moe_layers
+  states = jax.tree_util.tree_unflatten(treedef, [jax.ShapeDtypeStruct(*x) for x in leaves])
+
+  def records(states):
+    stacked = (jax.tree_util.tree_map(lambda *a: jnp.stack(a), *[states[l] for l in moe])
+               if isinstance(states, dict) else states)
+    router = step_lib.route(cfg, jnp.zeros((rows, routing.router_width(cfg)), jnp.float32))
+    def head(st):
+      _, hd = step_lib.policy_head(ctx.rule, st, router, step_lib.Prediction.none(cfg),
+                                   jax.random.PRNGKey(0))
+      return hd
+    heads = jax.vmap(head)(stacked)
+    none = jax.tree_util.tree_map(lambda *a: jnp.stack(a),
+                                  *[layer_lib.LayerCarry.none(cfg, rows) for _ in moe])
+    _, steps = _tails(ctx, layer_stack.Carry(None, stacked, none), heads)
+    return step_lib.record(steps, none.pending)
+
+  return RecordLayout(jax.eval_shape(records, states))

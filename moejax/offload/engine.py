@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -43,6 +44,12 @@ from moejax.offload.config import EngineConfig, check_policy
 from moejax.offload.stats import (Kept, TokenRecord, build_record, link_counts,
                                   prefill_record, summary)
 from moejax.model.sampler import SamplingParams, bucket, token_loop
+
+
+class _Lazy(NamedTuple):
+  """A lazy step not read back yet: its packed Record on the device, its start."""
+  packed: Any
+  t0: float
 
 
 class OffloadEngine:
@@ -72,15 +79,15 @@ class OffloadEngine:
     self.initial = initial_lib.resolve_initial(config.initial, self.budget)
     self._states = assembly.initial_states(store, cfg, self.budget, self.initial, self.policy,
                                            self.mode, self.device, scan, counts, self.plan)
+    self._state_shapes = jax.eval_shape(lambda: self._states)   # (the records' layout)
     ctx = assembly.layer_ctx(self, pinned)
-    self._prog = decode.Program(ctx, jnp.dtype(self.dtype).name, self.max_len, scan)
-    self._step = decode.step_fn(self._prog)
+    self._use_program(decode.Program(ctx, jnp.dtype(self.dtype).name, self.max_len, scan))
     self._clock = link_lib.LinkClock(self.link, store.expert_nbytes(), self.moe_layers,
                                      config.expert_devices)
-    self._carry = None            # (KV cache, states, pending) once a prompt ran
+    self._carry = None            # a `layer_stack.Carry` once a prompt ran
     self.end_index = 0
     self._kept = Kept()           # the steps' records: a tally, the newest kept whole
-    self._deferred: list[tuple] = []     # (device packed Record, start) of lazy steps
+    self._deferred: list[_Lazy] = []     # lazy steps not read back yet
     self._loops: dict = {}        # (steps, temperature, top_p, stop shape) -> compiled loop
     self.prefill_record: TokenRecord | None = None
     self._failed: BaseException | None = None
@@ -151,7 +158,7 @@ class OffloadEngine:
       raise placement.TransferError("the engine is closed")
     if self._batch is not None:
       raise RuntimeError("this engine's resident experts decode in a batch (`batched`)")
-    return self._carry[1] if self._carry is not None else self._states
+    return self._carry.states if self._carry is not None else self._states
 
   def resident_sets(self) -> dict[int, list[int]]:
     """{MoE layer: resident experts} after the last step, the admissions it requested
@@ -210,10 +217,15 @@ class OffloadEngine:
     self._read_deferred()
     self._kept.build(self._record)     # read under the program that made them
     self.policy = policy
-    self._prog = dataclasses.replace(self._prog, ctx=dataclasses.replace(self._prog.ctx,
-                                                                         policy=policy))
-    self._step = decode.step_fn(self._prog)
+    self._use_program(dataclasses.replace(self._prog, ctx=dataclasses.replace(
+        self._prog.ctx, policy=policy)))
     self._loops = {}
+
+  def _use_program(self, prog: decode.Program):
+    """Decodes with `prog` from now on: its jitted step and its records' layout
+    (`decode.record_layout`, known before any step runs)."""
+    self._prog, self._step = prog, decode.step_fn(prog)
+    self.record_layout = decode.record_layout(prog, self._state_shapes)
 
   def start_call(self):
     """Before one `moejax.generate` call, as moejax-generate before its one generation: the
@@ -238,11 +250,12 @@ class OffloadEngine:
     return expert_parallel.replicate(self.plan, tree)
 
   def new_carry(self, states=None, rows: int = 1):
-    """(an empty KV cache of `rows`, states (default: the live ones), nothing pending)."""
+    """The `layer_stack.Carry` of an empty KV cache of `rows`, states (default: the live
+    ones) and nothing pending."""
     states = self._live_states() if states is None else states
-    cache, _, pending = decode.empty_carry(self._prog.ctx, self.dtype, self.max_len, {},
-                                           scan=self._prog.scan, rows=rows)
-    return self._put(cache), states, self._put(pending)
+    empty = decode.empty_carry(self._prog.ctx, self.dtype, self.max_len, {},
+                               scan=self._prog.scan, rows=rows)
+    return layer_stack.Carry(self._put(empty.cache), states, self._put(empty.carried))
 
   def prefill(self, prompt_ids) -> np.ndarray:
     """Runs the prompt (exact for every policy); returns the last position's logits [V]."""
@@ -259,10 +272,10 @@ class OffloadEngine:
     states = self._live_states()
     self._carry = None
     decay = np.float32(float(self.policy.lfu_decay) ** np.float64(t))
-    logits, carry, (copied, evicted) = decode.prefill(self._prog, self.params, self._srcs,
-                                                      states, toks, np.int32(t), decay)
+    logits, carry, did = decode.prefill(self._prog, self.params, self._srcs, states, toks,
+                                        np.int32(t), decay)
     self._carry, self._states = carry, None
-    out, copied, evicted = jax.device_get((logits, copied, evicted))
+    out, copied, evicted = jax.device_get((logits, did.copied_E, did.evicted_EP))
     self._clock.reset()
     self.end_index = t
     waits = {}
@@ -310,7 +323,7 @@ class OffloadEngine:
                                              np.int32(self.end_index))
     self.end_index += 1
     if lazy and not self.link.emulated:
-      self._deferred.append((rec, t0))
+      self._deferred.append(_Lazy(rec, t0))
       if len(self._deferred) > 64:
         self._read_deferred(keep=32)
       return logits
@@ -327,13 +340,13 @@ class OffloadEngine:
   def _read_deferred(self, keep: int = 0):
     """Reads back the decisions of lazy steps, all but the newest `keep`."""
     while len(self._deferred) > keep:
-      rec, t0 = self._deferred.pop(0)
-      nxt = self._deferred[0][1] if self._deferred else time.perf_counter()
-      self._kept.add((np.array(rec), nxt - t0, {}), self._record)
+      done = self._deferred.pop(0)
+      nxt = self._deferred[0].t0 if self._deferred else time.perf_counter()
+      self._kept.add((np.array(done.packed), nxt - done.t0, {}), self._record)
 
   def _unpack(self, packed):
-    """The numpy Record of a step's packed decisions (`decode.unpack`)."""
-    return decode.unpack(packed, decode.record_like(self._prog, np.shape(packed)))
+    """The numpy Record of a step's packed decisions (`decode.RecordLayout.unpack`)."""
+    return self.record_layout.unpack(packed)
 
   def _record(self, packed, wall_s: float, waits: dict, layers: bool) -> TokenRecord:
     """A step's record of its packed decisions (built when read, or once

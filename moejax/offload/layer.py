@@ -26,6 +26,7 @@ import jax.numpy as jnp
 
 from moejax.cache import policy as policy_lib
 from moejax.cache import step as step_lib
+from moejax.model import layer_stack
 from moejax.model.config import ModelConfig
 from moejax.offload.sources import run_experts
 from moejax.prefetch import steps as pf
@@ -107,6 +108,16 @@ class LayerCarry:
     return cls(step_lib.Pending.none(cfg.top_k * rows), step_lib.Prediction.none(cfg))
 
 
+@_dataclass
+class LayerOut:
+  """What a MoE layer's step of a token leaves for the tails after the last layer
+  (`decode.decode_token`): its `Head` (`policy_tail` runs after the last layer and gives
+  the new pending inserts) and the Pending this token consumed (inserted at the previous
+  token's end: counted here, where it takes effect)."""
+  head: step_lib.Head
+  admitted: step_lib.Pending
+
+
 def attend_route(mdl, x, pos, cache, end):
   h, cache = mdl.attend(x, pos, cache, end)
   moe_in, logits = mdl.route_logits(h)
@@ -127,36 +138,34 @@ def decode_layer(ctx: Ctx, pos_Bx1, key, mod, sparse: bool, p, src, stream: Stre
                  i, valid_B=None):
   """One layer of one decoded token, or of B rows decoded together (x [B, 1, D], each row
   at its own position, `valid_B` the active ones), as `layer_stack.run_layers` calls it:
-  per_layer = (KV cache, ResidentState, LayerCarry) -> (stream, per_layer, out): out is
-  None for a dense layer, else (Head, the Pending this token consumed)."""
-  cache, state, carried = per_layer
+  per_layer: the layer's `layer_stack.Carry` (KV cache, ResidentState, LayerCarry) ->
+  (stream, per_layer, out): out is None for a dense layer, else its `LayerOut`."""
   if not sparse:
-    x, cache = mod.apply({"params": p}, stream.x, pos_Bx1, cache, _end(pos_Bx1), method=dense)
-    return dataclasses.replace(stream, x=x), (cache, state, carried), None
-  stream, cache, state, carried, out = moe_layer(ctx, mod, p, src, stream, pos_Bx1, cache, state,
-                                                 carried, jax.random.fold_in(key, i), valid_B)
-  return stream, (cache, state, carried), out
+    x, cache = mod.apply({"params": p}, stream.x, pos_Bx1, per_layer.cache, _end(pos_Bx1),
+                         method=dense)
+    return dataclasses.replace(stream, x=x), dataclasses.replace(per_layer, cache=cache), None
+  return moe_layer(ctx, mod, p, src, stream, pos_Bx1, per_layer, jax.random.fold_in(key, i),
+                   valid_B)
 
 
-def moe_layer(ctx: Ctx, mod, p, src: dict, stream: Stream, pos_Bx1, cache, state,
-              carried: LayerCarry, key, valid_B=None):
+def moe_layer(ctx: Ctx, mod, p, src: dict, stream: Stream, pos_Bx1, per_layer, key,
+              valid_B=None):
   """One MoE layer of one decoded token (or of B rows sharing the layer's cache: one
-  batched step, `cache.step.policy_head`) -> (stream, cache, state, carried, (head,
-  admitted)): the layer's `Head` (`policy_tail` runs after the last layer and gives the
-  new pending inserts) and the Pending this token consumed (inserted at the previous
-  token's end: counted here, where it takes effect).  With prefetch (one row only), src
-  has the layer's predictor ("vectors", "est", "use_last")."""
+  batched step, `cache.step.policy_head`) on its `layer_stack.Carry` -> (stream, carry,
+  `LayerOut`).  With prefetch (one row only), src has the layer's predictor ("vectors",
+  "est", "use_last")."""
   cfg, rule = ctx.cfg, ctx.rule
+  state, carried = per_layer.states, per_layer.carried
   apply = lambda *a, method: mod.apply({"params": p}, *a, method=method)
-  h, moe_in, logits, cache = apply(stream.x, pos_Bx1, cache, _end(pos_Bx1), method=attend_route)
+  h, moe_in, logits, cache = apply(stream.x, pos_Bx1, per_layer.cache, _end(pos_Bx1),
+                                   method=attend_route)
   lg = logits.reshape(pos_Bx1.shape[0], -1)
   prediction, last = carried.last, carried.last
   if ctx.spec_on:
     hybrid = ctx.prefetch == "hybrid"
-    prediction = step_lib.Prediction(*pf.predicted(
-        cfg, mod, p, ctx.prefetch, src["est"] if hybrid else None,
-        src["use_last"] if hybrid else None, stream.r_1xD, stream.d_D, stream.has,
-        (last.logits_1xE, last.has), lg))
+    prediction = pf.predicted(cfg, mod, p, ctx.prefetch, src["est"] if hybrid else None,
+                              src["use_last"] if hybrid else None, stream.r_1xD, stream.d_D,
+                              stream.has, last, lg)
     last = step_lib.Prediction(lg.astype(jnp.float32), jnp.bool_(True))
   state, head = step_lib.policy_head(rule, state, step_lib.route(cfg, lg), prediction, key,
                                      valid_B)
@@ -167,4 +176,5 @@ def moe_layer(ctx: Ctx, mod, p, src: dict, stream: Stream, pos_Bx1, cache, state
                     jnp.bool_(True))
   else:
     stream = dataclasses.replace(stream, x=x)
-  return stream, cache, state, LayerCarry(carried.pending, last), (head, carried.pending)
+  return (stream, layer_stack.Carry(cache, state, LayerCarry(carried.pending, last)),
+          LayerOut(head, carried.pending))

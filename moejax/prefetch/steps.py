@@ -44,6 +44,7 @@ from moejax.model.config import ModelConfig
 from moejax.model.model import DecoderLayer
 from moejax.cache import policy as policy_lib
 from moejax.cache.policy import FETCH, HIT, HOST, SUBSTITUTE
+from moejax.cache.step import Prediction
 from moejax.cache.step import view  # noqa: F401  (public: the state the policy sees)
 
 PREFETCH = ("none", "reuse", "quasi", "previous", "hybrid", "oracle")
@@ -83,14 +84,16 @@ def quasi_offset(exec_ids_K: jax.Array, weights_K: jax.Array, vectors_ExD: jax.A
 
 
 def predict_logits(mod_next: DecoderLayer, p_next, r_1xD, d_D, estimator, kind: str,
-                   last=None):
+                   last: Prediction | None = None):
   """Layer l+1's predicted router logits [1, E'] from r_l (and d_l unless `reuse`);
-  `last` = (layer l+1's true logits [1, E'] at the previous token, whether there was
-  one), the input of an estimator that takes it (`moejax.prefetch.estimator`)."""
+  `last`: layer l+1's true logits [1, E'] at the previous token and whether there was
+  one (a `Prediction`), the input of an estimator that takes it
+  (`moejax.prefetch.estimator`)."""
   x = r_1xD if kind == "reuse" else r_1xD + d_D.astype(r_1xD.dtype)[None]
   q, logits = mod_next.apply({"params": p_next}, x, method="route_logits")
   if estimator is not None:
-    logits = estimate(estimator, q, logits, *(last if last is not None else (None, None)))
+    logits = estimate(estimator, q, logits, *((None, None) if last is None else
+                                              (last.logits_1xE, last.has)))
   return logits.astype(jnp.float32)
 
 
@@ -146,20 +149,21 @@ class Mode:
 
 
 def predicted(cfg: ModelConfig, mod, p, prefetch: str, est, use_last, r_prev, d_prev, has,
-              last, true_1xE):
-  """(predicted router logits [1, E'] of this layer, whether there is a prediction).
+              last: Prediction, true_1xE) -> Prediction:
+  """This layer's predicted routing: router logits [1, E'] and whether there is a
+  prediction.
 
   From the previous MoE layer's (r, d) through this layer's own norm and router
-  (`predict_logits`), from `last` = (this layer's true logits at the previous token,
+  (`predict_logits`), from `last` (this layer's true logits at the previous token and
   whether there was one) for `previous` (and where the hybrid's `use_last` says so),
   or this layer's true logits (`oracle`: a check, not a predictor).  No prediction
   reaches the first MoE layer (`has` False): its true routing decides."""
   if prefetch == "oracle":
-    return true_1xE.astype(jnp.float32), has
+    return Prediction(true_1xE.astype(jnp.float32), has)
   if prefetch == "previous":
-    return last[0], has & last[1]
+    return Prediction(last.logits_1xE, has & last.has)
   pred = predict_logits(mod, p, r_prev, d_prev, est, prefetch, last)
   if use_last is not None and prefetch == "hybrid":
-    pred = jnp.where(use_last, last[0], pred)
-    has = has & (~use_last | last[1])
-  return pred, has
+    pred = jnp.where(use_last, last.logits_1xE, pred)
+    has = has & (~use_last | last.has)
+  return Prediction(pred, has)

@@ -84,7 +84,7 @@ def _token_step(setup: Setup, params, layers, table, carry, token, pos, key):
     det = dict(action=rec.actions, ids=rec.ids, sub_ids=rec.substitutes, share=rec.share,
                fetched=rec.fetched, admitted=rec.admitted, evicted=rec.evicted,
                admissions=rec.admissions, logits=logits,
-               slot_expert=_slot_experts(setup.cfg, carry[1]))
+               slot_expert=_slot_experts(setup.cfg, carry.states))
   return carry, logits, jnp.sum(stats, axis=0), det
 
 

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moejax.cache import step as step_lib
+from moejax.model import layer_stack
 from moejax.offload import batch as batch_lib
 from moejax.offload import decode as decode_lib
 from moejax.research import emulation as E
@@ -33,14 +34,14 @@ def _prompts(setup, params, layers, table, states, tokens_B, decay):
   ps = E.prefill_setup(setup)
 
   def one(st, tok):
-    logits, (cache, st, _) = E.prefill_one(ps, params, layers, table, st, tok[None],
-                                           jnp.int32(1), decay)
-    return st, (logits, cache)
+    logits, carry = E.prefill_one(ps, params, layers, table, st, tok[None], jnp.int32(1),
+                                  decay)
+    return carry.states, (logits, carry.cache)
   states, (logits, caches) = jax.lax.scan(one, states, tokens_B)
-  like, _, pending = jax.eval_shape(lambda: decode_lib.empty_carry(
+  like = jax.eval_shape(lambda: decode_lib.empty_carry(
       setup.ctx, jnp.dtype(setup.dtype), setup.max_len, {}, True, rows=tokens_B.shape[0]))
-  pending = jax.tree_util.tree_map(lambda a: jnp.full(a.shape, -1, a.dtype), pending)
-  return logits, (batch_lib.stack_rows(caches, like), states, pending)
+  pending = jax.tree_util.tree_map(lambda a: jnp.full(a.shape, -1, a.dtype), like.carried)
+  return logits, layer_stack.Carry(batch_lib.stack_rows(caches, like.cache), states, pending)
 
 
 @functools.partial(jax.jit, static_argnames=("setup",))

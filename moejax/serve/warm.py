@@ -75,7 +75,7 @@ def joins(engine, max_batch: int, lengths) -> None:
 
   def cache(rows: int, length: int):
     shapes = jax.eval_shape(lambda: decode.empty_carry(prog.ctx, dtype, length, {},
-                                                       scan=prog.scan, rows=rows)[0])
+                                                       scan=prog.scan, rows=rows).cache)
     return jax.tree_util.tree_map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=on), shapes)
   batch = cache(max_batch, engine.max_len)

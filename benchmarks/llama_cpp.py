@@ -9,7 +9,9 @@ building on a busy 2-core machine). The converter is the vendored ``convert_hf_t
 BPE tokenizers whose pre-tokenizer it does not know by hash, which includes the demo
 model's: a byte-level BPE with the GPT-2 split regex (``ByteLevel(use_regex=True)``), so
 ``convert`` maps an unknown pre-tokenizer to llama.cpp's ``gpt-2`` (the same regex) and
-says so.
+says so.  ``quantize`` requantizes a GGUF (Q8_0, Q4_0, Q4_K_M) with libllama's
+``llama_model_quantize`` through ``llama_quantize.cpp`` (llama-quantize's own function,
+without the common library that the llama-quantize target needs).
 """
 
 from __future__ import annotations
@@ -74,9 +76,13 @@ def binaries(cache: str) -> dict[str, str]:
 
 
 def build(cache: str = DEFAULT_CACHE) -> dict[str, str]:
-  """Paths of the llama.cpp tools, built on the first call (long: ~30-60 min on 2 cores)."""
+  """Paths of the llama.cpp tools, built on the first call (long: ~30-60 min on 2 cores).
+  A build made with AMX where AMX faults (`amx_faults`) has its CPU backend rebuilt
+  without it, once."""
   bins = binaries(cache)
   timer = bins["llama_timer"]
+  if os.path.exists(bins[TARGETS[0]]):
+    _without_amx(cache)
   if (all(os.path.exists(p) for p in bins.values())
       and os.path.getmtime(timer) >= os.path.getmtime(TIMER_SRC)):
     return bins
@@ -114,18 +120,182 @@ def _configure(cache: str, log: str, who: str, what: str) -> str:
   gen = ["-G", "Ninja"] if shutil.which("ninja") else []
   print(f"[{who}] building {what} into {cache}/build (first run only; log {log})",
         file=sys.stderr)
+  no_amx = [f"-DCMAKE_{lang}_FLAGS={NO_AMX}" for lang in ("C", "CXX")] if amx_faults() else []
   _run([cmake, "-S", src, "-B", os.path.join(cache, "build"), *gen, "-DCMAKE_BUILD_TYPE=Release",
         "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF",
-        "-DGGML_NATIVE=ON"], log, "cmake configure")
+        "-DGGML_NATIVE=ON", *no_amx], log, "cmake configure")
   return cmake
 
 
-def _build_timer(cache: str, out: str, log: str):
+# Some VMs list amx_tile in /proc/cpuinfo (so -march=native compiles ggml's AMX backend,
+# which takes Q4_0 / Q8_0 / K-quant matmuls) yet fault on the first tile instruction
+# (SIGILL in ggml_backend_amx_mul_mat): there llama.cpp is built without AMX.
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+_AMX_PROBE = r"""
+#include <immintrin.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+int main(void) {
+  if (syscall(SYS_arch_prctl, 0x1023, 18)) return 3;   /* ARCH_REQ_XCOMP_PERM, XTILEDATA */
+  unsigned char cfg[64];
+  memset(cfg, 0, sizeof cfg);
+  cfg[0] = 1; cfg[16] = 64; cfg[48] = 16;               /* palette 1, tile 0: 16 x 64 B */
+  _tile_loadconfig(cfg);
+  _tile_zero(0);
+  _tile_release();
+  return 0;
+}
+"""
+
+
+def amx_faults() -> bool:
+  """Whether the CPU lists AMX but a tile instruction dies of a signal here (a probe
+  compiled with -mamx-tile and run once); False without AMX or without a C compiler."""
+  import tempfile
+  try:
+    with open("/proc/cpuinfo") as f:
+      if "amx_tile" not in f.read():
+        return False
+  except OSError:
+    return False
+  cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+  if not cc:
+    return False
+  with tempfile.TemporaryDirectory() as d:
+    src, exe = os.path.join(d, "amx.c"), os.path.join(d, "amx")
+    with open(src, "w") as f:
+      f.write(_AMX_PROBE)
+    if subprocess.run([cc, "-O1", "-mamx-tile", src, "-o", exe],
+                      capture_output=True).returncode != 0:
+      return False
+    return subprocess.run([exe], capture_output=True).returncode < 0
+
+
+def _without_amx(cache: str):
+  """Rebuilds the CPU backend of an existing build without AMX when AMX faults here
+  (once: build/no_amx marks it done)."""
+  mark = os.path.join(cache, "build", "no_amx")
+  if os.path.exists(mark) or not amx_faults():
+    return
+  log = os.path.join(cache, "build.log")
+  print("[llama.cpp] AMX faults on this CPU: rebuilding ggml's CPU backend without it",
+        file=sys.stderr)
+  cmake = _configure(cache, log, "llama.cpp", "ggml-cpu without AMX")
+  _run([cmake, "--build", os.path.join(cache, "build"), "-j", str(os.cpu_count() or 2),
+        "--target", "ggml-cpu"], log, "cmake build (ggml-cpu without AMX)")
+  with open(mark, "w") as f:
+    f.write(NO_AMX + "\n")
+
+
+def _build_timer(cache: str, out: str, log: str, src_file: str = TIMER_SRC):
+  """`src_file` (a tool of this folder on libllama's C API) compiled to `out`."""
   src, lib = source_dir(cache), os.path.join(cache, "build", "bin")
   cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-  _run([cxx, "-O2", "-std=c++17", TIMER_SRC, "-o", out, "-I", os.path.join(src, "include"),
+  _run([cxx, "-O2", "-std=c++17", src_file, "-o", out, "-I", os.path.join(src, "include"),
         "-I", os.path.join(src, "ggml", "include"), "-L", lib, "-lllama", "-lggml",
-        "-lggml-base", f"-Wl,-rpath,{lib}"], log, "compiling llama_timer.cpp")
+        "-lggml-base", f"-Wl,-rpath,{lib}"], log, f"compiling {os.path.basename(src_file)}")
+
+
+QUANTIZE_SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "llama_quantize.cpp")
+# llama-quantize's formats here: bits per weight of the largest type each may write (Q4_K_M
+# puts some tensors in Q6_K), for the disk check
+QTYPES = {"q8_0": 8.5, "q4_0": 4.5, "q4_k_m": 6.5625}
+
+
+def build_quantize(cache: str = DEFAULT_CACHE) -> str:
+  """The path of `llama_quantize` (benchmarks/llama_quantize.cpp: libllama's
+  llama_model_quantize, the function llama-quantize runs), compiled once against this
+  llama.cpp build (`build` first, a no-op when it is done); rebuilt when its source is newer."""
+  build(cache)
+  out = os.path.join(cache, "build", "bin", "llama_quantize")
+  if not os.path.exists(out) or os.path.getmtime(out) < os.path.getmtime(QUANTIZE_SRC):
+    _build_timer(cache, out, os.path.join(cache, "build.log"), QUANTIZE_SRC)
+  return out
+
+
+def quantize_bytes(src_gguf: str, qtype: str) -> int:
+  """An upper bound of the bytes `quantize` writes from a 16-bit GGUF (its bits per weight
+  over 16, with the 1-D tensors' few bytes on top)."""
+  return int(os.path.getsize(src_gguf) * QTYPES[qtype] / 16) + (64 << 20)
+
+
+def quantize(cache: str, src_gguf: str, qtype: str, out: str, pure: bool,
+             threads: int | None = None) -> str:
+  """`src_gguf` (bf16/f16/f32) requantized by llama.cpp into `out` (once: an existing
+  `out` is returned as it is).  qtype: "q8_0", "q4_0" or "q4_k_m"; `pure`: every 2-D
+  tensor in that type (llama-quantize --pure: the embeddings and the output too), else
+  llama-quantize's default mix (Q4_K_M: Q6_K for the output and for some attn_v and
+  ffn_down).  Norms and the expert routers keep their type either way.  Refuses (OSError,
+  before building anything) when the disk lacks `quantize_bytes` + 1 GB."""
+  if os.path.exists(out):
+    return out
+  if qtype not in QTYPES:
+    raise ValueError(f"quantize: type {qtype!r}; choose from {', '.join(QTYPES)}")
+  folder = os.path.dirname(os.path.abspath(out))
+  os.makedirs(folder, exist_ok=True)
+  need, free = quantize_bytes(src_gguf, qtype) + (1 << 30), shutil.disk_usage(folder).free
+  if free < need:
+    raise OSError(f"{out}: quantizing {src_gguf} to {qtype} needs {need / 1e9:.1f} GB free "
+                  f"(the file and 1 GB to spare); {folder} has {free / 1e9:.1f} GB")
+  tool = build_quantize(cache)
+  print(f"[llama.cpp] quantizing {src_gguf} -> {out} ({qtype}{', pure' if pure else ''})",
+        file=sys.stderr)
+  try:
+    _run([tool, src_gguf, out + ".tmp", qtype, "1" if pure else "0",
+          str(threads or os.cpu_count() or 2)], os.path.join(folder, "quantize.log"),
+         f"llama.cpp quantization of {src_gguf}")
+  except BaseException:
+    if os.path.exists(out + ".tmp"):
+      os.remove(out + ".tmp")
+    raise
+  align_data(out + ".tmp")
+  os.replace(out + ".tmp", out)
+  return out
+
+
+_PAD_KEY = "moejax.pad"
+
+
+def align_data(path: str, to: int = 64) -> int:
+  """Moves a GGUF's data section to a multiple of `to` bytes in the file, in place: one
+  string KV ("moejax.pad") before the tensor index, everything after it shifted (the file
+  grows by the shift; nothing else changes: tensor offsets count from the data section).
+  llama.cpp pads to 32, so its tensors often start at 32 mod 64, where XLA's CPU client
+  cannot wrap the mapped bytes (it needs 64) and moejax would copy the experts into RAM.
+  -> the bytes shifted (0: already aligned)."""
+  from gguf import GGUFReader
+  r = GGUFReader(path, "r")
+  shift = -r.data_offset % to
+  fields = [f for k, f in r.fields.items() if not k.startswith("GGUF.")]
+  kv_end = max(f.offset + sum(int(p.nbytes) for p in f.parts) for f in fields)
+  n_kv, align = len(fields), r.alignment
+  del r, fields
+  if shift == 0:
+    return 0
+  if shift % align:
+    raise ValueError(f"{path}: data at {align}-byte alignment cannot move by {shift}")
+  head = 8 + len(_PAD_KEY) + 4 + 8                      # key length, key, type, value length
+  while shift < head:
+    shift += to
+  value = b" " * (shift - head)
+  kv = (len(_PAD_KEY).to_bytes(8, "little") + _PAD_KEY.encode() + (8).to_bytes(4, "little")
+        + len(value).to_bytes(8, "little") + value)    # GGUF type 8: string
+  size, chunk = os.path.getsize(path), 64 << 20
+  with open(path, "r+b") as f:
+    end = size
+    while end > kv_end:                                # back to front: nothing overwritten
+      start = max(kv_end, end - chunk)
+      f.seek(start)
+      buf = f.read(end - start)
+      f.seek(start + shift)
+      f.write(buf)
+      end = start
+    f.seek(kv_end)
+    f.write(kv)
+    f.seek(16)                                         # magic, version, tensor count
+    f.write((n_kv + 1).to_bytes(8, "little"))
+  return shift
 
 
 EXPERT_TIMER_SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)),
@@ -146,7 +316,9 @@ def build_ggml(cache: str = DEFAULT_CACHE) -> str:
   os.makedirs(cache, exist_ok=True)
   log, src, build_dir = os.path.join(cache, "build.log"), source_dir(cache), os.path.join(cache, "build")
   lib = os.path.join(build_dir, "bin")
-  if not os.path.exists(os.path.join(lib, "libggml-cpu.so")):
+  if os.path.exists(os.path.join(lib, "libggml-cpu.so")):
+    _without_amx(cache)
+  else:
     cmake = _configure(cache, log, "bench_host", "ggml")
     _run([cmake, "--build", build_dir, "-j", str(os.cpu_count() or 2), "--target", "ggml"],
          log, "cmake build (ggml)")
@@ -175,8 +347,53 @@ def convert(cache: str, hf_dir: str, outtype: str, out_dir: str) -> str:
   log = os.path.join(out_dir, "convert.log")
   _run([sys.executable, "-c", _CONVERT, source_dir(cache), hf_dir, "--outfile", out + ".tmp",
         "--outtype", outtype], log, f"GGUF conversion of {hf_dir}")
+  align_data(out + ".tmp")
   os.replace(out + ".tmp", out)
   return out
+
+
+_PAD_KEY = "moejax.pad"
+
+
+def align_data(path: str, to: int = 64) -> int:
+  """Moves a GGUF's data section to a multiple of `to` bytes in the file, in place: one
+  string KV ("moejax.pad") before the tensor index, everything after it shifted (the file
+  grows by the shift; nothing else changes: tensor offsets count from the data section).
+  llama.cpp pads to 32, so its tensors often start at 32 mod 64, where XLA's CPU client
+  cannot wrap the mapped bytes (it needs 64) and moejax would copy the experts into RAM.
+  -> the bytes shifted (0: already aligned)."""
+  from gguf import GGUFReader
+  r = GGUFReader(path, "r")
+  shift = -r.data_offset % to
+  fields = [f for k, f in r.fields.items() if not k.startswith("GGUF.")]
+  kv_end = max(f.offset + sum(int(p.nbytes) for p in f.parts) for f in fields)
+  n_kv, align = len(fields), r.alignment
+  del r, fields
+  if shift == 0:
+    return 0
+  if shift % align:
+    raise ValueError(f"{path}: data at {align}-byte alignment cannot move by {shift}")
+  head = 8 + len(_PAD_KEY) + 4 + 8                      # key length, key, type, value length
+  while shift < head:
+    shift += to
+  value = b" " * (shift - head)
+  kv = (len(_PAD_KEY).to_bytes(8, "little") + _PAD_KEY.encode() + (8).to_bytes(4, "little")
+        + len(value).to_bytes(8, "little") + value)    # GGUF type 8: string
+  size, chunk = os.path.getsize(path), 64 << 20
+  with open(path, "r+b") as f:
+    end = size
+    while end > kv_end:                                # back to front: nothing overwritten
+      start = max(kv_end, end - chunk)
+      f.seek(start)
+      buf = f.read(end - start)
+      f.seek(start + shift)
+      f.write(buf)
+      end = start
+    f.seek(kv_end)
+    f.write(kv)
+    f.seek(16)                                         # magic, version, tensor count
+    f.write((n_kv + 1).to_bytes(8, "little"))
+  return shift
 
 
 def greedy_text(bins: dict, gguf: str, prompt: str, n: int) -> str:

@@ -9,6 +9,15 @@
           routing.py: an LRU of 25% hits about 0.8 on held-out text, the load balanced),
           stored per expert as the published checkpoints are, in 5 safetensors shards:
           `save_wide` writes it once (5.05 GB at 4 layers, 30 GB at 24)
+  wide_q8_0, wide_q4_0, wide_q4_k_m
+          the same wide model as one GGUF file that both engines read (`wide_gguf`): the
+          bf16 GGUF (llama.cpp's converter, once) requantized by llama.cpp's
+          llama_model_quantize, once (benchmarks/llama_cpp.quantize).  q8_0 and q4_0 are
+          llama-quantize --pure: every linear in that format (routed experts, attention,
+          LM head, embeddings); q4_k_m is llama-quantize's default Q4_K_M mix (Q6_K for the
+          output and some attn_v / ffn_down).  Norms and routers keep their f32.  moejax
+          runs the file in place (`load_model(FILE.gguf)`, experts in the mapped file), with
+          the tokenizer.json copied beside it.  4 layers: 2.7 / 1.5 / 1.6 GB
 """
 
 from __future__ import annotations
@@ -27,7 +36,10 @@ from moejax.io.store import ExpertStore
 from moejax.kernels import cpu_kernel
 
 DEMO_DIR = "ckpts/demo"
-NAMES = ("bench_f32", "bench_bf16", "demo_f32", "demo_bf16", "wide_bf16")
+NAMES = ("bench_f32", "bench_bf16", "demo_f32", "demo_bf16", "wide_bf16", "wide_q8_0",
+         "wide_q4_0", "wide_q4_k_m")
+# the GGUF formats of the wide model: llama-quantize's --pure or not (module docstring)
+GGUF_FORMATS = {"q8_0": True, "q4_0": True, "q4_k_m": False}
 WIDE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "moejax", "models")
 
 
@@ -74,14 +86,60 @@ GGUF_DIR = os.path.join(os.path.expanduser("~"), ".cache", "moejax", "gguf")   #
 
 
 def split_name(name: str) -> tuple[str, jnp.dtype]:
-  if name not in NAMES:
+  """(kind, compute dtype): a GGUF format computes in bf16."""
+  kind, dt = name.split("_", 1) if name in NAMES else ("", "")
+  if not kind:
     raise ValueError(f"--models: unknown model {name!r}; choose from {', '.join(NAMES)}")
-  kind, dt = name.split("_")
-  return kind, jnp.dtype({"f32": jnp.float32, "bf16": jnp.bfloat16}[dt])
+  return kind, jnp.dtype(jnp.float32 if dt == "f32" else jnp.bfloat16)
+
+
+def weights_of(name: str) -> str:
+  """The weights' format of a benchmark model: "f32", "bf16", or a GGUF_FORMATS key."""
+  split_name(name)
+  return name.split("_", 1)[1]
+
+
+def wide_gguf_path(layers: int, fmt: str, root: str = WIDE_DIR, layout: str = "per_expert",
+                   gguf_dir: str = GGUF_DIR) -> str:
+  """Where `wide_gguf` keeps the wide model's GGUF in `fmt` (nothing is made)."""
+  if fmt != "bf16" and fmt not in GGUF_FORMATS:
+    raise ValueError(f"wide_gguf: format {fmt!r}; choose from bf16, {', '.join(GGUF_FORMATS)}")
+  stem = os.path.basename(os.path.normpath(wide_dir(layers, root, layout)))
+  return (os.path.join(gguf_dir, f"{stem}-bf16.gguf") if fmt == "bf16" else
+          os.path.join(gguf_dir, f"{stem}-{fmt}", f"{stem}-{fmt}.gguf"))
+
+
+def wide_gguf(layers: int, fmt: str, root: str = WIDE_DIR, layout: str = "per_expert",
+              gguf_dir: str = GGUF_DIR, cache: str | None = None) -> str:
+  """The wide model of `layers` layers as one GGUF in `fmt` ("bf16" or a GGUF_FORMATS key),
+  made once: the safetensors (`save_wide`), llama.cpp's bf16 conversion beside the others
+  in `gguf_dir`, then (a GGUF_FORMATS key) its requantization into a folder of its own,
+  gguf_dir/<model>-<fmt>/<model>-<fmt>.gguf, with the tokenizer.json beside it (moejax's
+  loader reads it there).  Each step is skipped when its file exists; llama.cpp is built
+  only when a file is missing (benchmarks/llama_cpp.py; Unavailable when it cannot be)."""
+  from benchmarks import llama_cpp
+  cache = cache or llama_cpp.DEFAULT_CACHE
+  d = wide_dir(layers, root, layout)
+  src = wide_gguf_path(layers, "bf16", root, layout, gguf_dir)
+  out = wide_gguf_path(layers, fmt, root, layout, gguf_dir)
+  if not os.path.exists(out):
+    if not os.path.exists(src):
+      save_wide(d, layers, layout=layout)
+      llama_cpp.build(cache)
+      assert llama_cpp.convert(cache, d, "bf16", gguf_dir) == src, src
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    llama_cpp.quantize(cache, src, fmt, out, pure=GGUF_FORMATS[fmt])
+  tok = os.path.join(os.path.dirname(out), "tokenizer.json")
+  if fmt != "bf16" and not os.path.exists(tok):
+    import shutil
+    shutil.copy(os.path.join(d, "tokenizer.json"), tok)
+  return out
 
 
 def load(name: str, demo_dir: str = DEMO_DIR):
   """(cfg, params, ExpertStore on the host, HF folder or None, tokenizer.json or None).
+  A wide GGUF model (wide_q8_0, ...) runs from its GGUF (`wide_gguf`); its HF folder is the
+  bf16 safetensors that the GGUF was made from.
 
   The bench shape has no folder of its own (``save_bench`` writes one)."""
   kind, dtype = split_name(name)
@@ -91,6 +149,10 @@ def load(name: str, demo_dir: str = DEMO_DIR):
     cfg, params, store = load_model(demo_dir, dtype=dtype)
     tok = os.path.join(demo_dir, "tokenizer.json")
     return cfg, params, store, demo_dir, tok if os.path.exists(tok) else None
+  if kind == "wide" and weights_of(name) in GGUF_FORMATS:   # the GGUF file, in place
+    g = wide_gguf(4, weights_of(name))
+    cfg, params, store = load_model(g, dtype=dtype, mmap=True)
+    return cfg, params, store, wide_dir(4), os.path.join(os.path.dirname(g), "tokenizer.json")
   if kind == "wide":   # real width: written once, mapped (--store=mmap), read in place
     d = save_wide(wide_dir(4))
     cfg, params, store = load_model(d, dtype=dtype, mmap=True)
@@ -136,14 +198,23 @@ def routed_design(cfg: ModelConfig, demo_dir: str = DEMO_DIR, seed: int = 0):
                         stream.calibration_ids(tok, 65536, stride=7, per_doc=0), seed=seed)
 
 
-def wide_bytes(layers: int) -> int:
-  """The wide model's size on disk (bf16), either layout."""
+def wide_bytes(layers: int, weights: str = "bf16") -> int:
+  """The wide model's size on disk: bf16 (either layout), or in a pure block format
+  ("q8_0", "q4_0": every linear in it, norms and routers in bf16, as moejax's --weights
+  counts them; a pure GGUF keeps its norms and routers in f32, 0.3% more at 24 layers)."""
   import numpy as np
   from moejax.io.loader import abstract_params
+  from moejax.io.weights import quantized
   from moejax.offload.memory import expert_nbytes, tree_nbytes
   cfg = wide_config(layers)
-  return (tree_nbytes(abstract_params(cfg, jnp.bfloat16))
-          + layers * cfg.num_experts * expert_nbytes(cfg, np.dtype("bfloat16")))
+  params = abstract_params(cfg, jnp.bfloat16)
+  if weights == "bf16":
+    return (tree_nbytes(params)
+            + layers * cfg.num_experts * expert_nbytes(cfg, np.dtype("bfloat16")))
+  if not GGUF_FORMATS.get(weights):
+    raise ValueError(f"wide_bytes: weights {weights!r}; choose from bf16, q8_0, q4_0")
+  return (quantized.dense_nbytes(params, weights, jnp.bfloat16)
+          + layers * cfg.num_experts * quantized.expert_nbytes(cfg, weights))
 
 
 def save_wide(out_dir: str, layers: int = 4, shards: int = 5, seed: int = 0,

@@ -11,6 +11,10 @@ once), loaded straight into the --store back-end:
 
   python -m launch.bench_offload --model=wide_bf16 --store=mmap --links=native
 
+--model=wide_q8_0 / wide_q4_0 / wide_q4_k_m: the one GGUF that bench_peers gives both
+engines (`benchmarks.models.wide_gguf`), run in place (the plans count its blocks), as
+--model_dir=FILE.gguf runs any GGUF.  python -m launch.bench_offload --model=wide_q4_0 ...
+
 The experts wait in a --store back-end (numpy, mmap, pinned_host).  The JSON also
 holds the load time, each runner's compile time, the process's peak anonymous RSS (all
 runners at once) and each runner's memory plan (`launch.bench_memory` measures each
@@ -67,11 +71,13 @@ from moejax.kernels import cpu_kernel
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", "bench_offload.json", "JSON results file.")
-flags.DEFINE_string("model_dir", "ckpts/demo", "HF folder of the model (random weights if absent).")
-flags.DEFINE_enum("model", "dir", ["dir", "wide_bf16"], "dir: --model_dir (or a random model); "
-                  "wide_bf16: Qwen3-30B-A3B's layer width, random bf16, per-expert safetensors "
-                  "(benchmarks.models; written once to --wide_root), loaded with --store.")
-flags.DEFINE_integer("wide_layers", 4, "Layers of the wide_bf16 model.")
+flags.DEFINE_string("model_dir", "ckpts/demo", "HF folder of the model, or a GGUF file "
+                    "(random weights if absent).")
+flags.DEFINE_enum("model", "dir", ["dir", "wide_bf16", "wide_q8_0", "wide_q4_0", "wide_q4_k_m"],
+                  "dir: --model_dir (or a random model); wide_bf16: Qwen3-30B-A3B's layer "
+                  "width, random bf16, per-expert safetensors (benchmarks.models; written once "
+                  "to --wide_root), loaded with --store; wide_q*: as one GGUF, run in place.")
+flags.DEFINE_integer("wide_layers", 4, "Layers of the wide models.")
 flags.DEFINE_bool("unrolled", False, "Also time every engine with its layers unrolled "
                   "(EngineConfig(layer_scan=False)) in the same rounds: the layer scan's "
                   "before/after.")
@@ -106,16 +112,28 @@ LOWER_BOUND = ("sampler_tpot_ms + fetches_per_token x expert_copy_ms + (emulated
 
 
 def load(dtype):
-  """(cfg, params, store, token stream source, description)."""
+  """(cfg, params, store, token stream source, description, a GGUF's (dense, expert) bytes
+  for the plans or None)."""
+  root = FLAGS.wide_root or bench_models.WIDE_DIR
   if FLAGS.model == "wide_bf16":
-    d = bench_models.wide_dir(FLAGS.wide_layers, FLAGS.wide_root or bench_models.WIDE_DIR)
+    d = bench_models.wide_dir(FLAGS.wide_layers, root)
     bench_models.save_wide(d, FLAGS.wide_layers)
     cfg, params, store = load_model(d, dtype=dtype, mmap=FLAGS.store != "numpy")
-    return cfg, params, store, os.path.join(d, "tokenizer.json"), f"wide_bf16 ({d})"
+    return cfg, params, store, os.path.join(d, "tokenizer.json"), f"wide_bf16 ({d})", None
+  gguf = (bench_models.wide_gguf(FLAGS.wide_layers, bench_models.weights_of(FLAGS.model),
+                                 root=root) if FLAGS.model != "dir" else
+          FLAGS.model_dir if FLAGS.model_dir.endswith(".gguf") and not FLAGS.random_model
+          else None)
+  if gguf:        # read in place: the experts stay in the mapped file unless --store=numpy
+    from moejax.io.weights import gguf_file
+    cfg, params, store = load_model(gguf, dtype=dtype, mmap=FLAGS.store != "numpy")
+    return (cfg, params, store, gguf_file.tokenizer_path(gguf),
+            f"{FLAGS.model if FLAGS.model != 'dir' else 'GGUF'} ({gguf})",
+            gguf_file.nbytes(gguf_file.tensor_info(gguf)[0]))
   if not FLAGS.random_model and os.path.exists(os.path.join(FLAGS.model_dir, "config.json")):
     cfg, params, store = load_model(FLAGS.model_dir, dtype=dtype)
     tok_path = os.path.join(FLAGS.model_dir, "tokenizer.json")
-    return cfg, params, store, tok_path if os.path.exists(tok_path) else None, FLAGS.model_dir
+    return cfg, params, store, tok_path if os.path.exists(tok_path) else None, FLAGS.model_dir, None
   cfg = (bench_models.demo_shape if FLAGS.shape == "demo" else bench_models.qwen3_30b_shape)(
       FLAGS.layers)
   params, exps = init_random(cfg, seed=0, dtype=dtype)
@@ -125,7 +143,7 @@ def load(dtype):
       jax.tree_util.keystr(p) else x, params)
   desc = (f"RANDOM-WEIGHT model of the {FLAGS.shape} shape "
           f"({'no model at ' + FLAGS.model_dir if not FLAGS.random_model else '--random_model'})")
-  return cfg, params, ExpertStore.from_stacked(exps), None, desc
+  return cfg, params, ExpertStore.from_stacked(exps), None, desc, None
 
 
 def token_streams(cfg, tok_path, n: int):
@@ -176,11 +194,12 @@ def make_engine(stack, cfg, params, store, policy, link, stream, counts, dtype, 
   return eng
 
 
-def plans(cfg, dtype, max_len: int, presets) -> dict:
-  """The memory plan (`offload.memory`) of each runner's own run, as the CLI prints it."""
+def plans(cfg, dtype, max_len: int, presets, nbytes=None) -> dict:
+  """The memory plan (`offload.memory`) of each runner's own run, as the CLI prints it
+  (`nbytes`: a GGUF's (dense, expert) bytes, as moejax-generate plans a GGUF)."""
   from moejax.offload.memory import plan_memory
   mk = lambda offload, f: plan_memory(cfg, dtype, store=FLAGS.store, offload=offload,
-                                      cache_fraction=f, kv_len=max_len).as_dict()
+                                      cache_fraction=f, kv_len=max_len, nbytes=nbytes).as_dict()
   return {"sampler": mk(False, None), "all_resident": mk(True, 1.0),
           **{p: mk(True, FLAGS.cache_fraction) for p in presets}}
 
@@ -214,7 +233,7 @@ def main(_):
 
 
 def run(stack: contextlib.ExitStack, watch):
-  dtype = jnp.dtype("bfloat16" if FLAGS.model == "wide_bf16" else FLAGS.dtype)
+  dtype = jnp.dtype("bfloat16" if FLAGS.model.startswith("wide") else FLAGS.dtype)
   platform = jax.devices()[0].platform
   presets = list(FLAGS.presets)
   skip = ("it computes misses on the host CPU, which needs the CPU backend" if platform != "cpu"
@@ -225,7 +244,7 @@ def run(stack: contextlib.ExitStack, watch):
     presets.remove("host")
     print(f"[bench_offload] 'host' skipped: {skip}", file=sys.stderr)
   t0 = time.perf_counter()
-  cfg, params, store, tok_path, desc = load(dtype)
+  cfg, params, store, tok_path, desc, nbytes = load(dtype)
   load_s = time.perf_counter() - t0
   n = FLAGS.prompt_len + FLAGS.warmup_tokens + FLAGS.decode_tokens
   prof_stream, stream = token_streams(cfg, tok_path, n)
@@ -284,7 +303,7 @@ def run(stack: contextlib.ExitStack, watch):
   result = {
       "model": desc, "model_type": cfg.model_type, "layers": cfg.num_layers,
       "experts": cfg.num_experts, "top_k": cfg.top_k, "expert_bytes": ebytes,
-      "dtype": FLAGS.dtype, "store": FLAGS.store, "device": str(jax.devices()[0]),
+      "dtype": str(dtype), "store": FLAGS.store, "device": str(jax.devices()[0]),
       "cache_fraction": FLAGS.cache_fraction, "decode_tokens": FLAGS.decode_tokens,
       "warmup_tokens": FLAGS.warmup_tokens, "rounds": len(rounds["sampler"]),
       "tpot": "median over rounds of each round's mean ms per token",
@@ -312,7 +331,7 @@ def run(stack: contextlib.ExitStack, watch):
                  "note": "one process holds every runner at once: compare the peak with the "
                          "sum of the plans' anon_bytes (launch.bench_memory measures each "
                          "run alone)",
-                 "plans": plans(cfg, dtype, len(stream) + 8, presets)},
+                 "plans": plans(cfg, dtype, len(stream) + 8, presets, nbytes)},
   }
   mem = result["memory"]
   mem["sum_of_plans_anon_bytes"] = sum(p["anon_bytes"] * (len(links) if k in presets else 1)

@@ -6,7 +6,11 @@ Not part of the tests.  First run: builds llama.cpp from the llama-cpp-python
 source distribution into --llama_cache (see benchmarks/llama_cpp.py; skipped with a
 message when there is no C++ compiler) and converts the models to GGUF there.
 Then, per model (bench shape f32, demo f32, demo bf16; `--models=wide_bf16`: Qwen3-30B-A3B's
-layer width at 4 layers, `benchmarks.models`, its experts read from the mapped file):
+layer width at 4 layers, `benchmarks.models`, its experts read from the mapped file;
+`--models=wide_q8_0,wide_q4_0,wide_q4_k_m`: the same model as ONE GGUF file that llama.cpp
+and moejax both read, made once by llama.cpp from the bf16 GGUF (`models.wide_gguf`:
+pure Q8_0 / Q4_0, every linear in the format; Q4_K_M: llama-quantize's mix), moejax
+running it in place; transformers is skipped on these, the JSON names the file):
   * greedy text agreement llama.cpp vs the moejax Sampler (models with a tokenizer);
   * --rounds interleaved rounds; in each, every engine in turn decodes --decode_tokens
     tokens after a --prompt_len prompt, then prefills a --prefill_len prompt.  Every
@@ -257,10 +261,15 @@ def bench_model(name: str, bins, work: str) -> dict:
                                        max_len - 7), np.int32)
   prompt, long = ids[:FLAGS.prompt_len], ids[:FLAGS.prefill_len]
   forced = ids[FLAGS.prompt_len:FLAGS.prompt_len + FLAGS.decode_tokens]
+  fmt = bench_models.weights_of(name)
+  res["weights"] = fmt
+  if fmt in bench_models.GGUF_FORMATS:    # both engines read this one file
+    res["gguf"] = bench_models.wide_gguf(4, fmt, cache=FLAGS.llama_cache)
   if "llama.cpp" in FLAGS.engines and bins:
-    gguf = llama_cpp.convert(FLAGS.llama_cache, hf_dir, "bf16" if dtype == jnp.bfloat16
-                             else "f32", bench_models.GGUF_DIR if kind == "wide"
-                             else os.path.join(FLAGS.llama_cache, "gguf"))
+    gguf = (res.get("gguf") or bench_models.wide_gguf(4, "bf16", cache=FLAGS.llama_cache)
+            if kind == "wide" else
+            llama_cpp.convert(FLAGS.llama_cache, hf_dir, "bf16" if dtype == jnp.bfloat16
+                              else "f32", os.path.join(FLAGS.llama_cache, "gguf")))
     ids_file = stream.write_ids(os.path.join(work, f"{name}_stream.txt"), ids)
     runners["llama.cpp"] = LlamaRunner(bins, gguf, FLAGS.threads, ids_file)
     if FLAGS.threads > 1:  # its threads spin at barriers: on a busy machine 1 can win
@@ -277,7 +286,10 @@ def bench_model(name: str, bins, work: str) -> dict:
                                                        max_len))
   if "engine_pool" in FLAGS.engines:
     runners["engine_pool"] = PoolRunner(EngineRunner(cfg, params, store, dtype, max_len))
-  if "transformers" in FLAGS.engines:
+  if "transformers" in FLAGS.engines and fmt in bench_models.GGUF_FORMATS:
+    print(f"[bench_peers] {name}: transformers skipped (it would run the bf16 safetensors, "
+          f"not the GGUF's {fmt} blocks)", file=sys.stderr)
+  elif "transformers" in FLAGS.engines:
     runners["transformers"] = TransformersRunner(hf_dir, dtype)
     res["transformers_experts_implementation"] = runners["transformers"].impl
   if "llama.cpp" in runners and tok_path:
@@ -357,13 +369,13 @@ def table(res: dict) -> str:
   lines = [f"tok/s, best of {res['rounds']} interleaved rounds (x = ratio to llama.cpp's "
            f"faster thread count, x smp = decode ratio to the moejax Sampler); "
            f"load average {res['loadavg_start'][0]:.1f} -> {res['loadavg_end'][0]:.1f}",
-           f"{'model':<11}{'engine':<16}{'decode':>10}{'x':>7}{'x smp':>7}{'prefill':>10}"
+           f"{'model':<13}{'engine':<16}{'decode':>10}{'x':>7}{'x smp':>7}{'prefill':>10}"
            f"{'x':>7}   median decode, prefill (x llama.cpp's medians)"]
   for name, m in res["models"].items():
     for e, v in m["engines"].items():
       rd, rp = v.get("decode_ratio_to_llama_cpp"), v.get("prefill_ratio_to_llama_cpp")
       rs = v.get("decode_ratio_to_sampler")
-      lines.append(f"{name:<11}{e:<16}{v['decode_tok_s']:>10.1f}"
+      lines.append(f"{name:<13}{e:<16}{v['decode_tok_s']:>10.1f}"
                    f"{f'{rd:.2f}' if rd else '-':>7}{f'{rs:.2f}' if rs else '-':>7}"
                    f"{v['prefill_tok_s']:>10.1f}"
                    f"{f'{rp:.2f}' if rp else '-':>7}   {v['decode_tok_s_median']:.1f}"
@@ -371,7 +383,7 @@ def table(res: dict) -> str:
                    f"{_x(v, m, 'prefill')}")
     rt = m.get("routing")
     if rt:
-      lines.append(f"{name:<11}the stream's routing: an LRU of 25% hits {rt['lru_hit_mean']:.3f} "
+      lines.append(f"{name:<13}the stream's routing: an LRU of 25% hits {rt['lru_hit_mean']:.3f} "
                    f"(shuffled {rt['lru_hit_shuffled_mean']:.3f}); the 8 busiest experts "
                    f"take up to {rt['busiest8_share_max']:.1%} of a layer's calls")
   return "\n".join(lines)

@@ -10,6 +10,17 @@ weights as a bf16 GGUF for llama.cpp (the vendored convert_hf_to_gguf.py, which 
 the fused gate_up_proj itself), converted once into --gguf_dir.  Before writing anything
 the free disk space is checked (what is missing + an 8 GB reserve; exit 2 if short).
 
+--weights=q4_0 (or q8_0): both contenders read ONE GGUF, the bf16 GGUF requantized once by
+llama.cpp (llama-quantize's pure format: every linear, the embeddings and the LM head;
+`benchmarks.models.wide_gguf`; 24 layers in q4_0: 8.4 GB); moejax runs it in place
+(--model_dir=FILE.gguf: the experts' blocks stay in the mapped file), its plan counts the
+blocks.  The limit rule: the cgroup holds the same share of the model as 12 GB of the
+30 GB bf16 model, 12 GB x (the format's bytes / bf16's bytes) (`default_limit_gb`;
+24 layers in q4_0: 3.38 GB).  Where moejax's plan does not fit that limit at
+--cache_fraction the refusal names the largest fraction that does.
+
+  python -m launch.bench_scale --layers=24 --weights=q4_0 --out=bench_scale_q4_0.json
+
 Contenders, each run as a child process in its own v1 memory cgroup whose limit is
 --memory_limit_gb (GB = 1e9 bytes; anonymous memory and page cache together, so a
 mapped model's pages compete with the process's own), after the page cache is dropped:
@@ -46,19 +57,24 @@ import json
 import math
 import os
 import shutil
-import statistics
 import sys
 import time
 
 from absl import flags
 
 from benchmarks import routing, stream
+from benchmarks.scale_report import summarize, table
 from moejax.cli import app as cli
 from moejax.kernels import cpu_kernel
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("layers", 24, "Layers of the wide model.")
-flags.DEFINE_float("memory_limit_gb", 12.0, "Memory cgroup limit of every contender (GB).")
+flags.DEFINE_float("memory_limit_gb", None, "Memory cgroup limit of every contender (GB); "
+                   "default: 12 with --weights=bf16, else the same share of the model "
+                   "(`default_limit_gb`: 3.38 for 24 layers in q4_0).")
+flags.DEFINE_enum("weights", "bf16", ["bf16", "q8_0", "q4_0"], "The model's weights: bf16 "
+                  "(safetensors for moejax, a bf16 GGUF for llama.cpp), or one GGUF in "
+                  "llama-quantize's pure q8_0 / q4_0 that both contenders read.")
 flags.DEFINE_enum("layout", "fused", ["fused", "per_expert"], "Expert layout of the model on disk.")
 flags.DEFINE_integer("rounds", 2, "Rounds; each runs every contender once (rotated order).")
 flags.DEFINE_list("contenders", ["llama.cpp", "quality", "speed", "baseline"], "Who runs.")
@@ -85,6 +101,17 @@ flags.DEFINE_string("policy", "quality", "--child: the preset.")
 RESERVE = 8 * 10**9          # disk left free at all times
 RUNTIME = 10**9              # moejax's runtime beyond the plan's anonymous bytes
 GB = 1e9
+BF16_LIMIT_GB = 12.0         # the bf16 run's limit: 12 GB (of 30 at 24 layers)
+
+
+def default_limit_gb(layers: int, weights: str) -> float:
+  """--memory_limit_gb's default: 12 GB for bf16; for a block format the same share of the
+  model, 12 GB x (its bytes / the bf16 model's bytes), both from the config
+  (`benchmarks.models.wide_bytes`): 24 layers in q4_0 (8.44 GB) get 3.38 GB."""
+  from benchmarks import models as bench_models
+  if weights == "bf16":
+    return BF16_LIMIT_GB
+  return BF16_LIMIT_GB * bench_models.wide_bytes(layers, weights) / bench_models.wide_bytes(layers)
 
 
 def child_moejax() -> dict:
@@ -104,7 +131,7 @@ def child_moejax() -> dict:
     out["load_s"] = time.perf_counter() - t0
     out["load_read_bytes"] = mem.read_bytes() - r0
     out["plan"] = plan_memory(cfg, jnp.bfloat16, store="mmap", cache_fraction=FLAGS.cache_fraction,
-                              kv_len=FLAGS.max_len).as_dict()
+                              kv_len=FLAGS.max_len, nbytes=gguf_nbytes(FLAGS.model_dir)).as_dict()
     r0, t0 = mem.read_bytes(), time.perf_counter()
     eng = OffloadEngine(cfg, params, store, EngineConfig.make(FLAGS.policy,
                                                               cache_fraction=FLAGS.cache_fraction,
@@ -116,7 +143,7 @@ def child_moejax() -> dict:
     t0 = time.perf_counter()
     eng.warmup(prompt_lengths=(FLAGS.prompt_len,))
     out["compile_s"] = time.perf_counter() - t0
-    ids = stream.held_out_ids(os.path.join(FLAGS.model_dir, "tokenizer.json"), stream_len())
+    ids = stream.held_out_ids(tokenizer(FLAGS.model_dir), stream_len())
     prompt, rest = ids[:FLAGS.prompt_len], ids[FLAGS.prompt_len:]
     with cpu_kernel.decoding():
       r0 = mem.read_bytes()
@@ -146,27 +173,58 @@ def child_moejax() -> dict:
   return out
 
 
+def tokenizer(model: str) -> str:
+  """The tokenizer.json of a model folder, or the one beside a GGUF file."""
+  return os.path.join(os.path.dirname(model) if model.endswith(".gguf") else model,
+                      "tokenizer.json")
+
+
+def gguf_nbytes(model: str):
+  """A GGUF file's (dense, expert) bytes as it holds them (the plan's); None for a folder."""
+  if not model.endswith(".gguf"):
+    return None
+  from moejax.io.weights import gguf_file
+  return gguf_file.nbytes(gguf_file.tensor_info(model)[0])
+
+
 def stream_len() -> int:
   """Tokens of the held-out stream both engines read (prompt, warm-up, timed, one spare)."""
   return max(FLAGS.prefill_len, FLAGS.prompt_len + FLAGS.warmup_tokens + FLAGS.decode_tokens + 1)
 
 
-def plan_needs(layers: int) -> tuple[dict, int]:
-  """moejax's memory plan at this width and the cgroup limit it needs (bytes)."""
+def plan_needs(layers: int, fraction: float | None = None) -> tuple[dict, int]:
+  """moejax's memory plan at this width, in --weights' format (its blocks' bytes), and the
+  cgroup limit it needs (bytes)."""
   import jax.numpy as jnp
   from benchmarks import models as bench_models
   from moejax.offload.memory import plan_memory
   plan = plan_memory(bench_models.wide_config(layers), jnp.bfloat16, store="mmap",
-                     cache_fraction=FLAGS.cache_fraction, kv_len=FLAGS.max_len).as_dict()
+                     cache_fraction=fraction or FLAGS.cache_fraction, kv_len=FLAGS.max_len,
+                     weights="float" if FLAGS.weights == "bf16" else FLAGS.weights).as_dict()
   return plan, plan["anon_bytes"] + RUNTIME
 
 
+def fitting_fraction(layers: int, limit: int, plan: dict, needs: int) -> float | None:
+  """The largest cache fraction (k / experts, below --cache_fraction's `plan`) whose plan
+  fits `limit`: the slots' bytes come off the plan's, then the plan confirms it; None
+  when not even top_k experts a layer fit."""
+  from benchmarks import models as bench_models
+  per_slot = plan["expert_bytes"] * plan["num_moe_layers"]
+  k = plan["cache_slots"] - 1 - math.ceil((needs - limit) / per_slot)   # - the scratch row
+  while k >= bench_models.wide_config(layers).top_k:
+    if plan_needs(layers, k / plan["num_experts"])[1] <= limit:
+      return k / plan["num_experts"]
+    k -= 1
+  return None
+
+
 def paths(layers: int) -> tuple[str, str]:
+  """(the safetensors folder, the GGUF in --weights' format)."""
   from benchmarks import models as bench_models
   root = FLAGS.model_root or bench_models.WIDE_DIR
   d = bench_models.wide_dir(layers, root=root, layout=FLAGS.layout)
-  gguf = os.path.join(FLAGS.gguf_dir, f"{os.path.basename(os.path.normpath(d))}-bf16.gguf")
-  return d, gguf
+  return d, bench_models.wide_gguf_path(layers, FLAGS.weights, root, FLAGS.layout,
+                                        FLAGS.gguf_dir)
 
 
 def repacked(model_dir: str) -> bool:
@@ -184,10 +242,14 @@ def disk_shortfall(model_dir: str, gguf: str, layers: int, plan: dict) -> str | 
   parts = {}
   if not os.path.exists(os.path.join(model_dir, "model.safetensors.index.json")):
     parts["model"] = size
-  if FLAGS.layout == "per_expert" and not repacked(model_dir):
+  if FLAGS.weights == "bf16" and FLAGS.layout == "per_expert" and not repacked(model_dir):
     parts["moejax repack"] = plan["all_experts_bytes"]
-  if "llama.cpp" in FLAGS.contenders and not os.path.exists(gguf):
+  bf16_gguf = bench_models.wide_gguf_path(layers, "bf16", os.path.dirname(model_dir),
+                                          FLAGS.layout, FLAGS.gguf_dir)
+  if (FLAGS.weights != "bf16" or "llama.cpp" in FLAGS.contenders) and not os.path.exists(bf16_gguf):
     parts["GGUF"] = int(size * 1.01)
+  if FLAGS.weights != "bf16" and not os.path.exists(gguf):
+    parts[f"{FLAGS.weights} GGUF"] = int(bench_models.wide_bytes(layers, FLAGS.weights) * 1.01)
   need = sum(parts.values()) + RESERVE
   probe = os.path.dirname(os.path.normpath(model_dir))
   while not os.path.isdir(probe):
@@ -201,7 +263,7 @@ def disk_shortfall(model_dir: str, gguf: str, layers: int, plan: dict) -> str | 
 
 
 def model_files(name: str, model_dir: str, gguf: str) -> list[str]:
-  if name == "llama.cpp":
+  if name == "llama.cpp" or FLAGS.weights != "bf16":
     return [gguf]
   files = [os.path.join(model_dir, f) for f in os.listdir(model_dir) if f.endswith(".safetensors")]
   if FLAGS.layout == "per_expert" and repacked(model_dir):
@@ -231,7 +293,8 @@ def run_one(name: str, model_dir: str, gguf: str, bins: dict | None, limit: int)
             str(FLAGS.prompt_len), str(FLAGS.decode_tokens), ids_file]
   else:
     argv = [sys.executable, "-m", "launch.bench_scale", "--child=moejax",
-            f"--model_dir={model_dir}", f"--policy={name}", f"--prompt_len={FLAGS.prompt_len}",
+            f"--model_dir={model_dir if FLAGS.weights == 'bf16' else gguf}", f"--policy={name}",
+            f"--prompt_len={FLAGS.prompt_len}",
             f"--decode_tokens={FLAGS.decode_tokens}", f"--warmup_tokens={FLAGS.warmup_tokens}",
             f"--max_len={FLAGS.max_len}", f"--cache_fraction={FLAGS.cache_fraction}"]
   memcg.drop_page_cache()
@@ -256,55 +319,6 @@ def run_one(name: str, model_dir: str, gguf: str, bins: dict | None, limit: int)
   return row
 
 
-def median(rows: list[dict], key: str):
-  vals = [r[key] for r in rows if r.get(key) is not None]
-  return statistics.median(vals) if vals else None
-
-
-def summarize(runs: dict) -> dict:
-  keys = ("decode_tok_s", "prefill_tok_s", "decode_read_bytes_per_token", "peak_anon_bytes",
-          "group_peak_bytes", "wall_s", "load_s", "engine_s", "compile_s", "hit_rate",
-          "fetches_per_token", "substituted_call_pct", "misses_per_token")
-  out = {}
-  for name, rows in runs.items():
-    s = {k: median(rows, k) for k in keys}
-    seen = [r["routing"] for r in rows if r.get("routing")]
-    if seen:              # the stream's routing: the same in every round
-      s["stream_routing"] = seen[0].get("stream")
-    s["oom_killed"] = [r["oom_killed"] for r in rows]
-    s["failed"] = sum(1 for r in rows if "error" in r)
-    out[name] = s
-  ref = out.get("llama.cpp", {}).get("decode_tok_s")
-  for name, s in out.items():
-    s["x_llama_cpp"] = s["decode_tok_s"] / ref if ref and s["decode_tok_s"] else None
-  return out
-
-
-def table(res: dict) -> str:
-  def f(v, scale=1.0, fmt="{:.2f}"):
-    return "n/a" if v is None else fmt.format(v / scale)
-  plan = res["plan"]
-  lines = [f"{res['layers']} layers ({res['model_bytes'] / GB:.1f} GB) in a "
-           f"{res['memory_limit_gb']:g} GB cgroup; moejax plan anon "
-           f"{plan['anon_bytes'] / GB:.2f} GB (+1 GB runtime); medians of {res['rounds']} rounds",
-           f"{'contender':<11}{'decode t/s':>11}{'prefill t/s':>12}{'MB/token':>10}"
-           f"{'anon GB':>9}{'group GB':>9}{'OOM':>5}{'x llama':>9}{'hit %':>7}{'fetch/t':>8}"]
-  for name, s in res["summary"].items():
-    lines.append(f"{name:<11}{f(s['decode_tok_s']):>11}{f(s['prefill_tok_s']):>12}"
-                 f"{f(s['decode_read_bytes_per_token'], 1e6, '{:.0f}'):>10}"
-                 f"{f(s['peak_anon_bytes'], GB):>9}{f(s['group_peak_bytes'], GB):>9}"
-                 f"{'yes' if any(s['oom_killed']) else 'no':>5}{f(s['x_llama_cpp']):>9}"
-                 f"{f(s['hit_rate'], 0.01, '{:.1f}'):>7}{f(s['fetches_per_token'], 1, '{:.1f}'):>8}")
-  seen = next((v["stream_routing"] for v in res["summary"].values()
-               if v.get("stream_routing")), None)
-  if seen:
-    lines.append(f"the stream's routing: an LRU of 25% hits {seen['lru_hit_mean']:.3f} "
-                 f"(shuffled {seen['lru_hit_shuffled_mean']:.3f}); the 8 busiest experts take "
-                 f"up to {seen['busiest8_share_max']:.1%} of a layer's calls")
-  lines.append(f"load average: start {res['loadavg_start']}, end {res['loadavg_end']}")
-  return "\n".join(lines)
-
-
 def main(argv):
   del argv
   if FLAGS.child == "moejax":
@@ -323,21 +337,25 @@ def main(argv):
          ("quality", "speed", "baseline", "host", "substitute_all")]
   if bad:
     raise cli.UsageError(f"--contenders: unknown {', '.join(bad)}")
-  limit = int(FLAGS.memory_limit_gb * GB)
+  limit_gb = FLAGS.memory_limit_gb or default_limit_gb(FLAGS.layers, FLAGS.weights)
+  limit = int(limit_gb * GB)
   plan, needs = plan_needs(FLAGS.layers)
   if limit < needs:
-    cli.usage_exit(f"--memory_limit_gb={FLAGS.memory_limit_gb:g} is below what moejax's plan "
+    fits = fitting_fraction(FLAGS.layers, limit, plan, needs)
+    cli.usage_exit(f"--memory_limit_gb={limit_gb:g} is below what moejax's plan "
                    f"needs ({plan['anon_bytes'] / GB:.2f} GB anonymous + 1 GB runtime): the "
-                   f"smallest that works is --memory_limit_gb={math.ceil(needs / 1e8) / 10:g}")
+                   f"smallest that works is --memory_limit_gb={math.ceil(needs / 1e8) / 10:g}"
+                   + (f" (or --cache_fraction={fits:g} in this limit)" if fits else ""))
   model_dir, gguf = paths(FLAGS.layers)
   short = disk_shortfall(model_dir, gguf, FLAGS.layers, plan)
   if short:
     print(f"bench_scale: {short}", file=sys.stderr)
     sys.exit(2)
   from benchmarks import models as bench_models, llama_cpp
-  res = {"layers": FLAGS.layers, "memory_limit_gb": FLAGS.memory_limit_gb,
+  res = {"layers": FLAGS.layers, "memory_limit_gb": limit_gb, "weights": FLAGS.weights,
          "layout": FLAGS.layout, "model_dir": model_dir, "gguf": gguf,
-         "model_bytes": bench_models.wide_bytes(FLAGS.layers), "rounds": FLAGS.rounds,
+         "model_bytes": bench_models.wide_bytes(FLAGS.layers, FLAGS.weights),
+         "bf16_model_bytes": bench_models.wide_bytes(FLAGS.layers), "rounds": FLAGS.rounds,
          "contenders": list(FLAGS.contenders), "plan": plan, "plan_limit_needs_bytes": needs,
          "cache_fraction": FLAGS.cache_fraction, "prompt_len": FLAGS.prompt_len,
          "prefill_len": FLAGS.prefill_len, "decode_tokens": FLAGS.decode_tokens,
@@ -348,11 +366,12 @@ def main(argv):
   bench_models.save_wide(model_dir, layers=FLAGS.layers, layout=FLAGS.layout)
   res["model_write_s"] = time.perf_counter() - t0
   bins = None
-  if "llama.cpp" in FLAGS.contenders:
+  if "llama.cpp" in FLAGS.contenders or FLAGS.weights != "bf16":
     bins = llama_cpp.build()
-    t0 = time.perf_counter()
-    converted = llama_cpp.convert(llama_cpp.DEFAULT_CACHE, model_dir, "bf16", FLAGS.gguf_dir)
-    assert converted == gguf, (converted, gguf)
+    t0 = time.perf_counter()   # the bf16 GGUF (llama.cpp's converter), then --weights' own
+    made = bench_models.wide_gguf(FLAGS.layers, FLAGS.weights, os.path.dirname(model_dir),
+                                  FLAGS.layout, FLAGS.gguf_dir)
+    assert made == gguf, (made, gguf)
     res["gguf_convert_s"] = time.perf_counter() - t0
     res["gguf_bytes"] = os.path.getsize(gguf)
   runs = {c: [] for c in FLAGS.contenders}

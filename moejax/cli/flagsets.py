@@ -56,15 +56,19 @@ def dtype() -> None:
           enum_values=["float32", "bfloat16"])
 
 
-def weights() -> None:
-  """--weights: the weights' format (ggml's block formats: moejax.io.weights.quantized)."""
+def weights(auto: bool = False) -> None:
+  """--weights: the weights' format (ggml's block formats: moejax.io.weights.quantized);
+  auto: offer --weights=auto (moejax-generate: chosen by --policy=auto under --cache_bytes)."""
+  more = (" auto: with --policy=auto and --cache_bytes, the format (and its cache and "
+          "policy) that --policy=auto picks under that memory budget "
+          "(moejax/research/formats.py)." if auto else "")
   _define("enum", "weights", "float", "Weight format: float (the checkpoint's floats in "
           "--dtype) or one of ggml's block formats q8_0, q4_0, q4_k, q6_k: the routed "
           "experts and every dense linear (attention, shared experts, LM head, embeddings, "
           "as llama-quantize does; norms and routers keep their precision), quantized once "
           "into $MOEJAX_CACHE_DIR (default ~/.cache/moejax) and mapped by later runs. A "
-          "--model_dir=FILE.gguf runs in the file's own formats (leave this at float).",
-          enum_values=["float", "q8_0", "q4_0", "q4_k", "q6_k"])
+          "--model_dir=FILE.gguf runs in the file's own formats (leave this at float)." + more,
+          enum_values=["float", "q8_0", "q4_0", "q4_k", "q6_k"] + (["auto"] if auto else []))
 
 
 def link() -> None:
@@ -195,6 +199,33 @@ def named_policy():
   return make(FLAGS.policy, tau=FLAGS.tau, admission_beta=FLAGS.admission_beta,
               eviction=FLAGS.eviction, lam=FLAGS.lam, tau_low=FLAGS.tau_low,
               low_bits=None if FLAGS.low_bits is None else int(FLAGS.low_bits))
+
+
+def resolve_auto_weights(folder: str, tok, dtype):
+  """--policy=auto --weights=auto: the weight format, its expert cache under --cache_bytes
+  and its policy, weighed on moejax's calibration text (`formats.table`: the emulator's
+  perplexity against the float model, the simulator's projected time in each format's
+  bytes), printing the table and the choice; sets --weights to the chosen format and
+  returns the chosen policy."""
+  import tempfile
+  from moejax.cache.policy import make_policy
+  from moejax.io.loader import load_model
+  from moejax.research import autotune, formats
+  budget = check_auto_flags()
+  print(f"[moejax] --policy=auto --weights=auto: weighing the weight formats under "
+        f"--cache_bytes={FLAGS.cache_bytes} for {budget.describe()} on moejax's calibration "
+        "text (emulator runs per format; minutes on a CPU)...", file=sys.stderr)
+  log = lambda line: print(line, file=sys.stderr, flush=True)
+  try:
+    with tempfile.TemporaryDirectory() as d:
+      res = formats.table(lambda w: load_model(folder, dtype=dtype, weights=w), tok,
+                          FLAGS.cache_bytes, budget, d, dtype=dtype, log=log)
+  except autotune.AutoTuneError as e:
+    raise cli.UsageError(str(e)) from None
+  print(formats.format_table(res), file=sys.stderr)
+  print(f"[moejax] auto chose {res['choice']['reason']}", file=sys.stderr)
+  FLAGS.weights = res["choice"]["weights"]
+  return make_policy(res["choice"]["policy"])
 
 
 def cost_policy(policy, store):

@@ -14,6 +14,12 @@ increase against projected ms per token, Qwen3-30B-A3B shape on the RTX 3090
 profile) and prints a table.  Defaults take a few minutes on 2 CPU cores; --full
 runs twice the tokens and a finer grid.  See docs/policies.md in the source
 repository.
+
+  moejax-frontier --formats=float,q8_0,q4_0 --cache_bytes=3145728 --out=runs/formats
+
+weighs the weight format as a knob under a memory budget instead: each format at the
+largest expert cache --cache_bytes holds in its bytes (the demo: bf16 at 25%, Q8_0 at
+47%, Q4_0 at 88%), under --format_policies, and picks one per budget (OUT/formats.json).
 """
 
 from __future__ import annotations
@@ -71,6 +77,17 @@ flags.DEFINE_bool("heldout", True, "Re-measure fetch_all and the auto choices on
                   "held-out streams.")
 flags.DEFINE_integer("max_checks", 3, "Emulator checks per auto-tuned budget.")
 flags.DEFINE_integer("seed", 0, "Document order seed.")
+flags.DEFINE_list("formats", [], "Instead of the policy frontier: weigh these weight formats "
+                  "(float, q8_0, q4_0, q4_k, q6_k) under --cache_bytes, each at the largest "
+                  "expert cache the budget holds in its bytes, under --format_policies "
+                  "(moejax/research/formats.py): the emulator's perplexity against the float "
+                  "model and the projected ms a token on --shape; writes OUT/formats.json.")
+flags.DEFINE_integer("cache_bytes", None, "With --formats: device memory for the expert "
+                     "cache in bytes, over all MoE layers (as moejax-generate's).")
+flags.DEFINE_list("format_policies", ["fetch_all", "quality"], "With --formats: the policies "
+                  "each format is measured under.")
+flags.DEFINE_enum("format_dtype", "bfloat16", ["float32", "bfloat16"], "With --formats: the "
+                  "compute dtype, and the float format's bytes per value.")
 
 
 def config() -> F.Config:
@@ -188,10 +205,46 @@ def plot(res: dict, path: str):
   plt.close(fig)
 
 
+def main_formats(c: F.Config, folder: str):
+  """--formats: the weight format as a knob under --cache_bytes (formats.table)."""
+  from moejax.io.weights import quantized
+  from moejax.research import formats
+  if not FLAGS.cache_bytes:
+    raise cli.UsageError("--formats weighs the formats under a memory budget: give "
+                         "--cache_bytes (bytes of expert cache over all MoE layers)")
+  for p in FLAGS.format_policies:
+    try:
+      P.make_policy(p)
+    except P.PolicyError as e:
+      raise cli.UsageError(f"--format_policies: {e}") from None
+  budgets = [A.Budget(ppl_pct=b) for b in c.ppl_budgets]
+  if c.tpot_budget_ms is not None:
+    budgets.append(A.Budget(tpot_ms=c.tpot_budget_ms, profile=c.profile))
+  load = lambda w: load_model(folder, dtype=jnp.dtype(FLAGS.format_dtype), weights=w)
+  log = lambda s: print(s, file=sys.stderr, flush=True)
+  try:
+    res = formats.table(load, Tokenizer(folder), FLAGS.cache_bytes, budgets[0], FLAGS.out,
+                        formats=tuple(FLAGS.formats), policies=tuple(FLAGS.format_policies),
+                        c=c, dtype=FLAGS.format_dtype, shape=hardware.model_shape(c.shape),
+                        log=log)
+    choices = [formats.choose(res["rows"], b) for b in budgets]
+  except (A.AutoTuneError, quantized.WeightsError) as e:
+    raise cli.UsageError(str(e)) from None
+  res.update(model_dir=os.path.abspath(folder),
+             choices=[dict(ch.row, reason=ch.reason) for ch in choices])
+  R.save_json(os.path.join(FLAGS.out, "formats.json"), res)
+  print(formats.format_table(res))
+  for ch in choices:
+    print(f"chose {ch.reason}")
+  log(f"[formats] wrote {FLAGS.out}/formats.json in {res['seconds']:.0f} s")
+
+
 def main(_):
   c = config()
   folder = FLAGS.model_dir or cli.demo_model_dir()
   os.makedirs(FLAGS.out, exist_ok=True)
+  if FLAGS.formats:
+    return main_formats(c, folder)
   cfg, params, store = load_model(folder, dtype=jnp.float32)
   tok = Tokenizer(folder)
   bar = lambda desc, total: tqdm(total=total, desc=desc, unit="stream", leave=False).update

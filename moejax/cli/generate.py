@@ -38,7 +38,7 @@ OFFLOAD_FLAGS = ("cache_fraction", "cache_bytes", "link", "tau", "admission_beta
 flagsets.model_dir()
 flagsets.dtype()
 flagsets.engine()
-flagsets.weights()
+flagsets.weights(auto=True)
 flagsets.policy_knobs()
 flags.DEFINE_bool("random_model", False, "Use a small random-weight Qwen3-MoE built on the "
                   "spot (its output is noise; for trying the flags) instead of --model_dir.")
@@ -104,6 +104,9 @@ def check_flags():
   if FLAGS.temperature == 0 and (cli.given("top_p") or cli.given("seed")):
     raise cli.UsageError("--top_p and --seed apply to sampling; with --temperature=0 "
                          "(greedy, the default) they change nothing: give --temperature > 0")
+  if FLAGS.weights == "auto" and (FLAGS.policy != "auto" or not FLAGS.cache_bytes):
+    raise cli.UsageError("--weights=auto weighs the formats under a memory budget with "
+                         "--policy=auto: give --policy=auto and --cache_bytes")
   if FLAGS.policy == "auto":
     flagsets.check_auto_flags()
   elif FLAGS.policy is not None:
@@ -204,6 +207,8 @@ def main(_):
     if "pinned_host" not in memory_kinds():
       raise cli.UsageError(f"--store=pinned_host: {jax.devices()[0]} offers no pinned_host "
                            f"memory (it offers {', '.join(memory_kinds())}); use numpy or mmap")
+  chosen = (flagsets.resolve_auto_weights(folder, tok, dtype) if FLAGS.weights == "auto"
+            else None)            # --weights is the chosen format from here on
   mxfp4 = folder is not None and not gguf and memory.checkpoint_is_mxfp4(folder)
   plan = memory.plan_memory(cfg, dtype, store=store_kind, offload=FLAGS.policy is not None,
                             cache_fraction=cache_fraction(), cache_bytes=FLAGS.cache_bytes,
@@ -239,7 +244,8 @@ def main(_):
                       tuple(cfg.eos_token_ids))
   if FLAGS.policy is not None:
     union = min(1.0, cache_fraction() * FLAGS.expert_devices)   # the devices' one cache
-    policy = (flagsets.resolve_auto(cfg, params, store, tok, union)
+    policy = (chosen if chosen is not None else
+              flagsets.resolve_auto(cfg, params, store, tok, union)
               if FLAGS.policy == "auto" else flagsets.named_policy())
     held = [params]     # handed over: the engine keeps its own (stacked) copy of the layers
     del params

@@ -7,6 +7,7 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 import torch
 import transformers
 
@@ -140,6 +141,14 @@ def reference(model, tokens, steps: int):
     dec.append(out.logits[0, -1].float().numpy())
     nxt = out.logits[:, -1].argmax(-1, keepdim=True)
   return pre, dec, gen
+
+
+def reference_fixture(families):
+  """A module-scoped pytest fixture `reference`: `reference_case` of each of `families`."""
+  @pytest.fixture(scope="module", params=families)
+  def reference(request, tmp_path_factory):
+    return reference_case(request.param, tmp_path_factory)
+  return reference
 
 
 def reference_case(family: str, tmp_path_factory, steps: int = 32, tag: str | None = None,

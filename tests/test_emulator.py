@@ -8,13 +8,12 @@ import numpy as np
 import pytest
 
 from moejax.research import emulator as E
-from moejax.model.config import ModelConfig
-from moejax.io.loader import expert_shapes, load_model
+from moejax.io.loader import load_model
 from moejax.model.model import Transformer
 from moejax.cache import policy as P
 from moejax.offload.engine import EngineConfig, OffloadEngine
 from moejax.prefetch.steps import Prefetch
-from moejax.io.store import ExpertStore
+from tests import tiny_models
 
 DEMO = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ckpts", "demo")
 # every preset and miss rule (fetch_all is baseline's rule: baseline covers it), and the
@@ -151,17 +150,8 @@ def test_agrees_with_engine_on_models_with_several_layer_kinds(family, fraction,
 # ------------------------------------------------------------------ tiny random model
 @pytest.fixture(scope="module")
 def tiny():
-  cfg = ModelConfig(model_type="qwen3_moe", vocab_size=64, hidden_size=32, num_layers=2,
-                    num_heads=4, num_kv_heads=2, head_dim=8, num_experts=8, top_k=2,
-                    moe_intermediate_size=16, intermediate_size=48,
-                    sparse_layers=(True, True), qk_norm="head", norm_topk_prob=True).validate()
   rng = np.random.default_rng(0)
-  exps = [{k: (rng.standard_normal((8,) + shp) * 0.3).astype(np.float32)
-           for k, shp in expert_shapes(cfg).items()} for _ in range(2)]
-  store = ExpertStore.from_stacked(exps)
-  params = jax.jit(lambda k: Transformer(cfg).init(k, jnp.zeros((1, 4), jnp.int32),
-                                                   store.to_device())["params"])(
-      jax.random.PRNGKey(1))
+  cfg, params, store = tiny_models.tiny_model(rng)
   toks = [int(t) for t in rng.integers(0, 64, 16)]
   return cfg, params, store, toks
 

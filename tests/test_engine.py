@@ -12,8 +12,6 @@ import numpy as np
 import pytest
 
 from moejax.offload import calibrate
-from moejax.model.config import ModelConfig
-from moejax.io.loader import expert_shapes
 from moejax.model.model import Transformer
 from moejax.offload import link as link_lib
 from moejax.cache import policy as P
@@ -23,7 +21,7 @@ from moejax.offload import stats as stats_lib
 from moejax.offload.engine import EngineConfig, OffloadEngine
 from moejax.io.placement import TransferError, TransferTimeout
 from moejax.model.sampler import SamplingParams
-from moejax.io.store import ExpertStore
+from tests import tiny_models
 
 PROMPT = [3, 17, 5, 60, 22]
 STREAM = [int(t) for t in np.random.default_rng(3).integers(0, 64, 14)]
@@ -34,16 +32,8 @@ ADMITTING = P.make_policy("quality", tau=0.6, admission_beta=0.2)
 
 @pytest.fixture(scope="module")
 def model():
-  cfg = ModelConfig(model_type="qwen3_moe", vocab_size=64, hidden_size=32, num_layers=3,
-                    num_heads=4, num_kv_heads=2, head_dim=8, num_experts=8, top_k=2,
-                    moe_intermediate_size=16, intermediate_size=48,
-                    sparse_layers=(True, False, True), qk_norm="head",
-                    norm_topk_prob=True).validate()
-  rng = np.random.default_rng(0)
-  exps = [None if not s else
-          {k: (rng.standard_normal((8,) + shp) * 0.2).astype(np.float32)
-           for k, shp in expert_shapes(cfg).items()} for s in cfg.sparse_layers]
-  store = ExpertStore.from_stacked(exps)
+  cfg = tiny_models.tiny_config((True, False, True))
+  store = tiny_models.random_store(cfg, np.random.default_rng(0), 0.2)
   model = Transformer(cfg)
   seq = jnp.asarray([PROMPT + STREAM], jnp.int32)
   # one jitted init and one jitted teacher-forced forward of the fully resident model

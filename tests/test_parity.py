@@ -13,9 +13,7 @@ from tests import hf_models
 FAMILIES = ["qwen3_moe", "mixtral", "olmoe"]
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
-def reference(request, tmp_path_factory):
-  return hf_models.reference_case(request.param, tmp_path_factory)
+reference = hf_models.reference_fixture(FAMILIES)
 
 
 @pytest.mark.parametrize("layout", ["per_expert", "fused"])

@@ -43,9 +43,7 @@ def _only(reference, family: str):
     pytest.skip(f"covered by the {family} case")
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
-def reference(request, tmp_path_factory):
-  return hf_models.reference_case(request.param, tmp_path_factory)
+reference = hf_models.reference_fixture(FAMILIES)
 
 
 @pytest.mark.parametrize("layout", ["per_expert", "fused"])

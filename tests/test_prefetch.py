@@ -12,14 +12,13 @@ import pytest
 from moejax.model import routing
 from moejax.prefetch import speculation
 from moejax.model.config import ModelConfig
-from moejax.io.loader import expert_shapes
 from moejax.model.model import Transformer
 from moejax.cache import policy as P
 from moejax.prefetch import steps as prefetch_lib
 from moejax.offload.engine import EngineConfig, OffloadEngine
 from moejax.prefetch.steps import Prefetch
-from moejax.io.store import ExpertStore
 from moejax.io.traces import config_hash
+from tests import tiny_models
 
 PROMPT = [3, 17, 5, 60, 22]
 STREAM = [int(t) for t in np.random.default_rng(3).integers(0, 64, 10)]
@@ -28,15 +27,8 @@ STREAM = [int(t) for t in np.random.default_rng(3).integers(0, 64, 10)]
 @pytest.fixture(scope="module")
 def model():
   """A tiny qwen3_moe model with three MoE layers and its fully resident logits."""
-  cfg = ModelConfig(model_type="qwen3_moe", vocab_size=64, hidden_size=32, num_layers=3,
-                    num_heads=4, num_kv_heads=2, head_dim=8, num_experts=8, top_k=2,
-                    moe_intermediate_size=16, intermediate_size=48,
-                    sparse_layers=(True, True, True), qk_norm="head",
-                    norm_topk_prob=True).validate()
-  rng = np.random.default_rng(0)
-  exps = [{k: (rng.standard_normal((8,) + shp) * 0.2).astype(np.float32)
-           for k, shp in expert_shapes(cfg).items()} for _ in cfg.sparse_layers]
-  store = ExpertStore.from_stacked(exps)
+  cfg = tiny_models.tiny_config((True, True, True))
+  store = tiny_models.random_store(cfg, np.random.default_rng(0), 0.2)
   seq = jnp.asarray([PROMPT + STREAM], jnp.int32)
   mdl = Transformer(cfg)
   params = jax.jit(lambda k: mdl.init(k, seq, store.to_device())["params"])(

@@ -7,13 +7,11 @@ import pytest
 
 from moejax.research import emulator as E
 from moejax.offload.config import EngineConfig
-from moejax.model.config import ModelConfig
-from moejax.io.loader import expert_shapes
 from moejax.model.model import Transformer
-from moejax.io.store import ExpertStore
 from moejax.research.study import metrics as M
 from moejax.research.study import runner as R
 from moejax.research.study import streams as S
+from tests import tiny_models
 
 
 def test_streams_layout_is_deterministic_and_scores_in_document_targets():
@@ -61,14 +59,8 @@ def test_policy_specs():
 
 
 def test_greedy_fetch_all_is_the_resident_models_greedy_chain():
-  cfg = ModelConfig(model_type="qwen3_moe", vocab_size=64, hidden_size=32, num_layers=2,
-                    num_heads=4, num_kv_heads=2, head_dim=8, num_experts=8, top_k=2,
-                    moe_intermediate_size=16, intermediate_size=48,
-                    sparse_layers=(True, True), qk_norm="head", norm_topk_prob=True).validate()
-  rng = np.random.default_rng(0)
-  exps = [{k: (rng.standard_normal((8,) + shp) * 0.3).astype(np.float32)
-           for k, shp in expert_shapes(cfg).items()} for _ in range(2)]
-  store = ExpertStore.from_stacked(exps)
+  cfg = tiny_models.tiny_config()
+  store = tiny_models.random_store(cfg, np.random.default_rng(0), 0.3)
   model = Transformer(cfg)
   params = model.init(jax.random.PRNGKey(1), jnp.zeros((1, 4), jnp.int32),
                       store.to_device())["params"]

@@ -11,15 +11,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moejax.model.config import ModelConfig
-from moejax.io.loader import expert_shapes
-from moejax.model.model import Transformer
 from moejax.offload import link as link_lib
 from moejax.io import placement
 from moejax.offload.engine import EngineConfig, OffloadEngine
 from moejax.io.store import make_store, owned_device_put, shares_buffer
 from moejax.io.placement import TransferError, TransferTimeout
 from moejax.io.store import ExpertStore
+from tests import tiny_models
 
 D, I, E = 32, 16, 8
 DEVICE = jax.devices()[0]
@@ -156,18 +154,7 @@ def test_when_the_last_memory_kind_fails_it_is_an_error_naming_the_tensor(monkey
 
 
 def _tiny_engine_model():
-  cfg = ModelConfig(model_type="qwen3_moe", vocab_size=64, hidden_size=32, num_layers=2,
-                    num_heads=4, num_kv_heads=2, head_dim=8, num_experts=8, top_k=2,
-                    moe_intermediate_size=16, intermediate_size=48,
-                    sparse_layers=(True, True), qk_norm="head", norm_topk_prob=True).validate()
-  rng = np.random.default_rng(0)
-  exps = [{k: (rng.standard_normal((8,) + shp) * 0.3).astype(np.float32)
-           for k, shp in expert_shapes(cfg).items()} for _ in range(2)]
-  store = ExpertStore.from_stacked(exps)
-  params = jax.jit(lambda k: Transformer(cfg).init(k, jnp.zeros((1, 4), jnp.int32),
-                                                   store.to_device())["params"])(
-      jax.random.PRNGKey(1))
-  return cfg, params, store
+  return tiny_models.tiny_model(np.random.default_rng(0))
 
 
 def test_a_store_that_cannot_be_pinned_falls_back_with_one_warning_line(monkeypatch, capsys):

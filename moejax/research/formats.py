@@ -90,22 +90,6 @@ def shape_for(shape: hardware.ModelShape, ratio: float, weights: str) -> hardwar
                              head_bytes=int(round(shape.head_bytes * ratio)))
 
 
-def _stream_logits(cfg, params, store, st, dtype):
-  """frontier.stream_logits in the model's `dtype` (TEMPORARY copy until frontier.py takes
-  a dtype)."""
-  import numpy as np
-  from moejax.io import traces
-  b, t = st.tokens.shape
-  w = int(st.pos.max()) + 1
-  nw = -(-t // w)
-  flat = np.zeros((b, nw * w), np.int32)
-  flat[:, :t] = st.tokens
-  lg, _ = traces.record_router_logits(cfg, params, store, flat.reshape(-1), seq=w, batch=8,
-                                      dtype=dtype)
-  lg = lg.reshape(b, nw * w, *lg.shape[1:])[:, :t]
-  return [lg[i] for i in range(b)]
-
-
 @dataclasses.dataclass
 class Choice:
   row: dict             # the chosen row of `table`
@@ -119,7 +103,7 @@ def _rows(cfg, params, store, cand: Candidate, st, base, c: F.Config, out_dir, d
   pols = [policy_lib.make_policy(p) for p in policies]
   ratio = cand.expert_bytes / bf16_bytes
   times = A.time_params([profile], shape_for(shape, ratio, cand.weights))
-  pts = A.sweep(cfg, _stream_logits(cfg, params, store, st, dtype), pols, times=times,
+  pts = A.sweep(cfg, F.stream_logits(cfg, params, store, st, dtype=dtype), pols, times=times,
                 shape_layers=shape.moe_layers, expert_bytes=cand.expert_bytes,
                 cache_fraction=cand.fraction)
   runner = R.Runner(cfg, params, store, st, f"{out_dir}/{cand.weights}", max_len=c.window,

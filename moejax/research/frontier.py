@@ -72,16 +72,18 @@ def make_streams(docs, c: Config) -> S.Streams:
                  round_to=min(c.chunk, c.window))
 
 
-def stream_logits(cfg, params, store, st: S.Streams, batch: int = 8) -> list[np.ndarray]:
+def stream_logits(cfg, params, store, st: S.Streams, batch: int = 8,
+                  dtype=jnp.float32) -> list[np.ndarray]:
   """Per stream its router logits [T, L, R] with every expert resident, each attention
-  window (position 0 restarts) a forward pass of its own, as the emulator's."""
+  window (position 0 restarts) a forward pass of its own, as the emulator's (in the
+  model's compute `dtype`)."""
   b, t = st.tokens.shape
   w = int(st.pos.max()) + 1
   nw = -(-t // w)
   flat = np.zeros((b, nw * w), np.int32)
   flat[:, :t] = st.tokens
   lg, _ = traces.record_router_logits(cfg, params, store, flat.reshape(-1), seq=w,
-                                      batch=batch, dtype=jnp.float32)
+                                      batch=batch, dtype=dtype)
   lg = lg.reshape(b, nw * w, *lg.shape[1:])[:, :t]
   return [lg[i] for i in range(b)]
 

@@ -276,15 +276,34 @@ def _main(_):
   busy = busy_warning()
   if busy:
     print(busy, file=sys.stderr, flush=True)
+  from moejax.cache.policy import make_policy
+  for name in FLAGS.presets:
+    make_policy(name)                     # an unknown preset fails before any work
+  run = _load()
+  max_len = len(run["prompt_ids"]) + FLAGS.max_new_tokens + 1
+  engines = make_engines(run["cfg"], run["params"], run["store"], run["link"], run["dtype"],
+                         max_len)
+  run["budget"] = next(iter(engines.values())).budget
+  print(f"budget  {run['budget'].describe()}")
+  try:
+    run.update(_measure(engines, run))
+  finally:
+    for eng in engines.values():
+      eng.close()
+  run["busy"] = busy_warning() or busy        # the load during the run, else at its start
+  _report(run, t_start)
+  return 0
+
+
+def _load() -> dict:
+  """The model, tokenizer, prompt and (calibrated) link the demo runs, printed: a dict
+  `_measure` and `_report` read."""
   import jax
   import jax.numpy as jnp
   from moejax.io.loader import load_model
   from moejax.offload.calibrate import calibrated_link
   from moejax.offload.link import default_spec
-  from moejax.cache.policy import make_policy
   from moejax.io.tokenizer import Tokenizer
-  for name in FLAGS.presets:
-    make_policy(name)                     # an unknown preset fails before any work
   platform = jax.devices()[0].platform
   dtype = jnp.dtype(FLAGS.dtype)
   cfg, params, store = load_model(FLAGS.model_dir, dtype=dtype)
@@ -301,36 +320,39 @@ def _main(_):
         f"{cfg.num_experts} experts top-{cfg.top_k} per layer, {n_params / 1e6:.1f}M parameters, "
         f"{FLAGS.dtype}, on {platform}")
   print(f"link    {link.describe()}")
+  return dict(cfg=cfg, params=params, store=store, tok=tok, prompt_ids=prompt_ids,
+              dtype=dtype, spec=spec, link=link, n_params=n_params,
+              device=str(jax.devices()[0]))
 
-  max_len = len(prompt_ids) + FLAGS.max_new_tokens + 1
-  engines = make_engines(cfg, params, store, link, dtype, max_len)
-  budget = next(iter(engines.values())).budget
-  print(f"budget  {budget.describe()}")
-  stop = set(cfg.eos_token_ids)
-  try:
-    t0 = time.time()
-    ids = decode_side_by_side(engines, prompt_ids, FLAGS.max_new_tokens, stop,
-                              desc="decode (each its own text)")
-    timed = ids[FLAGS.presets[0]]
-    skip = (time_same_tokens(engines, prompt_ids, timed) if len(timed) >= 2 else
-            {name: 0 for name in engines})   # the exact model stopped at once: own texts
-    decode_s = time.time() - t0
-    texts = {name: tok.decode(v) for name, v in ids.items()}
-    t0 = time.time()
-    ppl = (perplexity_increase(cfg, params, store, heldout_tokens(tok, FLAGS.eval_tokens + 1),
-                               dtype) if FLAGS.eval_tokens else {"source": "n/a (--eval_tokens=0)"})
-    ppl_s = time.time() - t0
-    rows = rows_of(engines, texts, ppl, skip)
-  finally:
-    for eng in engines.values():
-      eng.close()
 
-  busy = busy_warning() or busy        # the load during the run, else at its start
+def _measure(engines: dict, run: dict) -> dict:
+  """Each preset's text, its time per token on the exact model's tokens, and the
+  perplexity increase (the emulator): the table's rows and what the report prints."""
+  cfg, tok = run["cfg"], run["tok"]
+  t0 = time.time()
+  ids = decode_side_by_side(engines, run["prompt_ids"], FLAGS.max_new_tokens,
+                            set(cfg.eos_token_ids), desc="decode (each its own text)")
+  timed = ids[FLAGS.presets[0]]
+  skip = (time_same_tokens(engines, run["prompt_ids"], timed) if len(timed) >= 2 else
+          {name: 0 for name in engines})   # the exact model stopped at once: own texts
+  decode_s = time.time() - t0
+  texts = {name: tok.decode(v) for name, v in ids.items()}
+  t0 = time.time()
+  ppl = (perplexity_increase(cfg, run["params"], run["store"],
+                             heldout_tokens(tok, FLAGS.eval_tokens + 1), run["dtype"])
+         if FLAGS.eval_tokens else {"source": "n/a (--eval_tokens=0)"})
+  return dict(timed=timed, texts=texts, ppl=ppl, decode_s=decode_s, ppl_s=time.time() - t0,
+              rows=rows_of(engines, texts, ppl, skip))
+
+
+def _report(run: dict, t_start: float):
+  """The table, the side-by-side texts, demo.json and demo.png (the plotting extra)."""
+  link, ppl, rows, texts, busy = run["link"], run["ppl"], run["rows"], run["texts"], run["busy"]
   print()
   if busy:
     print(busy)
   print(f"time per decoded token, every preset fed the exact model's greedy continuation "
-        f"({len(timed)} tokens; link: {link.describe()})")
+        f"({len(run['timed'])} tokens; link: {link.describe()})")
   print(table(rows, ppl["source"]))
   print()
   print(side_by_side(FLAGS.prompt + texts["quality" if "quality" in texts else FLAGS.presets[-1]],
@@ -340,14 +362,15 @@ def _main(_):
   os.makedirs(FLAGS.out_dir, exist_ok=True)
   json_path = os.path.join(FLAGS.out_dir, "demo.json")
   png_path = os.path.join(FLAGS.out_dir, "demo.png")
-  result = dict(model_dir=FLAGS.model_dir, model_type=cfg.model_type, parameters=n_params,
-                dtype=FLAGS.dtype, device=str(jax.devices()[0]), link=link.describe(),
-                link_spec=spec, budget=budget.as_dict(), prompt=FLAGS.prompt,
-                max_new_tokens=FLAGS.max_new_tokens, block=FLAGS.block, timed_tokens=timed,
+  result = dict(model_dir=FLAGS.model_dir, model_type=run["cfg"].model_type,
+                parameters=run["n_params"], dtype=FLAGS.dtype, device=run["device"],
+                link=link.describe(), link_spec=run["spec"], budget=run["budget"].as_dict(),
+                prompt=FLAGS.prompt, max_new_tokens=FLAGS.max_new_tokens, block=FLAGS.block,
+                timed_tokens=run["timed"],
                 perplexity={k: v for k, v in ppl.items() if k not in ("ppl", "increase_pct")},
                 presets=rows, load_average=os.getloadavg()[0] if hasattr(os, "getloadavg")
-                else None, cores=cores(), busy_warning=busy, decode_wall_s=decode_s, perplexity_wall_s=ppl_s,
-                total_wall_s=time.time() - t_start)
+                else None, cores=cores(), busy_warning=busy, decode_wall_s=run["decode_s"],
+                perplexity_wall_s=run["ppl_s"], total_wall_s=time.time() - t_start)
   with open(json_path, "w") as f:
     json.dump(result, f, indent=2, default=float)
   print()
@@ -360,7 +383,6 @@ def _main(_):
   except extras.MissingExtra as e:    # the table and demo.json stand without the plot
     print(f"skipped {png_path}: {e}")
   print(f"({time.time() - t_start:.0f} s in all, compilation included)")
-  return 0
 
 
 def entry():

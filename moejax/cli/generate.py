@@ -218,24 +218,7 @@ def main(_):
     from moejax.offload.link import parse_link
     parse_link(link_spec(), expert_bytes=plan.expert_bytes, layer_compute_s=1e-3)
     preds = predictors(cfg, folder)
-  platform = jax.devices()[0].platform
-  print(f"[moejax] {desc}: {cfg.model_type}, {cfg.num_layers} layers, {cfg.num_experts} "
-        f"experts top-{cfg.top_k}, {FLAGS.dtype}, on {platform}; memory needed (MB = 10^6 bytes, "
-        f"GB = 10^9):", file=sys.stderr)
-  for line in plan.lines():
-    print(f"  {line}", file=sys.stderr)
-  from moejax.io.loader import checkpoint_dtype
-  stored = None if gguf else checkpoint_dtype(folder)
-  if stored and stored != jnp.dtype(dtype).name:
-    print(f"  note: the checkpoint stores {stored}; --dtype={FLAGS.dtype} converts every "
-          f"weight to {jnp.dtype(dtype).name} while loading (the sizes above are in "
-          f"{jnp.dtype(dtype).name}; --dtype={stored} keeps them as stored)", file=sys.stderr)
-  if store_kind != "numpy" and folder is not None and not gguf:   # a repack: can it fit?
-    from moejax.io import loader, repack
-    try:
-      loader.check_checkpoint(folder, cfg, dtype)
-    except repack.RepackError as e:
-      raise cli.UsageError(str(e)) from None
+  announce(cfg, desc, plan, None if gguf else folder, dtype, store_kind)
   if FLAGS.dry_run:
     return 0
   cfg, params, store = load(cfg, folder, dtype, store_kind)
@@ -250,6 +233,37 @@ def main(_):
     held = [params]     # handed over: the engine keeps its own (stacked) copy of the layers
     del params
     return generate_offloaded(cfg, held, store, tok, ids, sp, dtype, seq, policy, preds)
+  return generate_resident(cfg, params, store, tok, ids, sp, dtype, seq)
+
+
+def announce(cfg, desc: str, plan, folder: str | None, dtype, store_kind: str):
+  """The model and its memory plan on stderr, with a note where loading converts the
+  checkpoint's dtype; a repack (--store other than numpy) that its disk cannot hold is a
+  UsageError before anything loads.  folder: a safetensors folder (None: a GGUF file or
+  the random model)."""
+  import jax
+  import jax.numpy as jnp
+  from moejax.io import loader, repack
+  platform = jax.devices()[0].platform
+  print(f"[moejax] {desc}: {cfg.model_type}, {cfg.num_layers} layers, {cfg.num_experts} "
+        f"experts top-{cfg.top_k}, {FLAGS.dtype}, on {platform}; memory needed (MB = 10^6 bytes, "
+        f"GB = 10^9):", file=sys.stderr)
+  for line in plan.lines():
+    print(f"  {line}", file=sys.stderr)
+  stored = loader.checkpoint_dtype(folder)
+  if stored and stored != jnp.dtype(dtype).name:
+    print(f"  note: the checkpoint stores {stored}; --dtype={FLAGS.dtype} converts every "
+          f"weight to {jnp.dtype(dtype).name} while loading (the sizes above are in "
+          f"{jnp.dtype(dtype).name}; --dtype={stored} keeps them as stored)", file=sys.stderr)
+  if store_kind != "numpy" and folder is not None:   # a repack: can it fit?
+    try:
+      loader.check_checkpoint(folder, cfg, dtype)
+    except repack.RepackError as e:
+      raise cli.UsageError(str(e)) from None
+
+
+def generate_resident(cfg, params, store, tok, ids, sp, dtype, seq: int) -> int:
+  """Every expert on the device (no --policy): the Sampler's generation, written out."""
   from moejax.model.sampler import Sampler
   sampler = Sampler(cfg, params, store.device_experts(dtype), max_len=seq, dtype=dtype)
   print("[moejax] every expert resident (no --policy)", file=sys.stderr)

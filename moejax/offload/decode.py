@@ -348,7 +348,8 @@ def _record_layout(prog: Program, rows: int, treedef, leaves) -> RecordLayout:
   states = jax.tree_util.tree_unflatten(treedef, [jax.ShapeDtypeStruct(*x) for x in leaves])
 
   def records(states):
-    stacked = (jax.tree_util.tree_map(lambda *a: jnp.stack(a), *[states[l] for l in moe])
+    stacked = (resident_lib.ResidentState(buffers={}, **{   # layers may differ in formats:
+        f: jnp.stack([getattr(states[l], f) for l in moe]) for f in _META})  # no buffers
                if isinstance(states, dict) else states)
     router = step_lib.route(cfg, jnp.zeros((rows, routing.router_width(cfg)), jnp.float32))
     def head(st):

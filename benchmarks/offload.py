@@ -2,23 +2,18 @@
 
   python -m launch.bench_offload --out=bench_offload.json
 
-Model: the demo model at --model_dir (ckpts/demo) when it exists, else a
-random-weight model of the demo's shape (Qwen3-MoE, hidden 128, 8 layers, 64
-experts of 32, top-8, vocab 8192), or of Qwen3-30B-A3B's with --shape (said so in
-the output); or, with --model=wide_bf16, the real-width checkpoint of
-`benchmarks.models` (Qwen3-30B-A3B's layers, per-expert bf16 safetensors, written
-once), loaded straight into the --store back-end:
+Model: the demo model at --model_dir (ckpts/demo; or any FILE.gguf) when it exists, else a
+random-weight model of the demo's shape (Qwen3-MoE, hidden 128, 8 layers, 64 experts of 32,
+top-8, vocab 8192), or of Qwen3-30B-A3B's with --shape (said so in the output).
+--model=wide_bf16: `benchmarks.models`' real-width checkpoint (Qwen3-30B-A3B's layers,
+per-expert bf16 safetensors, written once), loaded straight into the --store back-end;
+--model=wide_q8_0 / wide_q4_0 / wide_q4_k_m: the one GGUF that bench_peers gives both
+engines (`benchmarks.models.wide_gguf`), run in place (the plans count its blocks):
 
   python -m launch.bench_offload --model=wide_bf16 --store=mmap --links=native
 
---model=wide_q8_0 / wide_q4_0 / wide_q4_k_m: the one GGUF that bench_peers gives both
-engines (`benchmarks.models.wide_gguf`), run in place (the plans count its blocks), as
---model_dir=FILE.gguf runs any GGUF.  python -m launch.bench_offload --model=wide_q4_0 ...
-
-The experts wait in a --store back-end (numpy, mmap, pinned_host).  The JSON also
-holds the load time, each runner's compile time, the process's peak anonymous RSS (all
-runners at once) and each runner's memory plan (`launch.bench_memory` measures each
-run alone against its plan).
+The experts wait in a --store back-end (numpy, mmap, pinned_host).  The JSON also holds
+the load time, each runner's compile time and memory plan, and the process's peak anon RSS.
 
 Every preset decodes the same teacher-forced token stream (so all see the same
 inputs): the held-out text of benchmarks/stream.py (the one bench_peers and bench_scale
@@ -39,9 +34,8 @@ each one expert's copy from this run's store into a slot buffer as measured here
 `launch.bench_transfer` does, and an emulated link's waits: the JSON's "lower_bound" spells
 it out), tpot_over_lower_bound, and the engine's per-token statistics (`stats`: means over
 the timed tokens' records).
-Every time names its link.  Figures are wall-clock on a shared machine.  --unrolled: every
-engine also with its layers unrolled (`layer_scan=False`), in the same rounds
-(`scan_over_unrolled`: the layer scan's before/after).
+Every time names its link.  --unrolled: every engine also with its layers unrolled
+(`layer_scan=False`), in the same rounds (`scan_over_unrolled`).
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ import pytest
 from absl.testing import flagsaver
 
 from benchmarks import llama_cpp, memcg, models as bench_models, scale as bench_scale
+from tests.test_bench_scale import run_main
 
 
 def test_names_split_into_kind_dtype_and_format():
@@ -108,17 +109,6 @@ def test_bench_scale_limit_is_the_bf16_runs_share_of_the_model():
       12.0 * bench_models.wide_bytes(24, "q8_0") / b16)
 
 
-def _scale_main(tmp_path, *args):
-  with flagsaver.flagsaver():
-    bench_scale.FLAGS(["bench_scale", f"--model_root={tmp_path}", f"--gguf_dir={tmp_path}",
-                       f"--out={tmp_path / 'out.json'}", *args])
-    try:
-      bench_scale.main([])
-    except SystemExit as e:
-      return e.code
-  return None
-
-
 def test_bench_scale_q4_0_plans_the_blocks_and_names_a_fraction_that_fits(tmp_path, monkeypatch,
                                                                           capsys):
   monkeypatch.setattr(memcg, "available", lambda: None)
@@ -131,7 +121,7 @@ def test_bench_scale_q4_0_plans_the_blocks_and_names_a_fraction_that_fits(tmp_pa
   assert plan["anon_bytes"] < 0.4 * plan16["anon_bytes"]
   # at 25% moejax's plan + 1 GB exceeds the default 3.38 GB: the refusal names a fraction
   assert needs > bench_scale.default_limit_gb(24, "q4_0") * 1e9
-  assert _scale_main(tmp_path, "--layers=24", "--weights=q4_0") == 2
+  assert run_main(tmp_path, "--layers=24", "--weights=q4_0") == 2
   line = capsys.readouterr().err.strip().splitlines()[0]
   assert "--memory_limit_gb=3.37868 is below" in line and "--cache_fraction=" in line
   fits = float(line.rsplit("--cache_fraction=", 1)[1].split()[0])
@@ -139,7 +129,7 @@ def test_bench_scale_q4_0_plans_the_blocks_and_names_a_fraction_that_fits(tmp_pa
   # at that fraction the limit holds; the disk check then counts the q4_0 GGUF to make
   monkeypatch.setattr(bench_scale.shutil, "disk_usage",
                       lambda p: types.SimpleNamespace(free=10**9))
-  assert _scale_main(tmp_path, "--layers=24", "--weights=q4_0", f"--cache_fraction={fits}") == 2
+  assert run_main(tmp_path, "--layers=24", "--weights=q4_0", f"--cache_fraction={fits}") == 2
   err = capsys.readouterr().err.strip().splitlines()
   assert len(err) == 1 and "q4_0 GGUF 85" in err[0] and "it has 1000000000" in err[0]
   assert not [p for p in tmp_path.iterdir() if p.name != "out.json"]

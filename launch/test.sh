@@ -32,9 +32,10 @@ run_one() {   # file, log dir: never fails (the status goes to <log>.rc)
   { echo "== $1"; cat "$log"; } | cat
 }
 export -f run_one
-SLOW="tests/test_prefetch.py tests/test_parity_gpt_oss.py tests/test_engine.py tests/test_engine_programs.py
-tests/test_simulator.py tests/test_emulator.py tests/test_demo_cli.py tests/test_generate_cli.py
-tests/test_packaging.py tests/test_compile_cache.py tests/test_serve_logprobs.py tests/test_interrupts.py"
+SLOW="tests/test_emulator.py tests/test_engine_programs.py tests/test_simulator.py tests/test_generate_cli.py
+tests/test_expert_parallel.py tests/test_packaging.py tests/test_prefetch.py tests/test_engine_scan.py
+tests/test_disk_tier.py tests/test_engine_batch.py tests/test_bench_gguf.py tests/test_bench_routing.py
+tests/test_serve_start.py tests/test_frontier.py tests/test_demo_cli.py tests/test_batch_step.py"
 files=()
 for f in $SLOW; do [ -f "$f" ] && files+=("$f"); done   # a slow file that no longer exists
 for f in tests/test_*.py; do

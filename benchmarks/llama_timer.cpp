@@ -16,6 +16,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
@@ -63,7 +64,12 @@ int main(int argc, char** argv) {
             prompt = std::atoi(argv[4]), steps = std::atoi(argv[5]);
   llama_log_set([](ggml_log_level, const char*, void*) {}, nullptr);
   llama_backend_init();
-  llama_model* model = llama_model_load_from_file(argv[1], llama_model_default_params());
+  llama_model_params mparams = llama_model_default_params();
+  // LLAMA_TIMER_NO_REPACK=1: the weights stay in the mapped file (llama-cli's --no-repack);
+  // otherwise the CPU backend copies Q4_0/Q8_0 weights into repacked anonymous buffers.
+  const char* no_repack = std::getenv("LLAMA_TIMER_NO_REPACK");
+  if (no_repack != nullptr && std::strcmp(no_repack, "1") == 0) mparams.use_extra_bufts = false;
+  llama_model* model = llama_model_load_from_file(argv[1], mparams);
   if (model == nullptr) {
     std::fprintf(stderr, "llama_timer: cannot load %s\n", argv[1]);
     return 1;

@@ -25,9 +25,9 @@ Contenders, each run as a child process in its own v1 memory cgroup whose limit 
 --memory_limit_gb (GB = 1e9 bytes; anonymous memory and page cache together, so a
 mapped model's pages compete with the process's own), after the page cache is dropped:
   llama.cpp  `llama_timer` (benchmarks/llama_timer.cpp, the C API, --threads threads): the
-             GGUF is mmapped, the page cache is its only expert cache; a warm-up (8-token
-             prompt + 4 steps), a --prefill_len prefill, then --decode_tokens steps after a
-             --prompt_len prompt.
+             GGUF is mmapped (--no_repack: no Q4_0/Q8_0 copies in RAM), the page cache is its
+             only expert cache; a warm-up (8-token prompt + 4 steps), a --prefill_len
+             prefill, then --decode_tokens steps after a --prompt_len prompt.
   quality, speed, baseline  moejax's OffloadEngine with that preset, --store=mmap (the
              routed experts stay in the mapped file), --cache_fraction (25%) of each layer's
              experts copied into slots, native link, bf16 (`--child=moejax`, below):
@@ -38,17 +38,13 @@ prompt is its first --prompt_len tokens, decode step i reads token --prompt_len 
 ids go to llama_timer in a file), so both read the experts of the same routing, which the
 JSON reports (`routing`: the engines' hit rates and misses, and the stream's own LRU hit at
 25% and 8-busiest share, from the router's selections in moejax's records).
-Reported per contender (median over --rounds; each round runs every contender once, in
-rotated order, so the load of a shared machine falls on all alike): decode and prefill
-tok/s, disk bytes read per decoded token (decode only: /proc/self/io read_bytes around
-the loop, in both programs), the peak RssAnon of the child (sampled from outside), the
-cgroup's peak (anon + page cache), OOM kill or not, and decode tok/s over llama.cpp's.
+Reported per contender (median over --rounds, each running every contender in rotated
+order): decode and prefill tok/s, disk bytes read per decoded token (/proc/self/io around
+the loop), the child's peak RssAnon, the cgroup's peak, OOM kill, decode over llama.cpp's.
 moejax's memory plan (`plan_memory(..., store="mmap")`) is reported beside its peak: its
 anon_bytes + 1 GB of runtime must fit the limit (else exit 2 before loading anything).
-Also in the JSON: each run's model-file bytes still cached after the drop (fincore;
-non-zero means another process holds or reads the same files), the disk bytes moejax
-read while loading, setting up the engine and prefilling, and the load average at start
-and end.  Needs root and a v1 memory cgroup (exit 2 with the reason otherwise).
+Also in the JSON: model-file bytes still cached after the drop (fincore), moejax's disk
+bytes before decoding, the load average.  Needs root and a v1 memory cgroup (else exit 2).
 """
 
 from __future__ import annotations
@@ -77,6 +73,8 @@ flags.DEFINE_enum("weights", "bf16", ["bf16", "q8_0", "q4_0"], "The model's weig
                   "llama-quantize's pure q8_0 / q4_0 that both contenders read.")
 flags.DEFINE_enum("layout", "fused", ["fused", "per_expert"], "Expert layout of the model on disk.")
 flags.DEFINE_integer("rounds", 2, "Rounds; each runs every contender once (rotated order).")
+flags.DEFINE_bool("no_repack", True, "llama.cpp keeps its weights in the mapped file (llama-cli's "
+                  "--no-repack): else it copies Q4_0/Q8_0 weights into RAM, the whole model.")
 flags.DEFINE_list("contenders", ["llama.cpp", "quality", "speed", "baseline"], "Who runs.")
 flags.DEFINE_string("out", "bench_scale.json", "JSON results file.")
 flags.DEFINE_integer("prompt_len", 16, "Prompt tokens before the timed decode.")
@@ -235,12 +233,20 @@ def repacked(model_dir: str) -> bool:
           os.path.exists(repack.stacked_path(model_dir, jnp.bfloat16)))
 
 
+def needs_safetensors(model_dir: str, gguf: str) -> bool:
+  """Whether the bf16 safetensors are still to be written: moejax's bf16 runs read them, and
+  a block format's GGUF is made from them; once that GGUF exists they may be gone."""
+  if os.path.exists(os.path.join(model_dir, "model.safetensors.index.json")):
+    return False
+  return FLAGS.weights == "bf16" or not os.path.exists(gguf)
+
+
 def disk_shortfall(model_dir: str, gguf: str, layers: int, plan: dict) -> str | None:
   """None when the disk holds what is still to be written plus the reserve, else why not."""
   from benchmarks import models as bench_models
   size = bench_models.wide_bytes(layers)
   parts = {}
-  if not os.path.exists(os.path.join(model_dir, "model.safetensors.index.json")):
+  if needs_safetensors(model_dir, gguf):
     parts["model"] = size
   if FLAGS.weights == "bf16" and FLAGS.layout == "per_expert" and not repacked(model_dir):
     parts["moejax repack"] = plan["all_experts_bytes"]
@@ -287,7 +293,8 @@ def cached_bytes(files: list[str]) -> int | None:
 def run_one(name: str, model_dir: str, gguf: str, bins: dict | None, limit: int) -> dict:
   from benchmarks import memcg
   if name == "llama.cpp":
-    ids = stream.held_out_ids(os.path.join(model_dir, "tokenizer.json"), stream_len())
+    ids = stream.held_out_ids(tokenizer(model_dir if FLAGS.weights == "bf16" else gguf),
+                              stream_len())
     ids_file = stream.write_ids(os.path.join(FLAGS.gguf_dir, "bench_scale_stream.txt"), ids)
     argv = [bins["llama_timer"], gguf, str(FLAGS.threads), str(FLAGS.prefill_len),
             str(FLAGS.prompt_len), str(FLAGS.decode_tokens), ids_file]
@@ -299,7 +306,8 @@ def run_one(name: str, model_dir: str, gguf: str, bins: dict | None, limit: int)
             f"--max_len={FLAGS.max_len}", f"--cache_fraction={FLAGS.cache_fraction}"]
   memcg.drop_page_cache()
   cached = cached_bytes(model_files(name, model_dir, gguf))
-  res = memcg.run(argv, limit, FLAGS.timeout_s, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  res = memcg.run(argv, limit, FLAGS.timeout_s, env=dict(
+      os.environ, JAX_PLATFORMS="cpu", LLAMA_TIMER_NO_REPACK="1" if FLAGS.no_repack else "0"))
   row = {"returncode": res.returncode, "oom_killed": res.oom_killed, "wall_s": res.wall_s,
          "group_peak_bytes": res.peak_bytes, "peak_anon_bytes": res.peak_anon_bytes,
          "run_read_bytes": res.read_bytes, "cached_at_start_bytes": cached}
@@ -363,7 +371,8 @@ def main(argv):
          "cpu_count": os.cpu_count(), "cpu_kernels": cpu_kernel.describe(),
          "loadavg_start": os.getloadavg(), "argv": sys.argv}
   t0 = time.perf_counter()
-  bench_models.save_wide(model_dir, layers=FLAGS.layers, layout=FLAGS.layout)
+  if needs_safetensors(model_dir, gguf):
+    bench_models.save_wide(model_dir, layers=FLAGS.layers, layout=FLAGS.layout)
   res["model_write_s"] = time.perf_counter() - t0
   bins = None
   if "llama.cpp" in FLAGS.contenders or FLAGS.weights != "bf16":

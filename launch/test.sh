@@ -26,10 +26,10 @@ trap 'rm -rf "$logs"' EXIT
 export JAX_COMPILATION_CACHE_DIR="${JAX_COMPILATION_CACHE_DIR:-$logs/xla-cache}"
 export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="${JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS:-0.3}"
 run_one() {   # file, log dir: never fails (the status goes to <log>.rc)
-  local log="$2/$(basename "$1").log"
+  local log="$2/$(basename "$1").log" t0=$SECONDS
   python -m pytest "$1" -q -p no:cacheprovider -rfE >"$log" 2>&1 && echo 0 >"$log.rc" \
     || echo "$?" >"$log.rc"
-  { echo "== $1"; cat "$log"; } | cat
+  { echo "== $1 ($((SECONDS - t0)) s)"; cat "$log"; } | cat
 }
 export -f run_one
 SLOW="tests/test_emulator.py tests/test_engine_programs.py tests/test_simulator.py tests/test_generate_cli.py

@@ -9,8 +9,13 @@
 //  Q6_K: 16 sub-blocks of 16, 6-bit codes (offset 32), int8 scale each; value = d * sc * (q - 32).
 //
 // AVX-512 VNNI: vpdpbusd of 64 codes a step (unsigned codes, signed tokens; Q6_K's offset in
-// the accumulator's start, QAct::nls), then vpdpwssd by the sub-blocks' scales (each lane's
-// sum fits 16 bits). AVX2: vpmaddubsw, then vpmaddwd by the scales. Elsewhere scalar.
+// the accumulator's start, QAct::corr); each lane's sum fits 16 bits, so two steps' sums
+// are packed to words (vpackssdw) and one vpdpwssd multiplies them by the sub-blocks'
+// scales: 4 vpdpbusd + 2 vpdpwssd a super-block, then one f32 fma of 16 lanes (Q4_K's
+// mins in 4 more). The scales unpack in vector registers, f16 by F16C. On one core from L2
+// 1 token: Q4_K 15 -> 27 GB/s of blocks, Q6_K 28 -> 37 (Q4_0 27; dots.cc of
+// docs/lab/runs/2026-12-07-kernels). AVX2: vpmaddubsw, then vpmaddwd by the scales.
+// Elsewhere scalar.
 // As in cpu_qdot.h, each (row, token) runs the same instructions whatever the tile.
 #pragma once
 
@@ -37,111 +42,173 @@ inline void q4k_scales(const uint8_t* s12, uint8_t sc[8], uint8_t m[8]) {
 
 #if defined(MOEJAX_QDOT_VNNI512)
 
-// Lanes 0-7 take a's value, 8-15 b's (permutexvar indices).
+// A Q4_K block's scales (bytes 0-7) and mins (bytes 8-15), q4k_scales in one xmm: the
+// 16 bytes at s12 hold the 12 of the scales (and 4 of the codes, unused).
+inline __m128i q4k_scales_v(const uint8_t* s12) {
+  const __m128i u = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s12));
+  const __m128i a = _mm_shuffle_epi32(u, _MM_SHUFFLE(2, 1, 2, 0));   // u0 u2 u1 u2
+  const __m128i b = _mm_shuffle_epi32(u, _MM_SHUFFLE(1, 1, 0, 0));   // u0 u0 u1 u1
+  const __m128i lo = _mm_and_si128(_mm_srlv_epi32(a, _mm_setr_epi32(0, 0, 0, 4)),
+                                   _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f));
+  const __m128i hi = _mm_and_si128(_mm_srli_epi32(b, 2),   // the top 2 bits to bits 4-5
+                                   _mm_setr_epi32(0, 0x30303030, 0, 0x30303030));
+  return _mm_or_si128(lo, hi);
+}
+
+// Word indices (vpermw) of the sub-block scales for the words of packs(s0, s1), s0 and s1
+// the dpbusd sums (16 int32 lanes) of chunks 2p and 2p + 1: in each 128-bit lane k, words
+// 0-3 come from s0's lanes 4k .. 4k + 3, words 4-7 from s1's. Q4_K: chunk c's lanes 0-7
+// are sub-block kQ4Sub[c][0], lanes 8-15 kQ4Sub[c][1]; Q6_K: chunk c's lane l sub-block
+// 4c + l / 4.
+// Lanes 0-7 take a's value, 8-15 b's.
 inline __m512i halves_idx(int a, int b) {
   return _mm512_inserti64x4(_mm512_set1_epi32(a), _mm256_set1_epi32(b), 1);
 }
 
+struct KIdx {
+  alignas(64) uint16_t q4[2][32], q6[2][32];
+  KIdx() {
+    static constexpr int kQ4Sub[4][2] = {{0, 2}, {1, 3}, {4, 6}, {5, 7}};
+    for (int p = 0; p < 2; ++p)
+      for (int w = 0; w < 32; ++w) {
+        const int k = w / 8, j = w % 8, c = 2 * p + j / 4, lane = 4 * k + j % 4;
+        q4[p][w] = static_cast<uint16_t>(kQ4Sub[c][lane / 8]);
+        q6[p][w] = static_cast<uint16_t>(4 * c + lane / 4);
+      }
+  }
+};
+inline const KIdx& kidx() {
+  static const KIdx idx;
+  return idx;
+}
+
+// The sum of a super-block's sub-block dots times their scales, added into isum: the
+// chunks' dpbusd sums (each lane within int16) packed two by two to words, then vpdpwssd
+// by the scales' words.
+inline __m512i scaled_pair(__m512i isum, __m512i s0, __m512i s1, __m512i sv) {
+  return _mm512_dpwssd_epi32(isum, _mm512_packs_epi32(s0, s1), sv);
+}
+
+inline float hsum4(__m128 v) {
+  const __m128 p = _mm_add_ps(v, _mm_movehl_ps(v, v));
+  return _mm_cvtss_f32(_mm_add_ss(p, _mm_movehdup_ps(p)));
+}
+
+// Q4_K: per super-block and (row, token) 4 vpdpbusd (64 codes each), 2 vpdpwssd, then
+// acc += isum * (d * d_x) in 16 lanes and accm += (mins . bsums) * (dmin * d_x) in 4.
 template <int R, int T>
 inline void tile_q4k(const uint8_t* w, int64_t row_bytes, const QAct& a, const int64_t* tok,
                      float* out, int64_t os) {
   const int64_t nsb = a.len / 256;
-  const __m512i idx[4] = {halves_idx(0, 2), halves_idx(1, 3), halves_idx(4, 6),
-                          halves_idx(5, 7)};   // the sub-blocks of the 4 code chunks
+  const KIdx& ix = kidx();
   const __m512i nib = _mm512_set1_epi8(0x0f);
   __m512 acc[R][T];
+  __m128 accm[R][T];
   for (int r = 0; r < R; ++r)
-    for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps();
+    for (int t = 0; t < T; ++t) {
+      acc[r][t] = _mm512_setzero_ps();
+      accm[r][t] = _mm_setzero_ps();
+    }
   for (int64_t sb = 0; sb < nsb; ++sb) {
-    __m512i sc32[R], isum[R][T];
+    __m512i isum[R][T];
+    __m128i scm[R];   // the rows' scales (bytes 0-7) and mins (8-15)
     for (int r = 0; r < R; ++r) {
-      uint8_t sc[8], m[8];
-      q4k_scales(w + r * row_bytes + sb * 144 + 4, sc, m);
-      sc32[r] = _mm512_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc)));
+      scm[r] = q4k_scales_v(w + r * row_bytes + sb * 144 + 4);
       for (int t = 0; t < T; ++t) isum[r][t] = _mm512_setzero_si512();
     }
-    for (int c = 0; c < 4; ++c) {   // chunk c: codes 64 * (c / 2) on, low or high nibbles
-      __m512i wq[R], sv[R];
+    for (int p = 0; p < 2; ++p) {   // chunks 2p (low nibbles), 2p + 1 (high) of 64 bytes
+      __m512i w0[R], w1[R], sv[R];
       for (int r = 0; r < R; ++r) {
-        const __m512i raw = _mm512_loadu_si512(w + r * row_bytes + sb * 144 + 16 + 64 * (c / 2));
-        wq[r] = _mm512_and_si512(c % 2 ? _mm512_srli_epi16(raw, 4) : raw, nib);
-        sv[r] = _mm512_permutexvar_epi32(idx[c], sc32[r]);
+        const __m512i raw = _mm512_loadu_si512(w + r * row_bytes + sb * 144 + 16 + 64 * p);
+        w0[r] = _mm512_and_si512(raw, nib);
+        w1[r] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nib);
+        sv[r] = _mm512_permutexvar_epi16(_mm512_load_si512(ix.q4[p]),
+                                         _mm512_castsi128_si512(_mm_cvtepu8_epi16(scm[r])));
       }
       for (int t = 0; t < T; ++t) {
-        const __m512i xq = _mm512_loadu_si512(a.q_of(tok[t]) + sb * 256 + 64 * c);
+        const int8_t* xq = a.q_of(tok[t]) + sb * 256 + 128 * p;
+        const __m512i x0 = _mm512_loadu_si512(xq), x1 = _mm512_loadu_si512(xq + 64);
         for (int r = 0; r < R; ++r)
-          isum[r][t] = _mm512_dpwssd_epi32(
-              isum[r][t], _mm512_dpbusd_epi32(_mm512_setzero_si512(), wq[r], xq), sv[r]);
+          isum[r][t] = scaled_pair(isum[r][t], _mm512_dpbusd_epi32(_mm512_setzero_si512(), w0[r], x0),
+                                   _mm512_dpbusd_epi32(_mm512_setzero_si512(), w1[r], x1), sv[r]);
       }
     }
     for (int r = 0; r < R; ++r) {
       const uint8_t* blk = w + r * row_bytes + sb * 144;
-      uint8_t sc[8], m[8];
-      q4k_scales(blk + 4, sc, m);
-      const __m128i m16 = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(m)));
-      const __m512 wd = _mm512_set1_ps(half_at(blk)), wmin = _mm512_set1_ps(half_at(blk + 2));
+      const __m128i m16 = _mm_cvtepu8_epi16(_mm_srli_si128(scm[r], 8));
+      int32_t dm;
+      std::memcpy(&dm, blk, 4);
+      const __m128 dmin = _mm_cvtph_ps(_mm_cvtsi32_si128(dm));   // d, dmin
       for (int t = 0; t < T; ++t) {
+        const __m128 f = _mm_mul_ps(dmin, _mm_set1_ps(a.d_of(tok[t])[sb]));
         const __m128i bs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(
             a.bsum_of(tok[t]) + sb * 8));
-        const __m512 mins = _mm512_cvtepi32_ps(_mm512_zextsi128_si512(_mm_madd_epi16(m16, bs)));
-        const __m512 v = _mm512_fnmadd_ps(mins, wmin,
-                                          _mm512_mul_ps(_mm512_cvtepi32_ps(isum[r][t]), wd));
-        acc[r][t] = _mm512_fmadd_ps(v, _mm512_set1_ps(a.d_of(tok[t])[sb]), acc[r][t]);
+        acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r][t]), _mm512_broadcastss_ps(f),
+                                    acc[r][t]);
+        accm[r][t] = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm_madd_epi16(m16, bs)),
+                                  _mm_shuffle_ps(f, f, 0x55), accm[r][t]);
       }
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int t = 0; t < T; ++t) out[t * os + r] = _mm512_reduce_add_ps(acc[r][t]);
+    for (int t = 0; t < T; ++t)
+      out[t * os + r] = _mm512_reduce_add_ps(acc[r][t]) - hsum4(accm[r][t]);
 }
 
 // 64 of a Q6_K half's 128 codes: chunk 0 its elements 0-63, chunk 1 its elements 64-127.
 inline __m512i q6k_codes(const uint8_t* ql, const uint8_t* qh, int chunk) {
   const __m512i l = _mm512_loadu_si512(ql);
   const __m512i h = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh)));
-  const __m512i lo4 = _mm512_and_si512(chunk ? _mm512_srli_epi16(l, 4) : l, _mm512_set1_epi8(0x0f));
   // the high 2 bits to bits 4-5: qh bits 0-1 / 2-3 (chunk 0), 4-5 / 6-7 (chunk 1)
   const __m512i hi2 = chunk ? _mm512_srlv_epi16(h, halves_idx(0, 0x00020002))
                             : _mm512_sllv_epi16(h, halves_idx(0x00040004, 0x00020002));
-  return _mm512_or_si512(lo4, _mm512_and_si512(hi2, _mm512_set1_epi8(0x30)));
+  // (l or l >> 4) & 0x0f | hi2 & 0x30: vpternlog's bit select by 0x0f, then clear bits 6-7
+  const __m512i lo = chunk ? _mm512_srli_epi16(l, 4) : l;
+  return _mm512_and_si512(_mm512_ternarylogic_epi32(lo, hi2, _mm512_set1_epi8(0x0f), 0xe4),
+                          _mm512_set1_epi8(0x3f));
 }
 
+// Q6_K: per super-block and (row, token) 4 vpdpbusd (64 codes each, from the offset's
+// accumulator start QAct::corr), 2 vpdpwssd, then acc += isum * (d * d_x).
 template <int R, int T>
 inline void tile_q6k(const uint8_t* w, int64_t row_bytes, const QAct& a, const int64_t* tok,
                      float* out, int64_t os) {
   const int64_t nsb = a.len / 256;
+  const KIdx& ix = kidx();
   __m512 acc[R][T];
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps();
   for (int64_t sb = 0; sb < nsb; ++sb) {
-    __m512i sc32[R], isum[R][T];
-    for (int r = 0; r < R; ++r) {   // 16 int8 scales, sign-extended into the low 16 bits
-      const __m128i s = _mm_loadu_si128(reinterpret_cast<const __m128i*>(
-          w + r * row_bytes + sb * 210 + 192));
-      sc32[r] = _mm512_and_si512(_mm512_cvtepi8_epi32(s), _mm512_set1_epi32(0xffff));
+    __m512i isum[R][T];
+    for (int r = 0; r < R; ++r)
       for (int t = 0; t < T; ++t) isum[r][t] = _mm512_setzero_si512();
-    }
-    for (int c = 0; c < 4; ++c) {   // 64 elements: sub-blocks 4c .. 4c + 3
-      __m512i wq[R], sv[R];
-      const __m512i idx = _mm512_add_epi32(_mm512_set1_epi32(4 * c), _mm512_srli_epi32(
-          _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 2));
+    for (int p = 0; p < 2; ++p) {   // half p: chunks 2p, 2p + 1
+      __m512i w0[R], w1[R], sv[R];
       for (int r = 0; r < R; ++r) {
         const uint8_t* blk = w + r * row_bytes + sb * 210;
-        wq[r] = q6k_codes(blk + 64 * (c / 2), blk + 128 + 32 * (c / 2), c % 2);
-        sv[r] = _mm512_permutexvar_epi32(idx, sc32[r]);
+        w0[r] = q6k_codes(blk + 64 * p, blk + 128 + 32 * p, 0);
+        w1[r] = q6k_codes(blk + 64 * p, blk + 128 + 32 * p, 1);
+        const __m512i sc = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192))));
+        sv[r] = _mm512_permutexvar_epi16(_mm512_load_si512(ix.q6[p]), sc);
       }
       for (int t = 0; t < T; ++t) {
-        const __m512i xq = _mm512_loadu_si512(a.q_of(tok[t]) + sb * 256 + 64 * c);
-        const __m512i init = _mm512_loadu_si512(a.corr_of(tok[t]) + sb * 64 + 16 * c);
+        const int8_t* xq = a.q_of(tok[t]) + sb * 256 + 128 * p;
+        const int32_t* xc = a.corr_of(tok[t]) + sb * 64 + 32 * p;
+        const __m512i x0 = _mm512_loadu_si512(xq), x1 = _mm512_loadu_si512(xq + 64);
+        const __m512i i0 = _mm512_loadu_si512(xc), i1 = _mm512_loadu_si512(xc + 16);
         for (int r = 0; r < R; ++r)
-          isum[r][t] = _mm512_dpwssd_epi32(isum[r][t], _mm512_dpbusd_epi32(init, wq[r], xq),
-                                           sv[r]);
+          isum[r][t] = scaled_pair(isum[r][t], _mm512_dpbusd_epi32(i0, w0[r], x0),
+                                   _mm512_dpbusd_epi32(i1, w1[r], x1), sv[r]);
       }
     }
     for (int r = 0; r < R; ++r) {
-      const __m512 wd = _mm512_set1_ps(half_at(w + r * row_bytes + sb * 210 + 208));
+      uint16_t h;
+      std::memcpy(&h, w + r * row_bytes + sb * 210 + 208, 2);
+      const float d = _cvtsh_ss(h);
       for (int t = 0; t < T; ++t)
-        acc[r][t] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(isum[r][t]), wd),
-                                    _mm512_set1_ps(a.d_of(tok[t])[sb]), acc[r][t]);
+        acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r][t]),
+                                    _mm512_set1_ps(d * a.d_of(tok[t])[sb]), acc[r][t]);
     }
   }
   for (int r = 0; r < R; ++r)

@@ -34,7 +34,6 @@ from moejax.model.model import abstract_params
 from moejax.model import layer_stack
 from moejax.model.config import ModelConfig
 from moejax.offload import decode
-from moejax.offload import layer as layer_lib
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", "compile_depth.json", "JSON results file.")
@@ -63,7 +62,7 @@ def abstract_step(cfg: ModelConfig, policy: str, scan: bool):
   budget = resident_lib.make_budget(cfg.num_experts, cfg.top_k, ebytes, len(cfg.moe_layers),
                                     fraction=1.0 if all_res else FLAGS.cache_fraction)
   config = EngineConfig.make("baseline" if all_res else policy, max_len=FLAGS.max_len)
-  ctx = layer_lib.Ctx.make(cfg, config, budget, source="slots", skip_empty=True,
+  ctx = decode.Ctx.make(cfg, config, budget, source="slots", skip_empty=True,
                            all_resident=all_res and budget.all_resident)
   prog = decode.Program(ctx, "bfloat16", FLAGS.max_len, scan)
   sds = lambda t: jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), t)

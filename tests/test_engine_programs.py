@@ -14,6 +14,7 @@ import torch
 from moejax.cache import policy as P
 from moejax.io.loader import load_model
 from moejax.offload import decode
+from moejax.offload import prompt as prompt_lib
 from moejax.offload.engine import EngineConfig, OffloadEngine
 from moejax.model.sampler import SamplingParams
 from tests import hf_models
@@ -31,7 +32,7 @@ def test_one_trace_per_program_and_identical_statistics_across_engines(model, mo
   statistics."""
   cfg, params, store, _ = model
   traced = {"step": 0, "prompt": 0}
-  step_fn, prompt_fn = decode._decode, decode.prompt_pass
+  step_fn, prompt_fn = decode._decode, prompt_lib.prompt_pass
 
   def step(*args, **kw):
     traced["step"] += 1
@@ -43,7 +44,7 @@ def test_one_trace_per_program_and_identical_statistics_across_engines(model, mo
 
   chex.clear_trace_counter()      # (chex counts by source and name: two functions)
   monkeypatch.setattr(decode, "_decode", chex.assert_max_traces(step, n=1))
-  monkeypatch.setattr(decode, "prompt_pass", chex.assert_max_traces(prompt, n=1))
+  monkeypatch.setattr(prompt_lib, "prompt_pass", chex.assert_max_traces(prompt, n=1))
   # substitute_all with admission: a program no other test builds
   policy = P.make_policy("substitute_all", admission_beta=0.3, lfu_decay=0.5)
   stats, records = [], []

@@ -26,7 +26,7 @@ from moejax.model.model import DecoderLayer
 class Carry:
   """What a stream carries from token to token: its KV cache, every MoE layer's
   `ResidentState` and what each MoE layer carries to its next token (the engine's
-  `offload.layer.LayerCarry`).  Whole: stacked [L, ...] (a uniform model under `scan`),
+  `offload.decode.LayerCarry`).  Whole: stacked [L, ...] (a uniform model under `scan`),
   else the cache a list over layers and the others {MoE layer: ...}.  One layer's
   (`zip_carry`): its cache, its state and its carried (None: a dense layer)."""
   cache: Any

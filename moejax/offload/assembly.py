@@ -14,7 +14,7 @@ from moejax.io import quant, staging
 from moejax.io.store import store_backend
 from moejax.model.config import ModelConfig
 from moejax.offload import expert_parallel
-from moejax.offload import layer as layer_lib
+from moejax.offload import decode
 from moejax.offload.config import EngineConfig, check_policy
 from moejax.prefetch import speculation
 from moejax.prefetch import steps as pf_steps
@@ -46,20 +46,23 @@ def budget_and_plan(cfg: ModelConfig, store, config: EngineConfig):
 
 def side_stores(store, config: EngineConfig, platform: str, low_store=None):
   """(the low-precision copies a policy that fetches them reads: `low_store`, default
-  quantised now; the host staging tier of config.host_cache_bytes, `io.staging`), each
-  None where unused; the policy checked against them (`check_policy`)."""
+  quantised now; the host staging tier of config.host_cache_bytes, `io.staging`, or
+  without one a tier without rows for a mapped store jax cannot wrap in place,
+  `staging.read_through`), each None where unused; the policy checked against them
+  (`check_policy`)."""
   policy = config.policy
   low = None
   if policy.decision.low:
     low = low_store or quant.build(store, policy.decision.low_bits)
   check_policy(policy, platform, low)
   staged = (staging.StagingCache(store, config.host_cache_bytes)
-            if config.host_cache_bytes is not None else None)
+            if config.host_cache_bytes is not None else
+            None if policy.decision.host else staging.read_through(store, platform))
   return low, staged
 
 
 def expert_sources(cfg: ModelConfig, host, pf, mode: pf_steps.Mode, scan: bool, put):
-  """Each layer's expert source for `layer.moe_layer`: its host store (`host`, placed) and,
+  """Each layer's expert source for `decode.moe_layer`: its host store (`host`, placed) and,
   with prefetch, its predictors (`pf`, a `Prefetch`) put on the device(s) by `put`: one
   stacked tree (a scan), or a list per layer (None: a dense layer)."""
   preds = (speculation.stacked_predictors(cfg, pf.kind, pf.predictors, stack=scan)
@@ -86,10 +89,10 @@ def initial_states(store, cfg: ModelConfig, budget: resident_lib.Budget, initial
   return states
 
 
-def layer_ctx(engine, pinned: bool) -> layer_lib.Ctx:
-  """The static part of the engine's layer step (`layer.Ctx.make`): slots filled by
+def layer_ctx(engine, pinned: bool) -> decode.Ctx:
+  """The static part of the engine's layer step (`decode.Ctx.make`): slots filled by
   in-program copies; every hit for good when every expert stays resident."""
-  return layer_lib.Ctx.make(
+  return decode.Ctx.make(
       engine.cfg, engine.config, engine.budget, source="slots", pinned=pinned,
       mapped=store_backend(engine.store) == "mmap",
       skip_empty=engine.device.platform == "cpu", ep=engine.plan,

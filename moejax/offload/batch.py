@@ -39,7 +39,7 @@ from moejax.cache import step as step_lib
 from moejax.cache.policy import FETCH, FETCH_LOW
 from moejax.model import layer_stack
 from moejax.model.model import put_row
-from moejax.offload import decode
+from moejax.offload import decode, prompt
 from moejax.offload.stats import TokenRecord, from_counts, layer_records, link_counts
 
 _PER_ROW = ("ids", "actions", "substitutes", "share", "rows", "true_ids")
@@ -112,7 +112,7 @@ class Batched:
     zeros = np.zeros(self.max_batch, np.int32)
     decode.step_fn(eng.program).lower(eng.params, eng.sources, self._carry, zeros, zeros,
                                       zeros.astype(bool)).compile()
-    decode.compile_prompts(eng.program, eng.params, eng.sources, self.states, prompt_lengths,
+    prompt.compile_prompts(eng.program, eng.params, eng.sources, self.states, prompt_lengths,
                            fit=True)
 
   def prompt(self, prompt_ids, row: int) -> np.ndarray:
@@ -125,12 +125,12 @@ class Batched:
     if t < 1 or t + 1 > eng.max_len:
       raise ValueError(f"a prompt of {t} tokens does not fit max_len={eng.max_len}")
     t0 = time.perf_counter()
-    toks = np.zeros((decode.prompt_bucket(eng.program, t),), np.int32)
+    toks = np.zeros((prompt.prompt_bucket(eng.program, t),), np.int32)
     toks[:t] = prompt_ids
     carry, self._carry = self._carry, None
     decay = np.float32(float(eng.policy.lfu_decay) ** np.float64(t))
-    logits, joined, did = decode.prefill(
-        decode.fitted(eng.program, len(toks)), eng.params, eng.sources, carry.states, toks,
+    logits, joined, did = prompt.prefill(
+        prompt.fitted(eng.program, len(toks)), eng.params, eng.sources, carry.states, toks,
         np.int32(t), decay)
     self._carry = layer_stack.Carry(
         put_row(carry.cache, joined.cache, np.int32(row), 1 if eng.program.scan else 0),

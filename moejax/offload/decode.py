@@ -1,66 +1,230 @@
-"""A token (or a prompt) through every layer, and the engine's programs over it.
+"""One token through every layer, and the engine's programs over it.
 
-The pure functions (`decode_token`, `prompt_pass`, `empty_carry`) take one stream through
-every layer on one expert source.  The emulator vmaps them over streams with the `table`
-source (every expert on the device); the engine jits them for one stream with the `slots`
-source (slot buffers and in-program copies from the host store).  Both run the same
-`layer.decode_layer` and the same tails (`cache.step.policy_tails`, every MoE layer's at
-once after the last layer).  Carry of a stream: a `layer_stack.Carry` (KV cache, every MoE
-layer's ResidentState, its `layer.LayerCarry`), per layer (stacked [L, ...] for a uniform
-model under `scan`, else lists/dicts over layers).
+A decoder layer of a decoded token (`decode_layer`, `moe_layer`): attention and router, the
+prediction (speculative prefetch), the cache's step (`cache.step.policy_head`), then the
+experts from an *expert source* (`sources.run_experts`):
 
-The engine's programs (`step_fn`: a decode step, `loop`: N steps in one while_loop,
-`prefill`: a prompt) are each ONE jitted program over explicit pytrees (the parameters,
-each MoE layer's source: its host store arrays and predictors, the carry), with the carry
-donated.  Inside, waited fetches, admissions and prefetches are in-program copies from the
-host store into the slot buffers (`sources.copy_rows`).  The host's only per-token work is
-the dispatch and, when it wants them, reading the token's decisions: the step's
-`cache.step.Record` crosses the program boundary packed into one array (`pack`), read back
-on the host by the program's `RecordLayout` (`record_layout`, known when it is built).
-`Program` (hashable) is the static part: the layer context, dtype and cache length.
-Compiles: one per program and argument shapes (one per prompt bucket
-for `prefill`).
+  table   every expert on the device, read by id: the emulator (idealised link);
+  slots   the layer's slot buffers, filled by in-program copies from the host store
+          (`copy_rows`); HOST experts computed from the store where it lives: the
+          engine.
+
+The rest of the cache's step (`policy_tail`) runs for every MoE layer at once after the
+last layer (`_tails` in `decode_token`).  The simulator calls `cache.step.policy_step`
+alone, on recorded router logits, with the same arguments.  What flows between layers
+within a token is a `Stream`; what a MoE layer carries to its next token is a
+`LayerCarry`.  Both have one type whatever the flags (the prefetch fields stay unread
+without speculative prefetch).
+
+`decode_token` takes one stream through every layer on one expert source.  The emulator
+vmaps it over streams with the `table` source; the engine jits it for one stream with the
+`slots` source.  Carry of a stream: a `layer_stack.Carry` (KV cache, every MoE layer's
+ResidentState, its `LayerCarry`), per layer (stacked [L, ...] for a uniform model under
+`scan`, else lists/dicts over layers).  A prompt's pass is `offload/prompt.py`.
+
+The engine's programs (`step_fn`: a decode step, `loop`: N steps in one while_loop;
+`prompt.prefill`: a prompt) are each ONE jitted program over explicit pytrees (the
+parameters, each MoE layer's source: its host store arrays and predictors, the carry),
+with the carry donated.  Inside, waited fetches, admissions and prefetches are in-program
+copies from the host store into the slot buffers (`sources.copy_rows`).  The host's only
+per-token work is the dispatch and, when it wants them, reading the token's decisions: the
+step's `cache.step.Record` crosses the program boundary packed into one array
+(`record.pack`), read back on the host by the program's `record.RecordLayout`
+(`record_layout`, known when it is built).  `Program` (hashable) is the static part: the
+layer context, dtype and cache length.  One compile per program and argument shapes.
+
+One token's way (docs/architecture.md, "One token's way"): `api.generate` ->
+`engine.OffloadEngine.generate` -> `loop` -> `model.sampler.sample_loop` -> `_decode` ->
+`model.layer_stack.run_layers` -> `decode_layer` -> `cache.step.policy_head` (the decision,
+`cache.policy.decide`) and `sources.run_experts` (the experts).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from moejax.cache import policy as policy_lib
 from moejax.cache import resident as resident_lib
 from moejax.cache import step as step_lib
-from moejax.io import staging
-from moejax.model import families, layer_stack, routing
+from moejax.model import layer_stack, routing
 from moejax.model.config import ModelConfig
 from moejax.model.model import Transformer, init_cache
-from moejax.model.sampler import bucket, sample_loop
-from moejax.offload import layer as layer_lib
-from moejax.offload import sources
+from moejax.model.sampler import sample_loop
+from moejax.offload.record import RecordLayout, pack
+from moejax.offload.sources import run_experts
+from moejax.prefetch import steps as pf
 
 
-# ------------------------------------------------------------------ a token, a prompt
-def empty_carry(ctx: layer_lib.Ctx, dtype, max_len: int, states, scan: bool,
+# ------------------------------------------------------------------ a decoder layer
+_dataclass = lambda cls: jax.tree_util.register_dataclass(dataclasses.dataclass(frozen=True)(cls))
+
+
+@dataclasses.dataclass(frozen=True)
+class Ctx:
+  """What is static about a layer's step (hashable: part of a jit key)."""
+  cfg: ModelConfig
+  policy: policy_lib.PolicyParams
+  trim_to: int | None                 # budget slots S when there are staging slots
+  prefetch: str = "none"              # prefetch.PREFETCH
+  speculative: str = "off"
+  keep: bool = True                   # executed prefetches enter the cache (False: streaming)
+  control: Any = None                 # controls.Control (emulator studies)
+  source: str = "table"               # "table" (emulator) | "slots" (engine)
+  pinned: bool = False                # the host store is in pinned_host memory
+  mapped: bool = False                # the host store is a memory-mapped file (disk tier)
+  skip_empty: bool = False            # head inserts under a cond: the CPU backend
+  all_resident: bool = False          # every expert resident for good: all hits
+  ep: Any = None                      # expert_parallel.Plan: slots over a device mesh
+
+  @classmethod
+  def make(cls, cfg: ModelConfig, config, budget, **kw) -> "Ctx":
+    """The static part of a layer's step under `config` (an `offload.config.EngineConfig`:
+    its policy and prefetch, the engine's and the emulator's alike) with `budget` (a
+    `resident.Budget`: staging slots trim back to its S); kw: the other fields by name
+    (source, control, pinned, mapped, skip_empty, all_resident, ep)."""
+    pf = config.prefetch
+    return cls(cfg=cfg, policy=config.policy, trim_to=budget.slots if budget.staging else None,
+               prefetch=pf.kind, speculative=pf.speculative, keep=not pf.streaming, **kw)
+
+  @property
+  def spec_on(self) -> bool:
+    return self.prefetch != "none"
+
+  @property
+  def rule(self) -> step_lib.Rule:
+    """The cache step's `Rule` (the speculative decision passed in from prefetch)."""
+    cfg, decision, speculative = self.cfg, self.policy.decision, self.speculative
+    speculate = None
+    if self.spec_on:
+      speculate = lambda true, pred, seen: pf.speculative_decision(cfg, true, pred, seen,
+                                                                   decision, speculative)
+    return step_lib.Rule(cfg=cfg, decision=decision, cache=self.policy.cache,
+                         trim_to=self.trim_to, keep=self.keep, control=self.control,
+                         speculate=speculate, skip_empty=self.skip_empty,
+                         all_resident=self.all_resident)
+
+
+@_dataclass
+class Stream:
+  """What one token carries from a layer to the next: x [1, 1, D], and for the
+  prediction the previous MoE layer's post-attention residual r [1, D], its offset d
+  [D] and whether there was one."""
+  x: jax.Array
+  r_1xD: jax.Array
+  d_D: jax.Array
+  has: jax.Array
+
+  @classmethod
+  def start(cls, x, cfg: ModelConfig, dtype) -> "Stream":
+    return cls(x, jnp.zeros((1, cfg.hidden_size), dtype),
+               jnp.zeros((cfg.hidden_size,), jnp.float32), jnp.bool_(False))
+
+
+@_dataclass
+class LayerCarry:
+  """What a MoE layer carries to its next token: its pending inserts (`Pending`, made
+  by its tail) and its true routing at this token (the `previous` predictor's)."""
+  pending: step_lib.Pending
+  last: step_lib.Prediction
+
+  @classmethod
+  def none(cls, cfg: ModelConfig, rows: int = 1) -> "LayerCarry":
+    """Nothing pending, for a stream or for `rows` decoded together (B K pending)."""
+    return cls(step_lib.Pending.none(cfg.top_k * rows), step_lib.Prediction.none(cfg))
+
+
+@_dataclass
+class LayerOut:
+  """What a MoE layer's step of a token leaves for the tails after the last layer
+  (`decode.decode_token`): its `Head` (`policy_tail` runs after the last layer and gives
+  the new pending inserts) and the Pending this token consumed (inserted at the previous
+  token's end: counted here, where it takes effect)."""
+  head: step_lib.Head
+  admitted: step_lib.Pending
+
+
+def attend_route(mdl, x, pos, cache, end):
+  h, cache = mdl.attend(x, pos, cache, end)
+  moe_in, logits = mdl.route_logits(h)
+  return h, moe_in, logits, cache
+
+
+def dense(mdl, x, pos, cache, end):
+  h, cache = mdl.attend(x, pos, cache, end)
+  return mdl.dense_residual(h), cache
+
+
+def _end(pos_Bx1):
+  """The KV-cache end index of B rows: one position (B = 1), or one per row."""
+  return pos_Bx1[0, 0] if pos_Bx1.shape[0] == 1 else pos_Bx1[:, 0]
+
+
+def decode_layer(ctx: Ctx, pos_Bx1, key, mod, sparse: bool, p, src, stream: Stream, per_layer,
+                 i, valid_B=None):
+  """One layer of one decoded token, or of B rows decoded together (x [B, 1, D], each row
+  at its own position, `valid_B` the active ones), as `layer_stack.run_layers` calls it:
+  per_layer: the layer's `layer_stack.Carry` (KV cache, ResidentState, LayerCarry) ->
+  (stream, per_layer, out): out is None for a dense layer, else its `LayerOut`."""
+  if not sparse:
+    x, cache = mod.apply({"params": p}, stream.x, pos_Bx1, per_layer.cache, _end(pos_Bx1),
+                         method=dense)
+    return dataclasses.replace(stream, x=x), dataclasses.replace(per_layer, cache=cache), None
+  return moe_layer(ctx, mod, p, src, stream, pos_Bx1, per_layer, jax.random.fold_in(key, i),
+                   valid_B)
+
+
+def moe_layer(ctx: Ctx, mod, p, src: dict, stream: Stream, pos_Bx1, per_layer, key,
+              valid_B=None):
+  """One MoE layer of one decoded token (or of B rows sharing the layer's cache: one
+  batched step, `cache.step.policy_head`) on its `layer_stack.Carry` -> (stream, carry,
+  `LayerOut`).  With prefetch (one row only), src has the layer's predictor ("vectors",
+  "est", "use_last")."""
+  cfg, rule = ctx.cfg, ctx.rule
+  state, carried = per_layer.states, per_layer.carried
+  apply = lambda *a, method: mod.apply({"params": p}, *a, method=method)
+  h, moe_in, logits, cache = apply(stream.x, pos_Bx1, per_layer.cache, _end(pos_Bx1),
+                                   method=attend_route)
+  lg = logits.reshape(pos_Bx1.shape[0], -1)
+  prediction, last = carried.last, carried.last
+  if ctx.spec_on:
+    hybrid = ctx.prefetch == "hybrid"
+    prediction = pf.predicted(cfg, mod, p, ctx.prefetch, src["est"] if hybrid else None,
+                              src["use_last"] if hybrid else None, stream.r_1xD, stream.d_D,
+                              stream.has, last, lg)
+    last = step_lib.Prediction(lg.astype(jnp.float32), jnp.bool_(True))
+  state, head = step_lib.policy_head(rule, state, step_lib.route(cfg, lg), prediction, key,
+                                     valid_B)
+  x, state = run_experts(ctx, mod, p, src, h, moe_in, state, head, carried.pending)
+  if ctx.spec_on:
+    stream = Stream(x, h.reshape(1, -1), pf.quasi_offset(head.dec.exec_ids[0],
+                                                         head.dec.weights[0], src["vectors"]),
+                    jnp.bool_(True))
+  else:
+    stream = dataclasses.replace(stream, x=x)
+  return (stream, layer_stack.Carry(cache, state, LayerCarry(carried.pending, last)),
+          LayerOut(head, carried.pending))
+
+
+# ------------------------------------------------------------------ a token
+def empty_carry(ctx: Ctx, dtype, max_len: int, states, scan: bool,
                 rows: int = 1) -> layer_stack.Carry:
   """The `layer_stack.Carry` of a new stream (or of `rows` decoded together, sharing the
   states), laid out for `layer_stack.run_layers`."""
   cfg = ctx.cfg
   cache = init_cache(cfg, rows, max_len, dtype)
-  carried = {l: layer_lib.LayerCarry.none(cfg, rows) for l in cfg.moe_layers}
+  carried = {l: LayerCarry.none(cfg, rows) for l in cfg.moe_layers}
   if scan and layer_stack.uniform(cfg):
     stack = lambda xs: jax.tree_util.tree_map(lambda *a: jnp.stack(a), *xs)
     return layer_stack.Carry(stack(cache), states, stack([carried[l] for l in cfg.moe_layers]))
   return layer_stack.Carry(cache, states, carried)
 
 
-def _apply(mod, p, *args, method):
-  return mod.apply({"params": p}, *args, method=method)
-
-
-def decode_token(ctx: layer_lib.Ctx, dtype, params, layers, srcs, carry, token, pos, key,
+def decode_token(ctx: Ctx, dtype, params, layers, srcs, carry, token, pos, key,
                  scan: bool, whole: bool = False, valid_B=None):
   """One decoded token of one stream -> (carry, logits [V], `cache.step.Record` stacked
   over MoE layers).  whole: the engine's scan (`layer_stack.scan_whole`).  Rows decoded
@@ -70,8 +234,8 @@ def decode_token(ctx: layer_lib.Ctx, dtype, params, layers, srcs, carry, token, 
   cfg = ctx.cfg
   model = Transformer(cfg, dtype)
   x = model.apply({"params": params}, token.reshape(-1, 1), method="embed")
-  stream = layer_lib.Stream.start(x, cfg, dtype)
-  layer_fn = functools.partial(layer_lib.decode_layer, ctx, pos.reshape(-1, 1), key,
+  stream = Stream.start(x, cfg, dtype)
+  layer_fn = functools.partial(decode_layer, ctx, pos.reshape(-1, 1), key,
                                valid_B=valid_B)
   stream, per_layer, outs = layer_stack.run_layers(
       cfg, dtype, layer_fn, layers, srcs, stream,
@@ -85,7 +249,7 @@ def decode_token(ctx: layer_lib.Ctx, dtype, params, layers, srcs, carry, token, 
 _META = ("slot_expert", "expert_slot", "last_used", "loaded", "low", "freq", "acc", "step")
 
 
-def _tails(ctx: layer_lib.Ctx, carry: layer_stack.Carry, heads):
+def _tails(ctx: Ctx, carry: layer_stack.Carry, heads):
   """`cache.step.policy_tails` of every MoE layer (their states stacked [L, ...]: a dict
   of them is stacked and split again) -> (carry with the new pending inserts, steps).
   The copies its inserts promise are made by the layer at the next token
@@ -108,75 +272,6 @@ def _tails(ctx: layer_lib.Ctx, carry: layer_stack.Carry, heads):
   return layer_stack.Carry(carry.cache, states, carried), steps
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class PromptRecord:
-  """What a prompt did to the cache, per MoE layer (stacked [L, ...])."""
-  copied_E: jax.Array      # the experts it made available (-1 padded)
-  evicted_EP: jax.Array    # evicted by their insert and the trim [E + P] (-1 padded)
-
-
-def prompt_pass(ctx: layer_lib.Ctx, dtype, max_len: int, params, layers, srcs, states, tokens_P,
-            length, decay_pow, scan: bool, whole: bool = False):
-  """An exact prompt (the first `length` of tokens_P) of one stream -> (logits [V], carry,
-  `PromptRecord` [L, ...]: the experts made available, those evicted).  Per MoE layer the
-  prompt's experts are computed from the table, or from the store where it lives
-  (`sources.prompt_table`; expert-parallel: each device its share), then the missing ones
-  it used most are inserted (`cache.step.prefill_step`)."""
-  cfg, rule = ctx.cfg, ctx.rule
-  model = Transformer(cfg, dtype)
-  k = cfg.top_k
-  plen = tokens_P.shape[0]
-  valid = (jnp.arange(plen) < length).astype(jnp.float32)
-  pos = jnp.arange(plen, dtype=jnp.int32)[None]
-  x = model.apply({"params": params}, tokens_P[None], method="embed")
-
-  def layer_fn(mod, sparse, p, src, x, pl: layer_stack.Carry, i):
-    st = pl.states
-    if not sparse:
-      x, cache = _apply(mod, p, x, pos, pl.cache, 0, method=layer_lib.dense)
-      return x, dataclasses.replace(pl, cache=cache), None
-    h, moe_in, logits, cache = _apply(mod, p, x, pos, pl.cache, 0,
-                                      method=layer_lib.attend_route)
-    ids, gates, _ = routing.route(cfg, logits.reshape(plen, -1))   # [P, router_width]
-    # The bucket's padding positions go to no expert: a pair whose gate is 0 is skipped by
-    # the expert kernels, and no valid position reads a later one, so the prompt's own
-    # positions keep their bits (a 9-token prompt in a bucket of 16: 7 tokens of experts
-    # fewer; a 300-token one in 512: 212).
-    gates = gates * valid[:, None]
-    if ctx.ep is not None:   # each device its share of the layer's experts, then a psum
-      y = sources.parallel_experts(ctx, moe_in.reshape(plen, -1), ids, gates, src["store"],
-                                   {n: b.dtype for n, b in st.buffers.items()})
-      x = _apply(mod, p, h, moe_in, y.reshape(h.shape), method="add_routed")
-    elif (staged := isinstance(src.get("store"), staging.Staged)) or (
-        ctx.source != "table" and sources.reads_one_at_a_time(ctx, src["store"], moe_in)):
-      # one expert at a time, no table
-      dtypes = {n: b.dtype for n, b in st.buffers.items()}
-      run = sources.staged_prompt_experts if staged else sources.store_prompt_experts
-      y = run(ctx, src["store"], moe_in.reshape(plen, -1), ids, gates, dtypes)
-      x = _apply(mod, p, h, moe_in, y.reshape(h.shape), method="add_routed")
-      table = src["store"]     # the inserted experts are read from the store (or tier) again
-    else:   # the table, the store read in place, or the layer on the device for this call
-      table = src["table"] if ctx.source == "table" else sources.prompt_table(
-          ctx, src["store"], moe_in, {n: b.dtype for n, b in st.buffers.items()})
-      x = _apply(mod, p, h, moe_in, ids.reshape(1, plen, k), gates.reshape(1, plen, k), table,
-                 method="moe_residual")
-    st, copy_ids, copy_slots, evicted = step_lib.prefill_step(rule, st, ids, valid, decay_pow)
-    if ctx.source == "slots":   # expert-parallel: each device from its replica of the store
-      st = dataclasses.replace(st, buffers=sources.copy_into_slots(
-          ctx, st.buffers, src["store"] if ctx.ep else table, copy_ids, copy_slots,
-          pinned=None if ctx.ep else False))
-    return x, layer_stack.Carry(cache, st, pl.carried), PromptRecord(copy_ids, evicted)
-
-  carry = dataclasses.replace(empty_carry(ctx, dtype, max_len, {}, scan), states=states)
-  x, per_layer, outs = layer_stack.run_layers(
-      cfg, dtype, layer_fn, layers, srcs, x, layer_stack.zip_carry(cfg, carry, scan=scan),
-      scan=scan, whole=whole)
-  logits = model.apply({"params": params}, jax.lax.dynamic_index_in_dim(x[0], length - 1),
-                       method="logits")[0]
-  return logits, layer_stack.unzip_carry(cfg, per_layer, scan=scan), outs
-
-
 # ------------------------------------------------------------------ the programs
 @dataclasses.dataclass(frozen=True)
 class Program:
@@ -184,7 +279,7 @@ class Program:
   parameters hold the layers stacked under "layers" (`stack_params`), the sources are one
   stacked tree and the carry is stacked [L, ...]; else every layer is unrolled, over
   lists and dicts per layer."""
-  ctx: layer_lib.Ctx
+  ctx: Ctx
   dtype: str
   max_len: int
   scan: bool = False
@@ -222,7 +317,7 @@ def _decode(prog: Program, params, srcs, carry, token, pos, valid_B=None):
   return carry, _replicated(prog.ctx, logits), _replicated(prog.ctx, pack(records))
 
 
-def _replicated(ctx: layer_lib.Ctx, x):
+def _replicated(ctx: Ctx, x):
   """Expert-parallel: what the host reads is whole on every device (each process of a
   multi-host run reads its own copy)."""
   return x if ctx.ep is None else jax.lax.with_sharding_constraint(x, ctx.ep.replicated)
@@ -255,81 +350,6 @@ def loop(prog: Program, params, srcs, carry, logits, pos, key, n_new, stop_ids, 
   return carry, _replicated(prog.ctx, toks), _replicated(prog.ctx, n), _replicated(prog.ctx, recs)
 
 
-@functools.partial(jax.jit, static_argnames=("prog",), donate_argnums=(3,))
-def prefill(prog: Program, params, srcs, states, tokens_P, length, decay_pow):
-  """An exact prompt -> (logits [V], carry, its `PromptRecord` [L, ...])."""
-  ctx = prog.ctx
-  logits, carry, outs = prompt_pass(ctx, jnp.dtype(prog.dtype), prog.max_len, params,
-                                    _layers(prog, params), srcs, states, tokens_P, length,
-                                    decay_pow, scan=prog.scan, whole=prog.scan)
-  return _replicated(ctx, logits), carry, _replicated(ctx, outs)
-
-
-def prompt_bucket(prog: Program, t: int) -> int:
-  """The padded length a t-token prompt runs at (a recurrent family: t itself)."""
-  if families.of(prog.ctx.cfg).has_recurrent_state(prog.ctx.cfg):
-    return t
-  return min(bucket(t), prog.max_len)
-
-
-def fitted(prog: Program, bucket: int) -> Program:
-  """`prog` with its KV cache sized to a prompt's bucket: a batch's joining prompt fills
-  its row's first positions (`model.put_row`), with no full-length cache to fill and copy."""
-  return dataclasses.replace(prog, max_len=bucket)
-
-
-def compile_prompts(prog: Program, params, srcs, states, prompt_lengths, fit: bool = False):
-  """Compiles (runs nothing) `prefill` for the bucket of each of `prompt_lengths` (fit:
-  its `fitted` program)."""
-  for t in sorted({min(int(t), prog.max_len - 1) for t in prompt_lengths if t >= 1}):
-    p = prompt_bucket(prog, t)
-    prefill.lower(fitted(prog, p) if fit else prog, params, srcs, states,
-                  np.zeros((p,), np.int32), np.int32(t), np.float32(1.0)).compile()
-
-
-# ------------------------------------------------------------------ the record, packed
-def pack(rec):
-  """A step's `Record` [L, ...] as ONE f32 array [L, width] at the program boundary: a
-  CPU step pays a fixed cost per output buffer (14 fields: the demo's all-resident engine
-  ran at 0.66x the speed of one packed output).  The fields follow the Record's own
-  order, and `RecordLayout.unpack` takes their widths from its abstract value, so no field
-  order or offset is written down twice.  Ids, slots and counts are small integers: exact
-  in f32."""
-  leaves = jax.tree_util.tree_leaves(rec)
-  return jnp.concatenate([x.astype(jnp.float32) for x in leaves], axis=-1)
-
-
-@dataclasses.dataclass(frozen=True)
-class RecordLayout:
-  """What a program's packed step record ([..., L, width], `pack`) was packed from: the
-  abstract `cache.step.Record` [L, ...] (`record_layout`), known when the program is
-  built, before any step has run."""
-  like: step_lib.Record
-
-  @property
-  def width(self) -> int:
-    return sum(x.shape[-1] for x in jax.tree_util.tree_leaves(self.like))
-
-  @property
-  def packed_like(self) -> jax.ShapeDtypeStruct:
-    """The abstract packed record [L, width]."""
-    return jax.eval_shape(pack, self.like)
-
-  def unpack(self, packed) -> step_lib.Record:
-    """`pack`'s inverse on the host: the numpy `Record` (its own arrays, no view keeping
-    a device buffer alive) from `packed` [..., L, width]."""
-    if np.shape(packed)[-1] != self.width:
-      raise ValueError(f"a packed record of width {np.shape(packed)[-1]}, where this "
-                       f"program's Record packs to {self.width}: it was made by another program")
-    leaves, treedef = jax.tree_util.tree_flatten(self.like)
-    out, at = [], 0
-    for x in leaves:
-      n = x.shape[-1]
-      out.append(np.array(packed[..., at:at + n], dtype=x.dtype))
-      at += n
-    return jax.tree_util.tree_unflatten(treedef, out)
-
-
 def record_layout(prog: Program, states, rows: int = 1) -> RecordLayout:
   """The `RecordLayout` of `prog`'s step of `rows` rows on `states` (as the program takes
   them; arrays or their shapes): `jax.eval_shape` of the cache's side of the step, which
@@ -358,7 +378,7 @@ def _record_layout(prog: Program, rows: int, treedef, leaves) -> RecordLayout:
       return hd
     heads = jax.vmap(head)(stacked)
     none = jax.tree_util.tree_map(lambda *a: jnp.stack(a),
-                                  *[layer_lib.LayerCarry.none(cfg, rows) for _ in moe])
+                                  *[LayerCarry.none(cfg, rows) for _ in moe])
     _, steps = _tails(ctx, layer_stack.Carry(None, stacked, none), heads)
     return step_lib.record(steps, none.pending)
 

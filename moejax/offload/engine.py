@@ -11,7 +11,7 @@
     rows = eng.batched(8)                  # several sequences at once (`batch.Batched`)
 
 A decode step is ONE jitted program (`decode.step_fn`): every layer, and in each MoE
-layer the one per-layer sequence (`layer.moe_layer`) with its copies from the host
+layer the one per-layer sequence (`decode.moe_layer`) with its copies from the host
 store made inside the program.  The host dispatches it and reads the token's small
 decisions (`cache.step.Record`); with `lazy=True` (or in `generate`'s while_loop, native
 link only) that read happens later, behind the device.  An emulated link
@@ -37,6 +37,7 @@ from moejax.offload import batch as batch_lib
 from moejax.offload import decode
 from moejax.offload import expert_parallel
 from moejax.offload import link as link_lib
+from moejax.offload import prompt
 from moejax.cache import policy as policy_lib
 from moejax.prefetch import steps as pf_steps
 from moejax.cache import initial as initial_lib
@@ -197,7 +198,7 @@ class OffloadEngine:
     # throwaway copy of the slot buffers is made (Qwen3-30B-A3B: 1.2 GB a layer at 25%)
     self._step.lower(self.params, self._srcs, self.new_carry(), np.int32(0),
                      np.int32(0)).compile()
-    decode.compile_prompts(self._prog, self.params, self._srcs, self._live_states(),
+    prompt.compile_prompts(self._prog, self.params, self._srcs, self._live_states(),
                            prompt_lengths)
 
   def set_policy(self, policy: policy_lib.PolicyParams | str):
@@ -267,12 +268,12 @@ class OffloadEngine:
     if t + 1 > self.max_len:
       raise ValueError(f"prompt of {t} tokens does not fit max_len={self.max_len}")
     t0 = time.perf_counter()
-    toks = np.zeros((decode.prompt_bucket(self._prog, t),), np.int32)
+    toks = np.zeros((prompt.prompt_bucket(self._prog, t),), np.int32)
     toks[:t] = prompt_ids
     states = self._live_states()
     self._carry = None
     decay = np.float32(float(self.policy.lfu_decay) ** np.float64(t))
-    logits, carry, did = decode.prefill(self._prog, self.params, self._srcs, states, toks,
+    logits, carry, did = prompt.prefill(self._prog, self.params, self._srcs, states, toks,
                                         np.int32(t), decay)
     self._carry, self._states = carry, None
     out, copied, evicted = jax.device_get((logits, did.copied_E, did.evicted_EP))
@@ -345,7 +346,7 @@ class OffloadEngine:
       self._kept.add((np.array(done.packed), nxt - done.t0, {}), self._record)
 
   def _unpack(self, packed):
-    """The numpy Record of a step's packed decisions (`decode.RecordLayout.unpack`)."""
+    """The numpy Record of a step's packed decisions (`record.RecordLayout.unpack`)."""
     return self.record_layout.unpack(packed)
 
   def _record(self, packed, wall_s: float, waits: dict, layers: bool) -> TokenRecord:

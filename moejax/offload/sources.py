@@ -1,4 +1,4 @@
-"""Expert sources of a MoE layer: where `layer.moe_layer` reads its experts from.
+"""Expert sources of a MoE layer: where `decode.moe_layer` reads its experts from.
 
   table   every expert on the device, read by id (the emulator); with low-precision
           copies the table holds 2E experts, the dequantised copy of e at E + e;
@@ -178,7 +178,7 @@ def one_at_a_time(ctx, rows, num_e: int, x_PxD, ids_PxK, gates_PxK):
 def copy_into_slots(ctx, buffers: dict, store: dict, ids_J, slots_J,
                     low_bits: int | None = None, pinned: bool | None = None) -> dict:
   """`copy_rows` into the layer's slots: on the one device, or expert-parallel on the
-  devices that own the slots (ctx: `layer.Ctx`; pinned: the store is in a host memory
+  devices that own the slots (ctx: `decode.Ctx`; pinned: the store is in a host memory
   kind, default ctx.pinned)."""
   pinned = ctx.pinned if pinned is None else pinned
   if ctx.ep is None:
@@ -228,7 +228,7 @@ def host_experts(ctx, store: dict, dtypes: dict, moe_in, ids_BxK, gates_BxK, in_
 
 
 def run_experts(ctx, mod, p, src: dict, h, moe_in, state, head, carried):
-  """The layer's experts and residual from the source -> (x, state) (ctx: `layer.Ctx`,
+  """The layer's experts and residual from the source -> (x, state) (ctx: `decode.Ctx`,
   head: `cache.step.Head`), for one token or B rows (h [B, 1, D], the decision [B, K]).
   The slots source first makes the copies the cache's metadata already promises, in
   order: the previous token's executed prefetches into their slots and its admissions

@@ -17,7 +17,7 @@ from moejax.cache import resident as resident_lib
 from moejax.cache.policy import PolicyParams
 from moejax.cache.step import STATS
 from moejax.offload import decode as decode_lib
-from moejax.offload import layer as layer_lib
+from moejax.offload import prompt as prompt_lib
 
 
 class EmulatorError(ValueError):
@@ -27,7 +27,7 @@ class EmulatorError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class Setup:
   """Everything static about an emulation (hashable: a static jit argument)."""
-  ctx: layer_lib.Ctx             # a layer's step (`Ctx.make`, source "table")
+  ctx: decode_lib.Ctx             # a layer's step (`Ctx.make`, source "table")
   num_slots: int                 # physical slots per MoE layer (budget + staging)
   max_len: int                   # KV cache length (attention window)
   dtype: str = "float32"
@@ -59,7 +59,7 @@ def prefill_setup(setup: Setup) -> Setup:
 
 def prefill_one(setup: Setup, params, layers, table, states, tokens_P, length, decay_pow):
   """Exact prompt (first `length` of tokens_P) of one stream, as OffloadEngine.prefill."""
-  logits, carry, _ = decode_lib.prompt_pass(setup.ctx, jnp.dtype(setup.dtype), setup.max_len,
+  logits, carry, _ = prompt_lib.prompt_pass(setup.ctx, jnp.dtype(setup.dtype), setup.max_len,
                                             params, layers, table, states, tokens_P, length,
                                             decay_pow, scan=True)
   return logits, carry

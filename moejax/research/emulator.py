@@ -47,7 +47,6 @@ from moejax.cache.controls import Control  # noqa: F401  (public: emulator.Contr
 from moejax.model.layer_stack import stack_layers  # noqa: F401  (public: emulator.stack_layers)
 from moejax.prefetch import speculation
 from moejax.cache import step as step_lib
-from moejax.offload import layer as layer_lib
 from moejax.offload.config import EngineConfig
 from moejax.cache import initial as initial_lib
 from moejax.cache import resident as resident_lib
@@ -159,7 +158,7 @@ def greedy(setup: Setup, params, layers, table, carry, logits_BxV, start_B, step
 
 # ------------------------------------------------------------------ convenience
 def _sources(cfg: ModelConfig, table, preds):
-  """Each layer's expert source for `layer.moe_layer`: the table, and the predictors."""
+  """Each layer's expert source for `decode.moe_layer`: the table, and the predictors."""
   if layer_stack.uniform(cfg):
     return dict(table=table, **(preds or {}))
   return [None if t is None else dict(table=t, **(preds[i] if preds else {}))
@@ -200,7 +199,7 @@ def make(cfg: ModelConfig, params, store, config: EngineConfig = EngineConfig(),
   stacked = (stacked[0], _sources(cfg, stacked[1], preds))
   states = layer_stack.stack_states(
       cfg, init_states(cfg, budget, policy, config.initial, profile_counts))
-  ctx = layer_lib.Ctx.make(cfg, config, budget, control=control, source="table")
+  ctx = decode_lib.Ctx.make(cfg, config, budget, control=control, source="table")
   setup = Setup(ctx=ctx, num_slots=budget.physical, max_len=config.max_len, dtype=dtype.name,
                 detail=detail, batch=batch)
   return Emulation(setup, params, *stacked, states, budget)

@@ -4,7 +4,7 @@ which runs its streams here; the parts both share are `research.emulation`).
 
 Streams are taken B at a time (the stream count a multiple of B).  In a group, each
 stream's first token is a one-token prompt, run one after another into the shared states
-(as requests join the engine's batch: `offload.decode.prompt_pass`); then each token
+(as requests join the engine's batch: `offload.prompt.prompt_pass`); then each token
 position of the group's B streams is ONE decoded step of B rows
 (`offload.decode.decode_token` with B rows: per MoE layer one batched cache step), teacher
 forced.  Groups are independent (vmapped).  Per stream, the statistics of its row of each

@@ -67,7 +67,7 @@ def joins(engine, max_batch: int, lengths) -> None:
   """Compiles (runs nothing) the write of a joining prompt's KV cache, sized to its
   bucket, into a row of the batch's cache (`Batched.prompt`'s `put_row`) for each of
   `lengths`' buckets.  engine: the `OffloadEngine` the batch decodes on."""
-  from moejax.offload import decode
+  from moejax.offload import decode, prompt
   prog, dtype = engine.program, engine.dtype
   # placed as the calls' arrays are (on the engine's device): a program compiled for
   # unplaced arguments is not the one a call with placed arrays looks up
@@ -80,7 +80,7 @@ def joins(engine, max_batch: int, lengths) -> None:
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=on), shapes)
   batch = cache(max_batch, engine.max_len)
   axis = 1 if prog.scan else 0
-  for p in sorted({decode.prompt_bucket(prog, min(t, engine.max_len - 1)) for t in lengths}):
+  for p in sorted({prompt.prompt_bucket(prog, min(t, engine.max_len - 1)) for t in lengths}):
     put_row.lower(batch, cache(1, p), np.int32(0), axis).compile()
 
 

@@ -54,6 +54,7 @@ import numpy as np
 
 from benchmarks import models as bench_models
 from benchmarks import routing, stream
+from benchmarks.offload_report import LOWER_BOUND, preset_rows, scan_over_unrolled, table
 from benchmarks.transfer import expert_copy_seconds
 from moejax.io.loader import init_random, load_model
 from moejax.offload import calibrate
@@ -98,12 +99,6 @@ flags.DEFINE_enum("scaled_compute", "model", ["model", "engine"],
                   "Layer compute time the scaled link is sized against: 'model' = one MoE "
                   "layer's jitted decode step with its own experts resident (the computation "
                   "alone); 'engine' = the all-resident engine's time per token / layers.")
-
-LOWER_BOUND = ("sampler_tpot_ms + fetches_per_token x expert_copy_ms + (emulated link) "
-               "wait_ms + admission_wait_ms + prefetch_wait_ms per token; expert_copy_ms: "
-               "min(expert_copy_call_ms, expert_copy_in_loop_ms), one expert's in-program copy "
-               "from this run's store into a slot buffer")
-
 
 def load(dtype):
   """(cfg, params, store, token stream source, description, a GGUF's (dense, expert) bytes
@@ -292,7 +287,6 @@ def run(stack: contextlib.ExitStack, watch):
   wall = time.time() - t0
   med = {k: float(np.median(v)) for k, v in rounds.items()}
   sampler_ms = med["sampler"]
-  ratio_rounds = lambda k: [a / b for a, b in zip(rounds[k], rounds["sampler"])]
   resident = runners["all_resident"].stats(skip=FLAGS.warmup_tokens)
   result = {
       "model": desc, "model_type": cfg.model_type, "layers": cfg.num_layers,
@@ -339,26 +333,9 @@ def run(stack: contextlib.ExitStack, watch):
         f"({med['all_resident'] / sampler_ms:.2f}x sampler); one expert's in-program copy "
         f"({FLAGS.store} store): {copy_ms:.4f} ms")
   for spec, link in links.items():
-    rows = {}
-    for preset in presets:
-      eng = runners[(spec, preset)]
-      s = eng.stats(skip=FLAGS.warmup_tokens)
-      waits = (s["wait_ms_per_token"] + s["admission_wait_ms_per_token"]
-               + s["prefetch_wait_ms_per_token"]) if link.emulated else 0.0
-      lb = sampler_ms + copy_ms * s["fetches_per_token"] + waits
-      tpot = med[(spec, preset)]
-      rows[preset] = dict(
-          policy=eng.policy.describe(), tpot_ms=tpot, lower_bound_ms=lb,
-          tpot_over_sampler=tpot / sampler_ms, tpot_over_lower_bound=tpot / lb,
-          tpot_ms_rounds=rounds[(spec, preset)],
-          tpot_over_sampler_rounds=ratio_rounds((spec, preset)),
-          emulated_wait_ms_per_token=waits, tpot_mean_ms=s["tpot_ms"],
-          tpot_median_ms=s["tpot_median_ms"], substituted_call_pct=s["substituted_call_pct"],
-          hit_rate=s["hit_rate"], misses_per_token=s.get("misses_per_token"), stats=s,
-          budget=eng.budget.as_dict())
-    base = rows.get("baseline", {}).get("tpot_ms")
-    for r in rows.values():
-      r["speedup_vs_baseline"] = base / r["tpot_ms"] if base else None
+    rows = preset_rows({p: runners[(spec, p)] for p in presets},
+                       {p: rounds[(spec, p)] for p in presets}, rounds["sampler"], link,
+                       copy_ms, FLAGS.warmup_tokens)
     result["links"][spec] = dict(
         link=link.describe(), bandwidth_Bps=link.bandwidth_Bps, latency_s=link.latency_s,
         expert_transfer_ms=1e3 * link.transfer_time(ebytes) if link.emulated else copy_ms,
@@ -370,11 +347,7 @@ def run(stack: contextlib.ExitStack, watch):
     pairs = {"all_resident": ("all_resident", "unrolled/all_resident")}
     pairs.update({f"{spec}/{p}": ((spec, p), ("unrolled", spec, p)) for spec in links
                   for p in presets})
-    result["scan_over_unrolled"] = {
-        name: dict(ratio_of_medians=med[a] / med[b], unrolled_tpot_ms=med[b],
-                   rounds=[x / y for x, y in zip(rounds[a], rounds[b])],
-                   unrolled_over_sampler=med[b] / sampler_ms)
-        for name, (a, b) in pairs.items()}
+    result["scan_over_unrolled"] = scan_over_unrolled(pairs, rounds, sampler_ms)
     print("scanned / unrolled engine (ratio of medians): " + ", ".join(
         f"{n} {v['ratio_of_medians']:.3f} (unrolled {v['unrolled_tpot_ms']:.2f} ms)"
         for n, v in result["scan_over_unrolled"].items()))
@@ -384,20 +357,3 @@ def run(stack: contextlib.ExitStack, watch):
   with open(FLAGS.out, "w") as f:
     json.dump(result, f, indent=2, default=float)
   print(f"[bench_offload] wrote {FLAGS.out}", file=sys.stderr)
-
-
-def table(rows: dict, link_desc: str, sampler_ms: float) -> str:
-  head = (f"link: {link_desc}; sampler {sampler_ms:.3f} ms/token\n"
-          f"{'preset':<15}{'tpot ms':>9}{'x smp':>7}{'bound ms':>10}{'/bound':>8}{'x base':>8}"
-          f"{'hit %':>7}{'subst %':>9}{'fetch/tok':>10}{'wait ms':>9}{'adm/tok':>8}")
-  lines = [head]
-  # tpot: median over rounds; bound: sampler + in-program copies + emulated waits
-  for name, r in rows.items():
-    s = r["stats"]
-    sp = r["speedup_vs_baseline"]
-    lines.append(f"{name:<15}{r['tpot_ms']:>9.3f}{r['tpot_over_sampler']:>7.2f}"
-                 f"{r['lower_bound_ms']:>10.3f}{r['tpot_over_lower_bound']:>8.2f}{(sp or 0):>8.2f}"
-                 f"{100 * r['hit_rate']:>7.1f}{r['substituted_call_pct']:>9.1f}"
-                 f"{s['fetches_per_token']:>10.2f}{r['emulated_wait_ms_per_token']:>9.2f}"
-                 f"{s['admissions_per_token']:>8.2f}")
-  return "\n".join(lines)

@@ -52,13 +52,14 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import sys
 import time
 
 from absl import flags
 
 from benchmarks import routing, stream
+from benchmarks.scale_disk import (Files, cached_bytes, disk_shortfall, model_files,
+                                   needs_safetensors)
 from benchmarks.scale_report import summarize, table
 from moejax.cli import app as cli
 from moejax.kernels import cpu_kernel
@@ -96,7 +97,6 @@ flags.DEFINE_string("child", None, "Internal: 'moejax' runs one moejax contender
 flags.DEFINE_string("model_dir", None, "--child: the model folder.")
 flags.DEFINE_string("policy", "quality", "--child: the preset.")
 
-RESERVE = 8 * 10**9          # disk left free at all times
 RUNTIME = 10**9              # moejax's runtime beyond the plan's anonymous bytes
 GB = 1e9
 BF16_LIMIT_GB = 12.0         # the bf16 run's limit: 12 GB (of 30 at 24 layers)
@@ -225,73 +225,16 @@ def paths(layers: int) -> tuple[str, str]:
                                         FLAGS.gguf_dir)
 
 
-def repacked(model_dir: str) -> bool:
-  """Whether moejax's stacked copy of a per-expert checkpoint is already cached."""
-  import jax.numpy as jnp
-  from moejax.io import repack
-  return (os.path.isdir(model_dir) and
-          os.path.exists(repack.stacked_path(model_dir, jnp.bfloat16)))
+def files(layers: int) -> Files:
+  """This run's model files (`paths`) and formats, from the flags."""
+  model_dir, gguf = paths(layers)
+  return Files(model_dir=model_dir, gguf=gguf, weights=FLAGS.weights, layout=FLAGS.layout,
+               gguf_dir=FLAGS.gguf_dir)
 
 
-def needs_safetensors(model_dir: str, gguf: str) -> bool:
-  """Whether the bf16 safetensors are still to be written: moejax's bf16 runs read them, and
-  a block format's GGUF is made from them; once that GGUF exists they may be gone."""
-  if os.path.exists(os.path.join(model_dir, "model.safetensors.index.json")):
-    return False
-  return FLAGS.weights == "bf16" or not os.path.exists(gguf)
-
-
-def disk_shortfall(model_dir: str, gguf: str, layers: int, plan: dict) -> str | None:
-  """None when the disk holds what is still to be written plus the reserve, else why not."""
-  from benchmarks import models as bench_models
-  size = bench_models.wide_bytes(layers)
-  parts = {}
-  if needs_safetensors(model_dir, gguf):
-    parts["model"] = size
-  if FLAGS.weights == "bf16" and FLAGS.layout == "per_expert" and not repacked(model_dir):
-    parts["moejax repack"] = plan["all_experts_bytes"]
-  bf16_gguf = bench_models.wide_gguf_path(layers, "bf16", os.path.dirname(model_dir),
-                                          FLAGS.layout, FLAGS.gguf_dir)
-  if (FLAGS.weights != "bf16" or "llama.cpp" in FLAGS.contenders) and not os.path.exists(bf16_gguf):
-    parts["GGUF"] = int(size * 1.01)
-  if FLAGS.weights != "bf16" and not os.path.exists(gguf):
-    parts[f"{FLAGS.weights} GGUF"] = int(bench_models.wide_bytes(layers, FLAGS.weights) * 1.01)
-  need = sum(parts.values()) + RESERVE
-  probe = os.path.dirname(os.path.normpath(model_dir))
-  while not os.path.isdir(probe):
-    probe = os.path.dirname(probe)
-  free = shutil.disk_usage(probe).free
-  if free >= need:
-    return None
-  what = ", ".join(f"{k} {v}" for k, v in parts.items())
-  return (f"needs {need} bytes free on the disk of {probe} ({what}, reserve {RESERVE}); "
-          f"it has {free}")
-
-
-def model_files(name: str, model_dir: str, gguf: str) -> list[str]:
-  if name == "llama.cpp" or FLAGS.weights != "bf16":
-    return [gguf]
-  files = [os.path.join(model_dir, f) for f in os.listdir(model_dir) if f.endswith(".safetensors")]
-  if FLAGS.layout == "per_expert" and repacked(model_dir):
-    import jax.numpy as jnp
-    from moejax.io import repack
-    files.append(repack.stacked_path(model_dir, jnp.bfloat16))
-  return files
-
-
-def cached_bytes(files: list[str]) -> int | None:
-  """Bytes of `files` in the page cache (util-linux fincore; None without it): after the
-  drop this should be ~0, else another process holds or reads the same files."""
-  import subprocess
-  if not shutil.which("fincore"):
-    return None
-  res = subprocess.run(["fincore", "--bytes", "--noheadings", "--output=RES", *files],
-                       capture_output=True, text=True)
-  return sum(int(x) for x in res.stdout.split()) if res.returncode == 0 else None
-
-
-def run_one(name: str, model_dir: str, gguf: str, bins: dict | None, limit: int) -> dict:
+def run_one(name: str, mfiles: Files, bins: dict | None, limit: int) -> dict:
   from benchmarks import memcg
+  model_dir, gguf = mfiles.model_dir, mfiles.gguf
   if name == "llama.cpp":
     ids = stream.held_out_ids(tokenizer(model_dir if FLAGS.weights == "bf16" else gguf),
                               stream_len())
@@ -305,7 +248,7 @@ def run_one(name: str, model_dir: str, gguf: str, bins: dict | None, limit: int)
             f"--decode_tokens={FLAGS.decode_tokens}", f"--warmup_tokens={FLAGS.warmup_tokens}",
             f"--max_len={FLAGS.max_len}", f"--cache_fraction={FLAGS.cache_fraction}"]
   memcg.drop_page_cache()
-  cached = cached_bytes(model_files(name, model_dir, gguf))
+  cached = cached_bytes(model_files(name, mfiles))
   res = memcg.run(argv, limit, FLAGS.timeout_s, env=dict(
       os.environ, JAX_PLATFORMS="cpu", LLAMA_TIMER_NO_REPACK="1" if FLAGS.no_repack else "0"))
   row = {"returncode": res.returncode, "oom_killed": res.oom_killed, "wall_s": res.wall_s,
@@ -354,8 +297,9 @@ def main(argv):
                    f"needs ({plan['anon_bytes'] / GB:.2f} GB anonymous + 1 GB runtime): the "
                    f"smallest that works is --memory_limit_gb={math.ceil(needs / 1e8) / 10:g}"
                    + (f" (or --cache_fraction={fits:g} in this limit)" if fits else ""))
-  model_dir, gguf = paths(FLAGS.layers)
-  short = disk_shortfall(model_dir, gguf, FLAGS.layers, plan)
+  mfiles = files(FLAGS.layers)
+  model_dir, gguf = mfiles.model_dir, mfiles.gguf
+  short = disk_shortfall(mfiles, FLAGS.layers, plan, "llama.cpp" in FLAGS.contenders)
   if short:
     print(f"bench_scale: {short}", file=sys.stderr)
     sys.exit(2)
@@ -371,7 +315,7 @@ def main(argv):
          "cpu_count": os.cpu_count(), "cpu_kernels": cpu_kernel.describe(),
          "loadavg_start": os.getloadavg(), "argv": sys.argv}
   t0 = time.perf_counter()
-  if needs_safetensors(model_dir, gguf):
+  if needs_safetensors(mfiles):
     bench_models.save_wide(model_dir, layers=FLAGS.layers, layout=FLAGS.layout)
   res["model_write_s"] = time.perf_counter() - t0
   bins = None
@@ -388,7 +332,7 @@ def main(argv):
   for r in range(FLAGS.rounds):
     for name in FLAGS.contenders[r % n:] + FLAGS.contenders[:r % n]:
       print(f"[bench_scale] round {r + 1}/{FLAGS.rounds}: {name}", file=sys.stderr, flush=True)
-      row = run_one(name, model_dir, gguf, bins, limit)
+      row = run_one(name, mfiles, bins, limit)
       row["round"] = r
       runs[name].append(row)
       print(f"[bench_scale]   {name}: decode {row.get('decode_tok_s')} tok/s, rc "

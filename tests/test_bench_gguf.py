@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import pytest
 from absl.testing import flagsaver
 
-from benchmarks import llama_cpp, memcg, models as bench_models, scale as bench_scale
+from benchmarks import llama_cpp, memcg, models as bench_models, scale as bench_scale, scale_disk
 from tests.test_bench_scale import run_main
 
 
@@ -127,7 +127,7 @@ def test_bench_scale_q4_0_plans_the_blocks_and_names_a_fraction_that_fits(tmp_pa
   fits = float(line.rsplit("--cache_fraction=", 1)[1].split()[0])
   assert 0.125 <= fits < 0.25
   # at that fraction the limit holds; the disk check then counts the q4_0 GGUF to make
-  monkeypatch.setattr(bench_scale.shutil, "disk_usage",
+  monkeypatch.setattr(scale_disk.shutil, "disk_usage",
                       lambda p: types.SimpleNamespace(free=10**9))
   assert run_main(tmp_path, "--layers=24", "--weights=q4_0", f"--cache_fraction={fits}") == 2
   err = capsys.readouterr().err.strip().splitlines()

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import pytest
 from absl.testing import flagsaver
 
-from benchmarks import memcg, scale as bench_scale
+from benchmarks import memcg, scale as bench_scale, scale_disk
 from moejax.io.loader import init_random, save_hf
 from moejax.model.config import ModelConfig
 
@@ -53,7 +53,7 @@ def test_too_small_limit_names_the_flag_and_the_smallest_value(tmp_path, monkeyp
   assert float(smallest) * 1e9 >= needs > (float(smallest) - 0.1) * 1e9
   assert needs == plan["anon_bytes"] + 10**9
   # that value passes the check; the next one (disk space) then refuses, writing nothing
-  monkeypatch.setattr(bench_scale.shutil, "disk_usage",
+  monkeypatch.setattr(scale_disk.shutil, "disk_usage",
                       lambda p: types.SimpleNamespace(free=10**9))
   assert run_main(tmp_path, "--layers=24", f"--memory_limit_gb={smallest}") == 2
   err = capsys.readouterr().err.strip().splitlines()

@@ -89,21 +89,26 @@ inline __m512i scaled_pair(__m512i isum, __m512i s0, __m512i s1, __m512i sv) {
   return _mm512_dpwssd_epi32(isum, _mm512_packs_epi32(s0, s1), sv);
 }
 
+inline float hsum4(__m128 v) {
+  const __m128 p = _mm_add_ps(v, _mm_movehl_ps(v, v));
+  return _mm_cvtss_f32(_mm_add_ss(p, _mm_movehdup_ps(p)));
+}
+
 // Q4_K: per super-block and (row, token) 4 vpdpbusd (64 codes each), 2 vpdpwssd, then
-// acc += isum * (d * d_x) in 16 lanes; the mins' part for up to 4 tokens at once, token t
-// in the 128-bit lane t of accm[r]: += (mins . bsums) * (dmin * d_x), 4 lanes a token.
+// acc += isum * (d * d_x) in 16 lanes and accm += (mins . bsums) * (dmin * d_x) in 4.
 template <int R, int T>
 inline void tile_q4k(const uint8_t* w, int64_t row_bytes, const QAct& a, const int64_t* tok,
                      float* out, int64_t os) {
-  static_assert(T <= 4, "the mins of up to 4 tokens share a zmm");
   const int64_t nsb = a.len / 256;
   const KIdx& ix = kidx();
   const __m512i nib = _mm512_set1_epi8(0x0f);
-  __m512 acc[R][T], accm[R];
-  for (int r = 0; r < R; ++r) {
-    accm[r] = _mm512_setzero_ps();
-    for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps();
-  }
+  __m512 acc[R][T];
+  __m128 accm[R][T];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) {
+      acc[r][t] = _mm512_setzero_ps();
+      accm[r][t] = _mm_setzero_ps();
+    }
   for (int64_t sb = 0; sb < nsb; ++sb) {
     __m512i isum[R][T];
     __m128i scm[R];   // the rows' scales (bytes 0-7) and mins (8-15)
@@ -128,34 +133,26 @@ inline void tile_q4k(const uint8_t* w, int64_t row_bytes, const QAct& a, const i
                                    _mm512_dpbusd_epi32(_mm512_setzero_si512(), w1[r], x1), sv[r]);
       }
     }
-    __m512i bs = _mm512_setzero_si512();   // token t's 8 sums of 32 codes in lane t
-    __m512 dx = _mm512_setzero_ps();        // token t's scale in lane t
-    for (int t = 0; t < T; ++t) {
-      const __mmask16 lane = static_cast<__mmask16>(0xf << (4 * t));
-      bs = _mm512_mask_broadcast_i32x4(bs, lane, _mm_loadu_si128(
-          reinterpret_cast<const __m128i*>(a.bsum_of(tok[t]) + sb * 8)));
-      dx = _mm512_mask_mov_ps(dx, lane, _mm512_set1_ps(a.d_of(tok[t])[sb]));
-    }
     for (int r = 0; r < R; ++r) {
       const uint8_t* blk = w + r * row_bytes + sb * 144;
-      uint16_t h[2];
-      std::memcpy(h, blk, 4);
-      const float d = _cvtsh_ss(h[0]), dmin = _cvtsh_ss(h[1]);
-      const __m512i m16 = _mm512_broadcast_i32x4(_mm_cvtepu8_epi16(_mm_srli_si128(scm[r], 8)));
-      accm[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_madd_epi16(m16, bs)),
-                                _mm512_mul_ps(_mm512_set1_ps(dmin), dx), accm[r]);
-      for (int t = 0; t < T; ++t)
-        acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r][t]),
-                                    _mm512_set1_ps(d * a.d_of(tok[t])[sb]), acc[r][t]);
+      const __m128i m16 = _mm_cvtepu8_epi16(_mm_srli_si128(scm[r], 8));
+      int32_t dm;
+      std::memcpy(&dm, blk, 4);
+      const __m128 dmin = _mm_cvtph_ps(_mm_cvtsi32_si128(dm));   // d, dmin
+      for (int t = 0; t < T; ++t) {
+        const __m128 f = _mm_mul_ps(dmin, _mm_set1_ps(a.d_of(tok[t])[sb]));
+        const __m128i bs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(
+            a.bsum_of(tok[t]) + sb * 8));
+        acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r][t]), _mm512_broadcastss_ps(f),
+                                    acc[r][t]);
+        accm[r][t] = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm_madd_epi16(m16, bs)),
+                                  _mm_shuffle_ps(f, f, 0x55), accm[r][t]);
+      }
     }
   }
-  for (int r = 0; r < R; ++r) {
-    alignas(64) float m[16];
-    _mm512_store_ps(m, accm[r]);
+  for (int r = 0; r < R; ++r)
     for (int t = 0; t < T; ++t)
-      out[t * os + r] = _mm512_reduce_add_ps(acc[r][t]) -
-                        ((m[4 * t] + m[4 * t + 2]) + (m[4 * t + 1] + m[4 * t + 3]));
-  }
+      out[t * os + r] = _mm512_reduce_add_ps(acc[r][t]) - hsum4(accm[r][t]);
 }
 
 // 64 of a Q6_K half's 128 codes: chunk 0 its elements 0-63, chunk 1 its elements 64-127.

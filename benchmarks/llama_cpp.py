@@ -23,6 +23,8 @@ import subprocess
 import sys
 import tarfile
 
+from moejax.io.weights import gguf_align
+
 VERSION = "0.3.36"
 TARGETS = ("llama-simple",)
 TIMER_SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "llama_timer.cpp")
@@ -249,53 +251,9 @@ def quantize(cache: str, src_gguf: str, qtype: str, out: str, pure: bool,
     if os.path.exists(out + ".tmp"):
       os.remove(out + ".tmp")
     raise
-  align_data(out + ".tmp")
+  gguf_align.align(out + ".tmp")    # moejax maps it in place (moejax-align-gguf)
   os.replace(out + ".tmp", out)
   return out
-
-
-_PAD_KEY = "moejax.pad"
-
-
-def align_data(path: str, to: int = 64) -> int:
-  """Moves a GGUF's data section to a multiple of `to` bytes in the file, in place: one
-  string KV ("moejax.pad") before the tensor index, everything after it shifted (the file
-  grows by the shift; nothing else changes: tensor offsets count from the data section).
-  llama.cpp pads to 32, so its tensors often start at 32 mod 64, where XLA's CPU client
-  cannot wrap the mapped bytes (it needs 64) and moejax would copy the experts into RAM.
-  -> the bytes shifted (0: already aligned)."""
-  from gguf import GGUFReader
-  r = GGUFReader(path, "r")
-  shift = -r.data_offset % to
-  fields = [f for k, f in r.fields.items() if not k.startswith("GGUF.")]
-  kv_end = max(f.offset + sum(int(p.nbytes) for p in f.parts) for f in fields)
-  n_kv, align = len(fields), r.alignment
-  del r, fields
-  if shift == 0:
-    return 0
-  if shift % align:
-    raise ValueError(f"{path}: data at {align}-byte alignment cannot move by {shift}")
-  head = 8 + len(_PAD_KEY) + 4 + 8                      # key length, key, type, value length
-  while shift < head:
-    shift += to
-  value = b" " * (shift - head)
-  kv = (len(_PAD_KEY).to_bytes(8, "little") + _PAD_KEY.encode() + (8).to_bytes(4, "little")
-        + len(value).to_bytes(8, "little") + value)    # GGUF type 8: string
-  size, chunk = os.path.getsize(path), 64 << 20
-  with open(path, "r+b") as f:
-    end = size
-    while end > kv_end:                                # back to front: nothing overwritten
-      start = max(kv_end, end - chunk)
-      f.seek(start)
-      buf = f.read(end - start)
-      f.seek(start + shift)
-      f.write(buf)
-      end = start
-    f.seek(kv_end)
-    f.write(kv)
-    f.seek(16)                                         # magic, version, tensor count
-    f.write((n_kv + 1).to_bytes(8, "little"))
-  return shift
 
 
 EXPERT_TIMER_SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)),
@@ -347,7 +305,7 @@ def convert(cache: str, hf_dir: str, outtype: str, out_dir: str) -> str:
   log = os.path.join(out_dir, "convert.log")
   _run([sys.executable, "-c", _CONVERT, source_dir(cache), hf_dir, "--outfile", out + ".tmp",
         "--outtype", outtype], log, f"GGUF conversion of {hf_dir}")
-  align_data(out + ".tmp")
+  gguf_align.align(out + ".tmp")    # moejax maps it in place (moejax-align-gguf)
   os.replace(out + ".tmp", out)
   return out
 

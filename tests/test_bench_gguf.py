@@ -169,24 +169,3 @@ def test_bench_offload_runs_a_gguf_file_and_plans_its_blocks(tmp_path):
   assert r["memory"]["plans"]["baseline"]["expert_bytes"] == r["expert_bytes"]
   p = r["links"]["native"]["presets"]["baseline"]
   assert p["tpot_ms"] > 0 and p["stats"]["tokens"] == 4
-
-
-def test_align_data_moves_the_tensors_to_the_alignment_and_keeps_them(tmp_path):
-  gguf = pytest.importorskip("gguf", reason="gguf (pip install moejax[gguf]) is not installed")
-  import numpy as np
-  from moejax.io.loader import init_random
-  from tests.test_gguf import CFG, write_gguf
-  path = str(tmp_path / "tiny.gguf")
-  write_gguf(path, *init_random(CFG, seed=3, scale=0.05))
-  before = {t.name: np.array(t.data) for t in gguf.GGUFReader(path).tensors}
-  size = os.path.getsize(path)
-  shift = llama_cpp.align_data(path, to=4096)       # llama.cpp's files: to 64
-  r = gguf.GGUFReader(path)
-  assert r.data_offset % 4096 == 0 and shift % 32 == 0 and os.path.getsize(path) == size + shift
-  assert str(r.get_field("moejax.pad").contents()).strip() == ""
-  assert r.get_field("general.architecture").contents() == "qwen3moe"
-  assert {t.name for t in r.tensors} == set(before)
-  for t in r.tensors:
-    np.testing.assert_array_equal(np.array(t.data), before[t.name])
-  del r
-  assert llama_cpp.align_data(path, to=4096) == 0    # once

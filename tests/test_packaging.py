@@ -30,7 +30,8 @@ SCRIPTS = {"moejax-generate": "moejax.cli.generate:entry", "moejax-demo": "moeja
            "moejax-frontier": "moejax.cli.frontier:entry",
            "moejax-default-vectors": "moejax.cli.prepare.default_vectors:entry",
            "moejax-train-estimators": "moejax.cli.prepare.train_estimators:entry",
-           "moejax-host-ms": "moejax.cli.prepare.host_ms:entry"}
+           "moejax-host-ms": "moejax.cli.prepare.host_ms:entry",
+           "moejax-align-gguf": "moejax.cli.prepare.align_gguf:entry"}
 # the two whose --help mentions the checkout's python -m launch.X beside the console script
 CHECKOUT_NOTE = ("moejax-demo", "moejax-serve")
 # import name -> distribution, for the third-party packages moejax imports

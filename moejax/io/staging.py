@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 import threading
 import time
 
@@ -29,7 +30,8 @@ from jax.experimental import io_callback
 import numpy as np
 
 from moejax.io import pages
-from moejax.io.store import StoreBackendError, store_backend
+from moejax.io.store import (StoreBackendError, align_hint, store_backend,
+                             unaligned_bytes)
 
 FLAG = "--host_cache_gb"
 
@@ -88,6 +90,8 @@ class Admission:
     self.row_of = {}                               # key -> row
 
   def touch(self, key: int) -> tuple[bool, int | None]:
+    if not self.rows:                              # read-through: nothing is kept
+      return False, None
     self.freq *= self.decay
     self.freq[key] += 1.0
     row = self.row_of.get(key)
@@ -115,20 +119,30 @@ def replay(keys, rows: int, num_keys: int, decay: float = 0.999) -> tuple[int, i
 
 
 class StagingCache:
-  """`rows` experts of a mapped store held in host memory (see the module docstring)."""
+  """`rows` experts of a mapped store held in host memory (see the module docstring);
+  capacity_bytes None: no rows, every read a copy from the mapped file (`read_through`)."""
 
-  def __init__(self, store, capacity_bytes: int, decay: float = 0.999):
+  def __init__(self, store, capacity_bytes: int | None, decay: float = 0.999):
     if store_backend(store) != "mmap":
       raise StagingError(f"{FLAG} stages experts read from the mapped checkpoint: it needs "
                          f"--store=mmap (got a {store_backend(store)} store)")
     self.layers = tuple(store.moe_layers)
     self.expert_bytes = store.expert_nbytes()
-    self.rows = staging_rows(capacity_bytes / 1e9, self.expert_bytes, len(self.layers))
+    self.rows = (0 if capacity_bytes is None else
+                 staging_rows(capacity_bytes / 1e9, self.expert_bytes, len(self.layers)))
     self._src = {l: {k: _bits(np.asarray(v)) for k, v in store.stacked(l).items()}
                  for l in self.layers}
-    first = self._src[self.layers[0]]
-    self.num_experts = next(iter(first.values())).shape[0]
-    self.spec = {k: (v.shape[1:], v.dtype) for k, v in first.items()}
+    # per layer: a GGUF's layers may hold their experts in different formats (Q4_K_M)
+    self.specs = {l: {k: (v.shape[1:], v.dtype) for k, v in src.items()}
+                  for l, src in self._src.items()}
+    self.spec = self.specs[self.layers[0]]
+    self.num_experts = next(iter(self._src[self.layers[0]].values())).shape[0]
+    if self.rows and any(s != self.spec for s in self.specs.values()):
+      other = next(l for l in self.layers if self.specs[l] != self.spec)
+      raise StagingError(f"{FLAG}: the staging rows hold experts of one format, and this "
+                         f"store's MoE layers mix them (layer {self.layers[0]}: "
+                         f"{', '.join(self.spec)}; layer {other}: "
+                         f"{', '.join(self.specs[other])}); drop {FLAG}")
     self.pool = {k: np.empty((self.rows,) + s, d) for k, (s, d) in self.spec.items()}
     self._index = {l: i for i, l in enumerate(self.layers)}
     self.admission = Admission(self.rows, len(self.layers) * self.num_experts, decay)
@@ -184,6 +198,24 @@ class StagingCache:
             "staging_rows": self.rows, "staging_held": self.held()}
 
 
+def read_through(store, platform: str):
+  """A StagingCache without rows (each fetch a copy of the expert from the mapped file)
+  for a mapped store that jax's CPU client cannot wrap in place: a GGUF whose tensor data
+  starts at 32 mod 64 bytes, as llama.cpp writes them.  Handed to the program, such a
+  store would be copied whole into RAM (`io.placement.program_store`), against the
+  memory plan's "page cache"; read through, a miss costs one copy of one expert.  One
+  line on stderr says so and how to align the file.  None for any other store."""
+  unaligned = unaligned_bytes(store) if platform == "cpu" else 0
+  if store_backend(store) != "mmap" or not unaligned:
+    return None
+  print(f"[moejax] {getattr(store, 'path', 'the mapped expert store')}: "
+        f"{unaligned / 1e9:.2f} GB of experts start off jax's 64-byte alignment, so they "
+        f"cannot be mapped in place: each fetched expert is read from the file (a copy per "
+        f"fetch) instead of the whole store copied into RAM{align_hint(store)}",
+        file=sys.stderr)
+  return StagingCache(store, None)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True, eq=False)
 class Staged:
@@ -200,6 +232,7 @@ class Staged:
 
   def rows(self, e) -> dict:
     """Expert e (a traced int32) as {name: [1, ...]} on the device, from the host callback."""
-    shapes = {k: jax.ShapeDtypeStruct((1,) + s, d) for k, (s, d) in self.cache.spec.items()}
+    shapes = {k: jax.ShapeDtypeStruct((1,) + s, d)
+              for k, (s, d) in self.cache.specs[self.layer].items()}
     return io_callback(
         lambda i: self.cache.read(self.layer, i), shapes, e, ordered=False)

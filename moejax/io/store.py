@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import tempfile
 from typing import Callable
 
@@ -32,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moejax.io import repack
 from moejax.io.safetensors_io import NAMES, SafetensorsFile, save_file
 
 
@@ -113,6 +115,11 @@ class ExpertStore:
     dev = jax.devices()[0]
     if dev.platform != "cpu" or self.backend == "pinned_host":
       return self.to_device(dtype)
+    copied = unaligned_bytes(self) if self.backend == "mmap" else 0
+    if copied:     # never silently: the plan counted the file's pages, not RAM
+      print(f"[moejax] warning: {getattr(self, 'path', 'the mapped store')}: "
+            f"{copied / 1e9:.2f} GB of the mapped experts start off jax's 64-byte alignment "
+            f"and are copied into RAM to be resident{align_hint(self)}", file=sys.stderr)
     out = []
     for i in range(self.num_layers):
       if i not in self.layers:
@@ -166,6 +173,33 @@ def empty_aligned(shape, dtype, align: int = 64) -> np.ndarray:
   raw = np.empty(nbytes + align, np.uint8)
   at = (-raw.ctypes.data) % align
   return raw[at:at + nbytes].view(dtype).reshape(shape)
+
+
+def aligned_copy(a) -> np.ndarray:
+  """A copy of `a` in RAM at jax's alignment (`empty_aligned`; np.array's large
+  allocations start at 16 mod 64, which jax would copy once more)."""
+  out = empty_aligned(np.shape(a), np.asarray(a).dtype)
+  out[...] = a
+  return out
+
+
+def align_hint(store: "ExpertStore") -> str:
+  """How to avoid copying a mapped GGUF's unaligned experts (empty for other stores)."""
+  path = getattr(store, "path", None)
+  return (f"; `moejax-align-gguf --model_dir={path}` aligns the file once (in place)"
+          if isinstance(path, str) and path.endswith(".gguf") else "")
+
+
+def unaligned_bytes(store: "ExpertStore") -> int:
+  """Bytes of the store's stacked expert arrays that jax's CPU client cannot wrap in place
+  (data not at `repack.JAX_ALIGN`: a GGUF as llama.cpp writes it maps at 32 mod 64), so
+  that handing them to a program copies them."""
+  n = 0
+  for l in store.moe_layers:
+    for v in (getattr(store.layers[l], "stacked", None) or {}).values():
+      if isinstance(v, np.ndarray) and v.size and not repack.aligned(v):
+        n += v.nbytes
+  return n
 
 
 def _root(a):
@@ -293,7 +327,7 @@ def to_numpy(store: ExpertStore) -> ExpertStore:
   per = {i: {k: np.asarray(v) for k, v in store.stacked(i).items()} for i in store.moe_layers}
   st = stack_layers(per)      # one copy into [L, E, ...] arrays (`layer_stacked`)
   if st is per:               # layers of different shapes: a copy each
-    st = {i: {k: np.array(v) for k, v in d.items()} for i, d in per.items()}
+    st = {i: {k: aligned_copy(v) for k, v in d.items()} for i, d in per.items()}
   layers = {i: LayerExperts(store.layers[i].num_experts, stacked=d) for i, d in st.items()}
   return ExpertStore(layers, store.num_layers, backend="numpy")
 

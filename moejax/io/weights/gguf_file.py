@@ -33,7 +33,7 @@ import numpy as np
 from moejax.ggml import types
 from moejax.ggml.qarray import QuantArray
 from moejax.io.safetensors_io import CheckpointError
-from moejax.io.store import ExpertStore, LayerExperts, stack_layers
+from moejax.io.store import ExpertStore, LayerExperts, aligned_copy, stack_layers
 from moejax.io.weights import quantized
 from moejax.model.config import ModelConfig
 from moejax.model.model import abstract_params, nest_params
@@ -194,8 +194,10 @@ def _expert_layers(cfg, experts: dict, np_dtype, mmap: bool, path: str) -> dict:
       if any(v is None for v in f.values()):
         raise CheckpointError(f"{path}: layer {l} mixes float and block expert tensors")
       per[l] = {"gate_up": np.concatenate([f["gate"], f["up"]], axis=1), "down": f["down"]}
-  if not mmap:
-    per = stack_layers({l: {k: np.array(v) for k, v in d.items()} for l, d in per.items()})
+  if not mmap:   # into RAM once, at jax's alignment (the map's offsets are the file's)
+    st = stack_layers(per)
+    per = st if st is not per else {l: {k: aligned_copy(v) for k, v in d.items()}
+                                    for l, d in per.items()}
   return {l: LayerExperts(cfg.num_experts, stacked=d) for l, d in per.items()}
 
 

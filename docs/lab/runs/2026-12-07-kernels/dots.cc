@@ -1,5 +1,5 @@
 // One thread's quantized dots outside XLA (issue 61's kernel work): qrows_dot (cpu_qrows.h)
-// over `rows` random rows of 2048 elements per type, 1 token (decode) and 8 tokens (prompt
+// over `rows` random rows of 2048 elements per type, 1 token (decode) and 8, 64 tokens (prompt
 // tiles), timed in the thread's CPU time (CLOCK_THREAD_CPUTIME_ID, so other jobs on the
 // shared VM slow the wall clock, not the figure). Weight GB/s = row bytes / time.
 //   g++ -O3 -march=native -std=c++17 -I moejax/kernels dots.cc -o dots && ./dots [rows] [reps]
@@ -25,11 +25,11 @@ int main(int argc, char** argv) {
   const int64_t rows = argc > 1 ? atoll(argv[1]) : 16384, c = 2048;
   const int reps = argc > 2 ? atoi(argv[2]) : 7;
   std::mt19937 gen(0);
-  std::vector<float> x(16 * c);
+  std::vector<float> x(64 * c);
   std::normal_distribution<float> nd;
   for (float& v : x) v = nd(gen);
   const char* names[4] = {"q8_0", "q4_0", "q4_k", "q6_k"};
-  for (int nt : {1, 8}) {
+  for (int nt : {1, 8, 64}) {
     for (int round = 0; round < 2; ++round)
       for (int q = 0; q < 4; ++q) {
         const int64_t rb = c / qblock_elems(q) * qblock_bytes(q);

@@ -6,15 +6,19 @@ whose decode records are never taken (issue 62: it grew 4.2 kB a token).
 
 One engine on the demo model (--model_dir, default ckpts/demo) under substitute_all with
 admission (--records_admission_beta), 25% of each layer's experts resident, decodes
---records_tokens steps, sampled (temperature 1, no stop token), as a run of generations of
---records_generation tokens each (the KV cache holds one prompt and its continuation);
+at least --records_tokens steps, sampled (temperature 1, no stop token), as a run of whole
+generations of --records_generation tokens each (the KV cache holds one prompt and its
+continuation; one length throughout, so the on-device loop is compiled once, in the first
+generation: a shorter last one would compile another, +29 MB at the end);
 nothing reads the records until the end.  With the scaled link (the CPU default) each
 step is its own dispatch (`decode_step`); with the native link a generation is one
 on-device loop.  The process's RssAnon is read after the warm-up and after every
 generation.  Writes --out JSON: the samples (decode steps so far, RssAnon bytes), the
 growth from the end of the first generation to the end (the first generation's
 allocations: compiles, the KV cache's buffers, the kept records filling) and from the
-warm-up, the bytes a step, the records kept and the steps `stats()` counts.
+warm-up, the bytes a step, the records kept and the steps `stats()` counts, and whether
+the engine held glibc's mmap threshold (`moejax.io.heap`: without it the heap grew 8.4 MB
+steps, a generation's new KV cache and records coming from it).
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ import time
 from absl import flags
 
 FLAGS = flags.FLAGS
-flags.DEFINE_integer("records_tokens", 20000, "With --records: decode steps in all.",
+flags.DEFINE_integer("records_tokens", 20000, "With --records: decode steps at least (whole "
+                     "generations of --records_generation tokens).",
                      lower_bound=1)
 flags.DEFINE_integer("records_generation", 2000, "With --records: new tokens a generation "
                      "(within the demo model's 2048 positions).", lower_bound=2)
@@ -73,13 +78,13 @@ def build_engine(model_dir: str, prompt_len: int):
 
 
 def decode_run(eng, prompt_ids: list[int]) -> list[tuple[int, int]]:
-  """Generations until --records_tokens decode steps -> [(steps so far, RssAnon)], the
-  first after the warm-up."""
+  """Generations until at least --records_tokens decode steps -> [(steps so far,
+  RssAnon)], the first after the warm-up."""
   from moejax.model.sampler import SamplingParams
   samples, steps, seed = [(0, rss_anon_bytes())], 0, 0
   while steps < FLAGS.records_tokens:
-    n = min(FLAGS.records_generation, FLAGS.records_tokens - steps + 1)
-    out = eng.generate(prompt_ids, SamplingParams(1.0, 1.0, n, ()), seed=seed)
+    out = eng.generate(prompt_ids, SamplingParams(1.0, 1.0, FLAGS.records_generation, ()),
+                       seed=seed)
     steps, seed = steps + len(out) - 1, seed + 1     # the first token: the prompt pass's
     samples.append((steps, rss_anon_bytes()))
     print(f"[bench_memory] {steps} decode steps, RssAnon {samples[-1][1] / 1e6:.1f} MB",
@@ -102,6 +107,7 @@ def growth(samples: list[tuple[int, int]], start: int) -> dict:
 
 def main() -> int:
   from moejax.cli import app as cli
+  from moejax.io import heap
   from moejax.io.tokenizer import Tokenizer
   model_dir = FLAGS.model_dir or cli.demo_model_dir()
   t0 = time.perf_counter()
@@ -112,7 +118,8 @@ def main() -> int:
          "records_tokens": FLAGS.records_tokens, "generation": FLAGS.records_generation,
          "samples": samples, "after_first_generation": growth(samples, 1),
          "after_warmup": growth(samples, 0), "records_kept": len(eng.records),
-         "stats_tokens": eng.stats()["tokens"], "wall_s": time.perf_counter() - t0,
+         "stats_tokens": eng.stats()["tokens"], "mmap_threshold_held": heap.held(),
+         "wall_s": time.perf_counter() - t0,
          "loadavg": os.getloadavg()}
   eng.close()
   with open(FLAGS.out, "w") as f:
@@ -122,6 +129,7 @@ def main() -> int:
   print(f"RssAnon growth over decode steps {g['from_steps']}-{g['to_steps']}: "
         f"{g['bytes'] / 1e6:.2f} MB (largest rise {g['max_rise_bytes'] / 1e6:.2f} MB; fitted "
         f"slope {fit} a step); from the warm-up: {w['bytes'] / 1e6:.2f} MB; "
-        f"{res['records_kept']} records kept, stats() counts {res['stats_tokens']} steps")
+        f"{res['records_kept']} records kept, stats() counts {res['stats_tokens']} steps; "
+        f"mmap threshold held: {res['mmap_threshold_held']}")
   print(f"[bench_memory] wrote {FLAGS.out}", file=sys.stderr)
   return 0

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moejax.io import placement
+from moejax.io import heap, placement
 from moejax.kernels import cpu_kernel
 from moejax.model import layer_stack
 from moejax.model.config import ModelConfig
@@ -88,6 +88,7 @@ class OffloadEngine:
     self._carry = None            # a `layer_stack.Carry` once a prompt ran
     self.end_index = 0
     self._kept = Kept()           # the steps' records: a tally, the newest kept whole
+    heap.hold_mmap_threshold()    # each generation's new big arrays mapped, not heaped
     self._deferred: list[_Lazy] = []     # lazy steps not read back yet
     self._loops: dict = {}        # (steps, temperature, top_p, stop shape) -> compiled loop
     self.prefill_record: TokenRecord | None = None

@@ -16,9 +16,10 @@ on-device loop.  The process's RssAnon is read after the warm-up and after every
 generation.  Writes --out JSON: the samples (decode steps so far, RssAnon bytes), the
 growth from the end of the first generation to the end (the first generation's
 allocations: compiles, the KV cache's buffers, the kept records filling) and from the
-warm-up, the bytes a step, the records kept and the steps `stats()` counts, and whether
-the engine held glibc's mmap threshold (`moejax.io.heap`: without it the heap grew 8.4 MB
-steps, a generation's new KV cache and records coming from it).
+warm-up, the bytes a step, the records kept and the steps `stats()` counts, whether the
+engine held glibc's mmap threshold (`moejax.io.heap`; --records_heap=dynamic keeps glibc's
+rule, under which the heap grew 8.4 MB steps: a generation's new KV cache and records came
+from it) and malloc's own counts at each sample (heap, mapped, in use, free).
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ import time
 
 from absl import flags
 
+from moejax.io import heap
+
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("records_tokens", 20000, "With --records: decode steps at least (whole "
                      "generations of --records_generation tokens).",
@@ -40,6 +43,9 @@ flags.DEFINE_string("records_link", "scaled", "With --records: the link (scaled:
                     "dispatch a step; native: one on-device loop a generation).")
 flags.DEFINE_float("records_admission_beta", 0.5, "With --records: substitute_all's "
                    "admission threshold.")
+flags.DEFINE_enum("records_heap", "held", ["held", "dynamic"], "With --records: glibc's mmap "
+                  "threshold as the engine holds it (moejax.io.heap), or glibc's dynamic rule "
+                  "kept (the comparison: the heap grew 8.4 MB steps).")
 
 PROMPT = "def fibonacci(n):"
 
@@ -77,19 +83,21 @@ def build_engine(model_dir: str, prompt_len: int):
   return eng
 
 
-def decode_run(eng, prompt_ids: list[int]) -> list[tuple[int, int]]:
-  """Generations until at least --records_tokens decode steps -> [(steps so far,
-  RssAnon)], the first after the warm-up."""
+def decode_run(eng, prompt_ids: list[int]) -> tuple[list, list]:
+  """Generations until at least --records_tokens decode steps -> ([(steps so far,
+  RssAnon)], [(steps so far, `heap.malloc_info()`)]), the first after the warm-up."""
   from moejax.model.sampler import SamplingParams
   samples, steps, seed = [(0, rss_anon_bytes())], 0, 0
+  malloc = [(0, heap.malloc_info())]
   while steps < FLAGS.records_tokens:
     out = eng.generate(prompt_ids, SamplingParams(1.0, 1.0, FLAGS.records_generation, ()),
                        seed=seed)
     steps, seed = steps + len(out) - 1, seed + 1     # the first token: the prompt pass's
     samples.append((steps, rss_anon_bytes()))
+    malloc.append((steps, heap.malloc_info()))
     print(f"[bench_memory] {steps} decode steps, RssAnon {samples[-1][1] / 1e6:.1f} MB",
           file=sys.stderr)
-  return samples
+  return samples, malloc
 
 
 def growth(samples: list[tuple[int, int]], start: int) -> dict:
@@ -107,18 +115,20 @@ def growth(samples: list[tuple[int, int]], start: int) -> dict:
 
 def main() -> int:
   from moejax.cli import app as cli
-  from moejax.io import heap
   from moejax.io.tokenizer import Tokenizer
+  if FLAGS.records_heap == "dynamic" and not heap.leave_dynamic():
+    raise cli.UsageError("--records_heap=dynamic: the mmap threshold is held already")
   model_dir = FLAGS.model_dir or cli.demo_model_dir()
   t0 = time.perf_counter()
   prompt_ids = Tokenizer(model_dir).encode(PROMPT)
   eng = build_engine(model_dir, len(prompt_ids))
-  samples = decode_run(eng, prompt_ids)
+  samples, malloc = decode_run(eng, prompt_ids)
   res = {"model_dir": model_dir, "policy": eng.policy.describe(), "link": eng.link.describe(),
          "records_tokens": FLAGS.records_tokens, "generation": FLAGS.records_generation,
          "samples": samples, "after_first_generation": growth(samples, 1),
          "after_warmup": growth(samples, 0), "records_kept": len(eng.records),
          "stats_tokens": eng.stats()["tokens"], "mmap_threshold_held": heap.held(),
+         "malloc": malloc,
          "wall_s": time.perf_counter() - t0,
          "loadavg": os.getloadavg()}
   eng.close()

@@ -14,22 +14,17 @@ from moejax.io import heap
 
 pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc")
 
-# An array of 2 MB made, freed and made again: is the second one mapped (mallinfo2's hblkhd,
-# the bytes in mmapped chunks, holds it)?  Prints 1 if so.
+# An array of 2 MB made, freed and made again: is the second one mapped (malloc_info's
+# `mapped`, the bytes in chunks of their own mmap, holds it)?  Prints 1 if so.
 PROBE = """
-import ctypes, sys
 import numpy as np
+from moejax.io import heap
 {setup}
-class Info(ctypes.Structure):
-  _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
-              "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
-libc = ctypes.CDLL("libc.so.6")
-libc.mallinfo2.restype = Info
 a = np.ones(1 << 21, np.uint8)
 del a                                   # glibc's dynamic rule: the threshold rises to 2 MB
-before = libc.mallinfo2().hblkhd
+before = heap.malloc_info()["mapped"]
 b = np.ones(1 << 21, np.uint8)
-print(int(libc.mallinfo2().hblkhd - before >= b.nbytes))
+print(int(heap.malloc_info()["mapped"] - before >= b.nbytes))
 """
 
 
@@ -45,7 +40,7 @@ def mapped_again(setup: str, **env) -> bool:
 
 def test_the_dynamic_threshold_puts_a_freed_size_on_the_heap_and_holding_it_maps_it():
   assert not mapped_again("")                     # glibc's default: the heap, the growth
-  assert mapped_again("from moejax.io import heap\nassert heap.hold_mmap_threshold()")
+  assert mapped_again("assert heap.hold_mmap_threshold()")
 
 
 def test_an_engine_holds_the_threshold():
@@ -70,5 +65,11 @@ def test_a_threshold_the_user_set_is_kept():
   assert heap.user_set({"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=65536"})
   assert not heap.user_set({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"})
   # the user's own (fixed) threshold: nothing set here, and the fixed rule holds anyway
-  setup = "from moejax.io import heap\nassert not heap.hold_mmap_threshold()"
+  setup = "assert not heap.hold_mmap_threshold()"
   assert mapped_again(setup, MALLOC_MMAP_THRESHOLD_=str(1 << 20))
+
+
+def test_leave_dynamic_keeps_glibcs_rule_and_malloc_info_counts():
+  assert not mapped_again("assert heap.leave_dynamic() and not heap.hold_mmap_threshold()")
+  info = heap.malloc_info()
+  assert set(info) == {"heap", "mapped", "in_use", "free"} and info["in_use"] > 0

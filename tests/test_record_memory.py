@@ -35,3 +35,4 @@ def test_a_short_native_run_keeps_a_bounded_number_of_records(tmp_path, monkeypa
   assert res["records_kept"] == 8                         # never every record
   assert res["after_first_generation"]["from_steps"] == 15
   assert res["mmap_threshold_held"] == (platform.libc_ver()[0] == "glibc")
+  assert [s for s, _ in res["malloc"]] == steps

@@ -19,7 +19,9 @@ faults a token, 1 MiB none measurable.
 
 `hold_mmap_threshold` sets it once per process (`OffloadEngine` does), and leaves alone a
 threshold the user set (MALLOC_MMAP_THRESHOLD_, or glibc.malloc.mmap_threshold in
-GLIBC_TUNABLES).  Elsewhere than glibc it does nothing.
+GLIBC_TUNABLES).  Elsewhere than glibc it does nothing.  `leave_dynamic` keeps glibc's rule
+for a process (the comparison run of `bench_memory --records --records_heap=dynamic`);
+`malloc_info` reads malloc's own counts (mapped and in use).
 """
 
 from __future__ import annotations
@@ -33,6 +35,12 @@ _M_MMAP_THRESHOLD = -3        # malloc.h
 _held: bool | None = None     # None: not tried yet; else whether this module set it
 
 
+class _MallInfo2(ctypes.Structure):
+  _fields_ = [(name, ctypes.c_size_t) for name in (
+      "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+      "fordblks", "keepcost")]
+
+
 def _glibc():
   try:
     lib = ctypes.CDLL(ctypes.util.find_library("c") or None)
@@ -41,6 +49,9 @@ def _glibc():
     return lib
   except (OSError, AttributeError):
     return None
+
+
+_LIBC = _glibc()
 
 
 def user_set(environ=os.environ) -> bool:
@@ -55,7 +66,7 @@ def hold_mmap_threshold() -> bool:
   setting kept, or mallopt refused)."""
   global _held
   if _held is None:
-    lib = None if user_set() else _glibc()
+    lib = None if user_set() else _LIBC
     _held = bool(lib is not None and lib.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1)
   return _held
 
@@ -63,3 +74,25 @@ def hold_mmap_threshold() -> bool:
 def held() -> bool:
   """Whether `hold_mmap_threshold` set the threshold in this process."""
   return bool(_held)
+
+
+def leave_dynamic() -> bool:
+  """Keeps glibc's dynamic threshold in this process: `hold_mmap_threshold` will do
+  nothing.  -> False where it was held already (too late)."""
+  global _held
+  if _held is None:
+    _held = False
+  return not _held
+
+
+def malloc_info() -> dict | None:
+  """glibc's malloc counts (mallinfo2, every arena), in bytes: `heap` (the arenas' bytes
+  from the OS), `mapped` (chunks of their own mmap), `in_use` (allocated, heap and mapped),
+  `free` (the heap's free bytes); None elsewhere than glibc 2.33+."""
+  fn = getattr(_LIBC, "mallinfo2", None)
+  if fn is None:
+    return None
+  fn.restype = _MallInfo2
+  m = fn()
+  return {"heap": m.arena, "mapped": m.hblkhd, "in_use": m.uordblks + m.hblkhd,
+          "free": m.fordblks}

@@ -294,16 +294,12 @@ class OffloadEngine:
   def charge_link(self, t0: float, what: str, fetches, admissions, prefetches) -> dict:
     """Sleeps out the emulated link's time for copies counted per MoE layer (`LinkClock`)
     since t0 -> its waits; past `transfer_timeout_s` the engine stops with TransferTimeout."""
-    compute = time.perf_counter() - t0
-    emulated, waits = self._clock.token(compute, fetches, admissions, prefetches)
-    if emulated - compute > self.transfer_timeout_s:
-      link_lib.sleep_until(t0 + compute + self.transfer_timeout_s)
-      self._failed = placement.TransferTimeout(
-          f"the emulated link needs {emulated - compute:.3g} s for the copies of {what}, "
-          f"beyond transfer_timeout_s={self.transfer_timeout_s:g}")
-      raise self._failed
-    link_lib.sleep_until(t0 + emulated)
-    return waits
+    try:
+      return self._clock.charge(t0, what, self.transfer_timeout_s, fetches, admissions,
+                                prefetches)
+    except placement.TransferTimeout as e:
+      self._failed = e
+      raise
 
   def decode_step(self, token, lazy: bool = False):
     """Feeds one token at position `end_index`; returns the next-token logits [V].

@@ -30,6 +30,7 @@ import time
 
 import numpy as np
 
+from moejax.io.placement import TransferTimeout
 from moejax.offload import hardware
 
 
@@ -228,6 +229,21 @@ class LinkClock:
       waits[key] += until - t
       return until
     return t
+
+  def charge(self, t0: float, what: str, timeout_s: float, fetches, admissions,
+             prefetches) -> dict:
+    """Sleeps out the emulated time of `what` (copies counted per MoE layer, as `token`)
+    whose compute started at t0 (`time.perf_counter`) -> its waits.  Raises
+    TransferTimeout, after sleeping `timeout_s` past the compute, where the copies would
+    take longer than that."""
+    compute = time.perf_counter() - t0
+    emulated, waits = self.token(compute, fetches, admissions, prefetches)
+    if emulated - compute > timeout_s:
+      sleep_until(t0 + compute + timeout_s)
+      raise TransferTimeout(f"the emulated link needs {emulated - compute:.3g} s for the "
+                            f"copies of {what}, beyond transfer_timeout_s={timeout_s:g}")
+    sleep_until(t0 + emulated)
+    return waits
 
   def token(self, compute_s: float, fetches, admissions, prefetches) -> tuple[float, dict]:
     """-> (emulated seconds of the token, {"wait_s", "admission_wait_s",

@@ -252,8 +252,10 @@ def announce(cfg, desc: str, plan, folder: str | None, dtype, store_kind: str):
     print(f"  {line}", file=sys.stderr)
   stored = loader.checkpoint_dtype(folder)
   if stored and stored != jnp.dtype(dtype).name:
-    print(f"  note: the checkpoint stores {stored}; --dtype={FLAGS.dtype} converts every "
-          f"weight to {jnp.dtype(dtype).name} while loading (the sizes above are in "
+    what = ("every weight" if FLAGS.weights == "float" else   # the linears: their blocks
+            f"the weights that --weights={FLAGS.weights} keeps as floats (norms, routers)")
+    print(f"  note: the checkpoint stores {stored}; --dtype={FLAGS.dtype} converts {what} "
+          f"to {jnp.dtype(dtype).name} while loading (the sizes above count them in "
           f"{jnp.dtype(dtype).name}; --dtype={stored} keeps them as stored)", file=sys.stderr)
   if store_kind != "numpy" and folder is not None:   # a repack: can it fit?
     try:

@@ -23,6 +23,7 @@ from moejax.io import store as store_lib  # noqa: E402
 from moejax.io.loader import init_random, load_model  # noqa: E402
 from moejax.io.weights import gguf_align, gguf_file  # noqa: E402
 from moejax.model.config import ModelConfig  # noqa: E402
+from moejax.model.sampler import SamplingParams  # noqa: E402
 from tests.test_gguf import CFG, write_gguf  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -200,3 +201,18 @@ def test_engine_reads_a_misaligned_file_in_place_within_the_plan(tmp_path, capsy
   assert f"{mis}: 0.21 GB of experts start off" in err and "read from the file" in err
   assert f"moejax-align-gguf --model_dir={mis}" in err
   assert repack.JAX_ALIGN == gguf_align.ALIGN
+
+
+def test_host_policy_copies_a_misaligned_store_and_says_how_to_avoid_it(tiny, capsys):
+  """--policy=host computes misses from the store where it lives: no read-through tier;
+  the copy is one warning line that names the fix."""
+  from moejax.offload.config import EngineConfig
+  from moejax.offload.engine import OffloadEngine
+  cfg, params, store = load_model(tiny, dtype=jnp.float32, mmap=True)
+  config = EngineConfig.make("host", cache_fraction=0.5, max_len=16)
+  with OffloadEngine(cfg, params, store, config) as eng:
+    assert eng.staging is None
+    assert len(eng.generate([1, 7, 3], SamplingParams(max_new_tokens=2))) == 2
+  err = capsys.readouterr().err
+  assert "of the mapped expert store was copied into RAM" in err
+  assert f"moejax-align-gguf --model_dir={tiny}" in err

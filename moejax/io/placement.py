@@ -122,6 +122,6 @@ def program_store(store, device, stacked: bool = False) -> tuple[dict, bool]:
   jax.block_until_ready(out)
   if copied and store_lib.store_backend(store) == "mmap":
     print(f"[moejax] warning: {copied / 1e9:.2f} GB of the mapped expert store was copied "
-          f"into RAM (jax wraps a host buffer in place only at 64-byte alignment)",
-          file=sys.stderr)
+          f"into RAM (jax wraps a host buffer in place only at 64-byte alignment)"
+          f"{store_lib.align_hint(store)}", file=sys.stderr)
   return (out["all"] if stacked else out), kinds[0] is not None

@@ -57,7 +57,8 @@ def decide(c: Control, logits_1xE, state: ResidentState, decision: DecideParams,
            cfg: ModelConfig, key) -> Decision:
   """`policy.decide` (substitute_all) with the control's waited-for misses seen as
   resident; those misses are then FETCH."""
-  ids, gates, _ = routing.route(cfg, logits_1xE)
+  routed = routing.route(cfg, logits_1xE)
+  ids, gates = routed.ids, routed.gates
   share = gates / jnp.sum(gates, axis=-1, keepdims=True)     # as decide's share
   miss = state.expert_slot[ids] < 0
   first = jnp.arange(ids.shape[-1])[None, :] == 0

@@ -53,6 +53,7 @@ Every function is pure and jittable (no Python-side state, no callbacks).
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -99,11 +100,19 @@ def pick(values, index):
   return jnp.sum(jnp.where(hit, values[..., None, :], jnp.zeros((), values.dtype)), axis=-1)
 
 
-def route_once(cfg: ModelConfig, router_logits_NxE: jax.Array):
-  """What `decide` reads of the router logits [..., E], which no policy changes: (ids
-  [..., K], gates [..., K], rank scores [..., E]) (`routing.route`, `routing.rank_scores`)."""
-  ids, gates, _ = routing.route(cfg, router_logits_NxE)
-  return ids, gates, routing.rank_scores(cfg, router_logits_NxE)
+class Routing(NamedTuple):
+  """What `decide` reads of the router logits [..., E], which no policy changes
+  (`route_once`), read by field name."""
+  ids: jax.Array           # [..., K] int32 the routed experts, by score (`routing.route`)
+  gates: jax.Array         # [..., K] f32 their gates
+  rank_scores: jax.Array   # [..., E] f32 what ranks substitutes (`routing.rank_scores`)
+
+
+def route_once(cfg: ModelConfig, router_logits_NxE: jax.Array) -> Routing:
+  """The `Routing` of router logits [..., E] (`routing.route`, `routing.rank_scores`)."""
+  routed = routing.route(cfg, router_logits_NxE)
+  return Routing(ids=routed.ids, gates=routed.gates,
+                 rank_scores=routing.rank_scores(cfg, router_logits_NxE))
 
 
 def _first_of(mask_NxK, ids_NxK):
@@ -140,7 +149,7 @@ def _admission(beta: float, acc_E, ids_NxK, share_NxK, counted_NxK):
 
 
 def decide(router_logits_NxE: jax.Array, resident, params: DecideParams | PolicyParams,
-           cfg: ModelConfig, routed=None, valid_N=None) -> Decision:
+           cfg: ModelConfig, routed: Routing | None = None, valid_N=None) -> Decision:
   """The policy's decision for every selected expert of N tokens of one layer, decoded
   together against one resident set (a batch; pure, jittable).
 
@@ -154,11 +163,12 @@ def decide(router_logits_NxE: jax.Array, resident, params: DecideParams | Policy
   experts resident or fetched this step and not selected by the token.  The admission
   accumulator adds over the batch's tokens.  valid_N: [N] bool, inactive rows decide
   nothing (ids, exec_ids, sub_ids -1, action -1, weights 0).  N = 1 is the engine's token.
-  routed: `route_once(cfg, router_logits_NxE)` computed beforehand (the simulator routes
-  a trace once for all its policies; the logits are then not read).
+  routed: the `Routing` `route_once(cfg, router_logits_NxE)` computed beforehand (the
+  simulator routes a trace once for all its policies; the logits are then not read).
   """
   params = decide_params(params)
-  ids, gates, scores = routed if routed is not None else route_once(cfg, router_logits_NxE)
+  routed = route_once(cfg, router_logits_NxE) if routed is None else routed
+  ids, gates, scores = routed.ids, routed.gates, routed.rank_scores
   n, k = ids.shape
   num_e = scores.shape[-1]
   total = jnp.sum(gates, axis=-1, keepdims=True)
@@ -223,7 +233,8 @@ def decide(router_logits_NxE: jax.Array, resident, params: DecideParams | Policy
 def all_hits(router_logits_NxE: jax.Array, resident, cfg: ModelConfig) -> Decision:
   """`decide`'s answer when every expert is resident for good (any policy): the
   routing, every action HIT, nothing admitted."""
-  ids, gates, _ = routing.route(cfg, router_logits_NxE)
+  routed = routing.route(cfg, router_logits_NxE)
+  ids, gates = routed.ids, routed.gates
   total = jnp.sum(gates, axis=-1, keepdims=True)
   share = gates / jnp.where(total > 0, total, 1.0)
   return Decision(ids=ids, gates=gates, share=share, action=jnp.zeros_like(ids),

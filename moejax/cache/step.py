@@ -86,8 +86,9 @@ class Router:
 
 
 def route(cfg: ModelConfig, logits_1xE) -> Router:
-  ids, gates, scores = policy_lib.route_once(cfg, logits_1xE)
-  return Router(logits_1xE, ids_1xK=ids, gates_1xK=gates, scores_1xE=scores)
+  r = policy_lib.route_once(cfg, logits_1xE)
+  return Router(logits_1xE=logits_1xE, ids_1xK=r.ids, gates_1xK=r.gates,
+                scores_1xE=r.rank_scores)
 
 
 @_dataclass
@@ -204,7 +205,8 @@ def _decide(rule: Rule, state, router: Router, key, valid_B) -> policy_lib.Decis
   if rule.control is not None:
     return controls.decide(rule.control, router.logits_1xE, state, rule.decision, rule.cfg, key)
   return policy_lib.decide(router.logits_1xE, state, rule.decision, rule.cfg,
-                           (router.ids_1xK, router.gates_1xK, router.scores_1xE), valid_B)
+                           policy_lib.Routing(ids=router.ids_1xK, gates=router.gates_1xK,
+                                              rank_scores=router.scores_1xE), valid_B)
 
 
 def _flat(a):
@@ -234,9 +236,10 @@ def policy_head(rule: Rule, state, router: Router, prediction: Prediction, key, 
                                 action=jnp.where(on, dec.action, -1),
                                 exec_ids=jnp.where(on, dec.exec_ids, -1))
     rows = jnp.where(_flat(dec.exec_ids) >= 0, state.expert_slot[_flat(dec.ids)], -1)
-    return state, Head(dec, none_K, none_K, jnp.zeros((nb * k,), bool), rows.astype(jnp.int32),
-                       none_K, none_K, _flat(dec.ids), none_K,
-                       jnp.zeros((len(PF_STATS),), jnp.float32))
+    return state, Head(dec=dec, fetched=none_K, fetch_slots=none_K,
+                       fetch_low=jnp.zeros((nb * k,), bool), rows=rows.astype(jnp.int32),
+                       pf_ids=none_K, predicted=none_K, true_ids=_flat(dec.ids), evicted=none_K,
+                       pf_stats=jnp.zeros((len(PF_STATS),), jnp.float32))
   pf_ids = predicted = none_K
   pf_counts = jnp.zeros((len(PF_STATS),), jnp.float32)
   seen = state
@@ -245,8 +248,7 @@ def policy_head(rule: Rule, state, router: Router, prediction: Prediction, key, 
     true_ids = _flat(dec.ids)
   else:
     pred, has = prediction.logits_1xE, prediction.has
-    pred_ids_1xK, _, _ = routing.route(cfg, pred)
-    pred_ids = pred_ids_1xK[0]
+    pred_ids = routing.route(cfg, pred).ids[0]            # [K] of the one token
     predicted = jnp.where(has, pred_ids, -1).astype(jnp.int32)
     pf_ids = jnp.where(has & (state.expert_slot[pred_ids] < 0), pred_ids, -1).astype(jnp.int32)
     dec_spec = rule.speculate(router.logits_1xE, pred, view(state, pf_ids))
@@ -267,8 +269,9 @@ def policy_head(rule: Rule, state, router: Router, prediction: Prediction, key, 
   seen = view(state, pf_ids) if rule.spec_on else state
   rows = jnp.where(exec_ids >= 0, seen.expert_slot[jnp.maximum(exec_ids, 0)],
                    -1).astype(jnp.int32)
-  return state, Head(dec, fetched, fetch_slots, fetch_low, rows, pf_ids, predicted,
-                     true_ids.astype(jnp.int32), ev_fetch, pf_counts)
+  return state, Head(dec=dec, fetched=fetched, fetch_slots=fetch_slots, fetch_low=fetch_low,
+                     rows=rows, pf_ids=pf_ids, predicted=predicted,
+                     true_ids=true_ids.astype(jnp.int32), evicted=ev_fetch, pf_stats=pf_counts)
 
 
 def policy_tail(rule: Rule, state, head: Head):
@@ -308,8 +311,9 @@ def policy_tail(rule: Rule, state, head: Head):
     state, ev_trim = resident_lib.trim(state, rule.trim_to, cache, prot)
     gone = (adm >= 0) & (state.expert_slot[jnp.maximum(adm, 0)] < 0)   # more than S admitted
     adm, adm_slots = jnp.where(gone, -1, adm), jnp.where(gone, -1, adm_slots)
-  pending = Pending(adm, adm_slots, ev_adm, kept, kept_slots)
-  return state, Step(head, jnp.concatenate(evicted + [ev_trim]), pending)
+  pending = Pending(admissions=adm, admission_slots=adm_slots, admission_evicted=ev_adm,
+                    kept=kept, kept_slots=kept_slots)
+  return state, Step(head=head, evicted=jnp.concatenate(evicted + [ev_trim]), pending=pending)
 
 
 def policy_tails(rule: Rule, states_L, heads_L: Head):
@@ -320,7 +324,8 @@ def policy_tails(rule: Rule, states_L, heads_L: Head):
     none = lambda: jnp.full(heads_L.fetched.shape, -1, jnp.int32)
     ev = jnp.full(heads_L.fetched.shape[:1] + (rule.cfg.top_k + states_L.slot_expert.shape[-1],),
                   -1, jnp.int32)
-    return states_L, Step(heads_L, ev, Pending(*(none() for _ in range(5))))
+    nothing = Pending(**{f.name: none() for f in dataclasses.fields(Pending)})
+    return states_L, Step(head=heads_L, evicted=ev, pending=nothing)
   buffers = states_L.buffers
   meta = dataclasses.replace(states_L, buffers={})
   meta, steps = jax.vmap(lambda st, hd: policy_tail(rule, st, hd))(meta, heads_L)

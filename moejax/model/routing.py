@@ -15,6 +15,7 @@ policy's substitute top_k ranks.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +23,15 @@ import jax.numpy as jnp
 from moejax.kernels import cpu_rows
 from moejax.model import families
 from moejax.model.config import ModelConfig
+from moejax.model.families.base import RouterRule
+
+
+class Routed(NamedTuple):
+  """`route`'s result, read by field name (a NamedTuple: a pytree, and callers that unpack
+  it as (ids, gates, scores) keep working)."""
+  ids: jax.Array      # [N, K] int32 the selected experts, by score (desc)
+  gates: jax.Array    # [N, K] f32 their weights, after the family's own normalisation
+  scores: jax.Array   # [N, E] f32 what ranks the experts (softmax probabilities for softmax)
 
 
 @jax.custom_jvp
@@ -60,13 +70,14 @@ def rank_logits(cfg: ModelConfig, logits_NxE: jax.Array) -> jax.Array:
   return logits_NxE
 
 
-RULES = {"softmax": (route_softmax, rank_logits), **families.router_rules()}
+RULES = {"softmax": RouterRule(route=route_softmax, rank_scores=rank_logits),
+         **families.router_rules()}
 # rules whose ranking cannot see the sign of a zero logit: softmax ranks exp(l - max), the
 # same for -0.0 and +0.0, so its hot path (one CPU kernel call) gets no extra op
 SIGN_OF_ZERO_FREE = frozenset({"softmax"})
 
 
-def _rule(cfg: ModelConfig):
+def _rule(cfg: ModelConfig) -> RouterRule:
   if cfg.router not in RULES:
     raise ValueError(f"unknown router rule {cfg.router!r} for model_type {cfg.model_type}; "
                      f"known rules: {', '.join(RULES)}")
@@ -79,8 +90,9 @@ def router_width(cfg: ModelConfig) -> int:
   return cfg.num_experts * (2 if cfg.router == "sigmoid_group" else 1)
 
 
-def route(cfg: ModelConfig, logits_NxE: jax.Array):
-  """Returns (ids_NxK int32, gates_NxK f32, scores_NxE f32), ids sorted by score desc.
+def route(cfg: ModelConfig, logits_NxE: jax.Array) -> Routed:
+  """The `Routed` (ids [N, K] int32, gates [N, K] f32, scores [N, E] f32), ids sorted by
+  score desc.
 
   ``gates`` are the weights the model applies to each selected expert, after the
   family's own normalisation.  ``scores`` rank the experts (softmax probabilities
@@ -89,7 +101,8 @@ def route(cfg: ModelConfig, logits_NxE: jax.Array):
   logits_NxE = logits_NxE.astype(jnp.float32)
   if cfg.router not in SIGN_OF_ZERO_FREE:
     logits_NxE = canonical_zeros(logits_NxE)
-  return _rule(cfg)[0](cfg, logits_NxE)
+  ids, gates, scores = _rule(cfg).route(cfg, logits_NxE)   # a rule's (ids, gates, scores)
+  return Routed(ids=ids, gates=gates, scores=scores)
 
 
 def rank_scores(cfg: ModelConfig, logits_NxE: jax.Array) -> jax.Array:
@@ -97,4 +110,4 @@ def rank_scores(cfg: ModelConfig, logits_NxE: jax.Array) -> jax.Array:
   rules, the biased sigmoid score sigmoid(logit) + bias for sigmoid_group (the
   family's own selection score, before its gates are normalised), with canonical zeros
   (no -0.0), so a top_k of them gives ties to the lowest id."""
-  return canonical_zeros(_rule(cfg)[1](cfg, logits_NxE.astype(jnp.float32)))
+  return canonical_zeros(_rule(cfg).rank_scores(cfg, logits_NxE.astype(jnp.float32)))

@@ -132,7 +132,7 @@ def profile_counts(cfg: ModelConfig, params, store, tokens, dtype=jnp.float32) -
     x, _, logits = _layer_fn(cfg, dtype, i)(params[f"layers_{i}"], x, pos, kv_all[i],
                                             jnp.int32(0), experts)
     if cfg.sparse_layers[i]:
-      ids, _, _ = routing.route(cfg, logits.reshape(-1, logits.shape[-1]))
+      ids = routing.route(cfg, logits.reshape(-1, logits.shape[-1])).ids
       out[i] = np.bincount(np.asarray(ids).reshape(-1), minlength=cfg.num_experts)
     del experts
   return out

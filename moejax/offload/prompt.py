@@ -56,7 +56,8 @@ def prompt_pass(ctx: Ctx, dtype, max_len: int, params, layers, srcs, states, tok
       return x, dataclasses.replace(pl, cache=cache), None
     h, moe_in, logits, cache = _apply(mod, p, x, pos, pl.cache, 0,
                                       method=attend_route)
-    ids, gates, _ = routing.route(cfg, logits.reshape(plen, -1))   # [P, router_width]
+    routed = routing.route(cfg, logits.reshape(plen, -1))          # of [P, router_width]
+    ids, gates = routed.ids, routed.gates
     # The bucket's padding positions go to no expert: a pair whose gate is 0 is skipped by
     # the expert kernels, and no valid position reads a later one, so the prompt's own
     # positions keep their bits (a 9-token prompt in a bucket of 16: 7 tokens of experts

@@ -54,7 +54,8 @@ def _forward_layers(mdl, tokens_BxT, experts, default_vectors=None):
       x = layer.dense_residual(h)
       continue
     moe_in, logits = layer.route_logits(h)
-    ids, gates, _ = routing.route(c, logits.reshape(b * t, -1).astype(jnp.float32))
+    routed = routing.route(c, logits.reshape(b * t, -1).astype(jnp.float32))
+    ids, gates = routed.ids, routed.gates
     flat_in = moe_in.reshape(b * t, -1)
     ones = jnp.ones((b * t, 1), flat_in.dtype)
     ys = jnp.stack([apply_experts(flat_in, ids[:, k:k + 1], ones, experts[i],
@@ -67,7 +68,8 @@ def _forward_layers(mdl, tokens_BxT, experts, default_vectors=None):
       nxt = mdl.layers[moe_idx[j + 1]]
       r = h.reshape(b * t, -1)
       d = jnp.einsum("nk,nkd->nd", gates.astype(r.dtype), default_vectors[j][ids].astype(r.dtype))
-      rec["reuse"] = nxt.route_logits(r)[1].astype(jnp.float32)
+      _, reuse = nxt.route_logits(r)          # (moe_in, router logits)
+      rec["reuse"] = reuse.astype(jnp.float32)
       q, quasi = nxt.route_logits(r + d)
       rec["q"], rec["quasi"] = q, quasi.astype(jnp.float32)
     recs.append(rec)
@@ -118,8 +120,9 @@ def predictions(cfg: ModelConfig, params, experts, default_vecs, tokens_BxT):
 
 def topk_agreement(cfg: ModelConfig, true_logits_NxE, pred_logits_NxE) -> dict:
   """recall@k, exact top-k set match, and the true gate mass the predicted set covers."""
-  t_ids, t_gates, _ = routing.route(cfg, jnp.asarray(true_logits_NxE))
-  p_ids, _, _ = routing.route(cfg, jnp.asarray(pred_logits_NxE))
+  true = routing.route(cfg, jnp.asarray(true_logits_NxE))
+  t_ids, t_gates = true.ids, true.gates
+  p_ids = routing.route(cfg, jnp.asarray(pred_logits_NxE)).ids
   hit_NxK = jnp.any(t_ids[:, :, None] == p_ids[:, None, :], axis=-1)
   share = t_gates / jnp.maximum(jnp.sum(t_gates, -1, keepdims=True), 1e-30)
   return {"recall_at_k": float(jnp.mean(hit_NxK)),

@@ -152,15 +152,15 @@ def _decode_step(cfg: ModelConfig, static: PolicyParams, trim_to, state, prev_pe
                  routed, dyn_3):
   """One (step, layer) of one policy: `cache.step.policy_step` on B tokens.  prev_pending:
   the layer's `Step.pending` at the previous step (its admissions, inserted at that
-  step's end, are counted here, where they take effect).  routed: the layer's (ids
-  [B, K], gates [B, K], rank scores [B, E]) for this step (`policy.route_once`, once per
-  trace); the rank scores stand in for the router logits (no control rule, no prefetch
-  reads them)."""
+  step's end, are counted here, where they take effect).  routed: the layer's
+  `policy.Routing` (ids [B, K], gates [B, K], rank scores [B, E]) for this step
+  (`policy.route_once`, once per trace); the rank scores stand in for the router logits
+  (no control rule, no prefetch reads them)."""
   dparams, params = _traced(static, dyn_3)
-  ids, gates, scores = routed
   rule = step_lib.Rule(cfg, dparams, params, trim_to)
-  state, step = step_lib.policy_step(rule, state, step_lib.Router(scores, ids, gates, scores),
-                                     step_lib.Prediction.none(cfg), None)
+  router = step_lib.Router(logits_1xE=routed.rank_scores, ids_1xK=routed.ids,
+                           gates_1xK=routed.gates, scores_1xE=routed.rank_scores)
+  state, step = step_lib.policy_step(rule, state, router, step_lib.Prediction.none(cfg), None)
   c = step_lib.step_counts(step, prev_pending)
   stats = c[jnp.asarray(_FROM_STATS)]
   stats = stats.at[STAT_FIELDS.index("misses")].add(-c[step_lib.STATS.index("hits")])
@@ -171,7 +171,7 @@ def _decode_step(cfg: ModelConfig, static: PolicyParams, trim_to, state, prev_pe
                      jnp.sum(executed).astype(jnp.float32), n("fetches_low")])
   decisions = dict(ids=dec.ids, action=dec.action, sub_ids=dec.sub_ids,
                    admit=step.pending.admissions)
-  small = ids.size <= 127                 # int8 counts up to B K experts
+  small = routed.ids.size <= 127          # int8 counts up to B K experts
   return state, step.pending, stats, steps.astype(jnp.int8 if small else jnp.int16), decisions
 
 
@@ -179,10 +179,12 @@ def _prefill(cfg: ModelConfig, static: PolicyParams, trim_to, state, logits_PxR,
              decay_pow):
   """A P-token prompt at one layer: `cache.step.prefill_step` on its routing."""
   dparams, params = _traced(static, dyn_3)
-  ids, _, _ = routing.route(cfg, logits_PxR)
+  ids = routing.route(cfg, logits_PxR).ids
   valid = jnp.ones((logits_PxR.shape[0],), jnp.float32)
   rule = step_lib.Rule(cfg, dparams, params, trim_to)
-  return step_lib.prefill_step(rule, state, ids, valid, decay_pow)[0]
+  state, _copy_ids, _copy_slots, _evicted = step_lib.prefill_step(rule, state, ids, valid,
+                                                                  decay_pow)
+  return state
 
 
 # ------------------------------------------------------------------ jitted scans

@@ -42,7 +42,7 @@ def of(cfg):
 
 
 def router_rules() -> dict:
-  """Router rules the families contribute: name -> (route, rank_scores)."""
+  """Router rules the families contribute: name -> `base.RouterRule` (route, rank_scores)."""
   return {name: fns for f in _families() for name, fns in f.router_rules.items()}
 
 

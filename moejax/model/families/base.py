@@ -12,7 +12,7 @@ differs:
                ``sparse_mlp`` (the router of a sparse layer, plus an optional
                ``shared_output(x)`` method for shared experts), ``init_cache``,
                ``has_recurrent_state``.
-  router rule  ``router_rules``: rule name -> (route, rank_scores) functions this
+  router rule  ``router_rules``: rule name -> `RouterRule` (route, rank_scores) this
                family contributes (``moejax.model.routing`` dispatches on ``cfg.router``).
   experts      ``expert_shapes(cfg, fmt)`` (the config rules'), ``is_expert_dict(w)``, and
                for a non SwiGLU layout ``expert_ffn`` (device, batched; ``swiglu(cfg)``
@@ -26,7 +26,7 @@ This module imports nothing of moejax but ``layers`` and ``configs``.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import flax.linen as nn
 import jax.numpy as jnp
@@ -39,11 +39,18 @@ PLAIN_EXPERT_KEYS = frozenset({"gate_up", "down"})
 SWIGLU = (1.702, 7.0)  # the clamped-SwiGLU constants of every published GPT-OSS checkpoint
 
 
+class RouterRule(NamedTuple):
+  """A router rule's two functions, read by name (`moejax.model.routing` dispatches on
+  ``cfg.router``)."""
+  route: Callable         # (cfg, f32 logits [N, R]) -> (ids [N, K], gates [N, K], scores [N, E])
+  rank_scores: Callable   # (cfg, f32 logits [N, R]) -> [N, E]: what ranks substitutes
+
+
 class Family:
   """The Qwen3-MoE layout; subclasses override what their checkpoints do differently."""
 
   model_types: tuple[str, ...] = ()
-  router_rules: dict[str, tuple[Callable, Callable]] = {}
+  router_rules: dict[str, RouterRule] = {}
   expert_ffn: Callable | None = None        # (x_NxBxD, w, alpha, limit) -> y; None: SwiGLU
   expert_forward_np: Callable | None = None  # (x_D, w) -> y on the host; None: SwiGLU
   load_layer_experts: Callable | None = None  # see moejax.io.loader; None: generic layouts

@@ -34,7 +34,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from moejax.model.families.base import Family
+from moejax.model.families.base import Family, RouterRule
 from moejax.model.families.configs.glm import MLA_TYPES, MODEL_TYPES
 from moejax.model.layers import (Attention, Linear, RMSNorm, SwiGLU, apply_rope,
                                  gqa_attention, read_cache, rope_cos_sin)
@@ -272,7 +272,8 @@ class SigmoidMoE(nn.Module):
 class Glm(Family):
   """glm4_moe (GQA, partial RoPE), glm4_moe_lite and deepseek_v3 (MLA)."""
   model_types = MODEL_TYPES
-  router_rules = {"sigmoid_group": (route_sigmoid_group, rank_sigmoid_group)}
+  router_rules = {"sigmoid_group": RouterRule(route=route_sigmoid_group,
+                                             rank_scores=rank_sigmoid_group)}
 
   def mixer(self, cfg, layer_idx, dtype):
     return attention(cfg, dtype)

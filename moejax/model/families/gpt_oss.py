@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moejax.model.families import mxfp4
-from moejax.model.families.base import Family
+from moejax.model.families.base import Family, RouterRule
 from moejax.model.families.configs.gpt_oss import MODEL_TYPE, ROUTER, expert_shapes
 from moejax.model.layers import Linear, apply_rope, rope_attention
 
@@ -241,7 +241,8 @@ def expert_forward_np(x_D: np.ndarray, w: dict, alpha: float = 1.702,
 class GptOss(Family):
   """Attention sinks, biases, YaRN, sliding layers; clamped-SwiGLU experts (float or MXFP4)."""
   model_types = (MODEL_TYPE,)
-  router_rules = {ROUTER: (route_topk_softmax, rank_logits)}
+  router_rules = {ROUTER: RouterRule(route=route_topk_softmax,
+                                     rank_scores=rank_logits)}
   expert_ffn = staticmethod(expert_ffn)
   expert_forward_np = staticmethod(expert_forward_np)
   load_layer_experts = staticmethod(load_layer_experts)

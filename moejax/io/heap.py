@@ -14,8 +14,10 @@ MMAP_THRESHOLD (mallopt M_MMAP_THRESHOLD, which also turns the dynamic rule off)
 array is mapped and unmapped again: docs/lab/runs/2026-12-07-records.
 
 MMAP_THRESHOLD is 1 MiB, not glibc's 128 KiB, so that a decode step's own buffers (the
-demo's program temporaries: 207 kB) stay on the heap: 128 KiB cost the demo's step ~90 page
-faults a token, 1 MiB none measurable.
+demo's program temporaries: 207 kB) stay on the heap: at 128 KiB they were mapped anew
+each step, ~85 more page faults a token on the demo.  What 1 MiB costs is the big arrays'
+fresh pages: 1,000-2,000 more minor faults a generation on the demo (a few ms), none a
+step.
 
 `hold_mmap_threshold` sets it once per process (`OffloadEngine` does), and leaves alone a
 threshold the user set (MALLOC_MMAP_THRESHOLD_, or glibc.malloc.mmap_threshold in

@@ -221,18 +221,18 @@ def test_expert_ffn_q_matches_the_reference(qgu, qdn, n, fused):
 @needs_kernel
 @pytest.mark.parametrize("qtype", TYPES)
 def test_a_tokens_bits_are_the_same_alone_and_in_a_prompt(qtype):
-  """Each token of a 41-token call (tiles of 4 rows x 2 tokens, a 1-token remainder, 70
-  rows: a 2-row remainder) equals, bit for bit, the same token alone (decode: 2-row
-  tiles), for the linear in f32 and bf16."""
+  """Each token of a 41-, 42- and 43-token call (tiles of 4 rows x 4 tokens, then a 1-, 2-
+  or 3-token tile; 70 rows: a 2-row remainder) equals, bit for bit, the same token alone
+  (decode: 4-row tiles), for the linear in f32 and bf16."""
   rng = np.random.default_rng(11)
   cols = 96 if BLOCK[qtype][0] == 32 else 512
   blocks = jnp.asarray(random_blocks(rng, qtype, 70, cols))
   fn = jax.jit(cpu_quant.linear_q, static_argnums=2)
   for dtype in (jnp.float32, jnp.bfloat16):
-    x = jnp.asarray(rng.normal(size=(41, cols)), dtype)
-    prompt = np.asarray(fn(x, blocks, qtype))
-    alone = np.concatenate([np.asarray(fn(x[i:i + 1], blocks, qtype)) for i in range(41)])
-    chex.assert_trees_all_equal(prompt, alone)
+    x = jnp.asarray(rng.normal(size=(43, cols)), dtype)
+    alone = np.concatenate([np.asarray(fn(x[i:i + 1], blocks, qtype)) for i in range(43)])
+    for n in (41, 42, 43):
+      chex.assert_trees_all_equal(np.asarray(fn(x[:n], blocks, qtype)), alone[:n])
 
 
 @needs_kernel

@@ -1,10 +1,11 @@
 # The Sampler on wide_bf16 at --max_len 2048 after a 1536-token prompt: tok/s, then (with an
 # argument) a jax.profiler trace of 16 tokens in /tmp/prof_wide (calls_in_order.py reads it).
 # PYTHONPATH=. python docs/lab/runs/2026-12-06-attention/decode_profile.py p
-import time, sys, glob, gzip, json, collections, re, numpy as np, jax, jax.numpy as jnp
+import time, sys, numpy as np, jax, jax.numpy as jnp
 from benchmarks import models as bench_models
 from moejax.model.sampler import Sampler, SamplingParams
 from moejax.kernels import cpu_kernel
+from leaf_ops import leaf_ops
 cfg, params, store, hf_dir, tok_path = bench_models.load("wide_bf16", None)
 s = Sampler(cfg, params, store.device_experts(), max_len=2048, dtype=jnp.bfloat16)
 prompt = np.arange(1, 1537, dtype=np.int32)
@@ -24,14 +25,7 @@ with cpu_kernel.decoding():
     for i in range(16): tok, _, cache = s.decode_step(cache, tok, 1700 + i, sp, key)
     tok.block_until_ready()
     jax.profiler.stop_trace()
-    f = sorted(glob.glob(f"{d}/**/*.trace.json.gz", recursive=True))[-1]
-    ev = json.load(gzip.open(f))["traceEvents"]
-    tot = collections.Counter(); cnt = collections.Counter()
-    for e in ev:
-      if e.get("ph") != "X" or "dur" not in e: continue
-      op = (e.get("args") or {}).get("hlo_op")
-      if not op or re.match(r"(while|cond|call|conditional)(\.\d+)?$", op): continue
-      tot[re.sub(r"\.\d+$", "", op)] += e["dur"]; cnt[re.sub(r"\.\d+$", "", op)] += 1
+    tot, cnt = leaf_ops(d)
     print("leaf total %.0f us/token" % (sum(tot.values()) / 16))
     for k, t in tot.most_common(20): print("%9.1f us/token %4d  %s" % (t / 16, cnt[k] // 16, k))
     # per target

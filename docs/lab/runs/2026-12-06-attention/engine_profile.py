@@ -1,12 +1,13 @@
 """Profile the offload engine's decode (wide_bf16 4L, mmap store, native link, 25%): median ms a
 token, then time per HLO op over 16 profiled tokens.  PYTHONPATH=. python engine_profile.py baseline"""
-import time, sys, os, glob, gzip, json, collections, re, contextlib, numpy as np, jax
+import time, sys, os, contextlib, numpy as np, jax
 import jax.numpy as jnp
 from benchmarks import models as bench_models
 from moejax.io.loader import load_model
 from moejax.io.store import make_store
 from moejax.offload.engine import EngineConfig, OffloadEngine
 from moejax.kernels import cpu_kernel
+from leaf_ops import leaf_ops
 pol = sys.argv[1] if len(sys.argv) > 1 else "baseline"
 d = bench_models.wide_dir(4, bench_models.WIDE_DIR)
 cfg, params, store = load_model(d, dtype=jnp.bfloat16, mmap=True)
@@ -26,14 +27,7 @@ with cpu_kernel.decoding():
   jax.profiler.start_trace(pd)
   for _ in range(16): lg = eng.decode_step(tok); tok = int(np.argmax(lg))
   jax.profiler.stop_trace()
-f = sorted(glob.glob(f"{pd}/**/*.trace.json.gz", recursive=True))[-1]
-ev = json.load(gzip.open(f))["traceEvents"]
-tot = collections.Counter(); cnt = collections.Counter()
-for e in ev:
-  if e.get("ph") != "X" or "dur" not in e: continue
-  op = (e.get("args") or {}).get("hlo_op")
-  if not op or re.match(r"(while|cond|call|conditional)(\.\d+)?$", op): continue
-  k = re.sub(r"\.\d+$", "", op); tot[k] += e["dur"]; cnt[k] += 1
+tot, cnt = leaf_ops(pd)
 print("leaf total %.0f us/token" % (sum(tot.values()) / 16))
 for k, t in tot.most_common(15): print("%9.1f us/token %5d  %s" % (t / 16, cnt[k] // 16, k))
 eng.close()

@@ -125,9 +125,9 @@ def _dyn(p: PolicyParams) -> np.ndarray:
                      p.decision.lam], np.float32)
 
 
-def _traced(static: PolicyParams, dyn_3):
-  """(DecideParams, CacheParams) of `static` with tau, beta, the LFU decay, tau_low and
-  lam replaced by traced values (vmap over variants).  The parts validate concrete numbers in
+def _traced(cfg: ModelConfig, static: PolicyParams, trim_to, dyn_3) -> step_lib.Rule:
+  """The layer step's `Rule` of `static` with tau, beta, the LFU decay, tau_low and lam
+  replaced by traced values (vmap over variants).  The parts validate concrete numbers in
   __post_init__; the variants were validated when they were built, so the copies
   bypass it."""
   d, c = copy.copy(static.decision), copy.copy(static.cache)
@@ -137,7 +137,7 @@ def _traced(static: PolicyParams, dyn_3):
   object.__setattr__(c, "lfu_decay", dyn_3[2])
   object.__setattr__(d, "tau_low", dyn_3[3])
   object.__setattr__(d, "lam", dyn_3[4])
-  return d, c
+  return step_lib.Rule(cfg=cfg, decision=d, cache=c, trim_to=trim_to)
 
 
 _DECISIONS = ("ids", "action", "sub_ids")
@@ -156,8 +156,7 @@ def _decode_step(cfg: ModelConfig, static: PolicyParams, trim_to, state, prev_pe
   `policy.Routing` (ids [B, K], gates [B, K], rank scores [B, E]) for this step
   (`policy.route_once`, once per trace); the rank scores stand in for the router logits
   (no control rule, no prefetch reads them)."""
-  dparams, params = _traced(static, dyn_3)
-  rule = step_lib.Rule(cfg, dparams, params, trim_to)
+  rule = _traced(cfg, static, trim_to, dyn_3)
   router = step_lib.Router(logits_1xE=routed.rank_scores, ids_1xK=routed.ids,
                            gates_1xK=routed.gates, scores_1xE=routed.rank_scores)
   state, step = step_lib.policy_step(rule, state, router, step_lib.Prediction.none(cfg), None)
@@ -178,10 +177,9 @@ def _decode_step(cfg: ModelConfig, static: PolicyParams, trim_to, state, prev_pe
 def _prefill(cfg: ModelConfig, static: PolicyParams, trim_to, state, logits_PxR, dyn_3,
              decay_pow):
   """A P-token prompt at one layer: `cache.step.prefill_step` on its routing."""
-  dparams, params = _traced(static, dyn_3)
+  rule = _traced(cfg, static, trim_to, dyn_3)
   ids = routing.route(cfg, logits_PxR).ids
   valid = jnp.ones((logits_PxR.shape[0],), jnp.float32)
-  rule = step_lib.Rule(cfg, dparams, params, trim_to)
   state, _copy_ids, _copy_slots, _evicted = step_lib.prefill_step(rule, state, ids, valid,
                                                                   decay_pow)
   return state

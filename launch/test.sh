@@ -12,6 +12,14 @@
 MOEJAX_EXTRAS=test
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 JOBS="${MOEJAX_TEST_JOBS:-2}"
+# The tests mostly compile: XLA's CPU back-end at LLVM -O0 compiles them in ~0.6x the time
+# (docs/lab/notes/cpu_speed.md, "Test time").  A test that wants two programs' bits equal
+# compiles both alike (both jitted: an eager op is a program of its own, and at -O0 it may
+# round one ulp apart).  Timed runs (launch/bench_*) keep XLA's default.
+# MOEJAX_TEST_XLA_O0=0 turns it off.
+if [ "${MOEJAX_TEST_XLA_O0:-1}" != 0 ]; then
+  export XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+fi
 if [ "$#" -gt 0 ]; then   # what was asked for, in one process: the suite's banner does not fit
   echo "[test] python -m pytest $*" >&2
   exec python -m pytest "$@"
@@ -25,13 +33,6 @@ trap 'rm -rf "$logs"' EXIT
 # that build the same engine steps compile them once (docs/lab/notes/cpu_speed.md, "Test time").
 export JAX_COMPILATION_CACHE_DIR="${JAX_COMPILATION_CACHE_DIR:-$logs/xla-cache}"
 export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="${JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS:-0.3}"
-# The tests mostly compile: XLA's CPU back-end at LLVM -O0 compiles them in ~0.6x the time
-# (docs/lab/notes/cpu_speed.md, "Test time"); every comparison a test makes is between
-# programs of the same process, so the flags do not change what is checked.  Timed runs
-# (launch/bench_*) keep the default.  MOEJAX_TEST_XLA_O0=0 turns it off.
-if [ "${MOEJAX_TEST_XLA_O0:-1}" != 0 ]; then
-  export XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-fi
 run_one() {   # file, log dir: never fails (the status goes to <log>.rc)
   local log="$2/$(basename "$1").log" t0=$SECONDS
   python -m pytest "$1" -q -p no:cacheprovider -rfE >"$log" 2>&1 && echo 0 >"$log.rc" \

@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import os
 
+from moejax.io.repack import JAX_ALIGN as ALIGN
+
 PAD_KEY = "moejax.pad"
-ALIGN = 64          # io.repack.JAX_ALIGN
 _CHUNK = 64 << 20
 
 

@@ -17,6 +17,7 @@ from moejax.offload import decode
 from moejax.offload import prompt as prompt_lib
 from moejax.offload.engine import EngineConfig, OffloadEngine
 from moejax.model.sampler import SamplingParams
+from moejax.serve.metrics import LOWERED
 from tests import hf_models
 from tests.test_engine import (ADMITTING, MAX_LEN, PROMPT, STREAM, check_budget, counts,
                                layer_records, pending_admissions, run)
@@ -95,6 +96,27 @@ def test_record_layout_is_known_before_any_step(model):
     assert batch.record_layout.like.ids.shape == (n_l, 3 * k)
     with pytest.raises(ValueError, match="another program"):
       batch.record_layout.unpack(np.zeros((n_l, eng.record_layout.width), np.float32))
+
+
+def test_a_warmed_prompt_builds_no_program(model):
+  """warmup(prompt_lengths) compiles the prompt pass of each length's bucket: a prefill in
+  that bucket then builds no program (its record times the prompt, not a compile), and
+  its logits are those of an engine that compiled it on the way."""
+  cfg, params, store, _ = model
+  built, listening = [], [False]
+  jax.monitoring.register_event_duration_secs_listener(
+      lambda event, s, **_: built.append(event) if listening[0] and event == LOWERED else None)
+  config = EngineConfig.make("quality", cache_fraction=0.25, max_len=MAX_LEN)
+  with OffloadEngine(cfg, params, store, config) as cold:
+    want = cold.prefill(PROMPT)
+  with OffloadEngine(cfg, params, store, config) as eng:
+    eng.warmup(prompt_lengths=[len(PROMPT)])
+    listening[0] = True
+    got = eng.prefill(PROMPT)
+    eng.prefill(PROMPT[:-1])                     # the same bucket
+    listening[0] = False
+  assert built == []
+  np.testing.assert_array_equal(got, want)
 
 
 # ------------------------------------------------------------------ lazy steps, loop

@@ -32,12 +32,8 @@ from moejax.io import heap, placement
 from moejax.kernels import cpu_kernel
 from moejax.model import layer_stack
 from moejax.model.config import ModelConfig
-from moejax.offload import assembly
-from moejax.offload import batch as batch_lib
-from moejax.offload import decode
-from moejax.offload import expert_parallel
-from moejax.offload import link as link_lib
-from moejax.offload import prompt
+from moejax.offload import assembly, decode, expert_parallel, prompt
+from moejax.offload import batch as batch_lib, link as link_lib
 from moejax.cache import policy as policy_lib
 from moejax.prefetch import steps as pf_steps
 from moejax.cache import initial as initial_lib
@@ -91,6 +87,7 @@ class OffloadEngine:
     heap.hold_mmap_threshold()    # each generation's new big arrays mapped, not heaped
     self._deferred: list[_Lazy] = []     # lazy steps not read back yet
     self._loops: dict = {}        # (steps, temperature, top_p, stop shape) -> compiled loop
+    self._prompts: dict = {}      # (program, bucket) -> compiled prompt pass
     self.prefill_record: TokenRecord | None = None
     self._failed: BaseException | None = None
     self._batch = None            # the `batch.Batched` the states were handed to
@@ -140,7 +137,7 @@ class OffloadEngine:
   # -------------------------------------------------------------- lifetime
   def close(self):
     """Releases the device state (nothing runs in the background)."""
-    self._carry, self._srcs, self._loops = None, None, {}
+    self._carry, self._srcs, self._loops, self._prompts = None, None, {}, {}
 
   def __enter__(self):
     return self
@@ -190,17 +187,14 @@ class OffloadEngine:
 
   # -------------------------------------------------------------- programs
   def warmup(self, prompt_lengths=()):
-    """Compiles the decode step (and, with a native link, nothing else is compiled per
-    token), so that records measure decoding, not compilation; and
-    the prompt pass for the bucket of each of `prompt_lengths` (one compile a bucket).
-    The resident sets are left as they were."""
+    """Compiles the decode step, and the prompt pass of each of `prompt_lengths`' buckets,
+    so that records time decoding, not compiling; nothing runs (no throwaway copy of the
+    slot buffers: Qwen3-30B-A3B's are 1.2 GB a layer at 25%) and the resident sets stay."""
     self._check()
-    # lowered and compiled, not run: the calls that follow reuse the executables, and no
-    # throwaway copy of the slot buffers is made (Qwen3-30B-A3B: 1.2 GB a layer at 25%)
     self._step.lower(self.params, self._srcs, self.new_carry(), np.int32(0),
                      np.int32(0)).compile()
-    prompt.compile_prompts(self._prog, self.params, self._srcs, self._live_states(),
-                           prompt_lengths)
+    for p in prompt.buckets(self._prog, prompt_lengths):
+      self._prompt_program(p)
 
   def set_policy(self, policy: policy_lib.PolicyParams | str):
     """Decodes from now on under `policy`, keeping the resident sets, the budget and the
@@ -228,6 +222,17 @@ class OffloadEngine:
     (`decode.record_layout`, known before any step runs)."""
     self._prog, self._step = prog, decode.step_fn(prog)
     self.record_layout = decode.record_layout(prog, self._state_shapes)
+
+  def _prompt_program(self, bucket: int):
+    """The current program's prompt pass of a `bucket`-token prompt, compiled once (the
+    newest 8 kept): prefill calls the executable, as `_generate_loop` its loops."""
+    key = (self._prog, bucket)
+    if key not in self._prompts:
+      while len(self._prompts) >= 8:
+        self._prompts.pop(next(iter(self._prompts)))
+      self._prompts[key] = prompt.compile_prompt(self._prog, self.params, self._srcs,
+                                                 self._live_states(), bucket)
+    return self._prompts[key]
 
   def start_call(self):
     """Before one `moejax.generate` call, as moejax-generate before its one generation: the
@@ -268,14 +273,14 @@ class OffloadEngine:
       raise ValueError("prefill needs at least one prompt token")
     if t + 1 > self.max_len:
       raise ValueError(f"prompt of {t} tokens does not fit max_len={self.max_len}")
-    t0 = time.perf_counter()
     toks = np.zeros((prompt.prompt_bucket(self._prog, t),), np.int32)
     toks[:t] = prompt_ids
+    run = self._prompt_program(len(toks))
+    t0 = time.perf_counter()      # (the record times the prompt, not its compile)
     states = self._live_states()
     self._carry = None
     decay = np.float32(float(self.policy.lfu_decay) ** np.float64(t))
-    logits, carry, did = prompt.prefill(self._prog, self.params, self._srcs, states, toks,
-                                        np.int32(t), decay)
+    logits, carry, did = run(self.params, self._srcs, states, toks, np.int32(t), decay)
     self._carry, self._states = carry, None
     out, copied, evicted = jax.device_get((logits, did.copied_E, did.evicted_EP))
     self._clock.reset()
@@ -330,8 +335,9 @@ class OffloadEngine:
     rec = np.array(rec)           # its own memory, not a view holding the device buffer
     waits = {}
     if self.link.emulated:
-      waits = self.charge_link(t0, f"the token at position {self.end_index - 1}", *link_counts(
-          self._unpack(rec), self.low_nbytes / self.store.expert_nbytes(), self.plan))
+      counts = link_counts(self.record_layout.unpack(rec),
+                           self.low_nbytes / self.store.expert_nbytes(), self.plan)
+      waits = self.charge_link(t0, f"the token at position {self.end_index - 1}", *counts)
     self._kept.add((rec, time.perf_counter() - t0, waits), self._record)
     return jnp.asarray(out) if lazy else out
 
@@ -342,15 +348,11 @@ class OffloadEngine:
       nxt = self._deferred[0].t0 if self._deferred else time.perf_counter()
       self._kept.add((np.array(done.packed), nxt - done.t0, {}), self._record)
 
-  def _unpack(self, packed):
-    """The numpy Record of a step's packed decisions (`record.RecordLayout.unpack`)."""
-    return self.record_layout.unpack(packed)
-
   def _record(self, packed, wall_s: float, waits: dict, layers: bool) -> TokenRecord:
     """A step's record of its packed decisions (built when read, or once
     `stats.RECORDS_KEPT` wait: a decode step itself keeps only its numpy arrays)."""
-    rec = build_record(self._unpack(packed), self.moe_layers, self.store.expert_nbytes(),
-                       self.low_nbytes, self.plan, layers=layers)
+    rec = build_record(self.record_layout.unpack(packed), self.moe_layers,
+                       self.store.expert_nbytes(), self.low_nbytes, self.plan, layers=layers)
     rec.finish(wall_s, **waits)
     return rec
 

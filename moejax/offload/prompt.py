@@ -113,16 +113,28 @@ def prompt_bucket(prog: Program, t: int) -> int:
   return min(bucket(t), prog.max_len)
 
 
+def buckets(prog: Program, prompt_lengths) -> list[int]:
+  """The padded lengths (`prompt_bucket`) prompts of `prompt_lengths` tokens run at, each
+  once, a length capped at max_len - 1 (one generated token still fits)."""
+  return sorted({prompt_bucket(prog, min(int(t), prog.max_len - 1))
+                 for t in prompt_lengths if t >= 1})
+
+
 def fitted(prog: Program, bucket: int) -> Program:
   """`prog` with its KV cache sized to a prompt's bucket: a batch's joining prompt fills
   its row's first positions (`model.put_row`), with no full-length cache to fill and copy."""
   return dataclasses.replace(prog, max_len=bucket)
 
 
+def compile_prompt(prog: Program, params, srcs, states, bucket: int, fit: bool = False):
+  """`prefill` of a `bucket`-token prompt, lowered and compiled (runs nothing; fit: its
+  `fitted` program): the executable takes prefill's arguments after `prog`."""
+  return prefill.lower(fitted(prog, bucket) if fit else prog, params, srcs, states,
+                       np.zeros((bucket,), np.int32), np.int32(1), np.float32(1.0)).compile()
+
+
 def compile_prompts(prog: Program, params, srcs, states, prompt_lengths, fit: bool = False):
   """Compiles (runs nothing) `prefill` for the bucket of each of `prompt_lengths` (fit:
   its `fitted` program)."""
-  for t in sorted({min(int(t), prog.max_len - 1) for t in prompt_lengths if t >= 1}):
-    p = prompt_bucket(prog, t)
-    prefill.lower(fitted(prog, p) if fit else prog, params, srcs, states,
-                  np.zeros((p,), np.int32), np.int32(t), np.float32(1.0)).compile()
+  for p in buckets(prog, prompt_lengths):
+    compile_prompt(prog, params, srcs, states, p, fit)

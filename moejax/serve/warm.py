@@ -80,7 +80,7 @@ def joins(engine, max_batch: int, lengths) -> None:
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=on), shapes)
   batch = cache(max_batch, engine.max_len)
   axis = 1 if prog.scan else 0
-  for p in sorted({prompt.prompt_bucket(prog, min(t, engine.max_len - 1)) for t in lengths}):
+  for p in prompt.buckets(prog, lengths):
     put_row.lower(batch, cache(1, p), np.int32(0), axis).compile()
 
 

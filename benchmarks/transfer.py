@@ -2,9 +2,11 @@
 
   python -m launch.bench_transfer --out=bench_transfer.json
 
-The engine's decode program copies a fetched expert itself: a dynamic slice of the
-store's stacked `[E, ...]` arrays (`moejax.io.placement.program_store`; in pinned
-host memory on an accelerator) written into a slot buffer with dynamic_update_slice.
+The engine's decode program copies a fetched expert itself (`moejax.offload.sources.
+copy_rows`, called here as the engine calls it): the store's stacked `[E, ...]` arrays
+(`moejax.io.placement.program_store`; in pinned host memory on an accelerator) read at the
+expert and written into a slot buffer, on the CPU by one kernel call a tensor, split over
+both threads when large (`kernels/cpu_rows.cc`).
 Per `--store` back-end (numpy, mmap, pinned_host) this times
 
   copy_ms          one jitted call that copies one expert (dispatch included);
@@ -31,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moejax.io import placement
+from moejax.offload import sources
 from moejax.io.store import (BACKENDS, StoreBackendError, make_store, shares_buffer,
                                       store_backend)
 from moejax.io.store import ExpertStore
@@ -50,17 +53,11 @@ def define_flags():
 
 
 def _copy(bufs, stack, e, slot, pinned):
-  """As the engine's in-program copy (`sources.copy_rows`): a slice of the stacked store,
-  moved to device memory when the store is in a host memory kind, written into a row.
-  The buffers have the store's dtype (16-bit floats are held as their uint16 bits)."""
-  out = {}
-  dev = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="device")
-  for name, buf in bufs.items():
-    row = jax.lax.dynamic_slice_in_dim(stack[name], e, 1, axis=0)
-    if pinned:
-      row = jax.device_put(row, dev)
-    out[name] = jax.lax.dynamic_update_slice_in_dim(buf, row, slot, axis=0)
-  return out
+  """Expert `e` of `stack` into row `slot` of `bufs` by the engine's in-program copy
+  (`sources.copy_rows`). The buffers have the store's dtype (16-bit floats are held as
+  their uint16 bits)."""
+  return sources.copy_rows(bufs, stack, jnp.reshape(e, (1,)), jnp.reshape(slot, (1,)),
+                           pinned)
 
 
 @functools.partial(jax.jit, static_argnames=("pinned",), donate_argnums=(0,))

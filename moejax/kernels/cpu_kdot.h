@@ -110,6 +110,7 @@ inline void tile_q4k(const uint8_t* w, int64_t row_bytes, const QAct& a, const i
       accm[r][t] = _mm_setzero_ps();
     }
   for (int64_t sb = 0; sb < nsb; ++sb) {
+    prefetch_next_rows<R, T, 144>(w + sb * 144, row_bytes);
     __m512i isum[R][T];
     __m128i scm[R];   // the rows' scales (bytes 0-7) and mins (8-15)
     for (int r = 0; r < R; ++r) {
@@ -179,6 +180,7 @@ inline void tile_q6k(const uint8_t* w, int64_t row_bytes, const QAct& a, const i
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps();
   for (int64_t sb = 0; sb < nsb; ++sb) {
+    prefetch_next_rows<R, T, 210>(w + sb * 210, row_bytes);
     __m512i isum[R][T];
     for (int r = 0; r < R; ++r)
       for (int t = 0; t < T; ++t) isum[r][t] = _mm512_setzero_si512();
@@ -226,6 +228,7 @@ inline void tile_q4k(const uint8_t* w, int64_t row_bytes, const QAct& a, const i
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < T; ++t) acc[r][t] = _mm256_setzero_ps();
   for (int64_t sb = 0; sb < nsb; ++sb) {
+    prefetch_next_rows<R, T, 144>(w + sb * 144, row_bytes);
     uint8_t sc[R][8], m[R][8];
     __m256i isum[R][T];
     for (int r = 0; r < R; ++r) {
@@ -291,6 +294,7 @@ inline void tile_q6k(const uint8_t* w, int64_t row_bytes, const QAct& a, const i
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < T; ++t) acc[r][t] = _mm256_setzero_ps();
   for (int64_t sb = 0; sb < nsb; ++sb) {
+    prefetch_next_rows<R, T, 210>(w + sb * 210, row_bytes);
     __m256i isum[R][T];
     for (int r = 0; r < R; ++r)
       for (int t = 0; t < T; ++t) isum[r][t] = _mm256_setzero_si256();

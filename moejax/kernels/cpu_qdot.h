@@ -83,6 +83,7 @@ __attribute__((always_inline)) inline void group32(
   const Idx32& ix = idx32();
   __m512i c0[R], c1[R];   // Q4_0: low, high nibbles; Q8_0: blocks 0-1, 2-3 (+ 128)
   __m512 d0[R], d1[R];
+  prefetch_next_rows<R, T, Q == kQ8_0 ? 136 : 72>(w, row_bytes);
   for (int r = 0; r < R; ++r) {
     const uint8_t* p = w + r * row_bytes;
     const __m512i A = load_upto(p, left), B = load_upto(p + 64, left - 64);
@@ -178,6 +179,7 @@ inline void tile32(const uint8_t* w, int64_t row_bytes, const QAct& a, const int
   for (int64_t b = 0; b < nb; ++b) {
     __m256i wq[R];
     __m256 wd[R];
+    if (b % 2 == 0) prefetch_next_rows<R, T, 2 * kBytes>(w + b * kBytes, row_bytes);
     for (int r = 0; r < R; ++r) {
       const uint8_t* blk = w + r * row_bytes + b * kBytes;
       uint16_t h;

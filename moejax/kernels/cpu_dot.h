@@ -20,6 +20,7 @@
 #endif
 
 #include "cpu_bf16.h"
+#include "cpu_prefetch.h"
 
 namespace moejax {
 
@@ -206,13 +207,16 @@ inline void micro(const W* w, const X* x, int64_t len, float* out, int64_t os) {
       for (int r = 0; r < R; ++r)
         for (int t = 0; t < T; ++t) a[k][r][t] = vecf{};
     int64_t c = 0;
-    for (; c + C <= nc; c += C)
+    for (; c + C <= nc; c += C) {
+      prefetch_next_rows<R, T, C * L * sizeof(W)>(reinterpret_cast<const uint8_t*>(w + c * L),
+                                                  len * sizeof(W));
       for (int t = 0; t < T; ++t)
         for (int k = 0; k < C; ++k) {
           const auto xv = S::x(x + t * len + (c + k) * L);
           for (int r = 0; r < R; ++r)
             a[k][r][t] = S::apply(a[k][r][t], w + r * len + (c + k) * L, xv);
         }
+    }
     for (int k = 0; k < C && c < nc; ++c, ++k)   // fewer than C chunks left
       for (int t = 0; t < T; ++t)
         for (int r = 0; r < R; ++r)

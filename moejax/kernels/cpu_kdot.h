@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "cpu_prefetch.h"
 #include "cpu_qact.h"
 #include "cpu_qdot.h"
 

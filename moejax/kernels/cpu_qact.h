@@ -38,18 +38,6 @@ namespace moejax {
 enum QType : int { kQ8_0 = 0, kQ4_0 = 1, kQ4_K = 2, kQ6_K = 3 };
 
 inline bool qtype_ok(int q) { return q >= kQ8_0 && q <= kQ6_K; }
-
-// A decode tile (T == 1) reads its R rows (0.8-2.2 KB each) as R short streams, which the
-// hardware prefetcher follows poorly. Each step of such a tile asks for the same N bytes
-// of the next R rows (`at`: the step's bytes in the tile's first row), the tile that a
-// thread's run of rows reads next. The Sampler on the wide 4-layer model, 2 threads:
-// Q8_0 46 -> 65 tok/s, Q4_0 70 -> 110 (AVX-512; the AVX2 and K-quant tiles do the same).
-template <int R, int T, int N>
-inline void prefetch_next_rows(const uint8_t* at, int64_t row_bytes) {
-  if constexpr (T == 1)
-    for (int r = 0; r < R; ++r)
-      for (int o = 0; o < N; o += 64) __builtin_prefetch(at + (R + r) * row_bytes + o, 0, 3);
-}
 inline int64_t qblock_elems(int q) { return q == kQ8_0 || q == kQ4_0 ? 32 : 256; }
 inline int64_t qblock_bytes(int q) {
   static constexpr int64_t kBytes[] = {34, 18, 144, 210};

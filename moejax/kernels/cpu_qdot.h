@@ -24,6 +24,7 @@
 #include <immintrin.h>
 #endif
 
+#include "cpu_prefetch.h"
 #include "cpu_qact.h"
 
 namespace moejax {

@@ -268,8 +268,9 @@ def test_write_rows_is_a_dynamic_update_slice_in_place():
 
 def test_copy_rows_copies_a_block_from_one_buffer_into_another_in_place():
   rng = np.random.default_rng(5)
-  # slot buffers [L, P, ...] and a store [L, E, ...]; a 2.4 MB block is copied in 9 pieces
-  # of 256 KB, a 1.02 MB one in 3 of 339,371 bytes (the last one shorter)
+  # slot buffers [L, P, ...] and a store [L, E, ...]; a 2.4 MB block is copied in 10 pieces
+  # on 2 threads (9 of 256 KB rounded up to a multiple of the threads), a 1.02 MB one in 4
+  # of 254,528 bytes (the last one shorter)
   for shape in ((3, 4, 6), (96, 128, 96), (97, 128, 41)):
     buf = jnp.asarray(rng.normal(size=(2, 5) + shape), jnp.bfloat16)
     store = jnp.asarray(rng.normal(size=(2, 7) + shape), jnp.bfloat16)

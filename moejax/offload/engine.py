@@ -49,6 +49,15 @@ class _Lazy(NamedTuple):
   t0: float
 
 
+def _cached_program(table: dict, key, limit: int, build):
+  """table[key], built by `build()` the first time (compiled programs: the newest `limit`)."""
+  if key not in table:
+    while len(table) >= limit:
+      table.pop(next(iter(table)))
+    table[key] = build()
+  return table[key]
+
+
 class OffloadEngine:
   """Decoding under an expert budget with a policy; in-program copies from the host store."""
 
@@ -224,15 +233,9 @@ class OffloadEngine:
     self.record_layout = decode.record_layout(prog, self._state_shapes)
 
   def _prompt_program(self, bucket: int):
-    """The current program's prompt pass of a `bucket`-token prompt, compiled once (the
-    newest 8 kept): prefill calls the executable, as `_generate_loop` its loops."""
-    key = (self._prog, bucket)
-    if key not in self._prompts:
-      while len(self._prompts) >= 8:
-        self._prompts.pop(next(iter(self._prompts)))
-      self._prompts[key] = prompt.compile_prompt(self._prog, self.params, self._srcs,
-                                                 self._live_states(), bucket)
-    return self._prompts[key]
+    """The current program's prompt pass for `bucket` tokens, compiled once (8 kept)."""
+    return _cached_program(self._prompts, (self._prog, bucket), 8, lambda: prompt.compile_prompt(
+        self._prog, self.params, self._srcs, self._live_states(), bucket))
 
   def start_call(self):
     """Before one `moejax.generate` call, as moejax-generate before its one generation: the
@@ -381,15 +384,12 @@ class OffloadEngine:
     args = (self.params, self._srcs, self._carry, jnp.asarray(logits),
             np.int32(self.end_index), key, np.int32(sp.max_new_tokens), stop,
             np.float32(sp.temperature), np.float32(sp.top_p), sp.forced(bucket_new))
-    statics = dict(bucket_new=bucket_new, greedy=sp.temperature == 0.0,
-                   nucleus=sp.top_p < 1.0)
+    statics = dict(bucket_new=bucket_new, greedy=sp.temperature == 0.0, nucleus=sp.top_p < 1.0)
     key_s = tuple(statics.values()) + (stop.shape,)
-    if key_s not in self._loops:     # compiled ahead, so the records time decoding only
-      while len(self._loops) >= 4:
-        self._loops.pop(next(iter(self._loops)))
-      self._loops[key_s] = decode.loop.lower(self._prog, *args, **statics).compile()
+    loop = _cached_program(self._loops, key_s, 4,   # compiled ahead: records time decoding
+                           lambda: decode.loop.lower(self._prog, *args, **statics).compile())
     t0 = time.perf_counter()
-    self._carry, toks, n, recs = self._loops[key_s](*args)
+    self._carry, toks, n, recs = loop(*args)
     toks, n, recs = jax.device_get((toks, n, recs))
     n = int(n)
     wall = (time.perf_counter() - t0) / max(1, n - 1)

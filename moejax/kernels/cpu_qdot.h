@@ -1,19 +1,21 @@
 // Dots of Q8_0 / Q4_0 weight rows (GGUF blocks of 32, cpu_qact.h) with quantized tokens
 // (QAct, blocks of 32), ggml's vec_dot_q8_0_q8_0 / vec_dot_q4_0_q8_0 approach: per block an
-// exact integer dot of the codes, then in f32 acc += (isum * d_w) * d_x.
+// exact integer dot of the codes, then the block's scales in f32.
 //
-//  - AVX-512 VNNI + VBMI: four blocks (a group) a step. vpdpbusd multiplies unsigned
-//    weight bytes by signed token codes, four a lane: Q4_0's codes 0..15 as they are,
-//    Q8_0's int8 with 128 added (xor 0x80); the accumulator starts at the token's
-//    -offset * the sum of the codes of its lane (QAct::corr), so each lane holds the exact
-//    sum of (w - offset) * x. Byte and word permutes pick the group's codes and f16
-//    scales out of the row's bytes, so a group costs a few instructions, not a few per block.
+//  - AVX-512 VNNI + VBMI (decode: one token, up to 4 rows; a prompt's tokens go through
+//    cpu_qpanel.h). Four blocks (a group) a step: vpdpbusd multiplies unsigned weight
+//    bytes by signed token codes, four a lane: Q4_0's codes 0..15 as they are, Q8_0's
+//    int8 with 128 added (xor 0x80); the lanes start at the token's -offset * the sum of
+//    their codes (QAct::corr), so a block's lanes add up to its exact sum of
+//    (w - offset) * x. Byte and word permutes pick the group's codes and f16 scales out of
+//    the row's bytes. The 4 rows' lanes are then added per block (sum_fours), so a lane
+//    holds one row, and per block acc = fma(float(isum), d_w * d_x, acc): the sequence of
+//    cpu_qpanel.h's prompt dots, so a token has the same bits alone or in a prompt.
 //  - AVX2: one block a step in one ymm, as ggml's AVX2 path: vpmaddubsw of |w| and
-//    sign(x, w) (Q8_0) or of the 0..15 codes (Q4_0, then the offset), vpmaddwd to int32.
+//    sign(x, w) (Q8_0) or of the 0..15 codes (Q4_0, then the offset), vpmaddwd to int32;
+//    each (row, token) runs the same instructions whatever the tile<R, T> it lands in.
 //  - elsewhere: scalar, per block.
-// Each (row, token) takes the same instructions in the same order whatever the tile
-// (tile<R, T> only shares loads between them), so a token has the same bits alone or in
-// a prompt. A build for another instruction set sums in other lanes: other bits.
+// A build for another instruction set sums in other lanes: other bits.
 #pragma once
 
 #include <algorithm>
@@ -50,7 +52,13 @@ struct Idx32 {
   alignas(64) uint8_t q8_codes01[64];  // Q8_0: blocks 0, 1's 32 codes (from bytes 0-127)
   alignas(64) uint8_t q8_codes23[64];  // Q8_0: blocks 2, 3's (from bytes 64-191)
   alignas(64) uint16_t q8_scales[32];  // Q8_0: d0 x 8, d1 x 8, d2 x 8, d3 x 8
+  alignas(64) int32_t q8_rows[16];     // Q8_0: lane 4b + r <- rows' scales of block b
+  alignas(64) int32_t q8_xd[16];       // Q8_0: lane 4b + r <- the token's d of block b
   Idx32() {
+    for (int l = 0; l < 16; ++l) {
+      q8_rows[l] = 16 * (l / 8) + 8 * ((l / 4) % 2) + l % 4;
+      q8_xd[l] = 8 * (l / 4);
+    }
     for (int i = 0; i < 64; ++i) {
       q4_codes[i] = static_cast<uint8_t>(2 + 18 * (i / 16) + i % 16);
       q8_codes01[i] = static_cast<uint8_t>(2 + 34 * (i / 32) + i % 32);
@@ -73,90 +81,116 @@ inline __m512i load_upto(const uint8_t* p, int64_t n) {
   return _mm512_maskz_loadu_epi8(m, p);
 }
 
+// 4 vectors' lanes added in fours (exact integers): lane j of chunk c of the result is
+// the sum of chunk c's 4 lanes of v[j].
+inline __m512i sum_fours(const __m512i (&v)[4]) {
+  const __m512i ab = _mm512_add_epi32(_mm512_unpacklo_epi32(v[0], v[1]), _mm512_unpackhi_epi32(v[0], v[1]));
+  const __m512i cd = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2], v[3]), _mm512_unpackhi_epi32(v[2], v[3]));
+  return _mm512_add_epi32(_mm512_unpacklo_epi64(ab, cd), _mm512_unpackhi_epi64(ab, cd));
+}
+// Lane 4b + r: lane 4b + r of v[r] (v[r]'s lanes 4b .. 4b + 3 hold one value of row r).
+inline __m512 pick_rows(const __m512 (&v)[4]) {
+  __m512 o = _mm512_mask_mov_ps(v[0], 0x2222, v[1]);
+  o = _mm512_mask_mov_ps(o, 0x4444, v[2]);
+  return _mm512_mask_mov_ps(o, 0x8888, v[3]);
+}
+// acc (lane r: row r) = fma(isum[b, r], prod[b, r], acc) for the group's blocks in order,
+// chunk b of isum and prod holding block b.
+__attribute__((always_inline)) inline __m128 fma_blocks(__m512i isum, __m512 prod, int64_t nblk,
+                                                         __m128 acc) {
+  const __m512 f = _mm512_cvtepi32_ps(isum);
+  acc = _mm_fmadd_ps(_mm512_castps512_ps128(f), _mm512_castps512_ps128(prod), acc);
+  if (nblk > 1) acc = _mm_fmadd_ps(_mm512_extractf32x4_ps(f, 1), _mm512_extractf32x4_ps(prod, 1), acc);
+  if (nblk > 2) acc = _mm_fmadd_ps(_mm512_extractf32x4_ps(f, 2), _mm512_extractf32x4_ps(prod, 2), acc);
+  if (nblk > 3) acc = _mm_fmadd_ps(_mm512_extractf32x4_ps(f, 3), _mm512_extractf32x4_ps(prod, 3), acc);
+  return acc;
+}
+
 // One group (4 blocks, `left` of its bytes in the row: fewer in a last group, which then
-// reads zeros past the row) of R rows against T tokens, added into acc. Per (row, token):
-// Q4_0 two vpdpbusd (low, high halves) into one int32 sum per 4 lanes, then cvt, * d_w,
-// fma with d_x; Q8_0 the same for blocks 0-1, then for blocks 2-3.
-template <int Q, int R, int T>
-__attribute__((always_inline)) inline void group32(
-    const uint8_t* w, int64_t row_bytes, int64_t left, const int8_t* const* xq,
-    const int32_t* const* xc, const float* const* xv, __m512 (&acc)[R][T]) {
+// reads zeros past the row) of R <= 4 rows against one token. Each row's blocks' exact
+// integer sums (vpdpbusd into lanes, the lanes of a block then added), then per block
+// acc = fma(float(isum), d_w * d_x, acc): the sequence cpu_qpanel.h's prompt dots run.
+template <int Q, int R>
+__attribute__((always_inline)) inline __m128 group32(
+    const uint8_t* w, int64_t row_bytes, int64_t left, const int8_t* xq, const int32_t* xc,
+    const float* xv, __m128 acc) {
   const Idx32& ix = idx32();
-  __m512i c0[R], c1[R];   // Q4_0: low, high nibbles; Q8_0: blocks 0-1, 2-3 (+ 128)
-  __m512 d0[R], d1[R];
-  prefetch_next_rows<R, T, Q == kQ8_0 ? 136 : 72>(w, row_bytes);
-  for (int r = 0; r < R; ++r) {
+  __m512i s0[4], s1[4];   // Q4_0: the 4 blocks' lanes; Q8_0: blocks 0-1, 2-3
+  __m512 d0[4], d1[4];
+  prefetch_next_rows<R, 1, Q == kQ8_0 ? 136 : 72>(w, row_bytes);
+  const __m512i y0 = _mm512_loadu_si512(xq), y1 = _mm512_loadu_si512(xq + 64);
+  const __m512i i0 = _mm512_loadu_si512(xc);
+  for (int r = 0; r < 4; ++r) {
+    if (r >= R) {
+      s0[r] = s1[r] = _mm512_setzero_si512();
+      d0[r] = d0[0];
+      d1[r] = d1[0];
+      continue;
+    }
     const uint8_t* p = w + r * row_bytes;
     const __m512i A = load_upto(p, left), B = load_upto(p + 64, left - 64);
     if constexpr (Q == kQ4_0) {
       const __m512i qs = _mm512_permutex2var_epi8(A, load_idx(ix.q4_codes), B);
-      c0[r] = _mm512_and_si512(qs, _mm512_set1_epi8(0x0f));
-      c1[r] = _mm512_and_si512(_mm512_srli_epi16(qs, 4), _mm512_set1_epi8(0x0f));
+      const __m512i c0 = _mm512_and_si512(qs, _mm512_set1_epi8(0x0f));
+      const __m512i c1 = _mm512_and_si512(_mm512_srli_epi16(qs, 4), _mm512_set1_epi8(0x0f));
       d0[r] = _mm512_cvtph_ps(_mm512_castsi512_si256(   // the 4 scales lie in A
           _mm512_permutexvar_epi16(load_idx(ix.q4_scales), A)));
+      d1[r] = d0[r];
+      s0[r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(i0, c0, y0), c1, y1);
     } else {
       const __m512i C = load_upto(p + 128, left - 128);
       const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-      c0[r] = _mm512_xor_si512(_mm512_permutex2var_epi8(A, load_idx(ix.q8_codes01), B), flip);
-      c1[r] = _mm512_xor_si512(_mm512_permutex2var_epi8(B, load_idx(ix.q8_codes23), C), flip);
+      const __m512i c0 = _mm512_xor_si512(_mm512_permutex2var_epi8(A, load_idx(ix.q8_codes01), B), flip);
+      const __m512i c1 = _mm512_xor_si512(_mm512_permutex2var_epi8(B, load_idx(ix.q8_codes23), C), flip);
       const __m512i s = _mm512_permutex2var_epi16(A, load_idx(ix.q8_scales), B);
       d0[r] = _mm512_cvtph_ps(_mm512_castsi512_si256(s));
       d1[r] = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(s, 1));
+      s0[r] = _mm512_dpbusd_epi32(i0, c0, y0);
+      s1[r] = _mm512_dpbusd_epi32(_mm512_loadu_si512(xc + 16), c1, y1);
     }
   }
-  for (int t = 0; t < T; ++t) {
-    const __m512i y0 = _mm512_loadu_si512(xq[t]), y1 = _mm512_loadu_si512(xq[t] + 64);
-    const __m512i i0 = _mm512_loadu_si512(xc[t]);
-    const __m512 x0 = _mm512_loadu_ps(xv[t]);
-    if constexpr (Q == kQ4_0) {
-      for (int r = 0; r < R; ++r) {
-        const __m512i isum = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(i0, c0[r], y0), c1[r], y1);
-        acc[r][t] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(isum), d0[r]), x0, acc[r][t]);
-      }
-    } else {
-      const __m512i i1 = _mm512_loadu_si512(xc[t] + 16);
-      const __m512 x1 = _mm512_loadu_ps(xv[t] + 16);
-      for (int r = 0; r < R; ++r) {
-        const __m512i s0 = _mm512_dpbusd_epi32(i0, c0[r], y0), s1 = _mm512_dpbusd_epi32(i1, c1[r], y1);
-        acc[r][t] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s0), d0[r]), x0, acc[r][t]);
-        acc[r][t] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s1), d1[r]), x1, acc[r][t]);
-      }
-    }
+  const int64_t nblk = std::min<int64_t>(4, (left + (Q == kQ8_0 ? 33 : 17)) / (Q == kQ8_0 ? 34 : 18));
+  if constexpr (Q == kQ4_0) {   // chunk b, lane r: block b of row r; the scales spread as dv
+    const __m512 prod = _mm512_mul_ps(pick_rows(d0), _mm512_loadu_ps(xv));
+    return fma_blocks(sum_fours(s0), prod, nblk, acc);
+  } else {   // blocks 0-1 of each row in s0 (8 lanes a block), 2-3 in s1
+    const __m512i x0 = sum_fours(s0), x1 = sum_fours(s1);
+    const __m512i y01 = _mm512_add_epi32(x0, _mm512_shuffle_i32x4(x0, x0, _MM_SHUFFLE(2, 3, 0, 1)));
+    const __m512i y23 = _mm512_add_epi32(x1, _mm512_shuffle_i32x4(x1, x1, _MM_SHUFFLE(2, 3, 0, 1)));
+    const __m512i isum = _mm512_shuffle_i32x4(y01, y23, _MM_SHUFFLE(2, 0, 2, 0));
+    const __m512 dw = _mm512_permutex2var_ps(pick_rows(d0), load_idx(ix.q8_rows), pick_rows(d1));
+    const __m512 dx = _mm512_permutex2var_ps(_mm512_loadu_ps(xv), load_idx(ix.q8_xd),
+                                             _mm512_loadu_ps(xv + 16));
+    return fma_blocks(isum, _mm512_mul_ps(dw, dx), nblk, acc);
   }
 }
 
-// out[t * os + r] = w[r] . x[tok[t]] for R rows (row_bytes apart) and T tokens, a group
-// of four blocks a step: their codes and scales picked out of two or three zmm loads by
+// out[r] = w[r] . x[tok[0]] for R <= 4 rows (row_bytes apart) and one token, a group of
+// four blocks a step: their codes and scales picked out of two or three zmm loads by
 // byte/word permutes; the token's codes, spread scales and accumulator starts as
-// qact_layout stored them.
+// qact_layout stored them. A prompt's tokens go through cpu_qpanel.h (the same bits).
 template <int Q, int R, int T>
 inline void tile32(const uint8_t* w, int64_t row_bytes, const QAct& a, const int64_t* tok,
                    float* out, int64_t os) {
+  static_assert(T == 1 && R <= 4, "AVX-512: one token, at most 4 rows (cpu_qpanel.h for more)");
   constexpr int64_t kBytes = Q == kQ8_0 ? 34 : 18, kGroup = 4 * kBytes;
   constexpr int64_t kVec = Q == kQ8_0 ? 32 : 16;   // corr / dv entries a group
   const int64_t ng = a.stride / 128, nbytes = a.len / 32 * kBytes, full = nbytes / kGroup;
-  const int8_t* xq[T];
-  const int32_t* xc[T];
-  const float* xv[T];
-  for (int t = 0; t < T; ++t) {
-    xq[t] = a.q_of(tok[t]);
-    xc[t] = a.corr_of(tok[t]);
-    xv[t] = a.dv_of(tok[t]);
-  }
-  __m512 acc[R][T];
-  for (int r = 0; r < R; ++r)
-    for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps();
+  const int8_t* xq = a.q_of(tok[0]);
+  const int32_t* xc = a.corr_of(tok[0]);
+  const float* xv = a.dv_of(tok[0]);
+  __m128 acc = _mm_setzero_ps();
   for (int64_t g = 0; g < ng; ++g) {
-    if (g < full) group32<Q, R, T>(w + g * kGroup, row_bytes, kGroup, xq, xc, xv, acc);
-    else group32<Q, R, T>(w + g * kGroup, row_bytes, nbytes - g * kGroup, xq, xc, xv, acc);
-    for (int t = 0; t < T; ++t) {
-      xq[t] += 128;
-      xc[t] += kVec;
-      xv[t] += kVec;
-    }
+    if (g < full) acc = group32<Q, R>(w + g * kGroup, row_bytes, kGroup, xq, xc, xv, acc);
+    else acc = group32<Q, R>(w + g * kGroup, row_bytes, nbytes - g * kGroup, xq, xc, xv, acc);
+    xq += 128;
+    xc += kVec;
+    xv += kVec;
   }
-  for (int r = 0; r < R; ++r)
-    for (int t = 0; t < T; ++t) out[t * os + r] = _mm512_reduce_add_ps(acc[r][t]);
+  alignas(16) float o[4];
+  _mm_store_ps(o, acc);
+  for (int r = 0; r < R; ++r) out[r] = o[r];
+  (void)os;
 }
 
 #elif defined(MOEJAX_QDOT_AVX2)

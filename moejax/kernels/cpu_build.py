@@ -24,7 +24,7 @@ _SRCS = [os.path.join(_HERE, f) for f in ("cpu_kernel.cc", "cpu_attention.cc", "
 _HEADERS = [os.path.join(_HERE, h)   # part of the build key
             for h in ("cpu_bf16.h", "cpu_dot.h", "cpu_layer.h", "cpu_pages.h", "cpu_threads.h",
                       "cpu_prefetch.h", "cpu_qact.h", "cpu_qdot.h", "cpu_kdot.h",
-                      "cpu_qrows.h", "cpu_qpanel.h")]
+                      "cpu_qrows.h", "cpu_qpanel.h", "cpu_kpanel.h")]
 
 
 def _march() -> str:

@@ -11,8 +11,9 @@
 // AVX-512 VNNI: vpdpbusd of 64 codes a step (unsigned codes, signed tokens; Q6_K's offset in
 // the accumulator's start, QAct::corr); each lane's sum fits 16 bits, so two steps' sums
 // are packed to words (vpackssdw) and one vpdpwssd multiplies them by the sub-blocks'
-// scales: 4 vpdpbusd + 2 vpdpwssd a super-block, then one f32 fma of 16 lanes (Q4_K's
-// mins in 4 more). The scales unpack in vector registers, f16 by F16C. On one core from L2
+// scales: 4 vpdpbusd + 2 vpdpwssd a super-block. Q6_K then one f32 fma of 16 lanes; Q4_K
+// (decode only: a prompt goes by cpu_kpanel.h's panels) adds a row's lanes first and
+// applies the scales once per row and super-block, as the panels do. The scales unpack in vector registers, f16 by F16C. On one core from L2
 // 1 token: Q4_K 15 -> 27 GB/s of blocks, Q6_K 28 -> 37 (Q4_0 27; dots.cc of
 // docs/lab/runs/2026-12-07-kernels). AVX2: vpmaddubsw, then vpmaddwd by the scales.
 // Elsewhere scalar.
@@ -95,66 +96,61 @@ inline float hsum4(__m128 v) {
   return _mm_cvtss_f32(_mm_add_ss(p, _mm_movehdup_ps(p)));
 }
 
-// Q4_K: per super-block and (row, token) 4 vpdpbusd (64 codes each), 2 vpdpwssd, then
-// acc += isum * (d * d_x) in 16 lanes and accm += (mins . bsums) * (dmin * d_x) in 4.
+// Q4_K, one token against R <= 4 rows: per super-block and row 4 vpdpbusd (64 codes each)
+// and 2 vpdpwssd by the sub-blocks' scales into 16 lanes whose sum is S = sum_j sc_j *
+// dot_j; the mins' M = sum_j m_j * bsum_j in 4. The 4 rows' lanes are added (exact), then
+// per super-block acc = fma(float(S), d * d_x, acc), accm = fma(float(M), dmin * d_x,
+// accm) in one lane a row, and the result is acc - accm: cpu_kpanel.h's prompt sequence.
 template <int R, int T>
 inline void tile_q4k(const uint8_t* w, int64_t row_bytes, const QAct& a, const int64_t* tok,
                      float* out, int64_t os) {
+  static_assert(T == 1 && R <= 4, "AVX-512: one token, at most 4 rows (cpu_kpanel.h for more)");
   const int64_t nsb = a.len / 256;
   const KIdx& ix = kidx();
   const __m512i nib = _mm512_set1_epi8(0x0f);
-  __m512 acc[R][T];
-  __m128 accm[R][T];
-  for (int r = 0; r < R; ++r)
-    for (int t = 0; t < T; ++t) {
-      acc[r][t] = _mm512_setzero_ps();
-      accm[r][t] = _mm_setzero_ps();
-    }
+  __m128 acc = _mm_setzero_ps(), accm = _mm_setzero_ps();
   for (int64_t sb = 0; sb < nsb; ++sb) {
-    prefetch_next_rows<R, T, 144>(w + sb * 144, row_bytes);
-    __m512i isum[R][T];
-    __m128i scm[R];   // the rows' scales (bytes 0-7) and mins (8-15)
-    for (int r = 0; r < R; ++r) {
-      scm[r] = q4k_scales_v(w + r * row_bytes + sb * 144 + 4);
-      for (int t = 0; t < T; ++t) isum[r][t] = _mm512_setzero_si512();
-    }
-    for (int p = 0; p < 2; ++p) {   // chunks 2p (low nibbles), 2p + 1 (high) of 64 bytes
-      __m512i w0[R], w1[R], sv[R];
-      for (int r = 0; r < R; ++r) {
-        const __m512i raw = _mm512_loadu_si512(w + r * row_bytes + sb * 144 + 16 + 64 * p);
-        w0[r] = _mm512_and_si512(raw, nib);
-        w1[r] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nib);
-        sv[r] = _mm512_permutexvar_epi16(_mm512_load_si512(ix.q4[p]),
-                                         _mm512_castsi128_si512(_mm_cvtepu8_epi16(scm[r])));
-      }
-      for (int t = 0; t < T; ++t) {
-        const int8_t* xq = a.q_of(tok[t]) + sb * 256 + 128 * p;
-        const __m512i x0 = _mm512_loadu_si512(xq), x1 = _mm512_loadu_si512(xq + 64);
-        for (int r = 0; r < R; ++r)
-          isum[r][t] = scaled_pair(isum[r][t], _mm512_dpbusd_epi32(_mm512_setzero_si512(), w0[r], x0),
-                                   _mm512_dpbusd_epi32(_mm512_setzero_si512(), w1[r], x1), sv[r]);
-      }
-    }
-    for (int r = 0; r < R; ++r) {
+    prefetch_next_rows<R, 1, 144>(w + sb * 144, row_bytes);
+    const int8_t* xq = a.q_of(tok[0]) + sb * 256;
+    const __m128i bs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a.bsum_of(tok[0]) + sb * 8));
+    __m512i isum[4];
+    __m128i mm[4];
+    alignas(16) uint16_t dh[8] = {0}, mh[8] = {0};
+    for (int r = 0; r < 4; ++r) {
+      isum[r] = _mm512_setzero_si512();
+      mm[r] = _mm_setzero_si128();
+      if (r >= R) continue;
       const uint8_t* blk = w + r * row_bytes + sb * 144;
-      const __m128i m16 = _mm_cvtepu8_epi16(_mm_srli_si128(scm[r], 8));
-      int32_t dm;
-      std::memcpy(&dm, blk, 4);
-      const __m128 dmin = _mm_cvtph_ps(_mm_cvtsi32_si128(dm));   // d, dmin
-      for (int t = 0; t < T; ++t) {
-        const __m128 f = _mm_mul_ps(dmin, _mm_set1_ps(a.d_of(tok[t])[sb]));
-        const __m128i bs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(
-            a.bsum_of(tok[t]) + sb * 8));
-        acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r][t]), _mm512_broadcastss_ps(f),
-                                    acc[r][t]);
-        accm[r][t] = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm_madd_epi16(m16, bs)),
-                                  _mm_shuffle_ps(f, f, 0x55), accm[r][t]);
+      std::memcpy(&dh[r], blk, 2);
+      std::memcpy(&mh[r], blk + 2, 2);
+      const __m128i scm = q4k_scales_v(blk + 4);   // scales (bytes 0-7), mins (8-15)
+      for (int p = 0; p < 2; ++p) {   // chunks 2p (low nibbles), 2p + 1 (high) of 64 bytes
+        const __m512i raw = _mm512_loadu_si512(blk + 16 + 64 * p);
+        const __m512i w0 = _mm512_and_si512(raw, nib);
+        const __m512i w1 = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nib);
+        const __m512i sv = _mm512_permutexvar_epi16(_mm512_load_si512(ix.q4[p]),
+                                                    _mm512_castsi128_si512(_mm_cvtepu8_epi16(scm)));
+        const __m512i x0 = _mm512_loadu_si512(xq + 128 * p), x1 = _mm512_loadu_si512(xq + 128 * p + 64);
+        isum[r] = scaled_pair(isum[r], _mm512_dpbusd_epi32(_mm512_setzero_si512(), w0, x0),
+                              _mm512_dpbusd_epi32(_mm512_setzero_si512(), w1, x1), sv);
       }
+      mm[r] = _mm_madd_epi16(_mm_cvtepu8_epi16(_mm_srli_si128(scm, 8)), bs);
     }
+    const __m512i v = sum_fours(isum);   // chunk c, lane r: a quarter of row r's S
+    const __m512i t = _mm512_add_epi32(v, _mm512_shuffle_i32x4(v, v, _MM_SHUFFLE(2, 3, 0, 1)));
+    const __m512i u = _mm512_add_epi32(t, _mm512_shuffle_i32x4(t, t, _MM_SHUFFLE(1, 0, 3, 2)));
+    const __m128i s4 = _mm512_castsi512_si128(u);
+    const __m128i m4 = _mm_hadd_epi32(_mm_hadd_epi32(mm[0], mm[1]), _mm_hadd_epi32(mm[2], mm[3]));
+    const __m128 dx = _mm_set1_ps(a.d_of(tok[0])[sb]);
+    const __m128 d4 = _mm_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(dh)));
+    const __m128 dm4 = _mm_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(mh)));
+    acc = _mm_fmadd_ps(_mm_cvtepi32_ps(s4), _mm_mul_ps(d4, dx), acc);
+    accm = _mm_fmadd_ps(_mm_cvtepi32_ps(m4), _mm_mul_ps(dm4, dx), accm);
   }
-  for (int r = 0; r < R; ++r)
-    for (int t = 0; t < T; ++t)
-      out[t * os + r] = _mm512_reduce_add_ps(acc[r][t]) - hsum4(accm[r][t]);
+  alignas(16) float o[4];
+  _mm_store_ps(o, _mm_sub_ps(acc, accm));
+  for (int r = 0; r < R; ++r) out[r] = o[r];
+  (void)os;
 }
 
 // 64 of a Q6_K half's 128 codes: chunk 0 its elements 0-63, chunk 1 its elements 64-127.

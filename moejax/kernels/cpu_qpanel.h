@@ -109,14 +109,34 @@ inline __m512i perm2(__m512i a, const int32_t* idx, __m512i b) {
   return _mm512_permutex2var_epi32(a, _mm512_load_si512(idx), b);
 }
 
+// out[k], lane i = the dword k of the 16 bytes at rp[i] + at (a 16 x 4 dword transpose).
+inline void transpose16x4(const uint8_t* const* rp, int64_t at, __m512i (&out)[4]) {
+  const PanelIdx& ix = panel_idx();
+  __m512i z[4];
+  for (int j = 0; j < 4; ++j) {
+    auto row = [&](int i) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(rp[i] + at)); };
+    const __m256i lo = _mm256_set_m128i(row(4 * j + 1), row(4 * j));
+    const __m256i hi = _mm256_set_m128i(row(4 * j + 3), row(4 * j + 2));
+    z[j] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+  }
+  const __m512i a0 = perm2(z[0], ix.q4_l1[0], z[1]), a1 = perm2(z[0], ix.q4_l1[1], z[1]);
+  const __m512i b0 = perm2(z[2], ix.q4_l1[0], z[3]), b1 = perm2(z[2], ix.q4_l1[1], z[3]);
+  for (int k = 0; k < 4; ++k) out[k] = perm2(k < 2 ? a0 : a1, ix.q4_l2[k], k < 2 ? b0 : b1);
+}
+
+// The 16 row pointers of a panel of nr rows (the rest: a row of zeros).
+inline void panel_rows(const uint8_t* w, int64_t row_bytes, int64_t nr, const uint8_t* (&rp)[kPanel]) {
+  thread_local std::vector<uint8_t> zero;
+  if (static_cast<int64_t>(zero.size()) < row_bytes) zero.assign(row_bytes, 0);
+  for (int64_t i = 0; i < kPanel; ++i) rp[i] = i < nr ? w + i * row_bytes : zero.data();
+}
+
 // Packs rows 0 .. nr - 1 (nr <= 16; the rest zero) of nb blocks each into `p`.
 template <int Q>
 inline void panel_pack(const uint8_t* w, int64_t row_bytes, int64_t nr, int64_t nb, QPanel& p) {
   constexpr int64_t kBytes = Q == kQ8_0 ? 34 : 18;
-  thread_local std::vector<uint8_t> zero;
-  if (static_cast<int64_t>(zero.size()) < row_bytes) zero.assign(row_bytes, 0);
   const uint8_t* rp[kPanel];
-  for (int64_t i = 0; i < kPanel; ++i) rp[i] = i < nr ? w + i * row_bytes : zero.data();
+  panel_rows(w, row_bytes, nr, rp);
   p.codes.resize(nb * 8);
   p.scales.resize(nb);
   const PanelIdx& ix = panel_idx();
@@ -127,20 +147,12 @@ inline void panel_pack(const uint8_t* w, int64_t row_bytes, int64_t nr, int64_t 
     p.scales[b] = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(h)));
     __m512i* c = &p.codes[8 * b];
     if constexpr (Q == kQ4_0) {
-      __m512i z[4];
-      for (int j = 0; j < 4; ++j) {
-        auto row = [&](int i) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(rp[i] + at + 2)); };
-        const __m256i lo = _mm256_set_m128i(row(4 * j + 1), row(4 * j));
-        const __m256i hi = _mm256_set_m128i(row(4 * j + 3), row(4 * j + 2));
-        z[j] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-      }
-      const __m512i a0 = perm2(z[0], ix.q4_l1[0], z[1]), a1 = perm2(z[0], ix.q4_l1[1], z[1]);
-      const __m512i b0 = perm2(z[2], ix.q4_l1[0], z[3]), b1 = perm2(z[2], ix.q4_l1[1], z[3]);
+      __m512i raw[4];
+      transpose16x4(rp, at + 2, raw);
       const __m512i m = _mm512_set1_epi8(0x0f);
       for (int k = 0; k < 4; ++k) {
-        const __m512i raw = perm2(k < 2 ? a0 : a1, ix.q4_l2[k], k < 2 ? b0 : b1);
-        c[k] = _mm512_and_si512(raw, m);                          // elements 4k ..
-        c[4 + k] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m);  // elements 16 + 4k ..
+        c[k] = _mm512_and_si512(raw[k], m);                           // elements 4k ..
+        c[4 + k] = _mm512_and_si512(_mm512_srli_epi16(raw[k], 4), m);  // elements 16 + 4k ..
       }
     } else {
       __m512i z[8], l1[8], l2[8];

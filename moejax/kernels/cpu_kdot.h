@@ -11,9 +11,9 @@
 // AVX-512 VNNI: vpdpbusd of 64 codes a step (unsigned codes, signed tokens; Q6_K's offset in
 // the accumulator's start, QAct::corr); each lane's sum fits 16 bits, so two steps' sums
 // are packed to words (vpackssdw) and one vpdpwssd multiplies them by the sub-blocks'
-// scales: 4 vpdpbusd + 2 vpdpwssd a super-block. Q6_K then one f32 fma of 16 lanes; Q4_K
-// (decode only: a prompt goes by cpu_kpanel.h's panels) adds a row's lanes first and
-// applies the scales once per row and super-block, as the panels do. The scales unpack in vector registers, f16 by F16C. On one core from L2
+// scales: 4 vpdpbusd + 2 vpdpwssd a super-block. These are decode's tiles (a prompt goes
+// by cpu_kpanel.h's panels): a row's lanes are added first and the f32 scales applied once
+// per row and super-block, as the panels do. The scales unpack in vector registers, f16 by F16C. On one core from L2
 // 1 token: Q4_K 15 -> 27 GB/s of blocks, Q6_K 28 -> 37 (Q4_0 27; dots.cc of
 // docs/lab/runs/2026-12-07-kernels). AVX2: vpmaddubsw, then vpmaddwd by the scales.
 // Elsewhere scalar.
@@ -91,6 +91,12 @@ inline __m512i scaled_pair(__m512i isum, __m512i s0, __m512i s1, __m512i sv) {
   return _mm512_dpwssd_epi32(isum, _mm512_packs_epi32(s0, s1), sv);
 }
 
+// 4 f16 as f32, built in a register (not stored in pieces and loaded whole: a stall).
+inline __m128 halves4(const uint16_t (&h)[4]) {
+  return _mm_cvtph_ps(_mm_setr_epi16(static_cast<short>(h[0]), static_cast<short>(h[1]),
+                                     static_cast<short>(h[2]), static_cast<short>(h[3]), 0, 0, 0, 0));
+}
+
 inline float hsum4(__m128 v) {
   const __m128 p = _mm_add_ps(v, _mm_movehl_ps(v, v));
   return _mm_cvtss_f32(_mm_add_ss(p, _mm_movehdup_ps(p)));
@@ -115,7 +121,7 @@ inline void tile_q4k(const uint8_t* w, int64_t row_bytes, const QAct& a, const i
     const __m128i bs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a.bsum_of(tok[0]) + sb * 8));
     __m512i isum[4];
     __m128i mm[4];
-    alignas(16) uint16_t dh[8] = {0}, mh[8] = {0};
+    uint16_t dh[4] = {0, 0, 0, 0}, mh[4] = {0, 0, 0, 0};
     for (int r = 0; r < 4; ++r) {
       isum[r] = _mm512_setzero_si512();
       mm[r] = _mm_setzero_si128();
@@ -142,8 +148,7 @@ inline void tile_q4k(const uint8_t* w, int64_t row_bytes, const QAct& a, const i
     const __m128i s4 = _mm512_castsi512_si128(u);
     const __m128i m4 = _mm_hadd_epi32(_mm_hadd_epi32(mm[0], mm[1]), _mm_hadd_epi32(mm[2], mm[3]));
     const __m128 dx = _mm_set1_ps(a.d_of(tok[0])[sb]);
-    const __m128 d4 = _mm_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(dh)));
-    const __m128 dm4 = _mm_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(mh)));
+    const __m128 d4 = halves4(dh), dm4 = halves4(mh);
     acc = _mm_fmadd_ps(_mm_cvtepi32_ps(s4), _mm_mul_ps(d4, dx), acc);
     accm = _mm_fmadd_ps(_mm_cvtepi32_ps(m4), _mm_mul_ps(dm4, dx), accm);
   }
@@ -166,52 +171,51 @@ inline __m512i q6k_codes(const uint8_t* ql, const uint8_t* qh, int chunk) {
                           _mm512_set1_epi8(0x3f));
 }
 
-// Q6_K: per super-block and (row, token) 4 vpdpbusd (64 codes each, from the offset's
-// accumulator start QAct::corr), 2 vpdpwssd, then acc += isum * (d * d_x).
+// Q6_K, one token against R <= 4 rows: per super-block and row 4 vpdpbusd (64 codes each,
+// from the offset's accumulator start QAct::corr) and 2 vpdpwssd by the sub-blocks' scales
+// into 16 lanes whose sum is S = sum_s sc_s * dot_s. The rows' lanes are added (exact),
+// then per super-block acc = fma(float(S), d * d_x, acc) in one lane a row: cpu_kpanel.h's
+// prompt sequence.
 template <int R, int T>
 inline void tile_q6k(const uint8_t* w, int64_t row_bytes, const QAct& a, const int64_t* tok,
                      float* out, int64_t os) {
+  static_assert(T == 1 && R <= 4, "AVX-512: one token, at most 4 rows (cpu_kpanel.h for more)");
   const int64_t nsb = a.len / 256;
   const KIdx& ix = kidx();
-  __m512 acc[R][T];
-  for (int r = 0; r < R; ++r)
-    for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps();
+  __m128 acc = _mm_setzero_ps();
   for (int64_t sb = 0; sb < nsb; ++sb) {
-    prefetch_next_rows<R, T, 210>(w + sb * 210, row_bytes);
-    __m512i isum[R][T];
-    for (int r = 0; r < R; ++r)
-      for (int t = 0; t < T; ++t) isum[r][t] = _mm512_setzero_si512();
+    prefetch_next_rows<R, 1, 210>(w + sb * 210, row_bytes);
+    __m512i isum[4];
+    uint16_t dh[4] = {0, 0, 0, 0};
+    for (int r = 0; r < 4; ++r) isum[r] = _mm512_setzero_si512();
+    for (int r = 0; r < R; ++r) std::memcpy(&dh[r], w + r * row_bytes + sb * 210 + 208, 2);
     for (int p = 0; p < 2; ++p) {   // half p: chunks 2p, 2p + 1
-      __m512i w0[R], w1[R], sv[R];
+      const int8_t* xq = a.q_of(tok[0]) + sb * 256 + 128 * p;
+      const int32_t* xc = a.corr_of(tok[0]) + sb * 64 + 32 * p;
+      const __m512i x0 = _mm512_loadu_si512(xq), x1 = _mm512_loadu_si512(xq + 64);
+      const __m512i i0 = _mm512_loadu_si512(xc), i1 = _mm512_loadu_si512(xc + 16);
       for (int r = 0; r < R; ++r) {
         const uint8_t* blk = w + r * row_bytes + sb * 210;
-        w0[r] = q6k_codes(blk + 64 * p, blk + 128 + 32 * p, 0);
-        w1[r] = q6k_codes(blk + 64 * p, blk + 128 + 32 * p, 1);
+        const __m512i w0 = q6k_codes(blk + 64 * p, blk + 128 + 32 * p, 0);
+        const __m512i w1 = q6k_codes(blk + 64 * p, blk + 128 + 32 * p, 1);
         const __m512i sc = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(
             _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192))));
-        sv[r] = _mm512_permutexvar_epi16(_mm512_load_si512(ix.q6[p]), sc);
-      }
-      for (int t = 0; t < T; ++t) {
-        const int8_t* xq = a.q_of(tok[t]) + sb * 256 + 128 * p;
-        const int32_t* xc = a.corr_of(tok[t]) + sb * 64 + 32 * p;
-        const __m512i x0 = _mm512_loadu_si512(xq), x1 = _mm512_loadu_si512(xq + 64);
-        const __m512i i0 = _mm512_loadu_si512(xc), i1 = _mm512_loadu_si512(xc + 16);
-        for (int r = 0; r < R; ++r)
-          isum[r][t] = scaled_pair(isum[r][t], _mm512_dpbusd_epi32(i0, w0[r], x0),
-                                   _mm512_dpbusd_epi32(i1, w1[r], x1), sv[r]);
+        const __m512i sv = _mm512_permutexvar_epi16(_mm512_load_si512(ix.q6[p]), sc);
+        isum[r] = scaled_pair(isum[r], _mm512_dpbusd_epi32(i0, w0, x0),
+                              _mm512_dpbusd_epi32(i1, w1, x1), sv);
       }
     }
-    for (int r = 0; r < R; ++r) {
-      uint16_t h;
-      std::memcpy(&h, w + r * row_bytes + sb * 210 + 208, 2);
-      const float d = _cvtsh_ss(h);
-      for (int t = 0; t < T; ++t)
-        acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r][t]),
-                                    _mm512_set1_ps(d * a.d_of(tok[t])[sb]), acc[r][t]);
-    }
+    const __m512i v = sum_fours(isum);   // chunk c, lane r: a quarter of row r's S
+    const __m512i t = _mm512_add_epi32(v, _mm512_shuffle_i32x4(v, v, _MM_SHUFFLE(2, 3, 0, 1)));
+    const __m512i u = _mm512_add_epi32(t, _mm512_shuffle_i32x4(t, t, _MM_SHUFFLE(1, 0, 3, 2)));
+    const __m128 d4 = halves4(dh);
+    acc = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm512_castsi512_si128(u)),
+                       _mm_mul_ps(d4, _mm_set1_ps(a.d_of(tok[0])[sb])), acc);
   }
-  for (int r = 0; r < R; ++r)
-    for (int t = 0; t < T; ++t) out[t * os + r] = _mm512_reduce_add_ps(acc[r][t]);
+  alignas(16) float o[4];
+  _mm_store_ps(o, acc);
+  for (int r = 0; r < R; ++r) out[r] = o[r];
+  (void)os;
 }
 
 #elif defined(MOEJAX_QDOT_AVX2)

@@ -142,6 +142,103 @@ inline void kpanel_rows_dot(const uint8_t* w, int64_t rows, int64_t row_bytes, c
   }
 }
 
+// A panel's Q6_K super-blocks: per super-block 64 zmm of codes 0..63 (zmm 4s + kk, lane i:
+// row i's elements 16s + 4kk .. + 3), 16 zmm of the sub-blocks' scales (int32), d (f32).
+struct K6Panel {
+  std::vector<__m512i> codes, sc;
+  std::vector<__m512> d;
+};
+
+inline void k6panel_pack(const uint8_t* w, int64_t row_bytes, int64_t nr, int64_t nsb, K6Panel& p) {
+  const uint8_t* rp[kPanel];
+  panel_rows(w, row_bytes, nr, rp);
+  p.codes.resize(nsb * 64);
+  p.sc.resize(nsb * 16);
+  p.d.resize(nsb);
+  alignas(64) uint8_t nat[kPanel][256];   // each row's 256 codes in order
+  const uint8_t* np[kPanel];
+  for (int i = 0; i < kPanel; ++i) np[i] = nat[i];
+  for (int64_t sb = 0; sb < nsb; ++sb) {
+    const int64_t at = sb * 210;
+    alignas(64) uint16_t dh[kPanel];
+    alignas(64) int32_t sc[16][kPanel];
+    for (int i = 0; i < kPanel; ++i) {
+      const uint8_t* blk = rp[i] + at;
+      for (int h = 0; h < 2; ++h)
+        for (int ch = 0; ch < 2; ++ch)
+          _mm512_store_si512(nat[i] + 128 * h + 64 * ch, q6k_codes(blk + 64 * h, blk + 128 + 32 * h, ch));
+      for (int j = 0; j < 16; ++j) sc[j][i] = static_cast<int8_t>(blk[192 + j]);
+      std::memcpy(&dh[i], blk + 208, 2);
+    }
+    p.d[sb] = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(dh)));
+    for (int j = 0; j < 16; ++j) p.sc[sb * 16 + j] = _mm512_load_si512(sc[j]);
+    __m512i* c = &p.codes[sb * 64];
+    for (int g = 0; g < 16; ++g) {
+      __m512i raw[4];
+      transpose16x4(np, 16 * g, raw);
+      for (int k = 0; k < 4; ++k) c[4 * g + k] = raw[k];
+    }
+  }
+}
+
+// Q6_K: per super-block and (row, token) S = sum_s sc_s * dot_s (dot_s: 16 products of
+// (q - 32) * x, from the offset's start, exact), then acc = fma(float(S), d * d_x, acc).
+template <int T>
+inline void k6panel_dot(const K6Panel& p, int64_t nsb, const QAct& a, const int64_t* tok,
+                        float* out, int64_t os, __mmask16 m) {
+  __m512 acc[T];
+  for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t sb = 0; sb < nsb; ++sb) {
+    __m512i s[T];
+    int32_t off[T][16];
+    for (int t = 0; t < T; ++t) {
+      s[t] = _mm512_setzero_si512();
+      const int32_t* cr = a.corr_of(tok[t]) + sb * 64;
+      for (int j = 0; j < 16; ++j) off[t][j] = cr[4 * j] + cr[4 * j + 1] + cr[4 * j + 2] + cr[4 * j + 3];
+    }
+    for (int j = 0; j < 16; ++j) {
+      const __m512i* c = &p.codes[sb * 64 + 4 * j];
+      const __m512i sc = p.sc[sb * 16 + j];
+      for (int t = 0; t < T; ++t) {
+        const int8_t* x = a.q_of(tok[t]) + sb * 256 + 16 * j;
+        __m512i dot = _mm512_set1_epi32(off[t][j]);
+        for (int kk = 0; kk < 4; ++kk) {
+          int32_t x4;
+          std::memcpy(&x4, x + 4 * kk, 4);
+          dot = _mm512_dpbusd_epi32(dot, c[kk], _mm512_set1_epi32(x4));
+        }
+        s[t] = _mm512_add_epi32(s[t], _mm512_mullo_epi32(dot, sc));
+      }
+    }
+    for (int t = 0; t < T; ++t)
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[t]),
+                               _mm512_mul_ps(p.d[sb], _mm512_set1_ps(a.d_of(tok[t])[sb])), acc[t]);
+  }
+  for (int t = 0; t < T; ++t) _mm512_mask_storeu_ps(out + t * os, m, acc[t]);
+}
+
+template <int T = kKPanelTokens>
+inline void k6panel_dot_nt(const K6Panel& p, int64_t nsb, const QAct& a, const int64_t* tok,
+                           int64_t nt, float* out, int64_t os, __mmask16 m) {
+  if constexpr (T == 1) k6panel_dot<1>(p, nsb, a, tok, out, os, m);
+  else if (nt == T) k6panel_dot<T>(p, nsb, a, tok, out, os, m);
+  else k6panel_dot_nt<T - 1>(p, nsb, a, tok, nt, out, os, m);
+}
+
+// out[t * os + r] = w[r] . x[tok[t]] for every Q6_K row and token, panel by panel.
+inline void k6panel_rows_dot(const uint8_t* w, int64_t rows, int64_t row_bytes, const QAct& a,
+                             const int64_t* tok, int64_t nt, float* out, int64_t os) {
+  thread_local K6Panel p;
+  const int64_t nsb = a.len / 256;
+  for (int64_t r = 0; r < rows; r += kPanel) {
+    const int64_t nr = std::min(kPanel, rows - r);
+    k6panel_pack(w + r * row_bytes, row_bytes, nr, nsb, p);
+    const __mmask16 m = static_cast<__mmask16>((1u << nr) - 1);
+    for (int64_t t = 0; t < nt; t += kKPanelTokens)
+      k6panel_dot_nt(p, nsb, a, tok + t, std::min(kKPanelTokens, nt - t), out + t * os + r, os, m);
+  }
+}
+
 }  // namespace moejax
 
 #endif

@@ -25,11 +25,11 @@ inline void qtile(const uint8_t* w, int64_t row_bytes, const QAct& a, const int6
   else tile_q6k<R, T>(w, row_bytes, a, tok, out, os);
 }
 
-// A prompt's tiles (AVX2; AVX-512's Q6_K): kQRows rows x up to kQTokens tokens, each
-// row's unpacked blocks used by 4 tokens and each token's codes by 4 rows (64 tokens x 256
-// rows of 2048 from L2 on one core, GFLOP/s 4 x 2 -> 4 x 4 tiles: AVX-512 Q6_K 126 -> 127;
-// AVX2 Q8_0 65 -> 71, Q4_0 65 -> 75, Q4_K 66 -> 88, Q6_K 51 -> 68). AVX-512's Q8_0, Q4_0
-// and Q4_K prompts go by panels of 16 rows instead (cpu_qpanel.h, cpu_kpanel.h). A decode
+// A prompt's tiles (AVX2): kQRows rows x up to kQTokens tokens, each row's unpacked blocks
+// used by 4 tokens and each token's codes by 4 rows (64 tokens x 256 rows of 2048 from L2
+// on one core, GFLOP/s 4 x 2 -> 4 x 4 tiles: Q8_0 65 -> 71, Q4_0 65 -> 75, Q4_K 66 -> 88,
+// Q6_K 51 -> 68). AVX-512's prompts go by panels of 16 rows instead (cpu_qpanel.h,
+// cpu_kpanel.h). A decode
 // token reads kQDecodeRows rows at once, the token's loads shared by 4 rows (2048 x 768
 // Q4_0 on one core 44 -> 33 us against one row at a time; Q6_K 1024 x 2048 from L2 0.067
 // -> 0.062 ms against 2 rows).
@@ -45,13 +45,13 @@ inline void qtile_nt(const uint8_t* w, int64_t row_bytes, const QAct& a, const i
 }
 
 #if defined(MOEJAX_QDOT_VNNI512)
-// AVX-512's Q8_0 / Q4_0 / Q4_K: a prompt by panels (cpu_qpanel.h, cpu_kpanel.h), fewer
-// tokens one by one.
+// AVX-512: a prompt by panels (cpu_qpanel.h, cpu_kpanel.h), fewer tokens one by one.
 template <int Q>
 inline void qrows_dot32(const uint8_t* w, int64_t rows, int64_t row_bytes, const QAct& a,
                         const int64_t* tok, int64_t nt, float* out, int64_t os) {
   if (nt >= kPanelMinTokens) {
     if constexpr (Q == kQ4_K) return kpanel_rows_dot(w, rows, row_bytes, a, tok, nt, out, os);
+    else if constexpr (Q == kQ6_K) return k6panel_rows_dot(w, rows, row_bytes, a, tok, nt, out, os);
     else return panel_rows_dot<Q>(w, rows, row_bytes, a, tok, nt, out, os);
   }
   for (int64_t t = 0; t < nt; ++t) {
@@ -74,7 +74,7 @@ constexpr bool kPanels = false;
 template <int Q>
 inline void qrows_dot_t(const uint8_t* w, int64_t rows, int64_t row_bytes, const QAct& a,
                         const int64_t* tok, int64_t nt, float* out, int64_t os) {
-  if constexpr (kPanels && (Q == kQ8_0 || Q == kQ4_0 || Q == kQ4_K)) {
+  if constexpr (kPanels) {
 #if defined(MOEJAX_QDOT_VNNI512)
     qrows_dot32<Q>(w, rows, row_bytes, a, tok, nt, out, os);
 #endif

@@ -216,3 +216,28 @@ def test_host_policy_copies_a_misaligned_store_and_says_how_to_avoid_it(tiny, ca
   err = capsys.readouterr().err
   assert "of the mapped expert store was copied into RAM" in err
   assert f"moejax-align-gguf --model_dir={tiny}" in err
+
+
+def test_the_plan_counts_the_copy_a_misaligned_file_makes(tiny, tmp_path):
+  """Every expert resident (or --policy=host) on a mapped GGUF off the 64-byte boundary
+  copies the experts into RAM: the printed plan counts them as anonymous memory and names
+  the fix; other policies (read-through) and an aligned file keep them in the page cache."""
+  from moejax.offload import memory
+  ok = str(tmp_path / "aligned.gguf")
+  gguf_align.align(tiny, out=ok)
+  assert gguf_align.copied_whole(tiny, "mmap", None)
+  assert gguf_align.copied_whole(tiny, "mmap", "host")
+  assert not gguf_align.copied_whole(tiny, "mmap", "quality")
+  assert not gguf_align.copied_whole(tiny, "numpy", None)
+  assert not gguf_align.copied_whole(ok, "mmap", None)
+  reader, _ = gguf_file.tensor_info(tiny)
+  cfg, nb = gguf_file.read_config(reader, tiny), gguf_file.nbytes(reader)
+  plan = lambda copied: memory.plan_memory(cfg, jnp.float32, store="mmap", offload=False,
+                                           kv_len=32, nbytes=nb, store_copied=copied)
+  mapped, copied = plan(False), plan(True)
+  assert copied.anon_bytes == mapped.anon_bytes + mapped.all_experts_bytes > 0
+  assert copied.page_cache_bytes == mapped.page_cache_bytes   # read once from the file
+  assert "moejax-align-gguf" in copied.lines()[0] and "moejax-align-gguf" not in mapped.lines()[0]
+  # the anonymous memory an all-resident load of the file really holds: the copy
+  _, _, store = load_model(tiny, mmap=True)
+  assert store_lib.unaligned_bytes(store) == mapped.all_experts_bytes

@@ -183,6 +183,7 @@ def main(_):
   from moejax.offload import memory
   from moejax.model.config import ModelConfig
   from moejax.io.tokenizer import ByteTokenizer, Tokenizer
+  from moejax.io.weights import gguf_align
   dtype = jnp.dtype(FLAGS.dtype)
   store_kind = FLAGS.store or "numpy"
   gguf, nbytes = folder is not None and folder.endswith(".gguf"), None
@@ -213,7 +214,9 @@ def main(_):
   plan = memory.plan_memory(cfg, dtype, store=store_kind, offload=FLAGS.policy is not None,
                             cache_fraction=cache_fraction(), cache_bytes=FLAGS.cache_bytes,
                             kv_len=seq, mxfp4=mxfp4, host_cache_gb=FLAGS.host_cache_gb,
-                            weights=FLAGS.weights, nbytes=nbytes)
+                            weights=FLAGS.weights, nbytes=nbytes,
+                            store_copied=gguf and gguf_align.copied_whole(folder, store_kind,
+                                                                          FLAGS.policy))
   if FLAGS.policy is not None:   # a bad --link or missing --prefetch files: before loading
     from moejax.offload.link import parse_link
     parse_link(link_spec(), expert_bytes=plan.expert_bytes, layer_compute_s=1e-3)

@@ -102,6 +102,7 @@ class MemoryPlan:
                              # both are held while it is made (the programs then free
                              # the loaded ones: generate, serve)
   host_cache_bytes: int = 0  # --host_cache_gb: the host staging tier, whole experts
+  store_copied: bool = False # a mapped store copied whole into RAM (a misaligned GGUF)
 
   @property
   def all_experts_bytes(self) -> int:
@@ -114,7 +115,9 @@ class MemoryPlan:
   @property
   def host_bytes(self) -> int:
     """Host RAM the expert store keeps (the dense parameters only pass through)."""
-    return self.host_cache_bytes if self.store == "mmap" else self.all_experts_bytes
+    if self.store == "mmap" and not self.store_copied:
+      return self.host_cache_bytes
+    return self.all_experts_bytes
 
   @property
   def device_bytes(self) -> int:
@@ -143,6 +146,10 @@ class MemoryPlan:
               f"{self.host_cache_bytes // self.expert_bytes} experts x {mb(self.expert_bytes)}, "
               f"admitted by frequency); the other experts are read from the checkpoint "
               f"({gb(self.all_experts_bytes)}) through the OS page cache")
+    elif self.store_copied:
+      host = (f"{gb(self.all_experts_bytes)} in RAM for every expert (--store=mmap, but the "
+              f"GGUF's data starts off jax's 64-byte boundary, so the mapped experts are "
+              f"copied; `moejax-align-gguf` aligns the file once)")
     elif self.store == "mmap":
       host = (f"0 B of experts kept in RAM (--store=mmap: the {gb(self.all_experts_bytes)} of "
               f"experts are read from the checkpoint through the OS page cache)")
@@ -193,7 +200,8 @@ def plan_memory(cfg: ModelConfig, dtype, *, store: str = "numpy", offload: bool 
                 cache_fraction: float | None = 0.25, cache_bytes: int | None = None,
                 kv_len: int = 4096, mxfp4: bool = False,
                 platform: str | None = None, host_cache_gb: float | None = None,
-                weights: str = "float", nbytes: tuple[int, int] | None = None) -> MemoryPlan:
+                weights: str = "float", nbytes: tuple[int, int] | None = None,
+                store_copied: bool = False) -> MemoryPlan:
   """The memory a run of `cfg` needs (see the module docstring); raises BudgetError for
   a budget the engine would refuse, with the same message.  platform: the backend
   (default: jax's first device's).  host_cache_gb: the host staging tier (`io.staging`;
@@ -201,7 +209,9 @@ def plan_memory(cfg: ModelConfig, dtype, *, store: str = "numpy", offload: bool 
   its prompt pass holds one expert at a time (the "prefill" bytes, on the CPU backend
   too).  weights: --weights (a block format: the linears' and experts' blocks counted,
   `io.weights.quantized`); nbytes: (dense bytes, one expert's bytes) as a file holds them
-  (a GGUF file: `gguf_file.nbytes`), instead of computed from `dtype` and `weights`."""
+  (a GGUF file: `gguf_file.nbytes`), instead of computed from `dtype` and `weights`.
+  store_copied: the mapped store is copied whole into RAM (`gguf_align.copied_whole`: a
+  GGUF off jax's 64-byte boundary, every expert resident or --policy=host)."""
   from moejax.io import staging
   from moejax.model.model import abstract_params, init_cache
   from moejax.cache import resident
@@ -246,7 +256,8 @@ def plan_memory(cfg: ModelConfig, dtype, *, store: str = "numpy", offload: bool 
                     num_moe_layers=n_moe, num_experts=cfg.num_experts, cache_slots=int(slots),
                     kv_len=kv_len, kv_bytes=tree_nbytes(kv), prefill_bytes=prefill,
                     platform=platform or jax.devices()[0].platform,
-                    host_cache_bytes=staged if host_cache_gb is not None else 0)
+                    host_cache_bytes=staged if host_cache_gb is not None else 0,
+                    store_copied=store_copied and store == "mmap")
 
 
 def available_ram() -> int | None:

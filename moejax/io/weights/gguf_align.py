@@ -36,6 +36,16 @@ def offset(path: str, to: int = ALIGN) -> int:
   return _reader(path).data_offset % to
 
 
+def copied_whole(path: str | None, store: str, policy: str | None) -> bool:
+  """Whether a run copies the GGUF at `path`'s experts whole into RAM (its memory plan
+  counts them, `offload.memory.plan_memory(store_copied=...)`): mapped (--store=mmap) off
+  the 64-byte boundary with every expert resident (no --policy) or --policy=host, which
+  hand the mapped store to the program. Other policies read each fetched expert from the
+  file (`io.staging.read_through`); other stores copy it anyway, as their plans say."""
+  return (path is not None and path.endswith(".gguf") and store == "mmap"
+          and policy in (None, "host") and offset(path) != 0)
+
+
 def _layout(path: str, to: int) -> tuple[int, int, bytes]:
   """(the end of the metadata, the number of keys, the pad key's bytes: b"" if aligned)."""
   r = _reader(path)

@@ -139,8 +139,8 @@ def test_expert_ffn_q_matches_the_reference(qgu, qdn, n, fused):
 def test_a_tokens_bits_are_the_same_alone_and_in_a_prompt(qtype):
   """Each token of a 41-, 42- and 43-token call equals, bit for bit, the same token alone
   (decode: 4-row tiles, 70 rows: a 2-row remainder), for the linear in f32 and bf16. The
-  prompt: AVX-512's panels of 16 rows (4, then one of 6 padded) and 8 tokens (then 1, 2
-  or 3); AVX2's tiles of 4 rows x 4 tokens, then a 1-, 2- or 3-token tile."""
+  prompt: AVX-512's panels of 16 rows (4, then one of 6 padded) and 8 tokens (K-quants 4),
+  then 1, 2 or 3; AVX2's tiles of 4 rows x 4 tokens, then a 1-, 2- or 3-token tile."""
   rng = np.random.default_rng(11)
   cols = 96 if BLOCK[qtype][0] == 32 else 512
   blocks = jnp.asarray(random_blocks(rng, qtype, 70, cols))
@@ -156,21 +156,21 @@ def test_a_tokens_bits_are_the_same_alone_and_in_a_prompt(qtype):
 @pytest.mark.parametrize("qtype", TYPES)
 @pytest.mark.parametrize("rows", [16, 17])
 def test_panel_edges_keep_the_bits_and_the_values(qtype, rows):
-  """A whole panel (16 rows) and one row more (a panel padded with 15 zero rows); 3
-  tokens (below the panels' 4: token by token), 4 (the fewest a panel takes) and 9 (8,
-  then 1): each token equals itself alone, bit for bit, and the reference within f32
-  rounding."""
+  """A whole panel (16 rows) and one row more (a panel padded with 15 zero rows); calls of
+  2 and 3 tokens (AVX-512: Q8_0 / Q4_0 panels from 2, the K-quants' tiles of 4 x 4 below
+  their panels), 5 (a tile of 4, then 1), 6 (Q6_K's first panel) and 10 (Q4_K's): each
+  token equals itself alone, bit for bit, and the reference within f32 rounding."""
   rng = np.random.default_rng(rows)
   cols = 96 if BLOCK[qtype][0] == 32 else 512
   raw = random_blocks(rng, qtype, rows, cols)
   blocks = jnp.asarray(raw)
   fn = jax.jit(cpu_quant.linear_q, static_argnums=2)
-  x = jnp.asarray(rng.normal(size=(9, cols)), jnp.float32)
-  alone = np.concatenate([np.asarray(fn(x[i:i + 1], blocks, qtype)) for i in range(9)])
+  x = jnp.asarray(rng.normal(size=(10, cols)), jnp.float32)
+  alone = np.concatenate([np.asarray(fn(x[i:i + 1], blocks, qtype)) for i in range(10)])
   _, rounded = ref_linear(f32(x), raw, qtype)
   scale = np.abs(f32(x)) @ np.abs(dequantize(raw, qtype)).T
   assert np.all(np.abs(alone - rounded) <= 1e-5 * scale + 1e-5 * np.abs(rounded))
-  for n in (3, 4, 9):
+  for n in (2, 3, 5, 6, 10):
     chex.assert_trees_all_equal(np.asarray(fn(x[:n], blocks, qtype)), alone[:n])
 
 

@@ -102,7 +102,8 @@ inline float hsum4(__m128 v) {
   return _mm_cvtss_f32(_mm_add_ss(p, _mm_movehdup_ps(p)));
 }
 
-// Q4_K, one token against R <= 4 rows: per super-block and row 4 vpdpbusd (64 codes each)
+// Q4_K, T <= 4 tokens against R <= 4 rows (a row's codes unpacked once for the tokens):
+// per super-block, row and token 4 vpdpbusd (64 codes each)
 // and 2 vpdpwssd by the sub-blocks' scales into 16 lanes whose sum is S = sum_j sc_j *
 // dot_j; the mins' M = sum_j m_j * bsum_j in 4. The 4 rows' lanes are added (exact), then
 // per super-block acc = fma(float(S), d * d_x, acc), accm = fma(float(M), dmin * d_x,
@@ -110,52 +111,60 @@ inline float hsum4(__m128 v) {
 template <int R, int T>
 inline void tile_q4k(const uint8_t* w, int64_t row_bytes, const QAct& a, const int64_t* tok,
                      float* out, int64_t os) {
-  static_assert(T == 1 && R <= 4, "AVX-512: one token, at most 4 rows (cpu_kpanel.h for more)");
+  static_assert(R <= 4 && T <= 4, "AVX-512: at most 4 rows x 4 tokens (cpu_kpanel.h for more)");
   const int64_t nsb = a.len / 256;
   const KIdx& ix = kidx();
   const __m512i nib = _mm512_set1_epi8(0x0f);
-  __m128 acc = _mm_setzero_ps(), accm = _mm_setzero_ps();
+  __m128 acc[T], accm[T];
+  for (int t = 0; t < T; ++t) acc[t] = accm[t] = _mm_setzero_ps();
   for (int64_t sb = 0; sb < nsb; ++sb) {
-    prefetch_next_rows<R, 1, 144>(w + sb * 144, row_bytes);
-    const int8_t* xq = a.q_of(tok[0]) + sb * 256;
-    const __m128i bs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a.bsum_of(tok[0]) + sb * 8));
-    __m512i isum[4];
-    __m128i mm[4];
+    prefetch_next_rows<R, T, 144>(w + sb * 144, row_bytes);
+    __m512i isum[4][T];
+    __m128i m16[4];
     uint16_t dh[4] = {0, 0, 0, 0}, mh[4] = {0, 0, 0, 0};
     for (int r = 0; r < 4; ++r) {
-      isum[r] = _mm512_setzero_si512();
-      mm[r] = _mm_setzero_si128();
+      for (int t = 0; t < T; ++t) isum[r][t] = _mm512_setzero_si512();
+      m16[r] = _mm_setzero_si128();
       if (r >= R) continue;
       const uint8_t* blk = w + r * row_bytes + sb * 144;
       std::memcpy(&dh[r], blk, 2);
       std::memcpy(&mh[r], blk + 2, 2);
       const __m128i scm = q4k_scales_v(blk + 4);   // scales (bytes 0-7), mins (8-15)
+      m16[r] = _mm_cvtepu8_epi16(_mm_srli_si128(scm, 8));
       for (int p = 0; p < 2; ++p) {   // chunks 2p (low nibbles), 2p + 1 (high) of 64 bytes
         const __m512i raw = _mm512_loadu_si512(blk + 16 + 64 * p);
         const __m512i w0 = _mm512_and_si512(raw, nib);
         const __m512i w1 = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nib);
         const __m512i sv = _mm512_permutexvar_epi16(_mm512_load_si512(ix.q4[p]),
                                                     _mm512_castsi128_si512(_mm_cvtepu8_epi16(scm)));
-        const __m512i x0 = _mm512_loadu_si512(xq + 128 * p), x1 = _mm512_loadu_si512(xq + 128 * p + 64);
-        isum[r] = scaled_pair(isum[r], _mm512_dpbusd_epi32(_mm512_setzero_si512(), w0, x0),
-                              _mm512_dpbusd_epi32(_mm512_setzero_si512(), w1, x1), sv);
+        for (int t = 0; t < T; ++t) {
+          const int8_t* xq = a.q_of(tok[t]) + sb * 256 + 128 * p;
+          const __m512i x0 = _mm512_loadu_si512(xq), x1 = _mm512_loadu_si512(xq + 64);
+          isum[r][t] = scaled_pair(isum[r][t], _mm512_dpbusd_epi32(_mm512_setzero_si512(), w0, x0),
+                                   _mm512_dpbusd_epi32(_mm512_setzero_si512(), w1, x1), sv);
+        }
       }
-      mm[r] = _mm_madd_epi16(_mm_cvtepu8_epi16(_mm_srli_si128(scm, 8)), bs);
     }
-    const __m512i v = sum_fours(isum);   // chunk c, lane r: a quarter of row r's S
-    const __m512i t = _mm512_add_epi32(v, _mm512_shuffle_i32x4(v, v, _MM_SHUFFLE(2, 3, 0, 1)));
-    const __m512i u = _mm512_add_epi32(t, _mm512_shuffle_i32x4(t, t, _MM_SHUFFLE(1, 0, 3, 2)));
-    const __m128i s4 = _mm512_castsi512_si128(u);
-    const __m128i m4 = _mm_hadd_epi32(_mm_hadd_epi32(mm[0], mm[1]), _mm_hadd_epi32(mm[2], mm[3]));
-    const __m128 dx = _mm_set1_ps(a.d_of(tok[0])[sb]);
     const __m128 d4 = halves4(dh), dm4 = halves4(mh);
-    acc = _mm_fmadd_ps(_mm_cvtepi32_ps(s4), _mm_mul_ps(d4, dx), acc);
-    accm = _mm_fmadd_ps(_mm_cvtepi32_ps(m4), _mm_mul_ps(dm4, dx), accm);
+    for (int t = 0; t < T; ++t) {
+      const __m512i rows[4] = {isum[0][t], isum[1][t], isum[2][t], isum[3][t]};
+      const __m512i v = sum_fours(rows);   // chunk c, lane r: a quarter of row r's S
+      const __m512i h = _mm512_add_epi32(v, _mm512_shuffle_i32x4(v, v, _MM_SHUFFLE(2, 3, 0, 1)));
+      const __m512i u = _mm512_add_epi32(h, _mm512_shuffle_i32x4(h, h, _MM_SHUFFLE(1, 0, 3, 2)));
+      const __m128i bs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a.bsum_of(tok[t]) + sb * 8));
+      const __m128i m4 = _mm_hadd_epi32(
+          _mm_hadd_epi32(_mm_madd_epi16(m16[0], bs), _mm_madd_epi16(m16[1], bs)),
+          _mm_hadd_epi32(_mm_madd_epi16(m16[2], bs), _mm_madd_epi16(m16[3], bs)));
+      const __m128 dx = _mm_set1_ps(a.d_of(tok[t])[sb]);
+      acc[t] = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm512_castsi512_si128(u)), _mm_mul_ps(d4, dx), acc[t]);
+      accm[t] = _mm_fmadd_ps(_mm_cvtepi32_ps(m4), _mm_mul_ps(dm4, dx), accm[t]);
+    }
   }
-  alignas(16) float o[4];
-  _mm_store_ps(o, _mm_sub_ps(acc, accm));
-  for (int r = 0; r < R; ++r) out[r] = o[r];
-  (void)os;
+  for (int t = 0; t < T; ++t) {
+    alignas(16) float o[4];
+    _mm_store_ps(o, _mm_sub_ps(acc[t], accm[t]));
+    for (int r = 0; r < R; ++r) out[t * os + r] = o[r];
+  }
 }
 
 // 64 of a Q6_K half's 128 codes: chunk 0 its elements 0-63, chunk 1 its elements 64-127.
@@ -171,7 +180,7 @@ inline __m512i q6k_codes(const uint8_t* ql, const uint8_t* qh, int chunk) {
                           _mm512_set1_epi8(0x3f));
 }
 
-// Q6_K, one token against R <= 4 rows: per super-block and row 4 vpdpbusd (64 codes each,
+// Q6_K, T <= 4 tokens against R <= 4 rows: per super-block, row and token 4 vpdpbusd (64 codes each,
 // from the offset's accumulator start QAct::corr) and 2 vpdpwssd by the sub-blocks' scales
 // into 16 lanes whose sum is S = sum_s sc_s * dot_s. The rows' lanes are added (exact),
 // then per super-block acc = fma(float(S), d * d_x, acc) in one lane a row: cpu_kpanel.h's
@@ -179,21 +188,19 @@ inline __m512i q6k_codes(const uint8_t* ql, const uint8_t* qh, int chunk) {
 template <int R, int T>
 inline void tile_q6k(const uint8_t* w, int64_t row_bytes, const QAct& a, const int64_t* tok,
                      float* out, int64_t os) {
-  static_assert(T == 1 && R <= 4, "AVX-512: one token, at most 4 rows (cpu_kpanel.h for more)");
+  static_assert(R <= 4 && T <= 4, "AVX-512: at most 4 rows x 4 tokens (cpu_kpanel.h for more)");
   const int64_t nsb = a.len / 256;
   const KIdx& ix = kidx();
-  __m128 acc = _mm_setzero_ps();
+  __m128 acc[T];
+  for (int t = 0; t < T; ++t) acc[t] = _mm_setzero_ps();
   for (int64_t sb = 0; sb < nsb; ++sb) {
-    prefetch_next_rows<R, 1, 210>(w + sb * 210, row_bytes);
-    __m512i isum[4];
+    prefetch_next_rows<R, T, 210>(w + sb * 210, row_bytes);
+    __m512i isum[4][T];
     uint16_t dh[4] = {0, 0, 0, 0};
-    for (int r = 0; r < 4; ++r) isum[r] = _mm512_setzero_si512();
+    for (int r = 0; r < 4; ++r)
+      for (int t = 0; t < T; ++t) isum[r][t] = _mm512_setzero_si512();
     for (int r = 0; r < R; ++r) std::memcpy(&dh[r], w + r * row_bytes + sb * 210 + 208, 2);
     for (int p = 0; p < 2; ++p) {   // half p: chunks 2p, 2p + 1
-      const int8_t* xq = a.q_of(tok[0]) + sb * 256 + 128 * p;
-      const int32_t* xc = a.corr_of(tok[0]) + sb * 64 + 32 * p;
-      const __m512i x0 = _mm512_loadu_si512(xq), x1 = _mm512_loadu_si512(xq + 64);
-      const __m512i i0 = _mm512_loadu_si512(xc), i1 = _mm512_loadu_si512(xc + 16);
       for (int r = 0; r < R; ++r) {
         const uint8_t* blk = w + r * row_bytes + sb * 210;
         const __m512i w0 = q6k_codes(blk + 64 * p, blk + 128 + 32 * p, 0);
@@ -201,21 +208,30 @@ inline void tile_q6k(const uint8_t* w, int64_t row_bytes, const QAct& a, const i
         const __m512i sc = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(
             _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192))));
         const __m512i sv = _mm512_permutexvar_epi16(_mm512_load_si512(ix.q6[p]), sc);
-        isum[r] = scaled_pair(isum[r], _mm512_dpbusd_epi32(i0, w0, x0),
-                              _mm512_dpbusd_epi32(i1, w1, x1), sv);
+        for (int t = 0; t < T; ++t) {
+          const int8_t* xq = a.q_of(tok[t]) + sb * 256 + 128 * p;
+          const int32_t* xc = a.corr_of(tok[t]) + sb * 64 + 32 * p;
+          isum[r][t] = scaled_pair(
+              isum[r][t], _mm512_dpbusd_epi32(_mm512_loadu_si512(xc), w0, _mm512_loadu_si512(xq)),
+              _mm512_dpbusd_epi32(_mm512_loadu_si512(xc + 16), w1, _mm512_loadu_si512(xq + 64)), sv);
+        }
       }
     }
-    const __m512i v = sum_fours(isum);   // chunk c, lane r: a quarter of row r's S
-    const __m512i t = _mm512_add_epi32(v, _mm512_shuffle_i32x4(v, v, _MM_SHUFFLE(2, 3, 0, 1)));
-    const __m512i u = _mm512_add_epi32(t, _mm512_shuffle_i32x4(t, t, _MM_SHUFFLE(1, 0, 3, 2)));
     const __m128 d4 = halves4(dh);
-    acc = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm512_castsi512_si128(u)),
-                       _mm_mul_ps(d4, _mm_set1_ps(a.d_of(tok[0])[sb])), acc);
+    for (int t = 0; t < T; ++t) {
+      const __m512i rows[4] = {isum[0][t], isum[1][t], isum[2][t], isum[3][t]};
+      const __m512i v = sum_fours(rows);   // chunk c, lane r: a quarter of row r's S
+      const __m512i h = _mm512_add_epi32(v, _mm512_shuffle_i32x4(v, v, _MM_SHUFFLE(2, 3, 0, 1)));
+      const __m512i u = _mm512_add_epi32(h, _mm512_shuffle_i32x4(h, h, _MM_SHUFFLE(1, 0, 3, 2)));
+      acc[t] = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm512_castsi512_si128(u)),
+                            _mm_mul_ps(d4, _mm_set1_ps(a.d_of(tok[t])[sb])), acc[t]);
+    }
   }
-  alignas(16) float o[4];
-  _mm_store_ps(o, acc);
-  for (int r = 0; r < R; ++r) out[r] = o[r];
-  (void)os;
+  for (int t = 0; t < T; ++t) {
+    alignas(16) float o[4];
+    _mm_store_ps(o, acc[t]);
+    for (int r = 0; r < R; ++r) out[t * os + r] = o[r];
+  }
 }
 
 #elif defined(MOEJAX_QDOT_AVX2)

@@ -26,13 +26,17 @@
 namespace moejax {
 
 constexpr int64_t kKPanelTokens = 4;   // tokens a step: 8 codes + 4 x (S, acc, accm, sum)
+// The fewest tokens a K-quant call takes by panels; fewer go by cpu_kdot.h's tiles of 4
+// rows x 4 tokens. A panel's repack (the scales unpacked row by row, 8 or 16 transposes a
+// super-block) costs about 8 tokens' dots: one core, 16384 rows of 2048, the tiles against
+// panels: Q4_K 3.60 / 3.79 ms at 8 tokens, 5.65 / 4.80 at 12; Q6_K 4.51 / 4.20 at 6.
+constexpr int64_t kQ4KPanelMinTokens = 10, kQ6KPanelMinTokens = 6;
 
 // A panel's Q4_K super-blocks: per super-block 64 zmm of codes 0..15 (zmm 8j + kk, lane i:
 // row i's elements 32j + 4kk .. + 3), 8 zmm of sub-block scales sc_j (int32), 4 zmm of
 // mins in word pairs (m_2p, m_2p+1), and the rows' d and dmin (f32).
 struct KPanel {
-  std::vector<__m512i> codes, sc, mins;
-  std::vector<__m512> d, dmin;
+  ZmmBuf codes, sc, mins, d, dmin;
 };
 
 inline void kpanel_pack(const uint8_t* w, int64_t row_bytes, int64_t nr, int64_t nsb, KPanel& p) {
@@ -56,12 +60,12 @@ inline void kpanel_pack(const uint8_t* w, int64_t row_bytes, int64_t nr, int64_t
       for (int j = 0; j < 8; ++j) sc[j][i] = s8[j];
       for (int q = 0; q < 4; ++q) mn[q][i] = m8[2 * q] | m8[2 * q + 1] << 16;
     }
-    p.d[sb] = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(dh)));
-    p.dmin[sb] = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(mh)));
-    for (int j = 0; j < 8; ++j) p.sc[sb * 8 + j] = _mm512_load_si512(sc[j]);
-    for (int q = 0; q < 4; ++q) p.mins[sb * 4 + q] = _mm512_load_si512(mn[q]);
+    p.d.f()[sb] = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(dh)));
+    p.dmin.f()[sb] = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(mh)));
+    for (int j = 0; j < 8; ++j) p.sc.i()[sb * 8 + j] = _mm512_load_si512(sc[j]);
+    for (int q = 0; q < 4; ++q) p.mins.i()[sb * 4 + q] = _mm512_load_si512(mn[q]);
     // qs dword m (m = 0..31): chunk c = m / 8 of 32 bytes, low nibbles sub-block 2c, high 2c + 1
-    __m512i* c = &p.codes[sb * 64];
+    __m512i* c = p.codes.i() + sb * 64;
     for (int g = 0; g < 8; ++g) {
       __m512i raw[4];
       transpose16x4(rp, at + 16 + 16 * g, raw);
@@ -92,8 +96,8 @@ inline void kpanel_dot(const KPanel& p, int64_t nsb, const QAct& a, const int64_
     __m512i s[T];
     for (int t = 0; t < T; ++t) s[t] = _mm512_setzero_si512();
     for (int j = 0; j < 8; ++j) {
-      const __m512i* c = &p.codes[sb * 64 + 8 * j];
-      const __m512i sc = p.sc[sb * 8 + j];
+      const __m512i* c = p.codes.i() + sb * 64 + 8 * j;
+      const __m512i sc = p.sc.i()[sb * 8 + j];
       for (int t = 0; t < T; ++t) {
         const int8_t* x = xq[t] + sb * 256 + 32 * q4k_slot(j);
         __m512i dot = _mm512_setzero_si512();
@@ -110,11 +114,11 @@ inline void kpanel_dot(const KPanel& p, int64_t nsb, const QAct& a, const int64_
       for (int q = 0; q < 4; ++q) {
         int32_t b2;
         std::memcpy(&b2, xs[t] + sb * 8 + 2 * q, 4);
-        mt = _mm512_dpwssd_epi32(mt, p.mins[sb * 4 + q], _mm512_set1_epi32(b2));
+        mt = _mm512_dpwssd_epi32(mt, p.mins.i()[sb * 4 + q], _mm512_set1_epi32(b2));
       }
       const __m512 dx = _mm512_set1_ps(xd[t][sb]);
-      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[t]), _mm512_mul_ps(p.d[sb], dx), acc[t]);
-      accm[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(mt), _mm512_mul_ps(p.dmin[sb], dx), accm[t]);
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[t]), _mm512_mul_ps(p.d.f()[sb], dx), acc[t]);
+      accm[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(mt), _mm512_mul_ps(p.dmin.f()[sb], dx), accm[t]);
     }
   }
   for (int t = 0; t < T; ++t) _mm512_mask_storeu_ps(out + t * os, m, _mm512_sub_ps(acc[t], accm[t]));
@@ -145,8 +149,7 @@ inline void kpanel_rows_dot(const uint8_t* w, int64_t rows, int64_t row_bytes, c
 // A panel's Q6_K super-blocks: per super-block 64 zmm of codes 0..63 (zmm 4s + kk, lane i:
 // row i's elements 16s + 4kk .. + 3), 16 zmm of the sub-blocks' scales (int32), d (f32).
 struct K6Panel {
-  std::vector<__m512i> codes, sc;
-  std::vector<__m512> d;
+  ZmmBuf codes, sc, d;
 };
 
 inline void k6panel_pack(const uint8_t* w, int64_t row_bytes, int64_t nr, int64_t nsb, K6Panel& p) {
@@ -170,9 +173,9 @@ inline void k6panel_pack(const uint8_t* w, int64_t row_bytes, int64_t nr, int64_
       for (int j = 0; j < 16; ++j) sc[j][i] = static_cast<int8_t>(blk[192 + j]);
       std::memcpy(&dh[i], blk + 208, 2);
     }
-    p.d[sb] = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(dh)));
-    for (int j = 0; j < 16; ++j) p.sc[sb * 16 + j] = _mm512_load_si512(sc[j]);
-    __m512i* c = &p.codes[sb * 64];
+    p.d.f()[sb] = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(dh)));
+    for (int j = 0; j < 16; ++j) p.sc.i()[sb * 16 + j] = _mm512_load_si512(sc[j]);
+    __m512i* c = p.codes.i() + sb * 64;
     for (int g = 0; g < 16; ++g) {
       __m512i raw[4];
       transpose16x4(np, 16 * g, raw);
@@ -197,8 +200,8 @@ inline void k6panel_dot(const K6Panel& p, int64_t nsb, const QAct& a, const int6
       for (int j = 0; j < 16; ++j) off[t][j] = cr[4 * j] + cr[4 * j + 1] + cr[4 * j + 2] + cr[4 * j + 3];
     }
     for (int j = 0; j < 16; ++j) {
-      const __m512i* c = &p.codes[sb * 64 + 4 * j];
-      const __m512i sc = p.sc[sb * 16 + j];
+      const __m512i* c = p.codes.i() + sb * 64 + 4 * j;
+      const __m512i sc = p.sc.i()[sb * 16 + j];
       for (int t = 0; t < T; ++t) {
         const int8_t* x = a.q_of(tok[t]) + sb * 256 + 16 * j;
         __m512i dot = _mm512_set1_epi32(off[t][j]);
@@ -212,7 +215,7 @@ inline void k6panel_dot(const K6Panel& p, int64_t nsb, const QAct& a, const int6
     }
     for (int t = 0; t < T; ++t)
       acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[t]),
-                               _mm512_mul_ps(p.d[sb], _mm512_set1_ps(a.d_of(tok[t])[sb])), acc[t]);
+                               _mm512_mul_ps(p.d.f()[sb], _mm512_set1_ps(a.d_of(tok[t])[sb])), acc[t]);
   }
   for (int t = 0; t < T; ++t) _mm512_mask_storeu_ps(out + t * os, m, acc[t]);
 }

@@ -19,7 +19,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include "cpu_qact.h"
@@ -28,13 +30,34 @@ namespace moejax {
 
 constexpr int64_t kPanel = 16;         // rows a panel, one a lane
 constexpr int64_t kPanelTokens = 8;    // tokens a step (8 accumulators, 8 sums)
-constexpr int64_t kPanelMinTokens = 4; // fewer tokens: the decode tile, token by token
+constexpr int64_t kPanelMinTokens = 2; // fewer (one): the decode tile
+
+// 64-byte aligned room for n zmm, grown as needed (a std::vector<__m512i> would drop the
+// vector type's attributes as a template argument, which GCC warns about).
+class ZmmBuf {
+ public:
+  void resize(size_t n) {
+    if (n <= n_) return;
+    p_.reset(static_cast<char*>(std::aligned_alloc(64, n * 64)));
+    n_ = n;
+  }
+  __m512i* i() { return reinterpret_cast<__m512i*>(p_.get()); }
+  const __m512i* i() const { return reinterpret_cast<const __m512i*>(p_.get()); }
+  __m512* f() { return reinterpret_cast<__m512*>(p_.get()); }
+  const __m512* f() const { return reinterpret_cast<const __m512*>(p_.get()); }
+
+ private:
+  struct Free {
+    void operator()(char* p) const { std::free(p); }
+  };
+  std::unique_ptr<char, Free> p_;
+  size_t n_ = 0;
+};
 
 // A panel's blocks: per block 8 zmm of unsigned codes (zmm k, lane i: row i's elements
 // 4k .. 4k + 3; Q4_0's 0..15 as stored, Q8_0's int8 + 128) and the 16 rows' scales (f32).
 struct QPanel {
-  std::vector<__m512i> codes;
-  std::vector<__m512> scales;
+  ZmmBuf codes, scales;
 };
 
 // The vpermt2d indices that pick lanes labelled `want` out of two zmm labelled `a`, `b`
@@ -144,8 +167,8 @@ inline void panel_pack(const uint8_t* w, int64_t row_bytes, int64_t nr, int64_t 
     const int64_t at = b * kBytes;
     alignas(32) uint16_t h[kPanel];
     for (int i = 0; i < kPanel; ++i) std::memcpy(&h[i], rp[i] + at, 2);
-    p.scales[b] = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(h)));
-    __m512i* c = &p.codes[8 * b];
+    p.scales.f()[b] = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(h)));
+    __m512i* c = p.codes.i() + 8 * b;
     if constexpr (Q == kQ4_0) {
       __m512i raw[4];
       transpose16x4(rp, at + 2, raw);
@@ -196,8 +219,8 @@ inline void panel_dot(const QPanel& p, int64_t nb, const QAct& a, const int64_t*
   __m512 acc[T];
   for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    const __m512i* c = &p.codes[8 * b];
-    const __m512 dw = p.scales[b];
+    const __m512i* c = p.codes.i() + 8 * b;
+    const __m512 dw = p.scales.f()[b];
     for (int t = 0; t < T; ++t) {
       __m512i s = _mm512_set1_epi32(kOff * xs[t][b]);
       for (int k = 0; k < 8; ++k) {

@@ -1,7 +1,8 @@
 // qrows_dot on prompt-like shapes, one thread, weights from L2: a prompt call against
 // nt tokens, and the same rows token by token (decode), their bits compared.
 //   g++ -O3 -march=native -std=c++17 -I moejax/kernels qprobe.cc -o qprobe
-//   ./qprobe QTYPE ROWS COLS TOKENS REPS     (QTYPE 0 = Q8_0, 1 = Q4_0)
+//   ./qprobe QTYPE ROWS COLS TOKENS REPS     (QTYPE 0 = Q8_0, 1 = Q4_0, 2 = Q4_K, 3 = Q6_K)
+// (the K-quants' f16 scales set small, so that random codes stay finite)
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -17,7 +18,9 @@ int main(int argc, char** argv) {
   std::vector<uint8_t> w(rows * rb);
   for (auto& b : w) b = g() & 255;
   for (int64_t r = 0; r < rows; ++r) for (int64_t b = 0; b < nb; ++b) {
-    if (q <= 1) { _Float16 h = (_Float16)(0.01f + (g() % 100) * 1e-4f); memcpy(&w[r*rb + b*bs], &h, 2); }
+    if (q <= 2) { _Float16 h = (_Float16)(0.01f + (g() % 100) * 1e-4f); memcpy(&w[r*rb + b*bs], &h, 2); }
+    if (q == 2) { _Float16 h = (_Float16)(0.001f + (g() % 100) * 1e-5f); memcpy(&w[r*rb + b*bs + 2], &h, 2); }
+    if (q == 3) { _Float16 h = (_Float16)(0.001f + (g() % 100) * 1e-5f); memcpy(&w[r*rb + b*bs + 208], &h, 2); }
   }
   QAct a; qact_reset(a, q, nt, cols);
   std::normal_distribution<float> nd;

@@ -124,27 +124,18 @@ inline void kpanel_dot(const KPanel& p, int64_t nsb, const QAct& a, const int64_
   for (int t = 0; t < T; ++t) _mm512_mask_storeu_ps(out + t * os, m, _mm512_sub_ps(acc[t], accm[t]));
 }
 
-template <int T = kKPanelTokens>
-inline void kpanel_dot_nt(const KPanel& p, int64_t nsb, const QAct& a, const int64_t* tok,
-                          int64_t nt, float* out, int64_t os, __mmask16 m) {
-  if constexpr (T == 1) kpanel_dot<1>(p, nsb, a, tok, out, os, m);
-  else if (nt == T) kpanel_dot<T>(p, nsb, a, tok, out, os, m);
-  else kpanel_dot_nt<T - 1>(p, nsb, a, tok, nt, out, os, m);
-}
-
-// out[t * os + r] = w[r] . x[tok[t]] for every Q4_K row and token, panel by panel.
-inline void kpanel_rows_dot(const uint8_t* w, int64_t rows, int64_t row_bytes, const QAct& a,
-                            const int64_t* tok, int64_t nt, float* out, int64_t os) {
-  thread_local KPanel p;
-  const int64_t nsb = a.len / 256;
-  for (int64_t r = 0; r < rows; r += kPanel) {
-    const int64_t nr = std::min(kPanel, rows - r);
-    kpanel_pack(w + r * row_bytes, row_bytes, nr, nsb, p);
-    const __mmask16 m = static_cast<__mmask16>((1u << nr) - 1);
-    for (int64_t t = 0; t < nt; t += kKPanelTokens)
-      kpanel_dot_nt(p, nsb, a, tok + t, std::min(kKPanelTokens, nt - t), out + t * os + r, os, m);
+struct PanelQ4K {
+  using Panel = KPanel;
+  static constexpr int64_t kTokens = kKPanelTokens, kBlock = 256;
+  static void pack(const uint8_t* w, int64_t row_bytes, int64_t nr, int64_t n, Panel& p) {
+    kpanel_pack(w, row_bytes, nr, n, p);
   }
-}
+  template <int T>
+  static void dot(const Panel& p, int64_t n, const QAct& a, const int64_t* tok, float* out,
+                  int64_t os, __mmask16 m) {
+    kpanel_dot<T>(p, n, a, tok, out, os, m);
+  }
+};
 
 // A panel's Q6_K super-blocks: per super-block 64 zmm of codes 0..63 (zmm 4s + kk, lane i:
 // row i's elements 16s + 4kk .. + 3), 16 zmm of the sub-blocks' scales (int32), d (f32).
@@ -220,27 +211,18 @@ inline void k6panel_dot(const K6Panel& p, int64_t nsb, const QAct& a, const int6
   for (int t = 0; t < T; ++t) _mm512_mask_storeu_ps(out + t * os, m, acc[t]);
 }
 
-template <int T = kKPanelTokens>
-inline void k6panel_dot_nt(const K6Panel& p, int64_t nsb, const QAct& a, const int64_t* tok,
-                           int64_t nt, float* out, int64_t os, __mmask16 m) {
-  if constexpr (T == 1) k6panel_dot<1>(p, nsb, a, tok, out, os, m);
-  else if (nt == T) k6panel_dot<T>(p, nsb, a, tok, out, os, m);
-  else k6panel_dot_nt<T - 1>(p, nsb, a, tok, nt, out, os, m);
-}
-
-// out[t * os + r] = w[r] . x[tok[t]] for every Q6_K row and token, panel by panel.
-inline void k6panel_rows_dot(const uint8_t* w, int64_t rows, int64_t row_bytes, const QAct& a,
-                             const int64_t* tok, int64_t nt, float* out, int64_t os) {
-  thread_local K6Panel p;
-  const int64_t nsb = a.len / 256;
-  for (int64_t r = 0; r < rows; r += kPanel) {
-    const int64_t nr = std::min(kPanel, rows - r);
-    k6panel_pack(w + r * row_bytes, row_bytes, nr, nsb, p);
-    const __mmask16 m = static_cast<__mmask16>((1u << nr) - 1);
-    for (int64_t t = 0; t < nt; t += kKPanelTokens)
-      k6panel_dot_nt(p, nsb, a, tok + t, std::min(kKPanelTokens, nt - t), out + t * os + r, os, m);
+struct PanelQ6K {
+  using Panel = K6Panel;
+  static constexpr int64_t kTokens = kKPanelTokens, kBlock = 256;
+  static void pack(const uint8_t* w, int64_t row_bytes, int64_t nr, int64_t n, Panel& p) {
+    k6panel_pack(w, row_bytes, nr, n, p);
   }
-}
+  template <int T>
+  static void dot(const Panel& p, int64_t n, const QAct& a, const int64_t* tok, float* out,
+                  int64_t os, __mmask16 m) {
+    k6panel_dot<T>(p, n, a, tok, out, os, m);
+  }
+};
 
 }  // namespace moejax
 

@@ -235,26 +235,44 @@ inline void panel_dot(const QPanel& p, int64_t nb, const QAct& a, const int64_t*
   for (int t = 0; t < T; ++t) _mm512_mask_storeu_ps(out + t * os, m, acc[t]);
 }
 
-template <int Q, int T = kPanelTokens>
-inline void panel_dot_nt(const QPanel& p, int64_t nb, const QAct& a, const int64_t* tok,
-                         int64_t nt, float* out, int64_t os, __mmask16 m) {
-  if constexpr (T == 1) panel_dot<Q, 1>(p, nb, a, tok, out, os, m);
-  else if (nt == T) panel_dot<Q, T>(p, nb, a, tok, out, os, m);
-  else panel_dot_nt<Q, T - 1>(p, nb, a, tok, nt, out, os, m);
+// A panel kind: its Panel, pack(w, row_bytes, nr, n, p) of nr <= 16 rows, dot<T>(p, n, a,
+// tok, out, os, m) of T <= kTokens tokens, n = a row's blocks of kBlock elements.
+template <int Q>
+struct Panel32 {
+  using Panel = QPanel;
+  static constexpr int64_t kTokens = kPanelTokens, kBlock = 32;
+  static void pack(const uint8_t* w, int64_t row_bytes, int64_t nr, int64_t n, Panel& p) {
+    panel_pack<Q>(w, row_bytes, nr, n, p);
+  }
+  template <int T>
+  static void dot(const Panel& p, int64_t n, const QAct& a, const int64_t* tok, float* out,
+                  int64_t os, __mmask16 m) {
+    panel_dot<Q, T>(p, n, a, tok, out, os, m);
+  }
+};
+
+// nt <= Kind::kTokens tokens against a packed panel.
+template <typename Kind, int T = Kind::kTokens>
+inline void panel_dot_nt(const typename Kind::Panel& p, int64_t n, const QAct& a,
+                         const int64_t* tok, int64_t nt, float* out, int64_t os, __mmask16 m) {
+  if constexpr (T == 1) Kind::template dot<1>(p, n, a, tok, out, os, m);
+  else if (nt == T) Kind::template dot<T>(p, n, a, tok, out, os, m);
+  else panel_dot_nt<Kind, T - 1>(p, n, a, tok, nt, out, os, m);
 }
 
-// out[t * os + r] = w[r] . x[tok[t]] for every row and token, panel by panel.
-template <int Q>
+// out[t * os + r] = w[r] . x[tok[t]] for every row and token, panel by panel (every kind:
+// Panel32 here, cpu_kpanel.h's K-quants).
+template <typename Kind>
 inline void panel_rows_dot(const uint8_t* w, int64_t rows, int64_t row_bytes, const QAct& a,
                            const int64_t* tok, int64_t nt, float* out, int64_t os) {
-  thread_local QPanel p;
-  const int64_t nb = a.len / 32;
+  thread_local typename Kind::Panel p;
+  const int64_t n = a.len / Kind::kBlock;
   for (int64_t r = 0; r < rows; r += kPanel) {
     const int64_t nr = std::min(kPanel, rows - r);
-    panel_pack<Q>(w + r * row_bytes, row_bytes, nr, nb, p);
+    Kind::pack(w + r * row_bytes, row_bytes, nr, n, p);
     const __mmask16 m = static_cast<__mmask16>((1u << nr) - 1);
-    for (int64_t t = 0; t < nt; t += kPanelTokens)
-      panel_dot_nt<Q>(p, nb, a, tok + t, std::min(kPanelTokens, nt - t), out + t * os + r, os, m);
+    for (int64_t t = 0; t < nt; t += Kind::kTokens)
+      panel_dot_nt<Kind>(p, n, a, tok + t, std::min(Kind::kTokens, nt - t), out + t * os + r, os, m);
   }
 }
 

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "cpu_kdot.h"
 #include "cpu_kpanel.h"
@@ -54,9 +55,9 @@ inline void qrows_dot32(const uint8_t* w, int64_t rows, int64_t row_bytes, const
                         const int64_t* tok, int64_t nt, float* out, int64_t os) {
   constexpr bool kquant = Q == kQ4_K || Q == kQ6_K;
   if (nt >= (Q == kQ4_K ? kQ4KPanelMinTokens : Q == kQ6_K ? kQ6KPanelMinTokens : kPanelMinTokens)) {
-    if constexpr (Q == kQ4_K) return kpanel_rows_dot(w, rows, row_bytes, a, tok, nt, out, os);
-    else if constexpr (Q == kQ6_K) return k6panel_rows_dot(w, rows, row_bytes, a, tok, nt, out, os);
-    else return panel_rows_dot<Q>(w, rows, row_bytes, a, tok, nt, out, os);
+    using Kind = std::conditional_t<Q == kQ4_K, PanelQ4K,
+                                    std::conditional_t<Q == kQ6_K, PanelQ6K, Panel32<Q>>>;
+    return panel_rows_dot<Kind>(w, rows, row_bytes, a, tok, nt, out, os);
   }
   constexpr int64_t kT = kquant ? kQTokens : 1;
   for (int64_t t = 0; t < nt; t += kT) {
